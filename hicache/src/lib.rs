@@ -1,0 +1,2 @@
+//! Hierarchical cache: host pool, device backends, `HybridCacheController`, `HiRadixCache`
+//! (issue #4).

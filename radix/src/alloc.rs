@@ -1,0 +1,422 @@
+//! Allocators of the device pools: pages of the KV pool and rows of the request pool.
+//!
+//! Every page is in exactly one state: `Free` (in the allocator), `Tree` (owned by a tree node)
+//! or `Owned` (allocated to a request, a session or a caller, not yet given to the tree). The
+//! state byte per page is what makes double frees, frees of tree pages and inserts of free pages
+//! typed errors instead of silent corruption, and what the invariant checker audits.
+
+use crate::error::{CacheError, Result};
+use crate::types::{PageId, RowId};
+
+/// Ownership state of one device page.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[repr(u8)]
+pub enum PageState {
+    /// In the allocator's free list.
+    Free = 0,
+    /// Allocated to a request, a session or a caller.
+    Owned = 1,
+    /// Owned by a tree node.
+    Tree = 2,
+}
+
+/// Page allocator of one device pool: a LIFO free list plus one state byte per page.
+///
+/// `alloc` and `free` are all-or-nothing: on error nothing changed.
+#[derive(Debug, Clone)]
+pub struct PageAllocator {
+    free: Vec<PageId>,
+    state: Vec<PageState>,
+    tree_pages: usize,
+}
+
+impl PageAllocator {
+    /// A pool of `total` pages, all free. Pages are handed out in ascending order at first.
+    pub fn new(total: usize) -> Result<Self> {
+        if total == 0 || total > u32::MAX as usize {
+            return Err(CacheError::Config(format!(
+                "page pool size {total} must be in 1..=u32::MAX"
+            )));
+        }
+        Ok(PageAllocator {
+            free: (0..total as u32).rev().map(PageId).collect(),
+            state: vec![PageState::Free; total],
+            tree_pages: 0,
+        })
+    }
+
+    /// Total pages in the pool.
+    pub fn total(&self) -> usize {
+        self.state.len()
+    }
+
+    /// Pages currently free.
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages currently owned by the tree.
+    pub fn tree_pages(&self) -> usize {
+        self.tree_pages
+    }
+
+    /// Pages allocated and not owned by the tree (requests, sessions, callers).
+    pub fn owned_pages(&self) -> usize {
+        self.total() - self.free.len() - self.tree_pages
+    }
+
+    /// State of `page`.
+    ///
+    /// # Errors
+    /// [`CacheError::PageOutOfRange`] for a page outside the pool.
+    pub fn state(&self, page: PageId) -> Result<PageState> {
+        self.state
+            .get(page.index())
+            .copied()
+            .ok_or(CacheError::PageOutOfRange(page))
+    }
+
+    /// Appends `n` freshly allocated pages to `out`.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfPages`] when fewer than `n` pages are free; nothing is allocated then.
+    pub fn alloc_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
+        if n > self.free.len() {
+            return Err(CacheError::OutOfPages {
+                needed: n,
+                available: self.free.len(),
+            });
+        }
+        let start = self.free.len() - n;
+        // The free list is a stack; take its top in pop order so fresh pools hand out ascending ids.
+        for &p in self.free[start..].iter().rev() {
+            self.state[p.index()] = PageState::Owned;
+            out.push(p);
+        }
+        self.free.truncate(start);
+        Ok(())
+    }
+
+    /// Allocates `n` pages.
+    ///
+    /// # Errors
+    /// See [`PageAllocator::alloc_into`].
+    pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>> {
+        let mut v = Vec::with_capacity(n);
+        self.alloc_into(n, &mut v)?;
+        Ok(v)
+    }
+
+    /// Returns owned pages to the free list.
+    ///
+    /// # Errors
+    /// [`CacheError::PageOutOfRange`] or [`CacheError::PageState`] (double free, a tree page, or a
+    /// page listed twice); nothing is freed then.
+    pub fn free(&mut self, pages: &[PageId]) -> Result<()> {
+        self.transition(
+            pages,
+            PageState::Owned,
+            PageState::Free,
+            "owned (double free?)",
+        )?;
+        self.free.extend_from_slice(pages);
+        Ok(())
+    }
+
+    /// Moves every page of `pages` from `from` to `to`, or none of them. A page listed twice is
+    /// caught because its second occurrence is already in state `to`.
+    fn transition(
+        &mut self,
+        pages: &[PageId],
+        from: PageState,
+        to: PageState,
+        expected: &'static str,
+    ) -> Result<()> {
+        for (i, &p) in pages.iter().enumerate() {
+            let ok = matches!(self.state.get(p.index()), Some(s) if *s == from);
+            if !ok {
+                for &q in &pages[..i] {
+                    self.state[q.index()] = from;
+                }
+                return Err(match self.state.get(p.index()) {
+                    None => CacheError::PageOutOfRange(p),
+                    Some(_) => CacheError::PageState { page: p, expected },
+                });
+            }
+            self.state[p.index()] = to;
+        }
+        Ok(())
+    }
+
+    /// Marks owned pages as tree-owned (the tree adopts them). All or nothing.
+    pub(crate) fn adopt_into_tree(&mut self, pages: &[PageId]) -> Result<()> {
+        self.transition(
+            pages,
+            PageState::Owned,
+            PageState::Tree,
+            "owned (only owned pages, each once, can enter the tree)",
+        )?;
+        self.tree_pages += pages.len();
+        Ok(())
+    }
+
+    /// Frees pages that the tree released (eviction, reset). Trusted internal path.
+    pub(crate) fn free_tree_pages(&mut self, pages: &[PageId]) {
+        for &p in pages {
+            debug_assert_eq!(self.state[p.index()], PageState::Tree, "{p:?}");
+            self.state[p.index()] = PageState::Free;
+        }
+        self.tree_pages -= pages.len();
+        self.free.extend_from_slice(pages);
+    }
+
+    /// Hands tree-owned pages back to a caller (a tiered cache demoting a node keeps nothing).
+    pub(crate) fn release_from_tree(&mut self, pages: &[PageId]) {
+        for &p in pages {
+            debug_assert_eq!(self.state[p.index()], PageState::Tree, "{p:?}");
+            self.state[p.index()] = PageState::Owned;
+        }
+        self.tree_pages -= pages.len();
+    }
+
+    /// Iterates over the free list (for invariant checks).
+    pub fn free_pages(&self) -> &[PageId] {
+        &self.free
+    }
+}
+
+/// Who holds a request-pool row.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum RowHolder {
+    /// A running (or waiting) request.
+    Request,
+    /// A streaming session between turns (its KV is "session held").
+    Session,
+}
+
+#[derive(Debug, Clone)]
+struct RowSlot {
+    generation: u32,
+    live: bool,
+    holder: RowHolder,
+    /// Page table: page `i` holds token positions `[i*P, (i+1)*P)`.
+    pages: Vec<PageId>,
+    /// Leading pages owned by the tree (the request holds a lock on them instead).
+    protected: usize,
+}
+
+/// The request-to-token pool: one row (a page table) per running request or held session.
+///
+/// A row records which of its leading pages belong to the tree (`protected`); the rest are owned
+/// by the holder. That split is what the invariant checker and the session accounting read.
+#[derive(Debug, Clone)]
+pub struct RowPool {
+    rows: Vec<RowSlot>,
+    free: Vec<u32>,
+    capacity: usize,
+    live: usize,
+}
+
+impl RowPool {
+    /// A pool of at most `capacity` rows.
+    pub fn new(capacity: usize) -> Result<Self> {
+        if capacity == 0 || capacity > u32::MAX as usize {
+            return Err(CacheError::Config(format!(
+                "row pool capacity {capacity} must be in 1..=u32::MAX"
+            )));
+        }
+        Ok(RowPool {
+            rows: Vec::new(),
+            free: Vec::new(),
+            capacity,
+            live: 0,
+        })
+    }
+
+    /// Maximum number of rows.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Rows in use.
+    pub fn live(&self) -> usize {
+        self.live
+    }
+
+    /// Rows still available.
+    pub fn available(&self) -> usize {
+        self.capacity - self.live
+    }
+
+    /// Allocates an empty row held by a request.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfRows`] when all rows are in use.
+    pub fn alloc(&mut self) -> Result<RowId> {
+        if self.live >= self.capacity {
+            return Err(CacheError::OutOfRows {
+                capacity: self.capacity,
+            });
+        }
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.rows.push(RowSlot {
+                    generation: 0,
+                    live: false,
+                    holder: RowHolder::Request,
+                    pages: Vec::new(),
+                    protected: 0,
+                });
+                (self.rows.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.rows[idx as usize];
+        slot.live = true;
+        slot.holder = RowHolder::Request;
+        slot.protected = 0;
+        debug_assert!(slot.pages.is_empty());
+        self.live += 1;
+        Ok(RowId {
+            idx,
+            generation: slot.generation,
+        })
+    }
+
+    fn slot(&self, id: RowId) -> Result<&RowSlot> {
+        match self.rows.get(id.index()) {
+            Some(s) if s.live && s.generation == id.generation => Ok(s),
+            _ => Err(CacheError::StaleRow(id)),
+        }
+    }
+
+    fn slot_mut(&mut self, id: RowId) -> Result<&mut RowSlot> {
+        match self.rows.get_mut(id.index()) {
+            Some(s) if s.live && s.generation == id.generation => Ok(s),
+            _ => Err(CacheError::StaleRow(id)),
+        }
+    }
+
+    /// The page table of `row`.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleRow`].
+    pub fn pages(&self, row: RowId) -> Result<&[PageId]> {
+        Ok(&self.slot(row)?.pages)
+    }
+
+    /// Number of leading tree-owned pages of `row`.
+    pub fn protected_pages(&self, row: RowId) -> Result<usize> {
+        Ok(self.slot(row)?.protected)
+    }
+
+    /// Who holds `row`.
+    pub fn holder(&self, row: RowId) -> Result<RowHolder> {
+        Ok(self.slot(row)?.holder)
+    }
+
+    /// Changes who holds `row` (sessions take rows over between turns and lend them back).
+    pub fn set_holder(&mut self, row: RowId, holder: RowHolder) -> Result<()> {
+        self.slot_mut(row)?.holder = holder;
+        Ok(())
+    }
+
+    /// Mutable access to the page table and its protected count (crate-internal: callers must
+    /// keep page states consistent).
+    pub(crate) fn parts_mut(&mut self, row: RowId) -> Result<(&mut Vec<PageId>, &mut usize)> {
+        let s = self.slot_mut(row)?;
+        Ok((&mut s.pages, &mut s.protected))
+    }
+
+    /// Releases a row whose owned pages were already freed. Its protected pages stay in the tree.
+    pub(crate) fn release(&mut self, row: RowId) -> Result<()> {
+        let s = self.slot_mut(row)?;
+        if s.pages.len() != s.protected {
+            return Err(CacheError::InvalidRequestState(
+                "row still owns pages; free them before releasing the row",
+            ));
+        }
+        s.pages.clear();
+        s.protected = 0;
+        s.live = false;
+        s.generation = s.generation.wrapping_add(1);
+        self.live -= 1;
+        self.free.push(row.idx);
+        Ok(())
+    }
+
+    /// Iterates over live rows: (id, holder, pages, protected).
+    pub fn iter(&self) -> impl Iterator<Item = (RowId, RowHolder, &[PageId], usize)> + '_ {
+        self.rows
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.live)
+            .map(|(i, s)| {
+                (
+                    RowId {
+                        idx: i as u32,
+                        generation: s.generation,
+                    },
+                    s.holder,
+                    s.pages.as_slice(),
+                    s.protected,
+                )
+            })
+    }
+}
+
+/// The device-side pools a cache manages: the KV page pool and the request pool.
+#[derive(Debug, Clone)]
+pub struct DevicePools {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// The KV page allocator.
+    pub pages: PageAllocator,
+    /// The request-to-token pool.
+    pub rows: RowPool,
+}
+
+impl DevicePools {
+    /// Pools of `total_pages` pages of `page_size` tokens and `max_rows` request rows.
+    pub fn new(page_size: usize, total_pages: usize, max_rows: usize) -> Result<Self> {
+        if page_size == 0 {
+            return Err(CacheError::Config("page size must be at least 1".into()));
+        }
+        Ok(DevicePools {
+            page_size,
+            pages: PageAllocator::new(total_pages)?,
+            rows: RowPool::new(max_rows)?,
+        })
+    }
+
+    /// Total token capacity of the KV pool.
+    pub fn total_tokens(&self) -> usize {
+        self.pages.total() * self.page_size
+    }
+
+    /// Pages owned by rows held by sessions and not currently lent (session-held KV).
+    pub fn session_held_pages(&self) -> usize {
+        self.rows
+            .iter()
+            .filter(|(_, h, _, _)| *h == RowHolder::Session)
+            .map(|(_, _, p, prot)| p.len() - prot)
+            .sum()
+    }
+
+    /// Frees the owned pages of `row` from page index `from` on (never below its protected
+    /// pages) and truncates the row there.
+    pub fn truncate_row(&mut self, row: RowId, from: usize) -> Result<()> {
+        let (pages, protected) = self.rows.parts_mut(row)?;
+        let from = from.max(*protected).min(pages.len());
+        self.pages.free(&pages[from..])?;
+        pages.truncate(from);
+        Ok(())
+    }
+
+    /// Frees every owned page of `row` and releases it. Its tree pages stay in the tree (the
+    /// caller releases the lock that protected them).
+    pub fn release_row(&mut self, row: RowId) -> Result<()> {
+        self.truncate_row(row, 0)?;
+        self.rows.release(row)
+    }
+}

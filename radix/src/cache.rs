@@ -1,0 +1,336 @@
+//! The [`PrefixCache`] trait every cache implements, and the request-side state it reads and
+//! writes ([`RequestKv`]).
+//!
+//! # One request's life
+//! 1. [`PrefixCache::match_request`]: longest cached prefix of the prompt (at most `len − 1`
+//!    tokens, so at least one token is recomputed to produce logits). Takes no lock.
+//! 2. [`PrefixCache::begin_request`]: locks the matched path, allocates the request-pool row
+//!    and installs the matched pages as the row's tree-owned prefix.
+//! 3. [`PrefixCache::alloc_tokens`] before each forward (evicting as needed), then
+//!    [`RequestKv::commit`] once the KV of those tokens is computed.
+//! 4. [`PrefixCache::cache_unfinished_req`] after every prefill chunk: the computed pages enter
+//!    the tree at once so concurrent requests can share them; duplicates are freed; the lock
+//!    moves to the new end.
+//! 5. [`PrefixCache::cache_finished_req`] on finish (insert, free the unaligned tail, unlock,
+//!    release the row), or with [`FinishKind::Aborted`] on abort and retract (no insert).
+
+use crate::alloc::DevicePools;
+use crate::error::{CacheError, InvariantViolation, Result};
+use crate::events::KvEvent;
+use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
+use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
+
+/// How a request ends.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FinishKind {
+    /// Finished normally: its KV is inserted into the cache.
+    Finished,
+    /// Aborted or retracted: its own KV is freed without inserting.
+    Aborted,
+}
+
+/// Result of [`PrefixCache::match_request`].
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestMatch {
+    /// Leading tokens whose KV is on device and will be reused.
+    pub prefix_len: usize,
+    /// Tokens after the device prefix that a tiered cache holds on the host.
+    pub host_hit_len: usize,
+    /// True when the prefix came from a session slot (no tree walk).
+    pub from_session: bool,
+}
+
+/// Result of [`PrefixCache::insert`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InsertResult {
+    /// Leading tokens that were already cached on device.
+    pub prefix_len: usize,
+    /// Tokens whose pages the cache adopted.
+    pub adopted_len: usize,
+    /// The caller's pages that duplicated pages already in the cache. They stay owned by the
+    /// caller, who must free them (or reuse them).
+    pub duplicates: Vec<PageId>,
+    /// The node that ends the inserted key.
+    pub last_node: NodeId,
+}
+
+/// Where every token of a device pool is, at page granularity.
+///
+/// `free + evictable + protected + session_held + request_owned == total` always holds.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolAccounting {
+    /// Pool capacity in tokens.
+    pub total: usize,
+    /// Tokens in free pages.
+    pub free: usize,
+    /// Tokens cached in unlocked tree nodes.
+    pub evictable: usize,
+    /// Tokens cached in locked tree nodes.
+    pub protected: usize,
+    /// Tokens held by idle sessions (not lent to a running request).
+    pub session_held: usize,
+    /// Tokens owned by requests (their uncached tails) and other callers.
+    pub request_owned: usize,
+}
+
+impl PoolAccounting {
+    /// True when the five parts add up to the total.
+    pub fn balanced(&self) -> bool {
+        self.free + self.evictable + self.protected + self.session_held + self.request_owned
+            == self.total
+    }
+}
+
+/// Session-related state a request carries (filled by the session layer).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct SessionTag {
+    /// The session id.
+    pub id: u64,
+    /// Streaming sessions keep their KV between turns.
+    pub streaming: bool,
+}
+
+/// The request-side KV state that caches read and write.
+///
+/// The scheduler owns one per request and passes it to every cache call. Fields are public for
+/// inspection; mutate them only through the cache and the methods here.
+#[derive(Debug, Default)]
+pub struct RequestKv {
+    /// Tokens so far (prompt, then prompt + outputs) and the namespace.
+    pub key: RadixKey,
+    /// Optional cap on the reusable prefix (e.g. a logprob start position).
+    pub max_prefix_len: Option<usize>,
+    /// Request priority (max-propagated along the path for the priority policy).
+    pub priority: i32,
+    /// The session this request belongs to, if any.
+    pub session: Option<SessionTag>,
+    /// The request-pool row (page table), from `begin_request` on.
+    pub row: Option<RowId>,
+    /// Device pages of the matched prefix (valid between match and begin).
+    pub prefix_pages: Vec<PageId>,
+    /// Tokens of the matched prefix.
+    pub prefix_len: usize,
+    /// Tokens a tiered cache holds on the host after the device prefix.
+    pub host_hit_len: usize,
+    /// Lock anchor from the match (`None`: nothing to lock, e.g. a session restore).
+    pub last_node: Option<NodeId>,
+    /// Load-back anchor from the match (tiered caches).
+    pub load_anchor: Option<NodeId>,
+    /// The lock the request holds on its cached prefix.
+    pub lock: Option<LockReceipt>,
+    /// Tokens whose KV is computed.
+    pub committed_len: usize,
+    /// Tokens with allocated KV slots (≥ committed; the excess is speculative or in flight).
+    pub allocated_len: usize,
+    /// Leading tokens owned by the tree (page-aligned); the rest of the row is the request's.
+    pub cache_protected_len: usize,
+    /// Mamba state slot (hybrid models; carried by sessions).
+    pub mamba_slot: Option<u32>,
+    /// Tokens before the sliding-window frontier whose SWA KV was released (hybrid models).
+    pub swa_evicted_len: usize,
+    /// True while the KV is lent by a session slot (the slot, not the request, owns it).
+    pub kv_lent: bool,
+}
+
+impl RequestKv {
+    /// A fresh request for `key`.
+    pub fn new(key: RadixKey) -> Self {
+        RequestKv {
+            key,
+            ..Default::default()
+        }
+    }
+
+    /// The longest prefix a match may use: `len − 1` (at least one token is recomputed for
+    /// logits), capped by `max_prefix_len`.
+    pub fn max_match_len(&self) -> usize {
+        let n = self.key.len().saturating_sub(1);
+        self.max_prefix_len.map_or(n, |cap| n.min(cap))
+    }
+
+    /// Appends generated tokens to the key.
+    pub fn append_tokens(&mut self, tokens: &[TokenId]) {
+        self.key.tokens.extend_from_slice(tokens);
+    }
+
+    /// Records that the KV of the next `n` tokens has been computed.
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidRequestState`] if that passes the allocated slots or the key.
+    pub fn commit(&mut self, n: usize) -> Result<()> {
+        let c = self.committed_len + n;
+        if c > self.allocated_len || c > self.key.len() {
+            return Err(CacheError::InvalidRequestState(
+                "commit past the allocated slots or the key",
+            ));
+        }
+        self.committed_len = c;
+        Ok(())
+    }
+
+    /// Forgets everything but the key and request attributes (after finish, abort or retract).
+    pub fn clear_kv_state(&mut self) {
+        self.row = None;
+        self.prefix_pages.clear();
+        self.prefix_len = 0;
+        self.host_hit_len = 0;
+        self.last_node = None;
+        self.load_anchor = None;
+        self.lock = None;
+        self.committed_len = 0;
+        self.allocated_len = 0;
+        self.cache_protected_len = 0;
+        self.mamba_slot = None;
+        self.swa_evicted_len = 0;
+        self.kv_lent = false;
+    }
+}
+
+/// A prefix cache over a paged device KV pool.
+///
+/// Implemented by `RadixCache` (device only), `SessionAwareCache` (a decorator that keeps
+/// streaming sessions' KV between turns) and `HiRadixCache` (device + host + storage tiers).
+/// No method panics on bad input: every misuse returns a [`CacheError`] and leaves the cache
+/// unchanged.
+pub trait PrefixCache {
+    /// Tokens per page.
+    fn page_size(&self) -> usize;
+    /// The device pools.
+    fn pools(&self) -> &DevicePools;
+    /// The device pools, mutably (allocate and free owned pages, rows).
+    fn pools_mut(&mut self) -> &mut DevicePools;
+
+    // ----- tree level -----
+
+    /// Longest cached page-aligned prefix of `key`; appends its device pages to `out`.
+    ///
+    /// # Errors
+    /// [`CacheError::EmptyKey`] for an empty key.
+    fn match_prefix(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<TreeMatch>;
+    /// Inserts `key` with the caller's owned `pages` (one per page of the key).
+    ///
+    /// # Errors
+    /// Empty, misaligned or mismatched input, or pages the caller does not own.
+    fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &[PageId],
+        opts: InsertOptions,
+    ) -> Result<InsertResult>;
+    /// Evicts unlocked leaves until `tokens` are freed or nothing is evictable; returns the
+    /// tokens freed.
+    fn evict(&mut self, tokens: usize) -> usize;
+    /// Locks the root path of `node`.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    fn inc_lock_ref(&mut self, node: NodeId) -> Result<LockReceipt>;
+    /// Releases a lock.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleReceipt`], [`CacheError::LockUnderflow`].
+    fn dec_lock_ref(&mut self, receipt: LockReceipt) -> Result<()>;
+    /// Cached tokens that eviction could free.
+    fn evictable_tokens(&self) -> usize;
+    /// Cached tokens under a lock.
+    fn protected_tokens(&self) -> usize;
+    /// Tokens held by idle sessions.
+    fn session_held_tokens(&self) -> usize {
+        0
+    }
+    /// Drains KV events.
+    fn take_events(&mut self) -> Vec<KvEvent>;
+    /// Drops every cached entry.
+    ///
+    /// # Errors
+    /// [`CacheError::Busy`] while locks or request rows are outstanding.
+    fn reset(&mut self) -> Result<()>;
+    /// Audits every invariant of the cache and its pools.
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    fn check_invariants(&self) -> std::result::Result<(), InvariantViolation>;
+
+    // ----- request level -----
+
+    /// Matches the request's key (under the `len − 1` rule) and records the result in `req`.
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidRequestState`] when the request already holds KV.
+    fn match_request(&mut self, req: &mut RequestKv) -> Result<RequestMatch>;
+    /// Locks the matched prefix, allocates the row and installs the prefix in it. Re-matches
+    /// first if the match went stale (its anchor was evicted meanwhile).
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfRows`] (nothing held then), [`CacheError::InvalidRequestState`].
+    fn begin_request(&mut self, req: &mut RequestKv) -> Result<()>;
+    /// Allocates slots for `n` more tokens, evicting if needed.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfPages`] (the request is unchanged), or a request without a row.
+    fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
+        let row = req.row.ok_or(CacheError::InvalidRequestState(
+            "alloc_tokens before begin_request",
+        ))?;
+        let p = self.page_size();
+        let have = self.pools().rows.pages(row)?.len();
+        let need = pages_for(req.allocated_len + n, p).saturating_sub(have);
+        if need > 0 {
+            let mut fresh = self.alloc_pages(need)?;
+            let (pages, _) = self.pools_mut().rows.parts_mut(row)?;
+            pages.append(&mut fresh);
+        }
+        req.allocated_len += n;
+        Ok(())
+    }
+    /// Inserts the computed, page-aligned part of a running request (after a prefill chunk).
+    ///
+    /// # Errors
+    /// A request without a row, or stale handles.
+    fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> Result<()>;
+    /// Ends a request: inserts its KV (unless aborted), frees what the cache does not keep,
+    /// releases its lock and row.
+    ///
+    /// # Errors
+    /// Stale handles; the request is cleared as far as possible.
+    fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()>;
+
+    // ----- pool level -----
+
+    /// Allocates `n` owned pages, evicting cached pages if needed.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfPages`] when not even eviction frees enough (nothing allocated).
+    fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
+        let free = self.pools().pages.available();
+        if free < n {
+            let p = self.page_size();
+            self.evict((n - free) * p);
+        }
+        self.pools_mut().pages.alloc(n)
+    }
+    /// Tokens available for new work: free plus evictable.
+    fn available_tokens(&self) -> usize {
+        self.pools().pages.available() * self.page_size() + self.evictable_tokens()
+    }
+    /// Where every token of the device pool is.
+    fn accounting(&self) -> PoolAccounting {
+        let pools = self.pools();
+        let p = pools.page_size;
+        let total = pools.pages.total() * p;
+        let free = pools.pages.available() * p;
+        let evictable = self.evictable_tokens();
+        let protected = self.protected_tokens();
+        let session_held = self.session_held_tokens();
+        PoolAccounting {
+            total,
+            free,
+            evictable,
+            protected,
+            session_held,
+            // Counted from the allocator's page states, independently of the tree's counters, so
+            // `balanced()` is a real cross-check.
+            request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Typed errors of the cache layer. Every bad input and exhausted resource reachable from the
+//! public API ends here; none of them leaves the cache changed.
+
+use crate::types::{NodeId, PageId, RowId};
+
+/// Errors returned by the allocators, the tree and every [`crate::PrefixCache`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CacheError {
+    /// A key that must hold at least one page was empty.
+    #[error("empty key")]
+    EmptyKey,
+    /// A key or length that must be page-aligned was not.
+    #[error("length {len} is not a multiple of the page size {page_size}")]
+    Misaligned {
+        /// The offending length.
+        len: usize,
+        /// The page size.
+        page_size: usize,
+    },
+    /// The number of pages does not cover the key.
+    #[error("{pages} pages given for {tokens} tokens at page size {page_size}")]
+    LengthMismatch {
+        /// Tokens in the key.
+        tokens: usize,
+        /// Pages supplied.
+        pages: usize,
+        /// The page size.
+        page_size: usize,
+    },
+    /// Not enough free pages, even after evicting everything evictable.
+    #[error("out of device pages: needed {needed}, available {available}")]
+    OutOfPages {
+        /// Pages requested.
+        needed: usize,
+        /// Pages that were free (after eviction).
+        available: usize,
+    },
+    /// No free request-pool row.
+    #[error("out of request-pool rows ({capacity} in use)")]
+    OutOfRows {
+        /// The row capacity.
+        capacity: usize,
+    },
+    /// A page index outside the pool.
+    #[error("page {0:?} is outside the pool")]
+    PageOutOfRange(PageId),
+    /// A page freed twice, or freed/inserted while not owned by the caller.
+    #[error("page {page:?} is not in the expected state ({expected})")]
+    PageState {
+        /// The page.
+        page: PageId,
+        /// What state the operation needed it in.
+        expected: &'static str,
+    },
+    /// A node handle that no longer names a live node.
+    #[error("stale node handle {0:?}")]
+    StaleNode(NodeId),
+    /// A row handle that no longer names a live row.
+    #[error("stale row handle {0:?}")]
+    StaleRow(RowId),
+    /// A lock receipt that does not belong to this cache, or whose anchor is gone.
+    #[error("lock receipt is stale or belongs to another cache")]
+    StaleReceipt,
+    /// A lock count would underflow: the receipt does not match the locks held on its path.
+    #[error("lock count underflow on node {0:?}")]
+    LockUnderflow(NodeId),
+    /// The operation needs an idle cache (no outstanding locks or request rows).
+    #[error("cache is busy: {0}")]
+    Busy(&'static str),
+    /// The request is not in a state that allows the operation.
+    #[error("invalid request state: {0}")]
+    InvalidRequestState(&'static str),
+    /// A session-level error (unknown session, non-extending prompt, ...).
+    #[error("session error: {0}")]
+    Session(String),
+    /// A configuration value is impossible.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// Shorthand result type.
+pub type Result<T, E = CacheError> = std::result::Result<T, E>;
+
+/// A violated internal invariant, found by `check_invariants`. Always a bug in radixkv (or a
+/// caller that bypassed the API); the message says which invariant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invariant violated: {0}")]
+pub struct InvariantViolation(pub String);
+
+/// Returns `Err(InvariantViolation)` with a formatted message when `cond` is false.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! ensure_inv {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err($crate::InvariantViolation(format!($($arg)+)));
+        }
+    };
+}

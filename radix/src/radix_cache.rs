@@ -1,0 +1,431 @@
+//! [`RadixCache`]: the device-only prefix cache over a [`RadixTree`] and the device pools.
+
+use crate::alloc::{DevicePools, PageState, RowHolder};
+use crate::cache::{FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch};
+use crate::ensure_inv;
+use crate::error::{CacheError, InvariantViolation, Result};
+use crate::events::KvEvent;
+use crate::policy::PolicyKind;
+use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
+use crate::types::{KeyRef, NodeId, PageId, align_down};
+
+/// Configuration of a [`RadixCache`].
+#[derive(Clone, Debug)]
+pub struct RadixConfig {
+    /// Tokens per page (1 allowed).
+    pub page_size: usize,
+    /// Pages in the device KV pool.
+    pub total_pages: usize,
+    /// Rows in the request pool (max concurrently running requests plus held sessions).
+    pub max_rows: usize,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+    /// Record KV events.
+    pub events: bool,
+    /// Disabled mode: nothing is shared or cached (a baseline for comparison).
+    pub disabled: bool,
+}
+
+impl Default for RadixConfig {
+    fn default() -> Self {
+        RadixConfig {
+            page_size: 16,
+            total_pages: 4096,
+            max_rows: 256,
+            policy: PolicyKind::Lru,
+            events: false,
+            disabled: false,
+        }
+    }
+}
+
+/// The device-only prefix cache.
+///
+/// Owns the tree and the device pools; frees released pages into the allocator at once.
+///
+/// ```
+/// use radixkv_radix::{FinishKind, PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv};
+///
+/// let mut cache = RadixCache::new(RadixConfig { page_size: 4, total_pages: 64, ..Default::default() })?;
+/// // First request: nothing cached.
+/// let mut a = RequestKv::new(RadixKey::new((0..10).collect()));
+/// assert_eq!(cache.match_request(&mut a)?.prefix_len, 0);
+/// cache.begin_request(&mut a)?;
+/// cache.alloc_tokens(&mut a, 10)?;
+/// a.commit(10)?;
+/// cache.cache_finished_req(&mut a, FinishKind::Finished)?;
+/// // Second request sharing the first 8 tokens reuses two pages.
+/// let mut b = RequestKv::new(RadixKey::new((0..12).collect()));
+/// assert_eq!(cache.match_request(&mut b)?.prefix_len, 8);
+/// # cache.check_invariants().unwrap();
+/// # Ok::<(), radixkv_radix::CacheError>(())
+/// ```
+#[derive(Debug)]
+pub struct RadixCache {
+    tree: RadixTree,
+    pools: DevicePools,
+    disabled: bool,
+    scratch: Vec<PageId>,
+}
+
+impl RadixCache {
+    /// A cache with fresh pools.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for a zero page size, pool or row count.
+    pub fn new(cfg: RadixConfig) -> Result<Self> {
+        let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
+        Ok(RadixCache {
+            tree: RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?,
+            pools,
+            disabled: cfg.disabled,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The tree (read-only).
+    pub fn tree(&self) -> &RadixTree {
+        &self.tree
+    }
+
+    /// The tree and the pools together, for tiered caches that extend this one.
+    pub fn parts_mut(&mut self) -> (&mut RadixTree, &mut DevicePools) {
+        (&mut self.tree, &mut self.pools)
+    }
+
+    /// True in disabled (no sharing) mode.
+    pub fn is_disabled(&self) -> bool {
+        self.disabled
+    }
+
+    /// Inserts with `pages[owned_from..]` owned by the caller and `pages[..owned_from]` already
+    /// the tree's. On return `pages` is canonical and the replaced duplicates are in
+    /// `self.scratch` (owned again).
+    fn insert_owned(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        owned_from: usize,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        self.pools.pages.adopt_into_tree(&pages[owned_from..])?;
+        self.scratch.clear();
+        match self.tree.insert(key, pages, &mut self.scratch, opts) {
+            Ok(r) => {
+                self.pools.pages.release_from_tree(&self.scratch);
+                Ok(r)
+            }
+            Err(e) => {
+                self.pools.pages.release_from_tree(&pages[owned_from..]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Inserts the first `len` tokens of the request (page-aligned) from its row, frees the
+    /// duplicates, and makes the row's first `len / P` pages canonical and protected.
+    fn insert_request_prefix(&mut self, req: &RequestKv, len: usize) -> Result<TreeInsert> {
+        let row = req
+            .row
+            .ok_or(CacheError::InvalidRequestState("request has no row"))?;
+        let p = self.pools.page_size;
+        let (pages, protected) = self.pools.rows.parts_mut(row)?;
+        let mut buf = std::mem::take(pages);
+        let owned_from = (*protected).min(len / p);
+        let res = self.insert_owned(
+            req.key.prefix(len),
+            &mut buf[..len / p],
+            owned_from,
+            InsertOptions {
+                priority: req.priority,
+                chunked: false,
+            },
+        );
+        let (pages, protected) = self.pools.rows.parts_mut(row)?;
+        *pages = buf;
+        let r = res?;
+        *protected = (*protected).max(len / p);
+        // Duplicates were owned by the row; they are owned by nobody now and go back.
+        let dups = std::mem::take(&mut self.scratch);
+        self.pools.pages.free(&dups)?;
+        self.scratch = dups;
+        Ok(r)
+    }
+}
+
+impl PrefixCache for RadixCache {
+    fn page_size(&self) -> usize {
+        self.pools.page_size
+    }
+
+    fn pools(&self) -> &DevicePools {
+        &self.pools
+    }
+
+    fn pools_mut(&mut self) -> &mut DevicePools {
+        &mut self.pools
+    }
+
+    fn match_prefix(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<TreeMatch> {
+        if key.is_empty() {
+            return Err(CacheError::EmptyKey);
+        }
+        if self.disabled {
+            let root = self.tree.root();
+            return Ok(TreeMatch {
+                device_len: 0,
+                host_len: 0,
+                last_device: root,
+                last_node: root,
+            });
+        }
+        Ok(self.tree.match_prefix(key, out))
+    }
+
+    fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &[PageId],
+        opts: InsertOptions,
+    ) -> Result<InsertResult> {
+        if self.disabled {
+            return Err(CacheError::InvalidRequestState("the cache is disabled"));
+        }
+        let mut buf = pages.to_vec();
+        let r = self.insert_owned(key, &mut buf, 0, opts)?;
+        Ok(InsertResult {
+            prefix_len: r.prefix_len,
+            adopted_len: r.adopted_len,
+            duplicates: std::mem::take(&mut self.scratch),
+            last_node: r.last_node,
+        })
+    }
+
+    fn evict(&mut self, tokens: usize) -> usize {
+        self.scratch.clear();
+        let n = self.tree.evict(tokens, &mut self.scratch);
+        self.pools.pages.free_tree_pages(&self.scratch);
+        n
+    }
+
+    fn inc_lock_ref(&mut self, node: NodeId) -> Result<LockReceipt> {
+        self.tree.inc_lock_ref(node)
+    }
+
+    fn dec_lock_ref(&mut self, receipt: LockReceipt) -> Result<()> {
+        self.tree.dec_lock_ref(receipt)
+    }
+
+    fn evictable_tokens(&self) -> usize {
+        self.tree.evictable_tokens()
+    }
+
+    fn protected_tokens(&self) -> usize {
+        self.tree.protected_tokens()
+    }
+
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.tree.take_events()
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        if self.pools.rows.iter().any(|(_, _, _, prot)| prot > 0) {
+            return Err(CacheError::Busy("request rows hold cached pages"));
+        }
+        self.scratch.clear();
+        self.tree.reset(&mut self.scratch)?;
+        self.pools.pages.free_tree_pages(&self.scratch);
+        Ok(())
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        self.tree.check()?;
+        let p = self.pools.page_size;
+        let pages = &self.pools.pages;
+        ensure_inv!(
+            self.tree.device_tokens() == pages.tree_pages() * p,
+            "tree holds {} device tokens but {} pages are tree-owned",
+            self.tree.device_tokens(),
+            pages.tree_pages()
+        );
+        // Every page is in exactly one place.
+        let mut seen = vec![0u8; pages.total()];
+        let mut err = None;
+        self.tree.for_each_device_page(|pg| {
+            let s = &mut seen[pg.index()];
+            if *s != 0 || pages.state(pg) != Ok(PageState::Tree) {
+                err.get_or_insert(pg);
+            }
+            *s = 1;
+        });
+        ensure_inv!(
+            err.is_none(),
+            "tree page {err:?} is listed twice or not tree-owned"
+        );
+        for &pg in pages.free_pages() {
+            let s = &mut seen[pg.index()];
+            ensure_inv!(
+                *s == 0 && pages.state(pg) == Ok(PageState::Free),
+                "free page {pg:?} is also elsewhere"
+            );
+            *s = 2;
+        }
+        for (row, _, row_pages, prot) in self.pools.rows.iter() {
+            ensure_inv!(
+                prot <= row_pages.len(),
+                "row {row:?}: protected {prot} > {} pages",
+                row_pages.len()
+            );
+            for (i, &pg) in row_pages.iter().enumerate() {
+                let st = pages.state(pg);
+                if i < prot {
+                    ensure_inv!(
+                        st == Ok(PageState::Tree),
+                        "row {row:?}: protected page {pg:?} is {st:?}"
+                    );
+                } else {
+                    ensure_inv!(
+                        st == Ok(PageState::Owned) && seen[pg.index()] == 0,
+                        "row {row:?}: owned page {pg:?} is {st:?} or in two rows"
+                    );
+                    seen[pg.index()] = 3;
+                }
+            }
+        }
+        ensure_inv!(
+            self.accounting().balanced(),
+            "pool accounting does not balance: {:?}",
+            self.accounting()
+        );
+        Ok(())
+    }
+
+    fn match_request(&mut self, req: &mut RequestKv) -> Result<RequestMatch> {
+        if req.row.is_some() || req.lock.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "match_request on a request that already holds KV",
+            ));
+        }
+        req.prefix_pages.clear();
+        let limit = align_down(req.max_match_len(), self.pools.page_size);
+        let m = if limit == 0 || self.disabled {
+            let root = self.tree.root();
+            TreeMatch {
+                device_len: 0,
+                host_len: 0,
+                last_device: root,
+                last_node: root,
+            }
+        } else {
+            self.tree
+                .match_prefix(req.key.prefix(limit), &mut req.prefix_pages)
+        };
+        req.prefix_len = m.device_len;
+        req.host_hit_len = m.host_len;
+        req.last_node = Some(m.last_device);
+        req.load_anchor = Some(m.last_node);
+        Ok(RequestMatch {
+            prefix_len: m.device_len,
+            host_hit_len: m.host_len,
+            from_session: false,
+        })
+    }
+
+    fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
+        if req.row.is_some() || req.lock.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "begin_request called twice",
+            ));
+        }
+        let anchor_ok = req.last_node.is_some_and(|n| {
+            self.tree.contains(n)
+                && (n == self.tree.root() || self.tree.device_pages(n).is_ok_and(|p| !p.is_empty()))
+        });
+        if !anchor_ok {
+            self.match_request(req)?;
+        }
+        let anchor = req.last_node.unwrap_or(self.tree.root());
+        let receipt = self.tree.inc_lock_ref(anchor)?;
+        let row = match self.pools.rows.alloc() {
+            Ok(r) => r,
+            Err(e) => {
+                self.tree.dec_lock_ref(receipt)?;
+                return Err(e);
+            }
+        };
+        let (pages, protected) = self.pools.rows.parts_mut(row)?;
+        pages.extend_from_slice(&req.prefix_pages);
+        *protected = req.prefix_pages.len();
+        req.row = Some(row);
+        req.lock = Some(receipt);
+        req.committed_len = req.prefix_len;
+        req.allocated_len = req.prefix_len;
+        req.cache_protected_len = req.prefix_len;
+        Ok(())
+    }
+
+    fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> Result<()> {
+        if req.row.is_none() {
+            return Err(CacheError::InvalidRequestState(
+                "cache_unfinished_req without a row",
+            ));
+        }
+        let aligned = align_down(req.committed_len, self.pools.page_size);
+        if self.disabled || aligned <= req.cache_protected_len {
+            return Ok(());
+        }
+        let r = self.insert_request_prefix(req, aligned)?;
+        // Lock the new end before releasing the old one so the shared path never becomes
+        // evictable in between.
+        let receipt = self.tree.inc_lock_ref(r.last_node)?;
+        if let Some(old) = req.lock.replace(receipt) {
+            self.tree.dec_lock_ref(old)?;
+        }
+        req.last_node = Some(r.last_node);
+        req.cache_protected_len = aligned;
+        req.prefix_len = aligned;
+        Ok(())
+    }
+
+    fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        let Some(row) = req.row else {
+            // Never began: nothing held but a possible stray lock.
+            if let Some(l) = req.lock.take() {
+                self.tree.dec_lock_ref(l)?;
+            }
+            req.clear_kv_state();
+            return Ok(());
+        };
+        let p = self.pools.page_size;
+        let aligned = align_down(req.committed_len, p);
+        let mut result = Ok(());
+        if kind == FinishKind::Finished && !self.disabled && aligned > 0 {
+            result = self.insert_request_prefix(req, aligned).map(|_| ());
+        }
+        // Free everything the row still owns (the unaligned tail, over-allocation, or all of it
+        // on abort), release the lock and the row.
+        let freed = self.pools.release_row(row);
+        let unlocked = match req.lock.take() {
+            Some(l) => self.tree.dec_lock_ref(l),
+            None => Ok(()),
+        };
+        req.clear_kv_state();
+        result.and(freed).and(unlocked)
+    }
+}
+
+impl RadixCache {
+    /// Matches `key` into a caller-provided buffer without the `len − 1` rule (hot path for
+    /// benchmarks and routers).
+    pub fn match_prefix_into(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {
+        self.tree.match_prefix(key, out)
+    }
+
+    /// Moves a request's row to the session holder (used by the session layer).
+    pub fn set_row_holder(&mut self, req: &RequestKv, holder: RowHolder) -> Result<()> {
+        let row = req
+            .row
+            .ok_or(CacheError::InvalidRequestState("request has no row"))?;
+        self.pools.rows.set_holder(row, holder)
+    }
+}

@@ -1,0 +1,328 @@
+use super::*;
+use crate::types::RadixKey;
+
+fn pages(range: std::ops::Range<u32>) -> Vec<PageId> {
+    range.map(PageId).collect()
+}
+
+fn tree(p: usize) -> RadixTree {
+    RadixTree::new(p, PolicyKind::Lru, true).unwrap()
+}
+
+fn ins(t: &mut RadixTree, toks: &[u32], pg: &mut [PageId]) -> (TreeInsert, Vec<PageId>) {
+    let mut rep = Vec::new();
+    let r = t
+        .insert(KeyRef::new(toks), pg, &mut rep, InsertOptions::default())
+        .unwrap();
+    t.check().unwrap();
+    (r, rep)
+}
+
+fn matched(t: &mut RadixTree, toks: &[u32]) -> (TreeMatch, Vec<PageId>) {
+    let mut out = Vec::new();
+    let m = t.match_prefix(KeyRef::new(toks), &mut out);
+    t.check().unwrap();
+    (m, out)
+}
+
+#[test]
+fn insert_then_match_whole_and_partial() {
+    let mut t = tree(2);
+    let mut pg = pages(0..4);
+    let (r, rep) = ins(&mut t, &[1, 2, 3, 4, 5, 6, 7, 8], &mut pg);
+    assert_eq!((r.prefix_len, r.adopted_len), (0, 8));
+    assert!(rep.is_empty());
+    assert_eq!(t.evictable_tokens(), 8);
+
+    let (m, out) = matched(&mut t, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(m.device_len, 8);
+    assert_eq!(out, pages(0..4));
+    // Partial match inside the edge splits at a page boundary.
+    let (m, out) = matched(&mut t, &[1, 2, 3, 4, 9, 9]);
+    assert_eq!(m.device_len, 4);
+    assert_eq!(out, pages(0..2));
+    assert_eq!(t.node_count(), 3);
+    // A mismatch inside the first page matches nothing.
+    let (m, out) = matched(&mut t, &[1, 9, 3, 4]);
+    assert_eq!(m.device_len, 0);
+    assert!(out.is_empty());
+    assert_eq!(m.last_device, t.root());
+    // The partial last page of a key is ignored.
+    let (m, _) = matched(&mut t, &[1, 2, 3]);
+    assert_eq!(m.device_len, 2);
+}
+
+#[test]
+fn duplicates_are_reported_and_canonicalised() {
+    let mut t = tree(2);
+    ins(&mut t, &[1, 2, 3, 4], &mut pages(0..2));
+    let mut pg = vec![PageId(10), PageId(11), PageId(12)];
+    let (r, rep) = ins(&mut t, &[1, 2, 3, 4, 5, 6], &mut pg);
+    assert_eq!(r.prefix_len, 4);
+    assert_eq!(r.adopted_len, 2);
+    assert_eq!(rep, vec![PageId(10), PageId(11)]);
+    assert_eq!(pg, vec![PageId(0), PageId(1), PageId(12)]);
+    assert_eq!(t.evictable_tokens(), 6);
+}
+
+#[test]
+fn bad_inserts_leave_the_tree_unchanged() {
+    let mut t = tree(2);
+    let mut rep = Vec::new();
+    let o = InsertOptions::default();
+    assert_eq!(
+        t.insert(KeyRef::new(&[]), &mut [], &mut rep, o),
+        Err(CacheError::EmptyKey)
+    );
+    assert!(matches!(
+        t.insert(KeyRef::new(&[1, 2, 3]), &mut pages(0..2), &mut rep, o),
+        Err(CacheError::Misaligned { .. })
+    ));
+    assert!(matches!(
+        t.insert(KeyRef::new(&[1, 2, 3, 4]), &mut pages(0..1), &mut rep, o),
+        Err(CacheError::LengthMismatch { .. })
+    ));
+    assert_eq!(t.node_count(), 1);
+    t.check().unwrap();
+}
+
+#[test]
+fn locks_protect_the_path_and_receipts_are_checked() {
+    let mut t = tree(1);
+    ins(&mut t, &[1, 2, 3], &mut pages(0..3));
+    ins(&mut t, &[1, 2, 4], &mut pages(3..6));
+    let (m, _) = matched(&mut t, &[1, 2, 3]);
+    let r = t.inc_lock_ref(m.last_device).unwrap();
+    t.check().unwrap();
+    assert_eq!(t.protected_tokens(), 3); // [1,2] and [3]
+    assert_eq!(t.evictable_tokens(), 1); // [4]
+    let mut out = Vec::new();
+    // Only the unlocked leaf can go.
+    assert_eq!(t.evict(100, &mut out), 1);
+    assert_eq!(out, vec![PageId(5)]);
+    t.check().unwrap();
+    t.dec_lock_ref(r).unwrap();
+    assert_eq!(t.protected_tokens(), 0);
+    assert_eq!(t.evict(100, &mut out), 3);
+    assert_eq!(t.node_count(), 1);
+    t.check().unwrap();
+}
+
+#[test]
+fn receipts_from_other_trees_or_after_reset_are_stale() {
+    let mut a = tree(1);
+    let mut b = tree(1);
+    ins(&mut a, &[1, 2], &mut pages(0..2));
+    let (m, _) = matched(&mut a, &[1, 2]);
+    let r = a.inc_lock_ref(m.last_device).unwrap();
+    assert_eq!(b.dec_lock_ref(r), Err(CacheError::StaleReceipt));
+    // The receipt was consumed by the failed call; the lock is still held by `a`.
+    assert_eq!(a.outstanding_locks(), 1);
+    let mut out = Vec::new();
+    assert!(matches!(a.reset(&mut out), Err(CacheError::Busy(_))));
+    a.check().unwrap();
+}
+
+#[test]
+fn stale_node_handles_are_errors() {
+    let mut t = tree(1);
+    ins(&mut t, &[1, 2], &mut pages(0..2));
+    let (m, _) = matched(&mut t, &[1, 2]);
+    let mut out = Vec::new();
+    t.evict(2, &mut out);
+    assert_eq!(
+        t.inc_lock_ref(m.last_device).unwrap_err(),
+        CacheError::StaleNode(m.last_device)
+    );
+    // A new node in the reused slot does not answer to the old handle.
+    ins(&mut t, &[7, 8], &mut pages(0..2));
+    assert!(!t.contains(m.last_device));
+}
+
+#[test]
+fn split_keeps_lock_anchor_valid() {
+    let mut t = tree(1);
+    ins(&mut t, &[1, 2, 3, 4], &mut pages(0..4));
+    let (m, _) = matched(&mut t, &[1, 2, 3, 4]);
+    let r = t.inc_lock_ref(m.last_device).unwrap();
+    // Split the locked edge from another request.
+    ins(&mut t, &[1, 2, 9], &mut pages(4..7));
+    assert_eq!(t.protected_tokens(), 4);
+    t.dec_lock_ref(r).unwrap();
+    assert_eq!(t.protected_tokens(), 0);
+    assert_eq!(t.evictable_tokens(), 5);
+}
+
+#[test]
+fn namespaces_never_share_nodes() {
+    let mut t = tree(1);
+    let a = Namespace::new("a");
+    let b = Namespace::new("b");
+    let mut rep = Vec::new();
+    t.insert(
+        KeyRef::with_namespace(&[1, 2, 3], &a),
+        &mut pages(0..3),
+        &mut rep,
+        InsertOptions::default(),
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    let m = t.match_prefix(KeyRef::with_namespace(&[1, 2, 3], &b), &mut out);
+    assert_eq!(m.device_len, 0);
+    let m = t.match_prefix(KeyRef::new(&[1, 2, 3]), &mut out);
+    assert_eq!(m.device_len, 0);
+    let m = t.match_prefix(KeyRef::with_namespace(&[1, 2, 3], &a), &mut out);
+    assert_eq!(m.device_len, 3);
+    // Same tokens in another namespace are a separate subtree.
+    t.insert(
+        KeyRef::with_namespace(&[1, 2, 3], &b),
+        &mut pages(3..6),
+        &mut rep,
+        InsertOptions::default(),
+    )
+    .unwrap();
+    assert!(rep.is_empty());
+    assert_eq!(t.evictable_tokens(), 6);
+    t.check().unwrap();
+    let _ = RadixKey::new(vec![]);
+}
+
+#[test]
+fn many_children_spill_to_a_map_and_evict_cleanly() {
+    let mut t = tree(2);
+    for i in 0..100u32 {
+        ins(&mut t, &[0, 0, i, i], &mut pages(i * 2..i * 2 + 2));
+    }
+    ins(&mut t, &[5, 5], &mut pages(300..301));
+    for i in (0..100u32).step_by(7) {
+        let (m, _) = matched(&mut t, &[0, 0, i, i]);
+        assert_eq!(m.device_len, 4, "{i}");
+    }
+    let mut out = Vec::new();
+    let n = t.evict(120, &mut out);
+    assert!(n >= 120);
+    t.check().unwrap();
+    t.evict(usize::MAX, &mut out);
+    assert_eq!(t.node_count(), 1);
+    // [0, 0] is shared: 1 + 100 leaves + [5, 5].
+    assert_eq!(out.len(), 102);
+    t.check().unwrap();
+}
+
+#[test]
+fn events_report_store_remove_and_clear() {
+    let mut t = tree(2);
+    ins(&mut t, &[1, 2, 3, 4], &mut pages(0..2));
+    ins(&mut t, &[1, 2, 3, 4, 5, 6], &mut pages(2..5));
+    let ev = t.take_events();
+    assert_eq!(ev.len(), 2);
+    let (
+        KvEvent::BlockStored {
+            page_hashes: h1,
+            parent_hash: None,
+            ..
+        },
+        KvEvent::BlockStored {
+            page_hashes: h2,
+            parent_hash: Some(ph),
+            token_ids,
+            ..
+        },
+    ) = (&ev[0], &ev[1])
+    else {
+        panic!("unexpected events {ev:?}");
+    };
+    assert_eq!(h1.len(), 2);
+    assert_eq!(*ph, h1[1]);
+    assert_eq!(h2.len(), 1);
+    assert_eq!(token_ids, &vec![5, 6]);
+    let mut out = Vec::new();
+    t.evict(2, &mut out);
+    assert_eq!(
+        t.take_events(),
+        vec![KvEvent::BlockRemoved {
+            page_hashes: h2.clone(),
+            medium: Medium::Device
+        }]
+    );
+    t.reset(&mut out).unwrap();
+    assert_eq!(t.take_events(), vec![KvEvent::AllCleared]);
+    assert!(t.take_events().is_empty());
+}
+
+#[test]
+fn split_preserves_event_hash_chain() {
+    let mut t = tree(1);
+    ins(&mut t, &[1, 2, 3], &mut pages(0..3));
+    let first = t.take_events();
+    let KvEvent::BlockStored {
+        page_hashes: full, ..
+    } = &first[0]
+    else {
+        panic!()
+    };
+    ins(&mut t, &[1, 2, 9], &mut pages(3..6));
+    let ev = t.take_events();
+    let KvEvent::BlockStored {
+        page_hashes,
+        parent_hash,
+        ..
+    } = &ev[0]
+    else {
+        panic!()
+    };
+    assert_eq!(*parent_hash, Some(full[1]));
+    assert_eq!(page_hashes.len(), 1);
+}
+
+#[test]
+fn priority_propagates_as_max() {
+    let mut t = RadixTree::new(1, PolicyKind::Priority, false).unwrap();
+    let mut rep = Vec::new();
+    t.insert(
+        KeyRef::new(&[1, 2]),
+        &mut pages(0..2),
+        &mut rep,
+        InsertOptions {
+            priority: 5,
+            chunked: false,
+        },
+    )
+    .unwrap();
+    t.insert(
+        KeyRef::new(&[3, 4]),
+        &mut pages(2..4),
+        &mut rep,
+        InsertOptions {
+            priority: 1,
+            chunked: false,
+        },
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    t.evict(1, &mut out);
+    assert_eq!(out, pages(2..4));
+}
+
+#[test]
+fn lru_evicts_least_recent_leaf_first() {
+    let mut t = tree(1);
+    ins(&mut t, &[1], &mut pages(0..1));
+    ins(&mut t, &[2], &mut pages(1..2));
+    ins(&mut t, &[3], &mut pages(2..3));
+    matched(&mut t, &[1]);
+    let mut out = Vec::new();
+    t.evict(2, &mut out);
+    assert_eq!(out, pages(1..3));
+}
+
+#[test]
+fn common_pages_rounds_down() {
+    assert_eq!(common_pages(&[1, 2, 3, 4], &[1, 2, 3, 5], 2), 2);
+    assert_eq!(common_pages(&[1, 2, 3, 4], &[1, 2, 3, 4, 5], 2), 4);
+    assert_eq!(common_pages(&[1; 40], &[1; 40], 1), 40);
+    let mut b = vec![1u32; 40];
+    b[33] = 0;
+    assert_eq!(common_pages(&[1; 40], &b, 1), 33);
+    assert_eq!(common_pages(&[1; 40], &b, 16), 32);
+}

@@ -1,0 +1,220 @@
+//! Plain value types shared by every layer: token ids, pages, rows, namespaces, keys, node handles.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// A token id as the tokenizer produces it.
+pub type TokenId = u32;
+
+/// Index of one page in the device KV pool. A page holds `page_size` consecutive token slots.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct PageId(pub u32);
+
+impl PageId {
+    /// The first KV slot of this page for a pool with `page_size` tokens per page.
+    #[inline]
+    pub fn first_slot(self, page_size: usize) -> u64 {
+        self.0 as u64 * page_size as u64
+    }
+
+    /// The page index as a `usize`.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Debug for PageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "p{}", self.0)
+    }
+}
+
+/// Handle to a request-pool row (the page table of one running request or session).
+///
+/// Rows are generation-checked: a handle kept after the row was released is reported as stale
+/// instead of naming whatever row reuses the index.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub struct RowId {
+    pub(crate) idx: u32,
+    pub(crate) generation: u32,
+}
+
+impl RowId {
+    /// The row index (stable while the row is alive).
+    pub fn index(self) -> usize {
+        self.idx as usize
+    }
+}
+
+/// Handle to a tree node. Generation-checked: never names a different node than the one it was
+/// issued for; a handle to a removed node is an error ([`crate::CacheError::StaleNode`]).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct NodeId {
+    pub(crate) idx: u32,
+    pub(crate) generation: u32,
+}
+
+impl NodeId {
+    /// Arena index of the node (for diagnostics and policy bookkeeping).
+    pub fn index(self) -> usize {
+        self.idx as usize
+    }
+}
+
+/// The isolation domain of a key: tenant, LoRA adapter or cache salt.
+///
+/// Keys in different namespaces never share a node, not even directly below the root, so no
+/// match ever crosses namespaces. The default namespace is allocation-free; named namespaces
+/// share one `Arc<str>` and compare by content.
+///
+/// Set the namespace server-side (from the authenticated tenant): a client-chosen salt lets an
+/// attacker name the victim's namespace.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Namespace(Option<Arc<str>>);
+
+impl Namespace {
+    /// The default (shared) namespace.
+    pub const DEFAULT: Namespace = Namespace(None);
+
+    /// A named namespace. The empty string is the default namespace.
+    pub fn new(name: &str) -> Self {
+        if name.is_empty() {
+            Self::DEFAULT
+        } else {
+            Namespace(Some(Arc::from(name)))
+        }
+    }
+
+    /// The namespace's name (`""` for the default one).
+    pub fn name(&self) -> &str {
+        self.0.as_deref().unwrap_or("")
+    }
+
+    /// True for the default namespace.
+    pub fn is_default(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+impl fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            None => f.write_str("ns:default"),
+            Some(s) => write!(f, "ns:{s:?}"),
+        }
+    }
+}
+
+impl From<&str> for Namespace {
+    fn from(s: &str) -> Self {
+        Namespace::new(s)
+    }
+}
+
+/// A token sequence in a namespace: what the tree is keyed by.
+#[derive(Clone, Default, PartialEq, Eq, Hash, Debug)]
+pub struct RadixKey {
+    /// The tokens.
+    pub tokens: Vec<TokenId>,
+    /// The isolation domain.
+    pub namespace: Namespace,
+}
+
+impl RadixKey {
+    /// A key in the default namespace.
+    pub fn new(tokens: Vec<TokenId>) -> Self {
+        RadixKey {
+            tokens,
+            namespace: Namespace::DEFAULT,
+        }
+    }
+
+    /// A key in `namespace`.
+    pub fn with_namespace(tokens: Vec<TokenId>, namespace: Namespace) -> Self {
+        RadixKey { tokens, namespace }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when the key has no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// A borrowed view of the whole key.
+    pub fn as_ref(&self) -> KeyRef<'_> {
+        KeyRef {
+            tokens: &self.tokens,
+            namespace: &self.namespace,
+        }
+    }
+
+    /// A borrowed view of the first `len` tokens (clamped to the key length). No copy.
+    pub fn prefix(&self, len: usize) -> KeyRef<'_> {
+        KeyRef {
+            tokens: &self.tokens[..len.min(self.tokens.len())],
+            namespace: &self.namespace,
+        }
+    }
+}
+
+/// A borrowed key: a token slice and its namespace. Cheap to pass around; no allocation.
+#[derive(Copy, Clone, Debug)]
+pub struct KeyRef<'a> {
+    /// The tokens.
+    pub tokens: &'a [TokenId],
+    /// The isolation domain.
+    pub namespace: &'a Namespace,
+}
+
+impl<'a> KeyRef<'a> {
+    /// A key in the default namespace.
+    pub fn new(tokens: &'a [TokenId]) -> Self {
+        KeyRef {
+            tokens,
+            namespace: &Namespace::DEFAULT,
+        }
+    }
+
+    /// A key in `namespace`.
+    pub fn with_namespace(tokens: &'a [TokenId], namespace: &'a Namespace) -> Self {
+        KeyRef { tokens, namespace }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when the key has no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// Where a copy of some KV lives. Used by events and by tiered caches.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum Medium {
+    /// The device KV pool (L1).
+    Device,
+    /// The host pool (L2).
+    Host,
+    /// An external storage tier (L3).
+    Storage,
+}
+
+/// Rounds `n` down to a multiple of `page_size`.
+#[inline]
+pub fn align_down(n: usize, page_size: usize) -> usize {
+    n - n % page_size
+}
+
+/// Number of pages needed to hold `n` tokens.
+#[inline]
+pub fn pages_for(n: usize, page_size: usize) -> usize {
+    n.div_ceil(page_size)
+}

@@ -1,0 +1,1 @@
+//! The scheduler facade `KvCacheManager` and the reference scheduler (issue #5).

@@ -1,0 +1,1 @@
+//! Cross-crate integration, model-based and end-to-end tests live in `tests/tests/`.
