@@ -179,6 +179,34 @@ impl PageAllocator {
         self.tree_pages -= pages.len();
     }
 
+    /// Marks owned pages as tree-owned, for tiered caches that hand pages to the tree through
+    /// the tier API (load-back). All or nothing.
+    ///
+    /// # Errors
+    /// [`CacheError::PageOutOfRange`] or [`CacheError::PageState`] when a page is not owned or
+    /// listed twice; nothing changes then.
+    pub fn mark_tree_owned(&mut self, pages: &[PageId]) -> Result<()> {
+        self.adopt_into_tree(pages)
+    }
+
+    /// Frees pages the tree released (a tiered cache's own eviction loop). Checked and all or
+    /// nothing, unlike the internal path.
+    ///
+    /// # Errors
+    /// [`CacheError::PageOutOfRange`] or [`CacheError::PageState`] when a page is not
+    /// tree-owned or listed twice; nothing changes then.
+    pub fn free_released_tree_pages(&mut self, pages: &[PageId]) -> Result<()> {
+        self.transition(
+            pages,
+            PageState::Tree,
+            PageState::Free,
+            "tree-owned (released by the tree)",
+        )?;
+        self.tree_pages -= pages.len();
+        self.free.extend_from_slice(pages);
+        Ok(())
+    }
+
     /// Iterates over the free list (for invariant checks).
     pub fn free_pages(&self) -> &[PageId] {
         &self.free

@@ -300,11 +300,21 @@ pub trait PrefixCache {
     /// Allocates `n` owned pages, evicting cached pages if needed.
     ///
     /// # Errors
-    /// [`CacheError::OutOfPages`] when not even eviction frees enough (nothing allocated).
+    /// [`CacheError::OutOfPages`] when not even eviction frees enough (nothing allocated and nothing
+    /// evicted then).
     fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
         let free = self.pools().pages.available();
         if free < n {
             let p = self.page_size();
+            // Fail before evicting: flushing cached prefixes for an allocation that fails anyway
+            // would change the cache on an error path. Tree nodes are page-aligned, so the
+            // evictable tokens are exactly the pages eviction can free.
+            if free + self.evictable_tokens() / p < n {
+                return Err(CacheError::OutOfPages {
+                    needed: n,
+                    available: free,
+                });
+            }
             self.evict((n - free) * p);
         }
         self.pools_mut().pages.alloc(n)

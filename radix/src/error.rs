@@ -32,7 +32,7 @@ pub enum CacheError {
     OutOfPages {
         /// Pages requested.
         needed: usize,
-        /// Pages that were free (after eviction).
+        /// Pages that could be made free (free plus evictable); nothing is evicted when short.
         available: usize,
     },
     /// No free request-pool row.

@@ -49,6 +49,7 @@ pub use error::{CacheError, InvariantViolation, Result};
 pub use events::KvEvent;
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
 pub use radix_cache::{RadixCache, RadixConfig};
+pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{
     KeyRef, Medium, Namespace, NodeId, PageId, RadixKey, RowId, TokenId, align_down, pages_for,

@@ -115,14 +115,12 @@ impl PolicyKind {
     /// A fresh policy instance.
     pub fn build(self) -> Box<dyn EvictionPolicy> {
         match self {
-            PolicyKind::Lru => Box::new(OrderedPolicy::new("lru", |m| (m.last_access, 0))),
+            PolicyKind::Lru => Box::new(RecencyList::new(false)),
             PolicyKind::Lfu => Box::new(OrderedPolicy::new("lfu", |m| {
                 (m.hit_count as u64, m.last_access)
             })),
             PolicyKind::Fifo => Box::new(OrderedPolicy::new("fifo", |m| (m.created, 0))),
-            PolicyKind::Mru => {
-                Box::new(OrderedPolicy::new("mru", |m| (u64::MAX - m.last_access, 0)))
-            }
+            PolicyKind::Mru => Box::new(RecencyList::new(true)),
             PolicyKind::Filo => Box::new(OrderedPolicy::new("filo", |m| (u64::MAX - m.created, 0))),
             PolicyKind::Priority => Box::new(OrderedPolicy::new("priority", |m| {
                 ((m.priority as i64 - i32::MIN as i64) as u64, m.last_access)
@@ -200,6 +198,162 @@ impl EvictionPolicy for OrderedPolicy {
 
     fn clear(&mut self) {
         self.set.clear();
+    }
+}
+
+const NO: u32 = u32::MAX;
+
+/// LRU (or MRU) as an intrusive doubly linked list ordered by `last_access`, threaded through
+/// arrays indexed by node index: insert, remove, touch and pop are `O(1)` and allocation-free
+/// in the common cases.
+///
+/// A touched leaf moves to the tail (its access tick is the newest). A node that becomes a leaf
+/// with an older access time (a parent whose last child was evicted, an unlocked path) is placed
+/// at its exact position by a search that starts from both ends at once, so it costs
+/// `O(min(distance from head, distance from tail))` — a handful of steps in practice, since
+/// such nodes are either among the oldest or among the newest.
+#[derive(Debug)]
+pub struct RecencyList {
+    most_recent_first: bool,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    tick: Vec<u64>,
+    generation: Vec<u32>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl RecencyList {
+    /// An empty list; `most_recent_first` makes it MRU.
+    pub fn new(most_recent_first: bool) -> Self {
+        RecencyList {
+            most_recent_first,
+            prev: Vec::new(),
+            next: Vec::new(),
+            tick: Vec::new(),
+            generation: Vec::new(),
+            head: NO,
+            tail: NO,
+            len: 0,
+        }
+    }
+
+    fn ensure(&mut self, i: usize) {
+        if i >= self.prev.len() {
+            let n = (i + 1).max(self.prev.len() * 2).max(64);
+            self.prev.resize(n, NO);
+            self.next.resize(n, NO);
+            self.tick.resize(n, 0);
+            self.generation.resize(n, 0);
+        }
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (p, n) = (self.prev[i as usize], self.next[i as usize]);
+        if p == NO {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NO {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.len -= 1;
+    }
+
+    /// Links `i` after `p` (`NO`: at the head).
+    fn link_after(&mut self, i: u32, p: u32) {
+        let n = if p == NO {
+            self.head
+        } else {
+            self.next[p as usize]
+        };
+        self.prev[i as usize] = p;
+        self.next[i as usize] = n;
+        if p == NO {
+            self.head = i;
+        } else {
+            self.next[p as usize] = i;
+        }
+        if n == NO {
+            self.tail = i;
+        } else {
+            self.prev[n as usize] = i;
+        }
+        self.len += 1;
+    }
+
+    /// Inserts `i` with access tick `t` at its sorted position (ascending ticks, ties after).
+    fn insert_sorted(&mut self, i: u32, t: u64) {
+        let (mut back, mut front) = (self.tail, self.head);
+        loop {
+            if back == NO || self.tick[back as usize] <= t {
+                return self.link_after(i, back);
+            }
+            if self.tick[front as usize] > t {
+                let p = self.prev[front as usize];
+                return self.link_after(i, p);
+            }
+            back = self.prev[back as usize];
+            front = self.next[front as usize];
+        }
+    }
+}
+
+impl EvictionPolicy for RecencyList {
+    fn name(&self) -> &'static str {
+        if self.most_recent_first { "mru" } else { "lru" }
+    }
+
+    fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
+        self.ensure(node.index());
+        self.tick[node.index()] = meta.last_access;
+        self.generation[node.index()] = node.generation;
+        self.insert_sorted(node.idx, meta.last_access);
+        LeafToken(meta.last_access, 0)
+    }
+
+    fn remove(&mut self, node: NodeId, _token: LeafToken) {
+        self.unlink(node.idx);
+    }
+
+    fn touch(&mut self, node: NodeId, token: LeafToken, meta: &NodeMeta) -> LeafToken {
+        if token.0 == meta.last_access {
+            return token;
+        }
+        self.unlink(node.idx);
+        self.tick[node.index()] = meta.last_access;
+        self.insert_sorted(node.idx, meta.last_access);
+        LeafToken(meta.last_access, 0)
+    }
+
+    fn pop(&mut self) -> Option<NodeId> {
+        let i = if self.most_recent_first {
+            self.tail
+        } else {
+            self.head
+        };
+        if i == NO {
+            return None;
+        }
+        self.unlink(i);
+        Some(NodeId {
+            idx: i,
+            generation: self.generation[i as usize],
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn clear(&mut self) {
+        self.head = NO;
+        self.tail = NO;
+        self.len = 0;
     }
 }
 
@@ -328,6 +482,20 @@ mod tests {
         assert_eq!(order(PolicyKind::Priority, &m), vec![3, 1, 2, 0]);
         // SLRU: probationary (hits < 2) by recency, then protected by recency.
         assert_eq!(order(PolicyKind::Slru, &m), vec![0, 2, 1, 3]);
+    }
+
+    #[test]
+    fn recency_list_places_old_leaves_exactly() {
+        let mut p = PolicyKind::Lru.build();
+        for (i, t) in [(0u32, 10u64), (1, 20), (2, 30), (3, 40)] {
+            p.insert(nid(i), &meta(t, 0, 0, 0));
+        }
+        // A parent becoming a leaf with an old tick, and one with a middle tick.
+        p.insert(nid(4), &meta(5, 0, 0, 0));
+        p.insert(nid(5), &meta(25, 0, 0, 0));
+        let order: Vec<u32> = std::iter::from_fn(|| p.pop().map(|n| n.idx)).collect();
+        assert_eq!(order, vec![4, 0, 1, 5, 2, 3]);
+        assert!(p.is_empty());
     }
 
     #[test]

@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ahash::RandomState;
 use slab::Slab;
-use smallvec::SmallVec;
 
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
@@ -28,9 +27,7 @@ use crate::events::{KvEvent, chain_hashes, namespace_seed};
 use crate::policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
 use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId, TokenId};
 
-const NIL: u32 = u32::MAX;
-/// Children are kept inline up to this many, then spill to a hash map.
-const INLINE_CHILDREN: usize = 8;
+use children::{Children, NIL, Slot};
 
 static NEXT_TREE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -54,22 +51,6 @@ impl LockReceipt {
 }
 
 #[derive(Debug)]
-enum Children {
-    Inline(SmallVec<[u32; 4]>),
-    /// Keyed by the child's first-page hash; collisions chain through `Node::hash_next`.
-    Map(ahash::HashMap<u64, u32>, usize),
-}
-
-impl Children {
-    fn len(&self) -> usize {
-        match self {
-            Children::Inline(v) => v.len(),
-            Children::Map(_, n) => *n,
-        }
-    }
-}
-
-#[derive(Debug)]
 struct Node {
     parent: u32,
     key: Vec<TokenId>,
@@ -79,7 +60,6 @@ struct Node {
     host: Option<Vec<u32>>,
     children: Children,
     child_hash: u64,
-    hash_next: u32,
     namespace: Namespace,
     lock_ref: u32,
     device_children: u32,
@@ -142,6 +122,48 @@ pub struct RadixTree {
     events: Option<Vec<KvEvent>>,
     tree_id: u64,
     outstanding_locks: usize,
+    bufs: BufferPool,
+}
+
+/// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
+/// full cache, and reusing their allocations takes malloc and free off both paths.
+#[derive(Debug, Default)]
+struct BufferPool {
+    tokens: Vec<Vec<TokenId>>,
+    pages: Vec<Vec<PageId>>,
+}
+
+impl BufferPool {
+    /// Buffers kept per kind, and the largest capacity worth keeping.
+    const MAX_BUFFERS: usize = 4096;
+    const MAX_CAPACITY: usize = 4096;
+
+    fn recycle(&mut self, mut key: Vec<TokenId>, mut pages: Vec<PageId>) {
+        if (1..=Self::MAX_CAPACITY).contains(&key.capacity())
+            && self.tokens.len() < Self::MAX_BUFFERS
+        {
+            key.clear();
+            self.tokens.push(key);
+        }
+        if (1..=Self::MAX_CAPACITY).contains(&pages.capacity())
+            && self.pages.len() < Self::MAX_BUFFERS
+        {
+            pages.clear();
+            self.pages.push(pages);
+        }
+    }
+
+    fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {
+        let mut v = self.tokens.pop().unwrap_or_default();
+        v.extend_from_slice(src);
+        v
+    }
+
+    fn pages(&mut self, src: &[PageId]) -> Vec<PageId> {
+        let mut v = self.pages.pop().unwrap_or_default();
+        v.extend_from_slice(src);
+        v
+    }
 }
 
 impl std::fmt::Debug for RadixTree {
@@ -188,15 +210,15 @@ impl RadixTree {
             events: events.then(Vec::new),
             tree_id: NEXT_TREE_ID.fetch_add(1, Ordering::Relaxed),
             outstanding_locks: 0,
+            bufs: BufferPool::default(),
         };
         t.root = t.alloc_node(Node {
             parent: NIL,
             key: Vec::new(),
             pages: Vec::new(),
             host: None,
-            children: Children::Inline(SmallVec::new()),
+            children: Children::default(),
             child_hash: 0,
-            hash_next: NIL,
             namespace: Namespace::DEFAULT,
             lock_ref: 0,
             device_children: 0,
@@ -340,10 +362,20 @@ impl RadixTree {
         idx as u32
     }
 
+    /// Removes node `idx` from the arena (bumping its generation) and returns it.
     fn free_node(&mut self, idx: u32) -> Node {
         let g = &mut self.generations[idx as usize];
         *g = g.wrapping_add(1);
         self.nodes.remove(idx as usize)
+    }
+
+    /// Like [`RadixTree::free_node`], recycling the node's edge buffers; the caller must have
+    /// taken what it needs from them.
+    fn free_node_recycle(&mut self, idx: u32) {
+        let mut n = self.free_node(idx);
+        let key = std::mem::take(&mut n.key);
+        let pages = std::mem::take(&mut n.pages);
+        self.bufs.recycle(key, pages);
     }
 
     #[inline]
@@ -353,6 +385,11 @@ impl RadixTree {
         } else {
             self.hasher.hash_one(first_page)
         }
+    }
+
+    #[inline]
+    fn is_live(&self, idx: u32, generation: u32) -> bool {
+        self.generations[idx as usize] == generation && self.nodes.contains(idx as usize)
     }
 
     #[inline]
@@ -366,111 +403,44 @@ impl RadixTree {
         };
         match &self.nodes[parent as usize].children {
             Children::Inline(v) => v.iter().copied().find(|&c| matches(c)),
-            Children::Map(m, _) => {
-                let mut c = *m.get(&h)?;
-                while c != NIL {
-                    if matches(c) {
-                        return Some(c);
-                    }
-                    c = self.nodes[c as usize].hash_next;
-                }
-                None
-            }
+            Children::Table(t) => t.find(h, |i, g| self.is_live(i, g), matches),
         }
     }
 
     fn add_child(&mut self, parent: u32, child: u32) {
-        let h = self.nodes[child as usize].child_hash;
-        let children = &mut self.nodes[parent as usize].children;
-        match children {
-            Children::Inline(v) if v.len() < INLINE_CHILDREN => v.push(child),
-            Children::Inline(v) => {
-                let old: SmallVec<[u32; 4]> = std::mem::take(v);
-                let mut map = ahash::HashMap::with_capacity_and_hasher(
-                    INLINE_CHILDREN * 2,
-                    RandomState::new(),
-                );
-                let n = old.len() + 1;
-                for c in old.into_iter().chain(std::iter::once(child)) {
-                    let ch = self.nodes[c as usize].child_hash;
-                    let head = map.insert(ch, c).unwrap_or(NIL);
-                    self.nodes[c as usize].hash_next = head;
-                }
-                self.nodes[parent as usize].children = Children::Map(map, n);
-            }
-            Children::Map(m, n) => {
-                *n += 1;
-                let head = m.insert(h, child).unwrap_or(NIL);
-                self.nodes[child as usize].hash_next = head;
-            }
-        }
+        let slot = Slot {
+            hash: self.nodes[child as usize].child_hash,
+            idx: child,
+            generation: self.generations[child as usize],
+        };
+        let mut children = std::mem::take(&mut self.nodes[parent as usize].children);
+        children.add(
+            slot,
+            |c| {
+                (
+                    self.nodes[c as usize].child_hash,
+                    self.generations[c as usize],
+                )
+            },
+            |i, g| self.is_live(i, g),
+        );
+        self.nodes[parent as usize].children = children;
     }
 
+    /// Unlinks `child` from `parent`. The caller frees the child from the arena right after
+    /// (or re-links it), which is what makes a table's lazily kept entry stale.
     fn remove_child(&mut self, parent: u32, child: u32) {
-        let h = self.nodes[child as usize].child_hash;
-        let next = self.nodes[child as usize].hash_next;
-        let mut prev_in_chain = NIL;
-        match &mut self.nodes[parent as usize].children {
-            Children::Inline(v) => {
-                if let Some(pos) = v.iter().position(|&c| c == child) {
-                    v.swap_remove(pos);
-                }
-            }
-            Children::Map(m, n) => {
-                *n -= 1;
-                let head = m.get(&h).copied().unwrap_or(NIL);
-                if head == child {
-                    if next == NIL {
-                        m.remove(&h);
-                    } else {
-                        m.insert(h, next);
-                    }
-                } else {
-                    prev_in_chain = head;
-                }
-            }
-        }
-        if prev_in_chain != NIL {
-            let mut c = prev_in_chain;
-            while self.nodes[c as usize].hash_next != child {
-                c = self.nodes[c as usize].hash_next;
-            }
-            self.nodes[c as usize].hash_next = next;
-        }
-        self.nodes[child as usize].hash_next = NIL;
+        self.nodes[parent as usize].children.remove(child);
     }
 
     /// Points the parent's child entry at `new` instead of `old` (same first page).
     fn replace_child(&mut self, parent: u32, old: u32, new: u32) {
         let h = self.nodes[old as usize].child_hash;
-        let next = self.nodes[old as usize].hash_next;
-        let mut prev_in_chain = NIL;
-        match &mut self.nodes[parent as usize].children {
-            Children::Inline(v) => {
-                for c in v.iter_mut() {
-                    if *c == old {
-                        *c = new;
-                    }
-                }
-            }
-            Children::Map(m, _) => {
-                let head = m.get(&h).copied().unwrap_or(NIL);
-                if head == old {
-                    m.insert(h, new);
-                } else {
-                    prev_in_chain = head;
-                }
-            }
-        }
-        if prev_in_chain != NIL {
-            let mut c = prev_in_chain;
-            while self.nodes[c as usize].hash_next != old {
-                c = self.nodes[c as usize].hash_next;
-            }
-            self.nodes[c as usize].hash_next = new;
-        }
-        self.nodes[new as usize].hash_next = next;
-        self.nodes[old as usize].hash_next = NIL;
+        let old_g = self.generations[old as usize];
+        let new_g = self.generations[new as usize];
+        self.nodes[parent as usize]
+            .children
+            .replace(h, (old, old_g), (new, new_g));
     }
 
     // ---------------------------------------------------------------------------------------
@@ -568,7 +538,7 @@ impl RadixTree {
     /// node. The child keeps its id, so outstanding receipts anchored at it stay valid.
     fn split(&mut self, child: u32, at: usize) -> u32 {
         let p = self.page_size;
-        debug_assert!(at > 0 && at % p == 0 && at < self.nodes[child as usize].key.len());
+        debug_assert!(at > 0 && at.is_multiple_of(p) && at < self.nodes[child as usize].key.len());
         let pages_at = at / p;
         let c = &mut self.nodes[child as usize];
         let tail_key = c.key.split_off(at);
@@ -595,9 +565,8 @@ impl RadixTree {
             key: head_key,
             pages: head_pages,
             host: head_host,
-            children: Children::Inline(SmallVec::new()),
+            children: Children::default(),
             child_hash: c.child_hash,
-            hash_next: NIL,
             namespace: c.namespace.clone(),
             lock_ref: c.lock_ref,
             device_children: u32::from(c.on_device()),
@@ -650,7 +619,7 @@ impl RadixTree {
         if tokens.is_empty() {
             return Err(CacheError::EmptyKey);
         }
-        if tokens.len() % p != 0 {
+        if !tokens.len().is_multiple_of(p) {
             return Err(CacheError::Misaligned {
                 len: tokens.len(),
                 page_size: p,
@@ -679,7 +648,7 @@ impl RadixTree {
             } else {
                 child
             };
-            self.touch(child, now);
+            // Update the reuse stats before the touch, so the policy keys the leaf by them.
             {
                 let n = &mut self.nodes[child as usize];
                 if !opts.chunked {
@@ -687,6 +656,7 @@ impl RadixTree {
                 }
                 n.meta.priority = n.meta.priority.max(opts.priority);
             }
+            self.touch(child, now);
             let seg = &mut pages[pos / p..(pos + common) / p];
             if self.nodes[child as usize].on_device() {
                 for (mine, theirs) in seg.iter_mut().zip(&self.nodes[child as usize].pages) {
@@ -748,14 +718,15 @@ impl RadixTree {
             page_hashes.reserve_exact(pages.len());
             chain_hashes(seed, tokens, p, &mut page_hashes);
         }
+        let key = self.bufs.tokens(tokens);
+        let node_pages = self.bufs.pages(pages);
         let idx = self.alloc_node(Node {
             parent,
-            key: tokens.to_vec(),
-            pages: pages.to_vec(),
+            key,
+            pages: node_pages,
             host: None,
-            children: Children::Inline(SmallVec::new()),
+            children: Children::default(),
             child_hash,
-            hash_next: NIL,
             namespace: ns.clone(),
             lock_ref: 0,
             device_children: 0,
@@ -901,7 +872,8 @@ impl RadixTree {
         let n = &mut self.nodes[idx as usize];
         let len = n.key.len();
         out.extend_from_slice(&n.pages);
-        n.pages = Vec::new();
+        let pages = std::mem::take(&mut n.pages);
+        self.bufs.recycle(Vec::new(), pages);
         self.evictable -= len;
         let parent = n.parent;
         let keep = n.host.is_some();
@@ -915,7 +887,7 @@ impl RadixTree {
         if !keep {
             debug_assert_eq!(self.nodes[idx as usize].children.len(), 0);
             self.remove_child(parent, idx);
-            self.free_node(idx);
+            self.free_node_recycle(idx);
         }
         self.nodes[parent as usize].device_children -= 1;
         self.update_leaf(parent);
@@ -959,11 +931,11 @@ impl RadixTree {
             if k as u32 == self.root {
                 continue;
             }
-            let n = self.free_node(k as u32);
-            out.extend_from_slice(&n.pages);
+            out.extend_from_slice(&self.nodes[k].pages);
+            self.free_node_recycle(k as u32);
         }
         let r = &mut self.nodes[self.root as usize];
-        r.children = Children::Inline(SmallVec::new());
+        r.children = Children::default();
         r.device_children = 0;
         self.policy.clear();
         self.evictable = 0;
@@ -1014,19 +986,23 @@ impl RadixTree {
                         check_child(c)?;
                     }
                 }
-                Children::Map(m, len) => {
-                    for (&h, &head) in m {
-                        let mut c = head;
-                        while c != NIL {
-                            ensure_inv!(
-                                self.nodes[c as usize].child_hash == h,
-                                "child {c} chained under a foreign hash"
-                            );
-                            check_child(c)?;
-                            c = self.nodes[c as usize].hash_next;
+                Children::Table(t) => {
+                    for slot in t.live_entries(|i, g| self.is_live(i, g)) {
+                        if self.nodes[slot.idx as usize].parent != k {
+                            continue; // slot reused by a node elsewhere: stale
                         }
+                        ensure_inv!(
+                            self.nodes[slot.idx as usize].child_hash == slot.hash,
+                            "child {} filed under a foreign hash",
+                            slot.idx
+                        );
+                        check_child(slot.idx)?;
                     }
-                    ensure_inv!(count == *len, "node {k}: child map count {len} != {count}");
+                    ensure_inv!(
+                        count == n.children.len(),
+                        "node {k}: child table count {} != {count}",
+                        n.children.len()
+                    );
                 }
             }
             ensure_inv!(
@@ -1043,7 +1019,7 @@ impl RadixTree {
                 n.lock_ref
             );
             ensure_inv!(
-                !n.key.is_empty() && n.key.len() % p == 0,
+                !n.key.is_empty() && n.key.len().is_multiple_of(p),
                 "node {k}: key length {} not page-aligned",
                 n.key.len()
             );
@@ -1138,5 +1114,7 @@ fn common_pages(a: &[TokenId], b: &[TokenId], p: usize) -> usize {
     i
 }
 
+mod children;
 #[cfg(test)]
 mod tests;
+pub(crate) mod tier;

@@ -1,0 +1,345 @@
+//! Tier API of the tree for tiered caches (device L1 + host L2).
+//!
+//! The core tree already stores host pages per node, keeps device residency root-connected,
+//! matches through host-only nodes and demotes a backed-up node on device eviction. This module
+//! adds what a tiered owner needs on top, keeping the counters, the evictable-leaf set and the
+//! events consistent:
+//! - attach host pages to a device node (a backup) and read them back;
+//! - host-only leaves: test, enumerate and remove them (host eviction);
+//! - attach device pages to a host-only node whose parent is on device (load-back);
+//! - a non-mutating walk that reports how a key lies across the tiers.
+//!
+//! Host pages are plain `u32` slot indices of the owner's host pool: the tree never interprets
+//! them, it only keeps one per page of the node's key.
+
+use super::{RadixTree, common_pages};
+use crate::error::{CacheError, Result};
+use crate::events::KvEvent;
+use crate::types::{KeyRef, Medium, NodeId, PageId};
+
+/// How a key lies across the tiers, found without changing the tree ([`RadixTree::tier_walk`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierWalk {
+    /// Leading tokens on device.
+    pub device_len: usize,
+    /// Tokens after `device_len` held only by the host tier.
+    pub host_len: usize,
+    /// The nodes whose whole key lies inside the matched prefix, root first (root excluded).
+    pub nodes: Vec<NodeId>,
+}
+
+impl RadixTree {
+    /// The host pages of `id` (`None` when the node has no host copy).
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn host_pages(&self, id: NodeId) -> Result<Option<&[u32]>> {
+        Ok(self.nodes[self.resolve(id)? as usize].host.as_deref())
+    }
+
+    /// True when `id` has device pages.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn on_device(&self, id: NodeId) -> Result<bool> {
+        Ok(self.nodes[self.resolve(id)? as usize].on_device())
+    }
+
+    /// Number of children of `id` (on any tier).
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn child_count(&self, id: NodeId) -> Result<usize> {
+        Ok(self.nodes[self.resolve(id)? as usize].children.len())
+    }
+
+    /// Records a host copy of node `id` (one host page per page of its key) and emits a
+    /// host-medium `BlockStored` event.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::LengthMismatch`] when `host` does not cover the
+    /// key; [`CacheError::InvalidRequestState`] for the root, a node that already has a host
+    /// copy, or whose parent has none (backed-up nodes must stay root-connected). Nothing
+    /// changes on error.
+    pub fn set_host_pages(&mut self, id: NodeId, host: Vec<u32>) -> Result<()> {
+        let idx = self.resolve(id)?;
+        if idx == self.root {
+            return Err(CacheError::InvalidRequestState("the root has no host copy"));
+        }
+        let n = &self.nodes[idx as usize];
+        if n.host.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "node already has a host copy",
+            ));
+        }
+        if host.len() * self.page_size != n.key.len() {
+            return Err(CacheError::LengthMismatch {
+                tokens: n.key.len(),
+                pages: host.len(),
+                page_size: self.page_size,
+            });
+        }
+        if n.parent != self.root && self.nodes[n.parent as usize].host.is_none() {
+            return Err(CacheError::InvalidRequestState(
+                "a node can be backed up only under a backed-up parent",
+            ));
+        }
+        self.nodes[idx as usize].host = Some(host);
+        self.emit_stored(idx, Medium::Host);
+        Ok(())
+    }
+
+    /// True when `id` is a host-only leaf: not on device, has a host copy, no children, not
+    /// locked. Such a node can be removed by [`RadixTree::evict_host_leaf`].
+    pub fn is_host_leaf(&self, id: NodeId) -> bool {
+        self.resolve(id).is_ok_and(|idx| self.is_host_leaf_idx(idx))
+    }
+
+    fn is_host_leaf_idx(&self, idx: u32) -> bool {
+        let n = &self.nodes[idx as usize];
+        idx != self.root
+            && !n.on_device()
+            && n.host.is_some()
+            && n.children.len() == 0
+            && n.lock_ref == 0
+    }
+
+    /// Every host-only leaf, by a full scan (`O(nodes)`): for rebuilding an owner's host-leaf
+    /// order and for audits.
+    pub fn host_leaves(&self) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(k, _)| self.is_host_leaf_idx(*k as u32))
+            .map(|(k, _)| self.id_of(k as u32))
+            .collect()
+    }
+
+    /// Removes the host-only leaf `id`: appends its host pages to `out`, emits a host-medium
+    /// `BlockRemoved` event and deletes the node. Returns the tokens released.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when `id` is not a
+    /// host-only leaf (nothing changes then).
+    pub fn evict_host_leaf(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<usize> {
+        let idx = self.resolve(id)?;
+        if !self.is_host_leaf_idx(idx) {
+            return Err(CacheError::InvalidRequestState(
+                "only an unlocked host-only leaf can be evicted from the host",
+            ));
+        }
+        if self.events.is_some() {
+            let hashes = self.nodes[idx as usize].page_hashes.clone();
+            self.push_event(KvEvent::BlockRemoved {
+                page_hashes: hashes,
+                medium: Medium::Host,
+            });
+        }
+        let parent = self.nodes[idx as usize].parent;
+        self.remove_child(parent, idx);
+        let node = self.free_node(idx);
+        if let Some(h) = node.host {
+            out.extend_from_slice(&h);
+        }
+        // The parent's device-children count is unchanged (the leaf was not on device), but a
+        // parent on device may be an evictable leaf only if it has no device child, which did
+        // not change either.
+        Ok(node.key.len())
+    }
+
+    /// Gives the host-only node `id` the device pages `pages` (a load-back): the node becomes
+    /// resident on both tiers, the counters and the leaf set follow, and a device-medium
+    /// `BlockStored` event is emitted. The caller must already have marked the pages
+    /// tree-owned in its allocator.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::LengthMismatch`]; [`CacheError::InvalidRequestState`]
+    /// when the node is on device already, has no host copy, or its parent is not on device
+    /// (device residency must stay root-connected). Nothing changes on error.
+    pub fn attach_device_pages(&mut self, id: NodeId, pages: &[PageId]) -> Result<()> {
+        let idx = self.resolve(id)?;
+        if idx == self.root {
+            return Err(CacheError::InvalidRequestState("the root holds no pages"));
+        }
+        let n = &self.nodes[idx as usize];
+        if n.on_device() || n.host.is_none() {
+            return Err(CacheError::InvalidRequestState(
+                "load-back needs a host-only node",
+            ));
+        }
+        if pages.len() * self.page_size != n.key.len() {
+            return Err(CacheError::LengthMismatch {
+                tokens: n.key.len(),
+                pages: pages.len(),
+                page_size: self.page_size,
+            });
+        }
+        if n.parent != self.root && !self.nodes[n.parent as usize].on_device() {
+            return Err(CacheError::InvalidRequestState(
+                "load-back must proceed from the device prefix downwards",
+            ));
+        }
+        let len = n.key.len();
+        self.nodes[idx as usize].pages = pages.to_vec();
+        self.on_device_added(idx, len);
+        self.emit_stored(idx, Medium::Device);
+        Ok(())
+    }
+
+    /// Emits a `BlockStored` event for node `id` on `medium` (for owners that make a node
+    /// resident through a path that does not report it, e.g. an insert that re-adopts pages
+    /// into a host-only node).
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn emit_stored_event(&mut self, id: NodeId, medium: Medium) -> Result<()> {
+        let idx = self.resolve(id)?;
+        self.emit_stored(idx, medium);
+        Ok(())
+    }
+
+    /// Visits every host page held by the tree, with its node.
+    pub fn for_each_host_page(&self, mut f: impl FnMut(NodeId, u32)) {
+        for (k, n) in self.nodes.iter() {
+            if let Some(h) = &n.host {
+                let id = self.id_of(k as u32);
+                h.iter().for_each(|&p| f(id, p));
+            }
+        }
+    }
+
+    /// How `key` (truncated to whole pages) lies across the tiers, without splitting nodes,
+    /// touching access times or taking locks. `nodes` lists only nodes whose whole key is
+    /// matched, so after an insert of `key` it is exactly the path that holds it.
+    pub fn tier_walk(&self, key: KeyRef<'_>) -> TierWalk {
+        let p = self.page_size;
+        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
+        let mut walk = TierWalk::default();
+        let mut node = self.root;
+        let mut pos = 0;
+        let mut on_device = true;
+        while pos < tokens.len() {
+            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            let n = &self.nodes[child as usize];
+            let common = common_pages(&n.key, &tokens[pos..], p);
+            if on_device && n.on_device() {
+                walk.device_len += common;
+            } else if n.host.is_some() {
+                on_device = false;
+                walk.host_len += common;
+            } else {
+                break;
+            }
+            pos += common;
+            if common < n.key.len() {
+                break;
+            }
+            walk.nodes.push(self.id_of(child));
+            node = child;
+        }
+        walk
+    }
+
+    /// Number of host pages held by the tree (`O(nodes)`, for audits).
+    pub fn host_page_count(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter_map(|(_, n)| n.host.as_ref().map(Vec::len))
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::PolicyKind;
+    use crate::tree::InsertOptions;
+
+    fn tree() -> RadixTree {
+        RadixTree::new(2, PolicyKind::Lru, true).unwrap()
+    }
+
+    #[test]
+    fn backup_demote_load_back_and_host_evict() {
+        let mut t = tree();
+        let mut pg = vec![PageId(0), PageId(1)];
+        let mut rep = Vec::new();
+        let r = t
+            .insert(
+                KeyRef::new(&[1, 2, 3, 4]),
+                &mut pg,
+                &mut rep,
+                InsertOptions::default(),
+            )
+            .unwrap();
+        let id = r.last_node;
+        assert!(t.set_host_pages(id, vec![7]).is_err(), "length mismatch");
+        t.set_host_pages(id, vec![7, 8]).unwrap();
+        assert!(
+            t.set_host_pages(id, vec![7, 8]).is_err(),
+            "already backed up"
+        );
+        assert!(!t.is_host_leaf(id));
+        let mut out = Vec::new();
+        t.evict(4, &mut out);
+        assert_eq!(out, vec![PageId(0), PageId(1)]);
+        assert!(t.contains(id) && t.is_host_leaf(id));
+        assert_eq!(t.host_leaves(), vec![id]);
+        let w = t.tier_walk(KeyRef::new(&[1, 2, 3, 4, 5]));
+        assert_eq!(
+            (w.device_len, w.host_len, w.nodes.clone()),
+            (0, 4, vec![id])
+        );
+        t.attach_device_pages(id, &[PageId(5), PageId(6)]).unwrap();
+        assert_eq!(t.evictable_tokens(), 4);
+        assert!(t.attach_device_pages(id, &[PageId(5), PageId(6)]).is_err());
+        t.check().unwrap();
+        out.clear();
+        t.evict(4, &mut out);
+        let mut host = Vec::new();
+        assert_eq!(t.evict_host_leaf(id, &mut host).unwrap(), 4);
+        assert_eq!(host, vec![7, 8]);
+        assert!(!t.contains(id));
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn host_copy_needs_backed_up_parent_and_locked_leaf_stays() {
+        let mut t = tree();
+        let mut rep = Vec::new();
+        let a = t
+            .insert(
+                KeyRef::new(&[1, 2]),
+                &mut [PageId(0)],
+                &mut rep,
+                InsertOptions::default(),
+            )
+            .unwrap()
+            .last_node;
+        let b = t
+            .insert(
+                KeyRef::new(&[1, 2, 3, 4]),
+                &mut [PageId(0), PageId(1)],
+                &mut rep,
+                InsertOptions::default(),
+            )
+            .unwrap()
+            .last_node;
+        assert!(t.set_host_pages(b, vec![1]).is_err());
+        t.set_host_pages(a, vec![0]).unwrap();
+        t.set_host_pages(b, vec![1]).unwrap();
+        let mut out = Vec::new();
+        t.evict(4, &mut out);
+        let lock = t.inc_lock_ref(b).unwrap();
+        assert!(!t.is_host_leaf(b));
+        let mut host = Vec::new();
+        assert!(t.evict_host_leaf(b, &mut host).is_err());
+        assert!(t.evict_host_leaf(a, &mut host).is_err(), "a has a child");
+        t.dec_lock_ref(lock).unwrap();
+        t.evict_host_leaf(b, &mut host).unwrap();
+        assert!(t.is_host_leaf(a));
+        assert!(t.attach_device_pages(a, &[PageId(3), PageId(4)]).is_err());
+        t.check().unwrap();
+    }
+}

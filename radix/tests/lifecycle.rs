@@ -1,0 +1,497 @@
+//! The request lifecycle of `RadixCache`, one rule per test: what a match may reuse, what a
+//! prefill chunk, a finish, an abort and a retract do to the tree and the pools, eviction under
+//! pressure, KV events, and each eviction policy's order.
+
+use radixkv_radix::events::{chain_hashes, namespace_seed};
+use radixkv_radix::{
+    FinishKind, InsertOptions, KeyRef, KvEvent, Medium, Namespace, NodeId, PageId, PolicyKind,
+    PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv, TokenId,
+};
+
+fn cache_with(page_size: usize, total_pages: usize, policy: PolicyKind) -> RadixCache {
+    RadixCache::new(RadixConfig {
+        page_size,
+        total_pages,
+        max_rows: 8,
+        policy,
+        events: true,
+        disabled: false,
+    })
+    .unwrap()
+}
+
+fn cache(page_size: usize, total_pages: usize) -> RadixCache {
+    cache_with(page_size, total_pages, PolicyKind::Lru)
+}
+
+fn check(c: &RadixCache) {
+    c.check_invariants().unwrap();
+    assert!(c.accounting().balanced(), "{:?}", c.accounting());
+}
+
+/// Runs a whole request over `tokens`: match, begin, compute everything, finish.
+fn run(c: &mut RadixCache, tokens: &[TokenId], kind: FinishKind) -> usize {
+    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    let prefix = c.match_request(&mut r).unwrap().prefix_len;
+    c.begin_request(&mut r).unwrap();
+    let rest = tokens.len() - r.allocated_len;
+    c.alloc_tokens(&mut r, rest).unwrap();
+    r.commit(rest).unwrap();
+    c.cache_finished_req(&mut r, kind).unwrap();
+    check(c);
+    prefix
+}
+
+fn matched(c: &mut RadixCache, tokens: &[TokenId]) -> (usize, Vec<PageId>) {
+    let mut out = Vec::new();
+    let m = c.match_prefix(KeyRef::new(tokens), &mut out).unwrap();
+    (m.device_len, out)
+}
+
+fn request(tokens: &[TokenId]) -> RequestKv {
+    RequestKv::new(RadixKey::new(tokens.to_vec()))
+}
+
+fn seq(n: u32) -> Vec<TokenId> {
+    (0..n).collect()
+}
+
+#[test]
+fn match_reuses_at_most_len_minus_one_tokens() {
+    let mut c = cache(4, 32);
+    run(&mut c, &seq(8), FinishKind::Finished);
+    // The whole prompt is cached, but one token must be recomputed: that costs a page.
+    assert_eq!(
+        c.match_request(&mut request(&seq(8))).unwrap().prefix_len,
+        4
+    );
+    assert_eq!(
+        c.match_request(&mut request(&seq(9))).unwrap().prefix_len,
+        8
+    );
+    assert_eq!(
+        c.match_request(&mut request(&seq(1))).unwrap().prefix_len,
+        0
+    );
+    // match_prefix has no such rule.
+    assert_eq!(matched(&mut c, &seq(8)).0, 8);
+
+    let mut c = cache(1, 32);
+    run(&mut c, &seq(5), FinishKind::Finished);
+    assert_eq!(
+        c.match_request(&mut request(&seq(5))).unwrap().prefix_len,
+        4
+    );
+    assert_eq!(
+        c.match_request(&mut request(&seq(6))).unwrap().prefix_len,
+        5
+    );
+}
+
+#[test]
+fn max_prefix_len_caps_the_match() {
+    let mut c = cache(4, 32);
+    run(&mut c, &seq(16), FinishKind::Finished);
+    for (cap, expected) in [(0, 0), (3, 0), (5, 4), (8, 8), (100, 16)] {
+        let mut r = request(&seq(20));
+        r.max_prefix_len = Some(cap);
+        assert_eq!(
+            c.match_request(&mut r).unwrap().prefix_len,
+            expected,
+            "cap {cap}"
+        );
+        assert_eq!(r.prefix_pages.len() * 4, expected);
+        // begin_request honours the same cap.
+        c.begin_request(&mut r).unwrap();
+        assert_eq!(r.cache_protected_len, expected);
+        c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    }
+    check(&c);
+}
+
+#[test]
+fn chunked_prefill_shares_each_chunk_at_once() {
+    let mut c = cache(4, 32);
+    let prompt = seq(16);
+    let mut a = request(&prompt);
+    c.match_request(&mut a).unwrap();
+    c.begin_request(&mut a).unwrap();
+    // Chunk 1: 6 tokens, of which one page is complete.
+    c.alloc_tokens(&mut a, 6).unwrap();
+    a.commit(6).unwrap();
+    c.cache_unfinished_req(&mut a).unwrap();
+    assert_eq!((a.cache_protected_len, a.prefix_len), (4, 4));
+    assert_eq!(c.protected_tokens(), 4);
+    check(&c);
+
+    // A concurrent request with the same prompt shares the first chunk immediately.
+    let mut b = request(&prompt);
+    assert_eq!(c.match_request(&mut b).unwrap().prefix_len, 4);
+    c.begin_request(&mut b).unwrap();
+
+    // Chunk 2 of A: up to 12 tokens, three pages in the tree.
+    c.alloc_tokens(&mut a, 6).unwrap();
+    a.commit(6).unwrap();
+    c.cache_unfinished_req(&mut a).unwrap();
+    assert_eq!(a.cache_protected_len, 12);
+    let (len, tree_pages) = matched(&mut c, &prompt);
+    assert_eq!(len, 12);
+    let row_a = c.pools().rows.pages(a.row.unwrap()).unwrap().to_vec();
+    assert_eq!(&row_a[..3], &tree_pages[..]);
+
+    // B computed pages 1 and 2 itself (it matched only one): they are duplicates, freed on
+    // its next cache_unfinished_req, and its row now points at A's pages.
+    c.alloc_tokens(&mut b, 8).unwrap();
+    b.commit(8).unwrap();
+    let free_before = c.pools().pages.available();
+    c.cache_unfinished_req(&mut b).unwrap();
+    assert_eq!(c.pools().pages.available(), free_before + 2);
+    let row_b = c.pools().rows.pages(b.row.unwrap()).unwrap().to_vec();
+    assert_eq!(&row_b[..3], &tree_pages[..]);
+    assert_eq!(b.cache_protected_len, 12);
+    check(&c);
+
+    c.cache_finished_req(&mut b, FinishKind::Finished).unwrap();
+    c.alloc_tokens(&mut a, 4).unwrap();
+    a.commit(4).unwrap();
+    c.cache_finished_req(&mut a, FinishKind::Finished).unwrap();
+    assert_eq!(matched(&mut c, &prompt).0, 16);
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.evictable_tokens(), 16);
+    check(&c);
+}
+
+#[test]
+fn finish_inserts_the_aligned_prefix_and_frees_the_tail() {
+    let mut c = cache(4, 16);
+    let mut r = request(&seq(10));
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 10).unwrap();
+    r.commit(10).unwrap();
+    assert_eq!(c.pools().pages.available(), 13);
+    // Decode: two more tokens, one of them allocated but never committed.
+    r.append_tokens(&[10, 11]);
+    c.alloc_tokens(&mut r, 2).unwrap();
+    r.commit(1).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    // 11 committed tokens: two pages cached, the third (partial) page freed.
+    let a = c.accounting();
+    assert_eq!((a.evictable, a.protected, a.request_owned), (8, 0, 0));
+    assert_eq!(c.pools().pages.available(), 14);
+    assert_eq!(c.pools().rows.live(), 0);
+    assert!(r.row.is_none() && r.lock.is_none() && r.committed_len == 0);
+    assert_eq!(matched(&mut c, &seq(12)).0, 8);
+    check(&c);
+}
+
+#[test]
+fn abort_inserts_nothing_and_frees_everything_it_owned() {
+    let mut c = cache(4, 16);
+    run(&mut c, &seq(8), FinishKind::Finished);
+    let mut r = request(&seq(20));
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 8);
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 12).unwrap();
+    r.commit(12).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    assert_eq!(matched(&mut c, &seq(20)).0, 8);
+    let a = c.accounting();
+    assert_eq!((a.evictable, a.protected, a.request_owned), (8, 0, 0));
+    assert_eq!(c.pools().pages.available(), 14);
+    assert!(
+        c.take_events()
+            .iter()
+            .all(|e| matches!(e, KvEvent::BlockStored { .. }))
+    );
+    check(&c);
+}
+
+#[test]
+fn retract_keeps_cached_chunks_and_rematches_them() {
+    let mut c = cache(4, 16);
+    let prompt = seq(14);
+    let mut r = request(&prompt);
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 10).unwrap();
+    r.commit(10).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    let chunk_pages = c.pools().rows.pages(r.row.unwrap()).unwrap()[..2].to_vec();
+    // Retract (memory pressure): the request gives everything back but its cached chunk stays.
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    assert_eq!(c.pools().rows.live(), 0);
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.evictable_tokens(), 8);
+    check(&c);
+    // Re-admitted, it matches the chunk again and resumes from there.
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 8);
+    assert_eq!(r.prefix_pages, chunk_pages);
+    c.begin_request(&mut r).unwrap();
+    assert_eq!((r.committed_len, r.allocated_len), (8, 8));
+    c.alloc_tokens(&mut r, 6).unwrap();
+    r.commit(6).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    assert_eq!(matched(&mut c, &prompt).0, 12);
+    check(&c);
+}
+
+#[test]
+fn disabled_mode_shares_nothing() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: 4,
+        total_pages: 16,
+        events: true,
+        disabled: true,
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(c.is_disabled());
+    for _ in 0..3 {
+        let mut r = request(&seq(10));
+        assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 0);
+        c.begin_request(&mut r).unwrap();
+        c.alloc_tokens(&mut r, 10).unwrap();
+        r.commit(10).unwrap();
+        c.cache_unfinished_req(&mut r).unwrap();
+        assert_eq!(r.cache_protected_len, 0);
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        check(&c);
+    }
+    assert_eq!(matched(&mut c, &seq(10)).0, 0);
+    let a = c.accounting();
+    assert_eq!(a.free, a.total);
+    assert!(c.take_events().is_empty());
+}
+
+#[test]
+fn allocation_pressure_never_evicts_a_locked_path() {
+    for policy in PolicyKind::ALL {
+        let mut c = cache_with(4, 10, policy);
+        let locked: Vec<TokenId> = seq(8);
+        run(&mut c, &locked, FinishKind::Finished);
+        let mut holder = request(&[locked.as_slice(), &[99, 99]].concat());
+        assert_eq!(c.match_request(&mut holder).unwrap().prefix_len, 8);
+        c.begin_request(&mut holder).unwrap();
+        let (_, locked_pages) = matched(&mut c, &locked);
+        // Fill the rest of the pool with other cached prefixes.
+        for t in 0..4u32 {
+            run(&mut c, &[100 + t; 8], FinishKind::Finished);
+        }
+        assert_eq!(c.pools().pages.available(), 0);
+        // A large request needs every unlocked page.
+        let mut big = request(&[7; 32]);
+        c.begin_request(&mut big).unwrap();
+        c.alloc_tokens(&mut big, 32).unwrap();
+        assert_eq!(c.evictable_tokens(), 0, "{policy:?}");
+        assert_eq!(
+            matched(&mut c, &locked),
+            (8, locked_pages.clone()),
+            "{policy:?}"
+        );
+        // One page more cannot be had without the locked path.
+        assert!(c.alloc_tokens(&mut big, 1).is_err());
+        assert_eq!(matched(&mut c, &locked), (8, locked_pages), "{policy:?}");
+        c.cache_finished_req(&mut big, FinishKind::Aborted).unwrap();
+        c.cache_finished_req(&mut holder, FinishKind::Aborted)
+            .unwrap();
+        check(&c);
+    }
+}
+
+#[test]
+fn begin_rematches_when_the_match_went_stale() {
+    let mut c = cache(4, 32);
+    run(&mut c, &seq(12), FinishKind::Finished);
+    // Fully stale: everything the match used is evicted before begin.
+    let mut r = request(&seq(13));
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 12);
+    c.evict(usize::MAX);
+    c.begin_request(&mut r).unwrap();
+    assert_eq!((r.prefix_len, r.cache_protected_len), (0, 0));
+    assert!(r.prefix_pages.is_empty());
+    check(&c);
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+
+    // Partly stale: another request holds the first page, the rest is evicted.
+    run(&mut c, &seq(12), FinishKind::Finished);
+    let mut holder = request(&seq(5));
+    c.match_request(&mut holder).unwrap();
+    c.begin_request(&mut holder).unwrap();
+    let mut r = request(&seq(13));
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 12);
+    c.evict(usize::MAX);
+    c.begin_request(&mut r).unwrap();
+    assert_eq!(r.cache_protected_len, 4);
+    let (_, pages) = matched(&mut c, &seq(4));
+    assert_eq!(r.prefix_pages, pages);
+    assert_eq!(c.pools().rows.pages(r.row.unwrap()).unwrap(), &pages[..]);
+    check(&c);
+    // Still valid: begin keeps the match as is.
+    let mut s = request(&seq(13));
+    assert_eq!(c.match_request(&mut s).unwrap().prefix_len, 4);
+    c.begin_request(&mut s).unwrap();
+    assert_eq!(s.prefix_pages, pages);
+    for mut q in [r, s, holder] {
+        c.cache_finished_req(&mut q, FinishKind::Aborted).unwrap();
+    }
+    check(&c);
+}
+
+fn hashes(ns: &Namespace, tokens: &[TokenId], p: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    chain_hashes(namespace_seed(ns), tokens, p, &mut out);
+    out
+}
+
+#[test]
+fn kv_events_follow_the_lifecycle() {
+    let mut c = cache(2, 32);
+    let ns = Namespace::new("tenant");
+    let first: Vec<TokenId> = vec![5, 6, 7, 8, 9];
+    let mut r = RequestKv::new(RadixKey::with_namespace(first.clone(), ns.clone()));
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 5).unwrap();
+    r.commit(5).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    let h = hashes(&ns, &[5, 6, 7, 8, 9, 10], 2);
+    assert_eq!(
+        c.take_events(),
+        vec![KvEvent::BlockStored {
+            page_hashes: h[..2].to_vec(),
+            parent_hash: None,
+            token_ids: vec![5, 6, 7, 8],
+            page_size: 2,
+            namespace: ns.clone(),
+            medium: Medium::Device,
+        }]
+    );
+    // An extension stores only its new page, chained to the cached one.
+    let mut r = RequestKv::new(RadixKey::with_namespace(
+        vec![5, 6, 7, 8, 9, 10, 11],
+        ns.clone(),
+    ));
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 4);
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 3).unwrap();
+    r.commit(3).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    assert_eq!(
+        c.take_events(),
+        vec![KvEvent::BlockStored {
+            page_hashes: vec![h[2]],
+            parent_hash: Some(h[1]),
+            token_ids: vec![9, 10],
+            page_size: 2,
+            namespace: ns.clone(),
+            medium: Medium::Device,
+        }]
+    );
+    // The same tokens in the default namespace hash differently.
+    run(&mut c, &[5, 6, 7], FinishKind::Finished);
+    let ev = c.take_events();
+    let default_hash = hashes(&Namespace::DEFAULT, &[5, 6], 2);
+    assert!(
+        matches!(&ev[..], [KvEvent::BlockStored { page_hashes, namespace, .. }]
+        if *page_hashes == default_hash && namespace.is_default())
+    );
+    assert_ne!(default_hash[0], h[0]);
+    // Eviction reports leaves first; an aborted request reports nothing.
+    run(&mut c, &[40, 41, 42], FinishKind::Aborted);
+    assert!(c.take_events().is_empty());
+    assert_eq!(c.evict(8), 8);
+    let removed: Vec<u64> = c
+        .take_events()
+        .into_iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockRemoved {
+                page_hashes,
+                medium: Medium::Device,
+            } => page_hashes,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let mut all = h.clone();
+    all.extend(&default_hash);
+    assert_eq!(removed.len(), 4);
+    assert!(removed.iter().all(|x| all.contains(x)));
+    // A child page is always removed before its parent.
+    let pos = |x: u64| removed.iter().position(|&y| y == x).unwrap();
+    assert!(pos(h[2]) < pos(h[1]));
+    c.reset().unwrap();
+    assert_eq!(c.take_events(), vec![KvEvent::AllCleared]);
+}
+
+fn insert_leaf(c: &mut RadixCache, t: TokenId, priority: i32) -> NodeId {
+    let pages = c.alloc_pages(1).unwrap();
+    let opts = InsertOptions {
+        priority,
+        chunked: false,
+    };
+    let r = c.insert(KeyRef::new(&[t; 4]), &pages, opts).unwrap();
+    c.pools_mut().pages.free(&r.duplicates).unwrap();
+    r.last_node
+}
+
+/// Inserts three one-page leaves A, B, C (priorities 1, 2, 0), re-inserts A twice (two reuse
+/// hits) and matches C; returns the order in which single-leaf evictions remove them.
+fn eviction_order(policy: PolicyKind) -> Vec<char> {
+    let mut c = cache_with(4, 16, policy);
+    let a = insert_leaf(&mut c, 1, 1);
+    let b = insert_leaf(&mut c, 2, 2);
+    let cc = insert_leaf(&mut c, 3, 0);
+    insert_leaf(&mut c, 1, 0);
+    insert_leaf(&mut c, 1, 0);
+    matched(&mut c, &[3; 4]);
+    check(&c);
+    let mut order = Vec::new();
+    while c.evict(1) > 0 {
+        for (id, name) in [(a, 'A'), (b, 'B'), (cc, 'C')] {
+            if !c.tree().contains(id) && !order.contains(&name) {
+                order.push(name);
+            }
+        }
+        check(&c);
+    }
+    order
+}
+
+#[test]
+fn each_policy_evicts_in_its_order() {
+    let expected = [
+        // Oldest access first: B (insert), A (re-insert), C (match).
+        (PolicyKind::Lru, "BAC"),
+        (PolicyKind::Mru, "CAB"),
+        // Fewest reuse hits first, ties by recency.
+        (PolicyKind::Lfu, "BCA"),
+        (PolicyKind::Fifo, "ABC"),
+        (PolicyKind::Filo, "CBA"),
+        // Lowest priority first.
+        (PolicyKind::Priority, "CAB"),
+        // A was reused twice: protected behind the probationary B and C.
+        (PolicyKind::Slru, "BCA"),
+        // A and C were visited: the hand spares each once.
+        (PolicyKind::Sieve, "BAC"),
+    ];
+    assert_eq!(expected.len(), PolicyKind::ALL.len());
+    for (policy, order) in expected {
+        let got: String = eviction_order(policy).into_iter().collect();
+        assert_eq!(got, order, "{policy:?}");
+    }
+}
+
+#[test]
+fn reinsert_updates_the_policy_order() {
+    // Raising a leaf's priority (or reuse count) by re-inserting it must reorder it for
+    // eviction, not only change its stored metadata.
+    let mut c = cache_with(4, 16, PolicyKind::Priority);
+    let a = insert_leaf(&mut c, 1, 0);
+    let b = insert_leaf(&mut c, 2, 1);
+    insert_leaf(&mut c, 1, 5);
+    assert_eq!(c.tree().meta(a).unwrap().priority, 5);
+    assert_eq!(c.evict(1), 4);
+    assert!(
+        c.tree().contains(a),
+        "the priority-5 leaf was evicted before the priority-1 one"
+    );
+    assert!(!c.tree().contains(b));
+    check(&c);
+}
