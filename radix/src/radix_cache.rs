@@ -93,6 +93,18 @@ impl RadixCache {
         (&mut self.tree, &mut self.pools)
     }
 
+    /// Debug builds audit every invariant after each mutation of a small cache (the audit is
+    /// `O(pool)`, so large caches are left to explicit `check_invariants` calls).
+    #[inline]
+    fn debug_audit(&self) {
+        #[cfg(debug_assertions)]
+        if self.tree.node_count() <= 256 && self.pools.pages.total() <= 1 << 12 {
+            if let Err(e) = self.check_invariants() {
+                panic!("radixkv internal invariant violated: {e}");
+            }
+        }
+    }
+
     /// True in disabled (no sharing) mode.
     pub fn is_disabled(&self) -> bool {
         self.disabled
@@ -193,6 +205,7 @@ impl PrefixCache for RadixCache {
         }
         let mut buf = pages.to_vec();
         let r = self.insert_owned(key, &mut buf, 0, opts)?;
+        self.debug_audit();
         Ok(InsertResult {
             prefix_len: r.prefix_len,
             adopted_len: r.adopted_len,
@@ -205,6 +218,7 @@ impl PrefixCache for RadixCache {
         self.scratch.clear();
         let n = self.tree.evict(tokens, &mut self.scratch);
         self.pools.pages.free_tree_pages(&self.scratch);
+        self.debug_audit();
         n
     }
 
@@ -235,6 +249,7 @@ impl PrefixCache for RadixCache {
         self.scratch.clear();
         self.tree.reset(&mut self.scratch)?;
         self.pools.pages.free_tree_pages(&self.scratch);
+        self.debug_audit();
         Ok(())
     }
 
@@ -361,6 +376,7 @@ impl PrefixCache for RadixCache {
         req.committed_len = req.prefix_len;
         req.allocated_len = req.prefix_len;
         req.cache_protected_len = req.prefix_len;
+        self.debug_audit();
         Ok(())
     }
 
@@ -384,6 +400,7 @@ impl PrefixCache for RadixCache {
         req.last_node = Some(r.last_node);
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
+        self.debug_audit();
         Ok(())
     }
 
@@ -410,6 +427,7 @@ impl PrefixCache for RadixCache {
             None => Ok(()),
         };
         req.clear_kv_state();
+        self.debug_audit();
         result.and(freed).and(unlocked)
     }
 }
