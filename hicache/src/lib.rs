@@ -1,2 +1,92 @@
-//! Hierarchical cache: host pool, device backends, `HybridCacheController`, `HiRadixCache`
-//! (issue #4).
+//! # radixkv-hicache — the hierarchical KV cache (device L1 ↔ host L2)
+//!
+//! [`HiRadixCache`] is a [`PrefixCache`](radixkv_radix::PrefixCache) whose tree nodes live on
+//! two tiers: the device KV pool and a larger host pool. Bytes really move: a
+//! [`DeviceBackend`] owns the device pool and two copy streams, and the
+//! [`HybridCacheController`] turns the cache's decisions into merged, asynchronous copies.
+//!
+//! ## Model
+//! - **Geometry.** A pool is `layers × pages × page_size × bytes_per_token_layer` bytes
+//!   ([`KvGeometry`]); the device pool is layer-major, the host pool is
+//!   [`HostLayout::LayerFirst`] (same as the device) or [`HostLayout::PageFirst`] (all layers
+//!   of a page contiguous, one object for storage I/O).
+//! - **Backends.** [`DeviceBackend`] has CUDA semantics: `enqueue_copy` returns at once, an
+//!   event recorded after it completes when the copy is done. [`HostSim`] implements it with
+//!   ordinary memory and one worker thread per stream; it can delay or gate copies so tests
+//!   observe overlap. A CUDA backend comes later behind the `cuda` feature.
+//! - **Controller.** `write`/`load` allocate the target pages (and extra-pool slots, all or
+//!   nothing) and queue a [`CacheOperation`]; `start_writing`/`start_loading` merge the queue
+//!   into one transfer whose adjacent pages coalesce into runs. Loads go layer by layer and
+//!   complete one event per layer in a [`LayerDoneCounter`], so the forward pass of layer `i`
+//!   waits only for layer `i`. Completions return as [`Acks`].
+//! - **Tiers.** Node states: device only → writing (locked until the ack) → both → host only
+//!   → gone. [`WritePolicy`] decides when to back up; device eviction of a backed-up node frees
+//!   only its device pages; host eviction removes host-only leaves; an exhausted host degrades
+//!   to device-only (counted in [`HiCacheStats`]), never to an error. A host hit is loaded
+//!   back in `begin_request` (minimum size and quota apply) and becomes part of the request's
+//!   prefix; the scheduler starts the loads with [`HiRadixCache::start_loading`] and waits per
+//!   layer before reading them.
+//! - **Threads.** Only the streams run on other threads; the tree changes on the caller's
+//!   thread, when [`HiRadixCache::step`] applies acks at a step boundary.
+//!
+//! ## Example
+//! ```
+//! use std::sync::Arc;
+//! use radixkv_hicache::{HiCacheConfig, HiRadixCache, HostSim, HostSimConfig, KvGeometry, WritePolicy};
+//! use radixkv_radix::{FinishKind, PrefixCache, RadixConfig, RadixKey, RequestKv};
+//!
+//! let radix = RadixConfig { page_size: 4, total_pages: 8, ..Default::default() };
+//! let geometry = KvGeometry::new(2, 4, 16)?;
+//! let device = Arc::new(HostSim::new(geometry, 8, HostSimConfig::default())?);
+//! let cfg = HiCacheConfig { radix, write_policy: WritePolicy::WriteThrough, ..Default::default() };
+//! let mut cache = HiRadixCache::new(cfg, device)?;
+//!
+//! let mut a = RequestKv::new(RadixKey::new((0..17).collect()));
+//! cache.match_request(&mut a)?;
+//! cache.begin_request(&mut a)?;
+//! cache.alloc_tokens(&mut a, 17)?;
+//! a.commit(17)?; // the forward pass wrote the KV into the row's pages
+//! cache.cache_finished_req(&mut a, FinishKind::Finished)?;
+//! cache.flush()?; // the backup is on the host now
+//! cache.evict(16); // device eviction demotes the node to host-only
+//!
+//! let mut b = RequestKv::new(RadixKey::new((0..17).collect()));
+//! assert_eq!(cache.match_request(&mut b)?.host_hit_len, 16);
+//! cache.begin_request(&mut b)?; // loads the 16 tokens back
+//! assert_eq!(b.prefix_len, 16);
+//! let step = cache.start_loading()?.expect("a load is queued");
+//! cache.layer_counter().set_consumer(step.producer);
+//! cache.layer_counter().wait_until(0)?; // layer 0 may be read now
+//! # cache.flush()?;
+//! # cache.cache_finished_req(&mut b, FinishKind::Finished)?;
+//! # cache.check_invariants().unwrap();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Not yet here
+//! The storage tier (L3), the CUDA backend, byte movement for extra pools (their slots are
+//! allocated and rolled back atomically already) and multi-rank consensus come in later
+//! issues.
+
+mod backend;
+mod controller;
+mod error;
+mod geometry;
+mod hiradix;
+mod host_pool;
+mod hostsim;
+mod layer_counter;
+
+pub use backend::{
+    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, PageRun, StreamKind, validate_copy,
+};
+pub use controller::{
+    Acks, CacheOperation, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
+    PoolTransfer, TransferStats, merge_runs,
+};
+pub use error::{HiCacheError, Result};
+pub use geometry::{HostLayout, KvGeometry};
+pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, WritePolicy};
+pub use host_pool::{HostPool, HostSize, SlotAllocator};
+pub use hostsim::{CopyGate, HostSim, HostSimConfig, SimEvent};
+pub use layer_counter::{LayerDoneCounter, PRODUCER_RING};

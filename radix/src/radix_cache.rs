@@ -98,10 +98,11 @@ impl RadixCache {
     #[inline]
     fn debug_audit(&self) {
         #[cfg(debug_assertions)]
-        if self.tree.node_count() <= 256 && self.pools.pages.total() <= 1 << 12 {
-            if let Err(e) = self.check_invariants() {
-                panic!("radixkv internal invariant violated: {e}");
-            }
+        if self.tree.node_count() <= 256
+            && self.pools.pages.total() <= 1 << 12
+            && let Err(e) = self.check_invariants()
+        {
+            panic!("radixkv internal invariant violated: {e}");
         }
     }
 

@@ -1,0 +1,252 @@
+//! The device abstraction: a paged KV pool on the device, two copy streams (load and write)
+//! that execute submitted copies in order, and events that complete when everything submitted
+//! before them on their stream is done.
+//!
+//! The contract matches CUDA streams and events, so the controller cannot tell
+//! [`HostSim`](crate::HostSim) from a GPU backend: `enqueue_copy` returns at once, and the
+//! only way to learn that bytes arrived is an event recorded after the copy.
+
+use std::ops::Range;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use radixkv_radix::PageId;
+
+use crate::error::{HiCacheError, Result};
+use crate::geometry::{HostLayout, KvGeometry};
+
+/// Which copy stream an operation runs on. Loads and writes use separate streams so a
+/// backup never delays a load the forward pass waits for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum StreamKind {
+    /// Host → device (load-back).
+    Load,
+    /// Device → host (backup).
+    Write,
+}
+
+/// Direction of a copy.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Device pages to host pages.
+    DeviceToHost,
+    /// Host pages to device pages.
+    HostToDevice,
+}
+
+/// A run of `pages` consecutive device pages paired with as many consecutive host pages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PageRun {
+    /// First device page.
+    pub device: u32,
+    /// First host page.
+    pub host: u32,
+    /// Number of pages (≥ 1).
+    pub pages: u32,
+}
+
+/// One submitted copy: the given runs, for the layers in `layers`.
+#[derive(Clone, Debug)]
+pub struct PageCopy {
+    /// Direction.
+    pub direction: Direction,
+    /// Layers to copy (a single layer for pipelined loads, all layers for backups).
+    pub layers: Range<usize>,
+    /// The page runs (shared between the per-layer copies of one transfer).
+    pub runs: Arc<[PageRun]>,
+    /// The host pool's memory.
+    pub host: Arc<HostMemory>,
+}
+
+/// Completion handle of everything submitted to a stream before it was recorded.
+pub trait CopyEvent: Clone + Send + Sync + 'static {
+    /// True once the copies before the event are done (successfully or not).
+    fn is_complete(&self) -> bool;
+    /// Blocks until the event completes.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Transfer`] when a copy before the event failed.
+    fn wait(&self) -> Result<()>;
+}
+
+/// A device with a paged KV pool and two asynchronous copy streams.
+///
+/// Implementations: [`HostSim`](crate::HostSim) (ordinary memory, worker threads) and, in a
+/// later issue, a CUDA backend (device memory, `cudaMemcpyAsync` on two streams, CUDA events;
+/// the host pool's buffer is registered as pinned memory). Backends allocate the device pool
+/// when they are constructed.
+pub trait DeviceBackend: Send + Sync + 'static {
+    /// The stream event type.
+    type Event: CopyEvent;
+    /// Short name (`"hostsim"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+    /// Geometry of the device pool.
+    fn geometry(&self) -> KvGeometry;
+    /// Pages in the device pool.
+    fn device_pages(&self) -> usize;
+    /// Makes `host` usable as a copy source and target (pins it on CUDA). Idempotent.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] when its geometry differs from the device's.
+    fn register_host(&self, host: &Arc<HostMemory>) -> Result<()>;
+    /// Submits a copy to `stream`; returns without waiting for it.
+    ///
+    /// # Errors
+    /// Out-of-range pages or layers (nothing is submitted then) or a dead stream.
+    fn enqueue_copy(&self, stream: StreamKind, copy: PageCopy) -> Result<()>;
+    /// Records an event on `stream` after everything submitted so far.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Transfer`] for a dead stream.
+    fn record_event(&self, stream: StreamKind) -> Result<Self::Event>;
+    /// Synchronously reads one page of one layer of the device pool (tests, debugging and
+    /// engines without kernels of their own).
+    ///
+    /// # Errors
+    /// Out-of-range layer or page, wrong buffer size.
+    fn read_device_page(&self, layer: usize, page: PageId, out: &mut [u8]) -> Result<()>;
+    /// Synchronously writes one page of one layer of the device pool (what the forward pass
+    /// does when it computes KV).
+    ///
+    /// # Errors
+    /// Out-of-range layer or page, wrong buffer size.
+    fn write_device_page(&self, layer: usize, page: PageId, data: &[u8]) -> Result<()>;
+}
+
+/// The bytes of a host pool: one buffer in the chosen [`HostLayout`].
+///
+/// Shared between the cache thread and the stream workers. The lock makes concurrent access
+/// sound; the page allocator's protocol (a page is never read and written by two live
+/// operations) is what makes the contents meaningful.
+#[derive(Debug)]
+pub struct HostMemory {
+    geometry: KvGeometry,
+    pages: usize,
+    layout: HostLayout,
+    bytes: RwLock<Box<[u8]>>,
+}
+
+impl HostMemory {
+    /// A zeroed host buffer of `pages` pages.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for zero pages or a size that overflows.
+    pub fn new(geometry: KvGeometry, pages: usize, layout: HostLayout) -> Result<Self> {
+        geometry.validate()?;
+        if pages == 0 || pages > u32::MAX as usize {
+            return Err(HiCacheError::Config(format!(
+                "host pool of {pages} pages must be in 1..=u32::MAX"
+            )));
+        }
+        let n = geometry.pool_bytes(pages)?;
+        Ok(HostMemory {
+            geometry,
+            pages,
+            layout,
+            bytes: RwLock::new(vec![0u8; n].into_boxed_slice()),
+        })
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    /// Pages in the buffer.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> HostLayout {
+        self.layout
+    }
+
+    /// Size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.pages * self.geometry.page_bytes()
+    }
+
+    fn check(&self, layer: usize, page: u32, len: usize) -> Result<usize> {
+        if layer >= self.geometry.layers {
+            return Err(HiCacheError::LayerOutOfRange {
+                layer,
+                layers: self.geometry.layers,
+            });
+        }
+        if page as usize >= self.pages {
+            return Err(HiCacheError::HostPageOutOfRange(page));
+        }
+        let want = self.geometry.page_bytes_per_layer();
+        if len != want {
+            return Err(HiCacheError::BufferSize {
+                expected: want,
+                got: len,
+            });
+        }
+        Ok(self
+            .layout
+            .offset(&self.geometry, self.pages, layer, page as usize))
+    }
+
+    /// Reads one page of one layer.
+    ///
+    /// # Errors
+    /// Out-of-range layer or page, wrong buffer size.
+    pub fn read_page(&self, layer: usize, page: u32, out: &mut [u8]) -> Result<()> {
+        let o = self.check(layer, page, out.len())?;
+        out.copy_from_slice(&self.read()[o..o + out.len()]);
+        Ok(())
+    }
+
+    /// Writes one page of one layer (storage tiers fill host pages this way).
+    ///
+    /// # Errors
+    /// Out-of-range layer or page, wrong buffer size.
+    pub fn write_page(&self, layer: usize, page: u32, data: &[u8]) -> Result<()> {
+        let o = self.check(layer, page, data.len())?;
+        self.write()[o..o + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Box<[u8]>> {
+        self.bytes.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
+        self.bytes.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Checks that every run of `copy` lies inside a device pool of `device_pages` pages, the host
+/// buffer and the geometry. Backends call it before accepting a copy.
+///
+/// # Errors
+/// The first out-of-range page or layer.
+pub fn validate_copy(geometry: &KvGeometry, device_pages: usize, copy: &PageCopy) -> Result<()> {
+    if copy.host.geometry() != *geometry {
+        return Err(HiCacheError::Config(
+            "host pool geometry differs from the device's".into(),
+        ));
+    }
+    if copy.layers.end > geometry.layers || copy.layers.start > copy.layers.end {
+        return Err(HiCacheError::LayerOutOfRange {
+            layer: copy.layers.end.saturating_sub(1),
+            layers: geometry.layers,
+        });
+    }
+    for r in copy.runs.iter() {
+        let dev_end = r.device as usize + r.pages as usize;
+        if r.pages == 0 || dev_end > device_pages {
+            return Err(HiCacheError::DevicePageOutOfRange(PageId(
+                dev_end.saturating_sub(1) as u32,
+            )));
+        }
+        let host_end = r.host as usize + r.pages as usize;
+        if host_end > copy.host.pages() {
+            return Err(HiCacheError::HostPageOutOfRange(
+                host_end.saturating_sub(1) as u32
+            ));
+        }
+    }
+    Ok(())
+}

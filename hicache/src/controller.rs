@@ -1,0 +1,587 @@
+//! [`HybridCacheController`]: queues device↔host operations, merges them into few large copies,
+//! pipelines loads layer by layer and reports completions as acks.
+//!
+//! The controller never touches the tree. `write`/`load` allocate the target pages (host pages
+//! for a backup, device pages for a load, plus slots of every extra pool — all or nothing) and
+//! queue a [`CacheOperation`]. `start_writing`/`start_loading` merge everything queued into one
+//! transfer: the (device, host) page pairs are sorted and adjacent pairs coalesce into
+//! [`PageRun`]s, so many small operations become few large copies. Completions come back through
+//! [`HybridCacheController::poll_acks`], which the cache calls at step boundaries.
+//!
+//! Extra pools (Mamba state, SWA KV) ride in the same operation as [`PoolTransfer`]s with their
+//! own indices. This issue allocates and releases their slots; their bytes move with the pools
+//! themselves in a later issue.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use radixkv_radix::{CacheError, PageAllocator, PageId};
+
+use crate::backend::{CopyEvent, DeviceBackend, Direction, PageCopy, PageRun, StreamKind};
+use crate::error::{HiCacheError, Result};
+use crate::host_pool::{HostPool, SlotAllocator};
+use crate::layer_counter::LayerDoneCounter;
+
+/// Name of a pool an operation moves.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolName {
+    /// The full-attention KV pool (the primary pool; always present).
+    Kv,
+    /// Mamba / SSM state checkpoints (one slot per checkpoint).
+    Mamba,
+    /// Sliding-window KV.
+    Swa,
+    /// A sparse-attention indexer cache.
+    Indexer,
+    /// A draft model's KV (speculative decoding).
+    Draft,
+}
+
+/// Sizes of an extra pool.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ExtraPoolSpec {
+    /// Which pool.
+    pub name: PoolName,
+    /// Host slots.
+    pub host_slots: u32,
+    /// Device slots.
+    pub device_slots: u32,
+}
+
+/// Indices of one extra pool moved by an operation. For `write` the caller fills
+/// `device_indices` and the controller allocates `host_indices`; for `load` the reverse.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolTransfer {
+    /// Which pool.
+    pub name: PoolName,
+    /// Host slots.
+    pub host_indices: Vec<u32>,
+    /// Device slots.
+    pub device_indices: Vec<u32>,
+}
+
+/// Identifier of a queued operation, reported back in [`Acks`].
+pub type OpId = u64;
+
+/// One queued backup or load.
+#[derive(Clone, Debug)]
+pub struct CacheOperation {
+    /// Its id.
+    pub id: OpId,
+    /// Device pages (sources of a backup, targets of a load).
+    pub device_pages: Vec<PageId>,
+    /// Host pages paired with `device_pages`.
+    pub host_pages: Vec<u32>,
+    /// Request priority (informational; merged operations run together).
+    pub priority: i32,
+    /// Extra pools moved with the KV.
+    pub extra: Vec<PoolTransfer>,
+}
+
+/// What one merged transfer moved.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Operations merged.
+    pub ops: usize,
+    /// Pages moved.
+    pub pages: usize,
+    /// Contiguous runs after coalescing.
+    pub runs: usize,
+    /// Bytes moved (all layers).
+    pub bytes: usize,
+}
+
+/// A started pipelined load.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LoadStep {
+    /// Producer index in the [`LayerDoneCounter`] ring (hand it to `set_consumer`).
+    pub producer: usize,
+    /// What was merged.
+    pub stats: TransferStats,
+}
+
+/// Completed operations, in completion order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Acks {
+    /// Backups whose bytes are on the host.
+    pub writes: Vec<OpId>,
+    /// Loads whose bytes are on the device.
+    pub loads: Vec<OpId>,
+    /// Operations whose copy failed (also listed above).
+    pub failed: Vec<OpId>,
+}
+
+impl Acks {
+    /// True when nothing completed.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.loads.is_empty()
+    }
+}
+
+#[derive(Debug)]
+struct ExtraPool {
+    name: PoolName,
+    host: SlotAllocator,
+    device: SlotAllocator,
+}
+
+/// Merges, submits and tracks device↔host transfers. See the module docs.
+pub struct HybridCacheController<B: DeviceBackend> {
+    backend: Arc<B>,
+    host: HostPool,
+    extra: Vec<ExtraPool>,
+    write_queue: Vec<CacheOperation>,
+    load_queue: Vec<CacheOperation>,
+    write_acks: VecDeque<(B::Event, Vec<OpId>)>,
+    load_acks: VecDeque<(B::Event, Vec<OpId>)>,
+    layers: Arc<LayerDoneCounter<B::Event>>,
+    next_op: OpId,
+    pairs: Vec<(u32, u32)>,
+}
+
+impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridCacheController")
+            .field("backend", &self.backend.name())
+            .field("host_pages", &self.host.total())
+            .field("queued_writes", &self.write_queue.len())
+            .field("queued_loads", &self.load_queue.len())
+            .finish()
+    }
+}
+
+/// Sorts (device, host) pairs by device page and coalesces pairs adjacent on both sides into
+/// runs. Each device page appears once, so this is the minimal number of runs for the pairing.
+pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
+    pairs.sort_unstable();
+    let mut runs: Vec<PageRun> = Vec::new();
+    for &(d, h) in pairs.iter() {
+        match runs.last_mut() {
+            Some(r) if r.device + r.pages == d && r.host + r.pages == h => r.pages += 1,
+            _ => runs.push(PageRun {
+                device: d,
+                host: h,
+                pages: 1,
+            }),
+        }
+    }
+    runs
+}
+
+impl<B: DeviceBackend> HybridCacheController<B> {
+    /// A controller over `backend` with the host pool `host` and the given extra pools.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] when the host pool's geometry differs from the device's or an
+    /// extra pool is listed twice or is [`PoolName::Kv`].
+    pub fn new(backend: Arc<B>, host: HostPool, extra: &[ExtraPoolSpec]) -> Result<Self> {
+        backend.register_host(host.memory())?;
+        let mut pools: Vec<ExtraPool> = Vec::new();
+        for s in extra {
+            if s.name == PoolName::Kv || pools.iter().any(|p| p.name == s.name) {
+                return Err(HiCacheError::Config(format!(
+                    "extra pool {:?} is the KV pool or listed twice",
+                    s.name
+                )));
+            }
+            pools.push(ExtraPool {
+                name: s.name,
+                host: SlotAllocator::new(s.host_slots),
+                device: SlotAllocator::new(s.device_slots),
+            });
+        }
+        let layers = Arc::new(LayerDoneCounter::new(backend.geometry().layers));
+        Ok(HybridCacheController {
+            backend,
+            host,
+            extra: pools,
+            write_queue: Vec::new(),
+            load_queue: Vec::new(),
+            write_acks: VecDeque::new(),
+            load_acks: VecDeque::new(),
+            layers,
+            next_op: 1,
+            pairs: Vec::new(),
+        })
+    }
+
+    /// The device backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The host pool.
+    pub fn host(&self) -> &HostPool {
+        &self.host
+    }
+
+    /// The per-layer load counter (share it with the forward pass).
+    pub fn layer_counter(&self) -> &Arc<LayerDoneCounter<B::Event>> {
+        &self.layers
+    }
+
+    /// Frees host pages (host eviction, or a backup the cache dropped).
+    ///
+    /// # Errors
+    /// Double free or out of range; nothing freed then.
+    pub fn free_host(&mut self, pages: &[u32]) -> Result<()> {
+        self.host.free(pages)
+    }
+
+    /// Frees every host page and extra-pool slot (cache reset). Waits for in-flight copies.
+    ///
+    /// # Errors
+    /// A failed copy (the pools are reset anyway).
+    pub fn reset(&mut self) -> Result<()> {
+        let r = self.wait_all();
+        self.write_queue.clear();
+        self.load_queue.clear();
+        self.write_acks.clear();
+        self.load_acks.clear();
+        self.host.reset();
+        for p in &mut self.extra {
+            p.host.reset();
+            p.device.reset();
+        }
+        r
+    }
+
+    /// Free slots of an extra pool: (host, device).
+    ///
+    /// # Errors
+    /// [`HiCacheError::UnknownPool`].
+    pub fn extra_available(&self, name: PoolName) -> Result<(usize, usize)> {
+        let p = self.extra_pool(name)?;
+        Ok((p.host.available(), p.device.available()))
+    }
+
+    /// Frees slots of an extra pool.
+    ///
+    /// # Errors
+    /// Unknown pool, double free; nothing freed then.
+    pub fn free_extra(&mut self, name: PoolName, host: &[u32], device: &[u32]) -> Result<()> {
+        let i = self.extra_index(name)?;
+        let p = &mut self.extra[i];
+        p.device.check_free(device)?;
+        p.host.free(host)?;
+        p.device.free(device)
+    }
+
+    fn extra_index(&self, name: PoolName) -> Result<usize> {
+        self.extra
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or(HiCacheError::UnknownPool(name))
+    }
+
+    fn extra_pool(&self, name: PoolName) -> Result<&ExtraPool> {
+        Ok(&self.extra[self.extra_index(name)?])
+    }
+
+    fn fresh_id(&mut self) -> OpId {
+        let id = self.next_op;
+        self.next_op += 1;
+        id
+    }
+
+    /// Queues a backup of `device_pages` (all layers) and allocates the host pages it writes to,
+    /// plus host slots for every extra pool in `extra` (whose `device_indices` the caller
+    /// fills). Allocation is atomic: if any pool is full, everything rolls back.
+    ///
+    /// # Errors
+    /// [`HiCacheError::HostFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, out-of-range
+    /// device pages; nothing is allocated or queued then.
+    pub fn write(
+        &mut self,
+        device_pages: &[PageId],
+        priority: i32,
+        mut extra: Vec<PoolTransfer>,
+    ) -> Result<&CacheOperation> {
+        let n = self.backend.device_pages();
+        if let Some(&p) = device_pages.iter().find(|p| p.index() >= n) {
+            return Err(HiCacheError::DevicePageOutOfRange(p));
+        }
+        let host_pages = self.host.alloc(device_pages.len())?;
+        if let Err(e) = self.alloc_extra(&mut extra, Direction::DeviceToHost) {
+            self.host.free(&host_pages)?;
+            return Err(e);
+        }
+        let id = self.fresh_id();
+        self.write_queue.push(CacheOperation {
+            id,
+            device_pages: device_pages.to_vec(),
+            host_pages,
+            priority,
+            extra,
+        });
+        Ok(self.write_queue.last().expect("just pushed"))
+    }
+
+    /// Queues a load of `host_pages` (all layers, pipelined per layer) into device pages it
+    /// allocates from `device`, plus device slots for every extra pool in `extra` (whose
+    /// `host_indices` the caller fills). Atomic like [`HybridCacheController::write`]. The
+    /// caller evicts before calling if the device is short; this never evicts.
+    ///
+    /// # Errors
+    /// [`HiCacheError::DeviceFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, host pages
+    /// that are not allocated; nothing is allocated or queued then.
+    pub fn load(
+        &mut self,
+        host_pages: &[u32],
+        device: &mut PageAllocator,
+        mut extra: Vec<PoolTransfer>,
+    ) -> Result<&CacheOperation> {
+        if let Some(&h) = host_pages.iter().find(|&&h| !self.host.is_used(h)) {
+            return Err(HiCacheError::HostPageOutOfRange(h));
+        }
+        if device.total() != self.backend.device_pages() {
+            return Err(HiCacheError::Config(
+                "device allocator does not match the backend's pool".into(),
+            ));
+        }
+        let device_pages = device.alloc(host_pages.len()).map_err(|e| match e {
+            CacheError::OutOfPages { needed, available } => {
+                HiCacheError::DeviceFull { needed, available }
+            }
+            other => HiCacheError::Cache(other),
+        })?;
+        if let Err(e) = self.alloc_extra(&mut extra, Direction::HostToDevice) {
+            device.free(&device_pages)?;
+            return Err(e);
+        }
+        let id = self.fresh_id();
+        self.load_queue.push(CacheOperation {
+            id,
+            device_pages,
+            host_pages: host_pages.to_vec(),
+            priority: 0,
+            extra,
+        });
+        Ok(self.load_queue.last().expect("just pushed"))
+    }
+
+    /// Allocates the target side of every extra transfer, all or nothing.
+    fn alloc_extra(&mut self, extra: &mut [PoolTransfer], dir: Direction) -> Result<()> {
+        let mut done = 0;
+        let mut res = Ok(());
+        for t in extra.iter_mut() {
+            let i = match self.extra_index(t.name) {
+                Ok(i) => i,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            };
+            let p = &mut self.extra[i];
+            let (src_pool, dst_pool, src, dst) = match dir {
+                Direction::DeviceToHost => (
+                    &p.device,
+                    &mut p.host,
+                    &t.device_indices,
+                    &mut t.host_indices,
+                ),
+                Direction::HostToDevice => (
+                    &p.host,
+                    &mut p.device,
+                    &t.host_indices,
+                    &mut t.device_indices,
+                ),
+            };
+            if let Some(&s) = src.iter().find(|&&s| s as usize >= src_pool.total()) {
+                res = Err(HiCacheError::HostPageOutOfRange(s));
+                break;
+            }
+            match dst_pool.alloc(src.len()) {
+                Some(v) => *dst = v,
+                None => {
+                    res = Err(HiCacheError::ExtraPoolFull {
+                        pool: t.name,
+                        needed: src.len(),
+                        available: dst_pool.available(),
+                    });
+                    break;
+                }
+            }
+            done += 1;
+        }
+        if res.is_err() {
+            for t in &mut extra[..done] {
+                if let Ok(i) = self.extra_index(t.name) {
+                    let p = &mut self.extra[i];
+                    let (pool, dst) = match dir {
+                        Direction::DeviceToHost => (&mut p.host, &mut t.host_indices),
+                        Direction::HostToDevice => (&mut p.device, &mut t.device_indices),
+                    };
+                    // These slots were allocated just above, so freeing cannot fail.
+                    let _ = pool.free(dst);
+                    dst.clear();
+                }
+            }
+        }
+        res
+    }
+
+    /// Operations queued and not started: (writes, loads).
+    pub fn queued(&self) -> (usize, usize) {
+        (self.write_queue.len(), self.load_queue.len())
+    }
+
+    /// Transfers started and not yet acknowledged: (writes, loads).
+    pub fn in_flight(&self) -> (usize, usize) {
+        (self.write_acks.len(), self.load_acks.len())
+    }
+
+    fn merge(&mut self, ops: &[CacheOperation]) -> (Arc<[PageRun]>, TransferStats) {
+        self.pairs.clear();
+        for op in ops {
+            self.pairs.extend(
+                op.device_pages
+                    .iter()
+                    .zip(&op.host_pages)
+                    .map(|(d, &h)| (d.0, h)),
+            );
+        }
+        let runs = merge_runs(&mut self.pairs);
+        let pages = self.pairs.len();
+        let stats = TransferStats {
+            ops: ops.len(),
+            pages,
+            runs: runs.len(),
+            bytes: pages * self.backend.geometry().page_bytes(),
+        };
+        (runs.into(), stats)
+    }
+
+    /// Merges every queued backup into one device→host transfer (all layers) on the write
+    /// stream. Returns `None` when nothing was queued.
+    ///
+    /// # Errors
+    /// The backend refused the copy; the operations stay queued then.
+    pub fn start_writing(&mut self) -> Result<Option<TransferStats>> {
+        if self.write_queue.is_empty() {
+            return Ok(None);
+        }
+        let ops = std::mem::take(&mut self.write_queue);
+        let (runs, stats) = self.merge(&ops);
+        let _span =
+            tracing::debug_span!("start_writing", ops = stats.ops, runs = stats.runs).entered();
+        let copy = PageCopy {
+            direction: Direction::DeviceToHost,
+            layers: 0..self.backend.geometry().layers,
+            runs,
+            host: self.host.memory().clone(),
+        };
+        let ev = match self
+            .backend
+            .enqueue_copy(StreamKind::Write, copy)
+            .and_then(|()| self.backend.record_event(StreamKind::Write))
+        {
+            Ok(ev) => ev,
+            Err(e) => {
+                self.write_queue = ops;
+                return Err(e);
+            }
+        };
+        self.write_acks
+            .push_back((ev, ops.iter().map(|o| o.id).collect()));
+        Ok(Some(stats))
+    }
+
+    /// Merges every queued load into one host→device transfer, submitted layer by layer on the
+    /// load stream with one event per layer in a fresh producer slot of the layer counter.
+    /// Returns `None` when nothing was queued.
+    ///
+    /// # Errors
+    /// The backend refused a copy, or the producer slot's previous batch failed. The operations
+    /// stay queued when nothing was submitted.
+    pub fn start_loading(&mut self) -> Result<Option<LoadStep>> {
+        if self.load_queue.is_empty() {
+            return Ok(None);
+        }
+        let ops = std::mem::take(&mut self.load_queue);
+        let (runs, stats) = self.merge(&ops);
+        let _span =
+            tracing::debug_span!("start_loading", ops = stats.ops, runs = stats.runs).entered();
+        let producer = match self.layers.update_producer() {
+            Ok(p) => p,
+            Err(e) => {
+                self.load_queue = ops;
+                return Err(e);
+            }
+        };
+        let layers = self.backend.geometry().layers;
+        let mut last = None;
+        for layer in 0..layers {
+            let copy = PageCopy {
+                direction: Direction::HostToDevice,
+                layers: layer..layer + 1,
+                runs: runs.clone(),
+                host: self.host.memory().clone(),
+            };
+            let ev = self
+                .backend
+                .enqueue_copy(StreamKind::Load, copy)
+                .and_then(|()| self.backend.record_event(StreamKind::Load));
+            match ev {
+                Ok(ev) => {
+                    self.layers.set_event(producer, layer, ev.clone());
+                    last = Some(ev);
+                }
+                Err(e) if layer == 0 => {
+                    self.load_queue = ops;
+                    return Err(e);
+                }
+                Err(e) => {
+                    // Part of the transfer is in flight: report the loads as failed at once
+                    // rather than leave them waiting forever.
+                    tracing::error!(error = %e, "pipelined load submission failed mid-way");
+                    let failed = ops.iter().map(|o| o.id).collect();
+                    self.load_acks
+                        .push_back((last.clone().expect("layer 0 was submitted"), failed));
+                    return Err(e);
+                }
+            }
+        }
+        let last = last.expect("at least one layer");
+        self.load_acks
+            .push_back((last, ops.iter().map(|o| o.id).collect()));
+        Ok(Some(LoadStep { producer, stats }))
+    }
+
+    /// Pops the completed transfers, oldest first (a transfer completes only after every older
+    /// one on its stream).
+    pub fn poll_acks(&mut self) -> Acks {
+        let mut acks = Acks::default();
+        drain_done(&mut self.write_acks, &mut acks.writes, &mut acks.failed);
+        drain_done(&mut self.load_acks, &mut acks.loads, &mut acks.failed);
+        acks
+    }
+
+    /// Blocks until every started transfer is complete (queued ones are not started).
+    ///
+    /// # Errors
+    /// The first failed copy.
+    pub fn wait_all(&self) -> Result<()> {
+        let mut res = Ok(());
+        for q in [&self.write_acks, &self.load_acks] {
+            if let Some((ev, _)) = q.back() {
+                res = res.and(ev.wait());
+            }
+        }
+        res
+    }
+}
+
+fn drain_done<E: CopyEvent>(
+    q: &mut VecDeque<(E, Vec<OpId>)>,
+    out: &mut Vec<OpId>,
+    failed: &mut Vec<OpId>,
+) {
+    while q.front().is_some_and(|(ev, _)| ev.is_complete()) {
+        let (ev, ids) = q.pop_front().expect("checked");
+        if ev.wait().is_err() {
+            failed.extend_from_slice(&ids);
+        }
+        out.extend(ids);
+    }
+}

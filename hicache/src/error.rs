@@ -1,0 +1,93 @@
+//! Typed errors of the host tier and the transfer machinery.
+
+use radixkv_radix::{CacheError, PageId};
+
+use crate::controller::PoolName;
+
+/// Errors of the host pool, the device backends and the controller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HiCacheError {
+    /// Not enough free host pages.
+    #[error("host pool full: needed {needed} pages, {available} free")]
+    HostFull {
+        /// Pages requested.
+        needed: usize,
+        /// Pages free.
+        available: usize,
+    },
+    /// Not enough free device pages.
+    #[error("device pool full: needed {needed} pages, {available} free")]
+    DeviceFull {
+        /// Pages requested.
+        needed: usize,
+        /// Pages free.
+        available: usize,
+    },
+    /// An extra pool (Mamba, SWA, ...) could not allocate; the whole operation rolled back.
+    #[error("extra pool {pool:?} full: needed {needed} slots, {available} free")]
+    ExtraPoolFull {
+        /// The pool.
+        pool: PoolName,
+        /// Slots requested.
+        needed: usize,
+        /// Slots free.
+        available: usize,
+    },
+    /// An operation named an extra pool the controller does not have.
+    #[error("unknown extra pool {0:?}")]
+    UnknownPool(PoolName),
+    /// A host page index outside the pool.
+    #[error("host page {0} is outside the pool")]
+    HostPageOutOfRange(u32),
+    /// A host page (or extra-pool slot) freed twice or never allocated.
+    #[error("host page or slot {0} freed while not allocated (double free?)")]
+    DoubleFree(u32),
+    /// A device page outside the device pool.
+    #[error("device page {0:?} is outside the device pool")]
+    DevicePageOutOfRange(PageId),
+    /// A layer index outside the geometry.
+    #[error("layer {layer} out of range ({layers} layers)")]
+    LayerOutOfRange {
+        /// The layer asked for.
+        layer: usize,
+        /// Layers in the geometry.
+        layers: usize,
+    },
+    /// A buffer of the wrong size.
+    #[error("buffer of {got} bytes where {expected} are needed")]
+    BufferSize {
+        /// Bytes expected.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// Impossible configuration (zero sizes, mismatched geometry, ...).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The backend failed a copy or its streams are gone.
+    #[error("transfer failed: {0}")]
+    Transfer(String),
+    /// An error of the radix layer.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+/// Shorthand result type.
+pub type Result<T, E = HiCacheError> = std::result::Result<T, E>;
+
+impl From<HiCacheError> for CacheError {
+    fn from(e: HiCacheError) -> Self {
+        match e {
+            HiCacheError::Cache(c) => c,
+            HiCacheError::DeviceFull { needed, available } => {
+                CacheError::OutOfPages { needed, available }
+            }
+            HiCacheError::Config(s) => CacheError::Config(s),
+            other => {
+                // The radix error type has no transfer variant; keep the detail in the log.
+                tracing::warn!(error = %other, "host tier operation failed");
+                CacheError::InvalidRequestState("host tier operation failed")
+            }
+        }
+    }
+}

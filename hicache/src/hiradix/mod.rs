@@ -1,0 +1,463 @@
+//! [`HiRadixCache`]: the tiered prefix cache (device L1 + host L2).
+//!
+//! # Node tier states
+//! device only → writing (host pages allocated, copy in flight, node locked until the ack) →
+//! both → host only (device pages freed by eviction, node kept) → gone (host eviction). A load
+//! brings a host-only chain back to both. Backed-up nodes form a root-connected prefix, as do
+//! device-resident nodes; the tree checks both.
+//!
+//! # Threads
+//! Copies run on the backend's streams, but the tree is only ever changed on the caller's
+//! thread: completions come back as acks that [`HiRadixCache::step`] applies at step
+//! boundaries (it releases the locks that protected writing and loading nodes).
+
+mod host_leaves;
+mod tiering;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use radixkv_radix::{
+    CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
+    KvEvent, LockReceipt, NodeId, PageId, PrefixCache, RadixCache, RadixConfig, RequestKv,
+    RequestMatch, TierWalk, TreeMatch, align_down,
+};
+
+use crate::backend::DeviceBackend;
+use crate::controller::{Acks, ExtraPoolSpec, HybridCacheController, LoadStep, OpId};
+use crate::error::{HiCacheError, Result as HiResult};
+use crate::geometry::HostLayout;
+use crate::host_pool::{HostPool, HostSize};
+use crate::layer_counter::LayerDoneCounter;
+use host_leaves::HostLeaves;
+
+/// When device KV is backed up to the host.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// Back up every new node at insert.
+    WriteThrough,
+    /// Back up a node once it was inserted `hits` times (reused `hits − 1` times).
+    WriteThroughSelective {
+        /// Inserts needed (default 2).
+        hits: u32,
+    },
+    /// Back up only when a node is evicted from the device (synchronously, in batches).
+    WriteBack,
+}
+
+impl Default for WritePolicy {
+    fn default() -> Self {
+        WritePolicy::WriteThroughSelective { hits: 2 }
+    }
+}
+
+/// Configuration of a [`HiRadixCache`].
+#[derive(Clone, Debug)]
+pub struct HiCacheConfig {
+    /// The device tier (page size, pool size, rows, policy, events).
+    pub radix: RadixConfig,
+    /// Host pool size.
+    pub host_size: HostSize,
+    /// Host pool layout.
+    pub host_layout: HostLayout,
+    /// Backup policy.
+    pub write_policy: WritePolicy,
+    /// Host hits shorter than this many tokens (rounded up to whole pages) are not loaded
+    /// back; recomputing them is cheaper than a transfer.
+    pub load_back_min_tokens: usize,
+    /// Largest load-back in tokens `begin_request` performs (`None`: no limit).
+    pub load_back_quota_tokens: Option<usize>,
+    /// Load host hits back in `begin_request` (otherwise only through
+    /// [`HiRadixCache::init_load_back`]).
+    pub load_back_on_begin: bool,
+    /// Extra pools moved with the KV (their slots only, in this version).
+    pub extra_pools: Vec<ExtraPoolSpec>,
+}
+
+impl Default for HiCacheConfig {
+    fn default() -> Self {
+        HiCacheConfig {
+            radix: RadixConfig::default(),
+            host_size: HostSize::Ratio(2.0),
+            host_layout: HostLayout::PageFirst,
+            write_policy: WritePolicy::default(),
+            load_back_min_tokens: 10,
+            load_back_quota_tokens: None,
+            load_back_on_begin: true,
+            extra_pools: Vec::new(),
+        }
+    }
+}
+
+/// Counters of tier traffic and graceful degradations.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct HiCacheStats {
+    /// Tokens whose backup was queued.
+    pub backed_up_tokens: u64,
+    /// Backups acknowledged.
+    pub writes_acked: u64,
+    /// Tokens loaded back from the host.
+    pub loaded_tokens: u64,
+    /// Loads acknowledged.
+    pub loads_acked: u64,
+    /// Tokens demoted to host-only by device eviction.
+    pub demoted_tokens: u64,
+    /// Tokens freed from the host by host eviction.
+    pub host_evicted_tokens: u64,
+    /// Backups skipped because the host was full even after host eviction.
+    pub host_exhausted: u64,
+    /// Tokens evicted from the device without a host copy under write-back.
+    pub dropped_without_backup: u64,
+    /// Load-backs skipped as shorter than the minimum.
+    pub load_back_too_small: u64,
+    /// Load-backs skipped as larger than the quota.
+    pub load_back_over_quota: u64,
+    /// Load-backs abandoned because the device could not free enough pages.
+    pub load_back_device_full: u64,
+    /// Transfers that reported a failed copy.
+    pub failed_transfers: u64,
+}
+
+/// The tiered prefix cache. See the module docs.
+pub struct HiRadixCache<B: DeviceBackend> {
+    inner: RadixCache,
+    ctrl: HybridCacheController<B>,
+    policy: WritePolicy,
+    load_back_min_tokens: usize,
+    load_back_quota_tokens: Option<usize>,
+    load_back_on_begin: bool,
+    host_leaves: HostLeaves,
+    pending_writes: HashMap<OpId, LockReceipt>,
+    pending_loads: HashMap<OpId, LockReceipt>,
+    stats: HiCacheStats,
+    pages: Vec<PageId>,
+    host_scratch: Vec<u32>,
+}
+
+impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HiRadixCache")
+            .field("tree", self.inner.tree())
+            .field("controller", &self.ctrl)
+            .field("policy", &self.policy)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl<B: DeviceBackend> HiRadixCache<B> {
+    /// A tiered cache over `backend`, whose device pool must match `cfg.radix` (page size and
+    /// pages).
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for mismatched or impossible sizes.
+    pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
+        let g = backend.geometry();
+        if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
+            return Err(HiCacheError::Config(format!(
+                "device pool ({} pages of {} tokens) does not match the cache ({} pages of {})",
+                backend.device_pages(),
+                g.page_size,
+                cfg.radix.total_pages,
+                cfg.radix.page_size
+            )));
+        }
+        if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
+            return Err(HiCacheError::Config(
+                "selective write-through needs hits ≥ 1".into(),
+            ));
+        }
+        let host_pages = cfg.host_size.pages(&g, backend.device_pages())?;
+        let host = HostPool::new(g, host_pages, cfg.host_layout)?;
+        let ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
+        Ok(HiRadixCache {
+            inner: RadixCache::new(cfg.radix)?,
+            ctrl,
+            policy: cfg.write_policy,
+            load_back_min_tokens: cfg.load_back_min_tokens,
+            load_back_quota_tokens: cfg.load_back_quota_tokens,
+            load_back_on_begin: cfg.load_back_on_begin,
+            host_leaves: HostLeaves::default(),
+            pending_writes: HashMap::new(),
+            pending_loads: HashMap::new(),
+            stats: HiCacheStats::default(),
+            pages: Vec::new(),
+            host_scratch: Vec::new(),
+        })
+    }
+
+    /// The device-tier cache (tree and pools), read-only.
+    pub fn device_cache(&self) -> &RadixCache {
+        &self.inner
+    }
+
+    /// The controller (host pool, queues, backend).
+    pub fn controller(&self) -> &HybridCacheController<B> {
+        &self.ctrl
+    }
+
+    /// The device backend.
+    pub fn backend(&self) -> &Arc<B> {
+        self.ctrl.backend()
+    }
+
+    /// The per-layer load counter the forward pass waits on.
+    pub fn layer_counter(&self) -> &Arc<LayerDoneCounter<B::Event>> {
+        self.ctrl.layer_counter()
+    }
+
+    /// Tier traffic counters.
+    pub fn stats(&self) -> HiCacheStats {
+        self.stats
+    }
+
+    /// The write policy.
+    pub fn write_policy(&self) -> WritePolicy {
+        self.policy
+    }
+
+    /// Tokens held by the host tier.
+    pub fn host_tokens(&self) -> usize {
+        self.ctrl.host().used() * self.inner.tree().page_size()
+    }
+
+    /// Starts every queued load as one merged, layer-pipelined transfer (call once the batch
+    /// is formed, before its forward). Hand the returned producer to
+    /// [`LayerDoneCounter::set_consumer`].
+    ///
+    /// # Errors
+    /// The backend refused the copy.
+    pub fn start_loading(&mut self) -> HiResult<Option<LoadStep>> {
+        self.ctrl.start_loading()
+    }
+
+    /// Step boundary: starts queued backups and applies every completed transfer (releasing
+    /// the locks that protected writing and loading nodes). Returns what completed.
+    ///
+    /// # Errors
+    /// The backend refused a copy, or a stale lock (a bug).
+    pub fn step(&mut self) -> HiResult<Acks> {
+        self.ctrl.start_writing()?;
+        let acks = self.ctrl.poll_acks();
+        self.apply_acks(&acks)?;
+        Ok(acks)
+    }
+
+    /// Starts everything queued, waits for every transfer and applies the acks.
+    ///
+    /// # Errors
+    /// A failed copy or submission.
+    pub fn flush(&mut self) -> HiResult<()> {
+        self.ctrl.start_writing()?;
+        self.ctrl.start_loading()?;
+        let waited = self.ctrl.wait_all();
+        let acks = self.ctrl.poll_acks();
+        self.apply_acks(&acks)?;
+        waited
+    }
+
+    fn apply_acks(&mut self, acks: &Acks) -> HiResult<()> {
+        if !acks.failed.is_empty() {
+            tracing::error!(ops = ?acks.failed, "host tier transfers failed");
+            self.stats.failed_transfers += acks.failed.len() as u64;
+        }
+        let mut res = Ok(());
+        for id in &acks.writes {
+            self.stats.writes_acked += 1;
+            if let Some(r) = self.pending_writes.remove(id) {
+                res = res.and(self.inner.dec_lock_ref(r).map_err(HiCacheError::from));
+            }
+        }
+        for id in &acks.loads {
+            self.stats.loads_acked += 1;
+            if let Some(r) = self.pending_loads.remove(id) {
+                res = res.and(self.inner.dec_lock_ref(r).map_err(HiCacheError::from));
+            }
+        }
+        res
+    }
+
+    /// Pre-insert view of `key`, kept only when events are on (to report nodes an insert makes
+    /// device-resident again).
+    fn pre_walk(&self, key: KeyRef<'_>) -> Option<TierWalk> {
+        let t = self.inner.tree();
+        t.events_enabled().then(|| t.tier_walk(key))
+    }
+
+    /// After an insert of `key`: report re-adopted nodes, back up per policy, start writes.
+    fn after_insert(&mut self, key: KeyRef<'_>, pre: Option<TierWalk>) -> HiResult<()> {
+        let walk = self.inner.tree().tier_walk(key);
+        if let Some(pre) = pre.filter(|p| p.host_len > 0) {
+            let (lo, hi) = (pre.device_len, pre.device_len + pre.host_len);
+            let (tree, _) = self.inner.parts_mut();
+            let mut depth = 0;
+            for &n in &walk.nodes {
+                let len = tree.node_key(n).map_or(0, <[u32]>::len);
+                if depth >= lo && depth + len <= hi {
+                    tree.emit_stored_event(n, radixkv_radix::Medium::Device)?;
+                }
+                depth += len;
+            }
+        }
+        self.backup_path(&walk.nodes)?;
+        self.ctrl.start_writing()?;
+        Ok(())
+    }
+}
+
+impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    fn pools(&self) -> &DevicePools {
+        self.inner.pools()
+    }
+
+    fn pools_mut(&mut self) -> &mut DevicePools {
+        self.inner.pools_mut()
+    }
+
+    fn match_prefix(
+        &mut self,
+        key: KeyRef<'_>,
+        out: &mut Vec<PageId>,
+    ) -> radixkv_radix::Result<TreeMatch> {
+        self.inner.match_prefix(key, out)
+    }
+
+    fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &[PageId],
+        opts: InsertOptions,
+    ) -> radixkv_radix::Result<InsertResult> {
+        let pre = self.pre_walk(key);
+        let r = self.inner.insert(key, pages, opts)?;
+        self.after_insert(key, pre)?;
+        Ok(r)
+    }
+
+    fn evict(&mut self, tokens: usize) -> usize {
+        self.evict_device(tokens)
+    }
+
+    fn inc_lock_ref(&mut self, node: NodeId) -> radixkv_radix::Result<LockReceipt> {
+        self.inner.inc_lock_ref(node)
+    }
+
+    fn dec_lock_ref(&mut self, receipt: LockReceipt) -> radixkv_radix::Result<()> {
+        self.inner.dec_lock_ref(receipt)
+    }
+
+    fn evictable_tokens(&self) -> usize {
+        self.inner.evictable_tokens()
+    }
+
+    fn protected_tokens(&self) -> usize {
+        self.inner.protected_tokens()
+    }
+
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.inner.take_events()
+    }
+
+    fn reset(&mut self) -> radixkv_radix::Result<()> {
+        self.flush()?;
+        self.inner.reset()?;
+        self.host_leaves.clear();
+        self.ctrl.reset()?;
+        Ok(())
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_invariants()?;
+        let tree = self.inner.tree();
+        let host = self.ctrl.host();
+        let mut seen = vec![false; host.total()];
+        let mut bad = None;
+        let mut count = 0;
+        tree.for_each_host_page(|n, h| {
+            count += 1;
+            match seen.get_mut(h as usize) {
+                Some(s) if !*s && host.is_used(h) => *s = true,
+                _ => {
+                    bad.get_or_insert((n, h));
+                }
+            }
+        });
+        if let Some((n, h)) = bad {
+            return Err(InvariantViolation(format!(
+                "node {n:?}: host page {h} is out of range, free, or listed twice"
+            )));
+        }
+        if count != host.used() {
+            return Err(InvariantViolation(format!(
+                "tree holds {count} host pages but {} are allocated",
+                host.used()
+            )));
+        }
+        let pending = self.pending_writes.len() + self.pending_loads.len();
+        if pending > tree.outstanding_locks() {
+            return Err(InvariantViolation(format!(
+                "{pending} transfers pending but only {} locks outstanding",
+                tree.outstanding_locks()
+            )));
+        }
+        Ok(())
+    }
+
+    fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
+        self.inner.match_request(req)
+    }
+
+    fn begin_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        if req.row.is_some() || req.lock.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "begin_request called twice",
+            ));
+        }
+        let tree = self.inner.tree();
+        let anchor_ok = req
+            .last_node
+            .is_some_and(|n| n == tree.root() || tree.device_pages(n).is_ok_and(|p| !p.is_empty()));
+        if !anchor_ok {
+            self.match_request(req)?;
+        }
+        if self.load_back_on_begin && req.host_hit_len > 0 {
+            self.init_load_back(req, self.load_back_quota_tokens)?;
+        }
+        self.inner.begin_request(req)
+    }
+
+    fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        let aligned = align_down(req.committed_len, self.page_size());
+        let pre = self.pre_walk(req.key.prefix(aligned));
+        self.inner.cache_unfinished_req(req)?;
+        let key = req.key.prefix(req.cache_protected_len);
+        if !key.is_empty() {
+            self.after_insert(key, pre)?;
+        }
+        Ok(())
+    }
+
+    fn cache_finished_req(
+        &mut self,
+        req: &mut RequestKv,
+        kind: FinishKind,
+    ) -> radixkv_radix::Result<()> {
+        let aligned = align_down(req.committed_len, self.page_size());
+        let inserted = kind == FinishKind::Finished && req.row.is_some() && aligned > 0;
+        let pre = if inserted {
+            self.pre_walk(req.key.prefix(aligned))
+        } else {
+            None
+        };
+        self.inner.cache_finished_req(req, kind)?;
+        if inserted && !self.inner.is_disabled() {
+            // The request state is cleared but its key is kept.
+            self.after_insert(req.key.prefix(aligned), pre)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! Tier movements of [`HiRadixCache`]: backups, device eviction with demotion, host eviction,
+//! load-back.
+
+use std::collections::HashSet;
+
+use radixkv_radix::{NodeId, PrefixCache, RequestKv};
+
+use super::{HiRadixCache, WritePolicy};
+use crate::backend::DeviceBackend;
+use crate::error::{HiCacheError, Result};
+
+impl<B: DeviceBackend> HiRadixCache<B> {
+    /// Inserts needed before a node is backed up at insert time (`None`: write-back).
+    fn backup_threshold(&self) -> Option<u32> {
+        match self.policy {
+            WritePolicy::WriteThrough => Some(1),
+            WritePolicy::WriteThroughSelective { hits } => Some(hits.max(1)),
+            WritePolicy::WriteBack => None,
+        }
+    }
+
+    /// Backs up the qualifying part of `path` (root first): from the first node without a
+    /// host copy down to the first node that has not been inserted often enough. Stopping
+    /// there keeps backed-up nodes root-connected.
+    pub(super) fn backup_path(&mut self, path: &[NodeId]) -> Result<()> {
+        let Some(threshold) = self.backup_threshold() else {
+            return Ok(());
+        };
+        let tree = self.inner.tree();
+        let Some(start) = path
+            .iter()
+            .position(|&n| tree.host_pages(n).is_ok_and(|h| h.is_none()))
+        else {
+            return Ok(());
+        };
+        let mut chain = Vec::new();
+        for &n in &path[start..] {
+            let hits = tree.meta(n)?.hit_count.saturating_add(1);
+            if hits < threshold || !tree.on_device(n)? {
+                break;
+            }
+            chain.push(n);
+        }
+        if !chain.is_empty() {
+            self.backup_chain(&chain, true)?;
+        }
+        Ok(())
+    }
+
+    /// Queues one backup of `chain` (root first; the first node's parent is backed up or the
+    /// root; every node on device without a host copy). Evicts host leaves if the host is
+    /// short. With `lock`, the chain stays locked until the write is acknowledged. Returns
+    /// `false` (and counts it) when the host cannot make room: the nodes stay device-only.
+    pub(super) fn backup_chain(&mut self, chain: &[NodeId], lock: bool) -> Result<bool> {
+        let p = self.page_size();
+        self.pages.clear();
+        for &n in chain {
+            self.pages
+                .extend_from_slice(self.inner.tree().device_pages(n)?);
+        }
+        let need = self.pages.len();
+        let free = self.ctrl.host().available();
+        if free < need {
+            self.evict_host((need - free) * p);
+        }
+        let pages = std::mem::take(&mut self.pages);
+        let res = self
+            .ctrl
+            .write(&pages, 0, Vec::new())
+            .map(|op| (op.id, op.host_pages.clone()));
+        self.pages = pages;
+        let (id, host) = match res {
+            Ok(v) => v,
+            Err(HiCacheError::HostFull { .. }) => {
+                self.stats.host_exhausted += 1;
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
+        let (tree, _) = self.inner.parts_mut();
+        let mut at = 0;
+        for &n in chain {
+            let len = tree.device_pages(n)?.len();
+            tree.set_host_pages(n, host[at..at + len].to_vec())?;
+            at += len;
+        }
+        if lock {
+            let last = *chain.last().expect("chain is not empty");
+            let receipt = tree.inc_lock_ref(last)?;
+            self.pending_writes.insert(id, receipt);
+        }
+        self.stats.backed_up_tokens += (need * p) as u64;
+        Ok(true)
+    }
+
+    /// Device eviction: pops leaves in policy order until `tokens` are freed. A backed-up leaf
+    /// is demoted (device pages freed, node kept host-only); under write-back the victims and
+    /// their unbacked ancestors are first backed up in one merged, synchronous write.
+    pub(super) fn evict_device(&mut self, tokens: usize) -> usize {
+        let mut done = 0;
+        let mut victims = Vec::new();
+        while done < tokens {
+            victims.clear();
+            let mut got = 0;
+            {
+                let (tree, _) = self.inner.parts_mut();
+                while done + got < tokens {
+                    let Some(v) = tree.pop_victim() else { break };
+                    got += tree.node_key(v).map_or(0, <[u32]>::len);
+                    victims.push(v);
+                }
+            }
+            if victims.is_empty() {
+                break;
+            }
+            if self.policy == WritePolicy::WriteBack
+                && let Err(e) = self.write_back(&victims)
+            {
+                tracing::warn!(error = %e, "write-back failed; evicting without backup");
+            }
+            for &v in &victims {
+                done += self.evict_one(v);
+            }
+        }
+        done
+    }
+
+    fn evict_one(&mut self, v: NodeId) -> usize {
+        let (tree, pools) = self.inner.parts_mut();
+        let had_host = tree.host_pages(v).is_ok_and(|h| h.is_some());
+        self.pages.clear();
+        let n = match tree.evict_device(v, &mut self.pages) {
+            Ok(n) => n,
+            Err(e) => {
+                debug_assert!(false, "policy returned a non-evictable node: {e}");
+                return 0;
+            }
+        };
+        if let Err(e) = pools.pages.free_released_tree_pages(&self.pages) {
+            debug_assert!(false, "evicted pages were not tree-owned: {e}");
+        }
+        if had_host {
+            if let Ok(m) = tree.meta(v) {
+                self.host_leaves.push(v, m.last_access);
+            }
+            self.stats.demoted_tokens += n as u64;
+        } else if self.policy == WritePolicy::WriteBack {
+            self.stats.dropped_without_backup += n as u64;
+        }
+        n
+    }
+
+    /// Backs up the victims without a host copy, ancestors first, and waits for the copy.
+    fn write_back(&mut self, victims: &[NodeId]) -> Result<()> {
+        let tree = self.inner.tree();
+        let root = tree.root();
+        let mut chain = Vec::new();
+        let mut taken = HashSet::new();
+        let mut up = Vec::new();
+        for &v in victims {
+            up.clear();
+            let mut n = v;
+            while n != root && tree.host_pages(n)?.is_none() && !taken.contains(&n) {
+                up.push(n);
+                n = tree.parent(n)?.unwrap_or(root);
+            }
+            for &u in up.iter().rev() {
+                taken.insert(u);
+                chain.push(u);
+            }
+        }
+        if chain.is_empty() {
+            return Ok(());
+        }
+        if self.backup_chain(&chain, false)? {
+            self.ctrl.start_writing()?;
+            self.ctrl.wait_all()?;
+        }
+        Ok(())
+    }
+
+    /// Host eviction: removes host-only leaves (least recently used first) until `tokens` are
+    /// freed or none is left. Returns the tokens freed.
+    pub fn evict_host(&mut self, tokens: usize) -> usize {
+        let mut done = 0;
+        let mut rebuilt = false;
+        while done < tokens {
+            let (tree, _) = self.inner.parts_mut();
+            let Some(v) = self.host_leaves.pop(tree) else {
+                if rebuilt {
+                    break;
+                }
+                self.host_leaves.rebuild(tree);
+                rebuilt = true;
+                continue;
+            };
+            let parent = tree.parent(v).ok().flatten();
+            self.host_scratch.clear();
+            let Ok(n) = tree.evict_host_leaf(v, &mut self.host_scratch) else {
+                continue;
+            };
+            if let Err(e) = self.ctrl.free_host(&self.host_scratch) {
+                debug_assert!(false, "host pages of a node were not allocated: {e}");
+            }
+            done += n;
+            self.stats.host_evicted_tokens += n as u64;
+            let tree = self.inner.tree();
+            if let Some(p) = parent.filter(|&p| tree.is_host_leaf(p))
+                && let Ok(m) = tree.meta(p)
+            {
+                self.host_leaves.push(p, m.last_access);
+            }
+        }
+        done
+    }
+
+    /// Loads the request's host hit back to the device: allocates device pages (evicting if
+    /// needed, never the request's own path), queues the load (start it with
+    /// [`HiRadixCache::start_loading`]) and extends the request's prefix with the loaded pages.
+    /// Returns the tokens loaded; 0 when there is nothing to load, the hit is shorter than the
+    /// minimum or larger than `quota_tokens`, the match went stale, or the device cannot make
+    /// room (the request then proceeds with its device prefix).
+    ///
+    /// # Errors
+    /// A request that already holds KV; internal errors of the backend.
+    pub fn init_load_back(
+        &mut self,
+        req: &mut RequestKv,
+        quota_tokens: Option<usize>,
+    ) -> radixkv_radix::Result<usize> {
+        if req.row.is_some() || req.lock.is_some() {
+            return Err(radixkv_radix::CacheError::InvalidRequestState(
+                "load-back on a request that already holds KV",
+            ));
+        }
+        let (Some(anchor), Some(device_end)) = (req.load_anchor, req.last_node) else {
+            return Ok(0);
+        };
+        if req.host_hit_len == 0 {
+            return Ok(0);
+        }
+        let p = self.page_size();
+        let tree = self.inner.tree();
+        if !tree.contains(anchor) {
+            return Ok(0);
+        }
+        // The host-only chain from the device prefix down to the anchor.
+        let mut chain = Vec::new();
+        let mut n = anchor;
+        let mut tokens = 0;
+        while n != tree.root() && !tree.on_device(n)? {
+            if tree.host_pages(n)?.is_none() {
+                return Ok(0);
+            }
+            tokens += tree.node_key(n)?.len();
+            chain.push(n);
+            n = tree.parent(n)?.unwrap_or(tree.root());
+        }
+        if n != device_end || tokens != req.host_hit_len || chain.is_empty() {
+            return Ok(0);
+        }
+        chain.reverse();
+        let min = self.load_back_min_tokens.div_ceil(p) * p;
+        if tokens < min {
+            self.stats.load_back_too_small += 1;
+            return Ok(0);
+        }
+        if quota_tokens.is_some_and(|q| tokens > q) {
+            self.stats.load_back_over_quota += 1;
+            return Ok(0);
+        }
+        // Locking the anchor protects the device prefix from eviction and the host chain from
+        // host eviction while room is made.
+        let lock = self.inner.inc_lock_ref(anchor)?;
+        let need = tokens / p;
+        let free = self.pools().pages.available();
+        if free < need {
+            self.evict_device((need - free) * p);
+        }
+        let mut host = std::mem::take(&mut self.host_scratch);
+        host.clear();
+        for &c in &chain {
+            host.extend_from_slice(self.inner.tree().host_pages(c)?.unwrap_or(&[]));
+        }
+        let (tree, pools) = self.inner.parts_mut();
+        let loaded = self
+            .ctrl
+            .load(&host, &mut pools.pages, Vec::new())
+            .map(|op| (op.id, op.device_pages.clone()));
+        self.host_scratch = host;
+        let (id, dev) = match loaded {
+            Ok(v) => v,
+            Err(e) => {
+                tree.dec_lock_ref(lock)?;
+                if matches!(e, HiCacheError::DeviceFull { .. }) {
+                    self.stats.load_back_device_full += 1;
+                    return Ok(0);
+                }
+                return Err(e.into());
+            }
+        };
+        pools.pages.mark_tree_owned(&dev)?;
+        let mut at = 0;
+        for &c in &chain {
+            let len = tree.node_key(c)?.len() / p;
+            tree.attach_device_pages(c, &dev[at..at + len])?;
+            at += len;
+        }
+        self.pending_loads.insert(id, lock);
+        req.prefix_pages.extend_from_slice(&dev);
+        req.prefix_len += tokens;
+        req.host_hit_len = 0;
+        req.last_node = Some(anchor);
+        self.stats.loaded_tokens += tokens as u64;
+        Ok(tokens)
+    }
+}

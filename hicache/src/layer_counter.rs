@@ -1,0 +1,121 @@
+//! [`LayerDoneCounter`]: lets the forward pass of layer `i` wait only for layer `i`'s load.
+//!
+//! A pipelined load records one event per layer. The counter keeps a small ring of producers
+//! (one per load batch) so the next batch's loads can be prepared while one is in flight; the
+//! forward pass names the batch it runs (`set_consumer`) and waits per layer (`wait_until`).
+
+use std::sync::Mutex;
+
+use crate::backend::CopyEvent;
+use crate::error::Result;
+
+/// Producers in the ring: one batch in flight, one being prepared, one draining.
+pub const PRODUCER_RING: usize = 3;
+
+#[derive(Debug)]
+struct Ring<E> {
+    slots: Vec<Vec<Option<E>>>,
+    next: usize,
+    consumer: Option<usize>,
+}
+
+/// Per-layer load completion for a ring of [`PRODUCER_RING`] producers. Thread-safe: the cache
+/// thread produces, the forward pass (any thread) consumes.
+#[derive(Debug)]
+pub struct LayerDoneCounter<E> {
+    layers: usize,
+    ring: Mutex<Ring<E>>,
+}
+
+impl<E: CopyEvent> LayerDoneCounter<E> {
+    /// A counter for `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        LayerDoneCounter {
+            layers,
+            ring: Mutex::new(Ring {
+                slots: (0..PRODUCER_RING).map(|_| vec![None; layers]).collect(),
+                next: 0,
+                consumer: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring<E>> {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Layers tracked.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    /// Claims the next producer slot for a new load batch and returns its index. Waits for the
+    /// slot's previous batch first (it is [`PRODUCER_RING`] batches old), so events are never
+    /// overwritten while someone could still wait on them.
+    ///
+    /// # Errors
+    /// A failed copy of the slot's previous batch.
+    pub fn update_producer(&self) -> Result<usize> {
+        let (idx, old) = {
+            let mut r = self.lock();
+            let idx = r.next;
+            r.next = (idx + 1) % PRODUCER_RING;
+            let old: Vec<E> = r.slots[idx].iter_mut().filter_map(Option::take).collect();
+            (idx, old)
+        };
+        let mut res = Ok(());
+        for e in old {
+            res = res.and(e.wait());
+        }
+        res.map(|()| idx)
+    }
+
+    /// Records the completion event of `layer` for `producer`.
+    pub(crate) fn set_event(&self, producer: usize, layer: usize, ev: E) {
+        let mut r = self.lock();
+        if let Some(slot) = r.slots.get_mut(producer).and_then(|s| s.get_mut(layer)) {
+            *slot = Some(ev);
+        }
+    }
+
+    /// Selects the batch the forward pass runs (the index `update_producer` returned).
+    pub fn set_consumer(&self, producer: usize) {
+        self.lock().consumer = Some(producer % PRODUCER_RING);
+    }
+
+    /// Blocks until the consumer batch's load of `layer` is complete. Returns at once when no
+    /// consumer is set or the batch loads nothing for that layer.
+    ///
+    /// # Errors
+    /// A failed copy.
+    pub fn wait_until(&self, layer: usize) -> Result<()> {
+        let ev = {
+            let r = self.lock();
+            r.consumer
+                .and_then(|c| r.slots[c].get(layer).cloned().flatten())
+        };
+        ev.map_or(Ok(()), |e| e.wait())
+    }
+
+    /// Blocks until `producer`'s load of `layer` is complete.
+    ///
+    /// # Errors
+    /// A failed copy.
+    pub fn wait_layer(&self, producer: usize, layer: usize) -> Result<()> {
+        let ev = self
+            .lock()
+            .slots
+            .get(producer)
+            .and_then(|s| s.get(layer).cloned().flatten());
+        ev.map_or(Ok(()), |e| e.wait())
+    }
+
+    /// True when `producer`'s load of `layer` is complete (or there is none).
+    pub fn is_layer_done(&self, producer: usize, layer: usize) -> bool {
+        self.lock()
+            .slots
+            .get(producer)
+            .and_then(|s| s.get(layer))
+            .is_none_or(|e| e.as_ref().is_none_or(CopyEvent::is_complete))
+    }
+}
