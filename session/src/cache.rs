@@ -1,0 +1,509 @@
+//! [`SessionAwareCache`]: the session table, slots, the idle index and the session API.
+//! The [`PrefixCache`] implementation lives in `prefix.rs`.
+
+use std::collections::BTreeSet;
+
+use ahash::HashMap;
+use radixkv_radix::{
+    CacheError, FinishKind, LockReceipt, PrefixCache, RadixKey, RequestKv, RowHolder, RowId,
+    pages_for,
+};
+
+use crate::clock::{Clock, SystemClock};
+use crate::error::SessionError;
+
+/// Bounds on the KV that idle sessions may hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// Global budget: tokens all idle sessions together may hold (owned pages, at page
+    /// granularity). Over it, the least recently used idle sessions are demoted.
+    pub max_held_tokens: usize,
+    /// Tokens one session may hold; a turn that ends above it is demoted at once.
+    pub max_session_tokens: usize,
+    /// Default idle TTL in clock ticks (`None`: no expiry). [`SessionAwareCache::open`] may
+    /// override it per session.
+    pub idle_ttl: Option<u64>,
+}
+
+impl SessionConfig {
+    /// A budget of `max_held_tokens`, a per-session cap of the same size and no TTL.
+    pub fn with_budget(max_held_tokens: usize) -> Self {
+        SessionConfig {
+            max_held_tokens,
+            max_session_tokens: max_held_tokens,
+            idle_ttl: None,
+        }
+    }
+}
+
+/// What [`SessionAwareCache::close`] did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CloseOutcome {
+    /// The session is gone and everything it held is released.
+    Closed,
+    /// A turn is in flight; the session closes when that turn ends.
+    Deferred,
+}
+
+/// What [`SessionAwareCache::reap`] demoted.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReapReport {
+    /// Sessions demoted because their idle TTL passed.
+    pub expired: usize,
+    /// Sessions demoted to get back under the held-token budget.
+    pub over_budget: usize,
+}
+
+/// A read-only view of one session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// Streaming sessions keep their KV between turns.
+    pub streaming: bool,
+    /// Tokens of the previous turns (prompt + output).
+    pub history_len: usize,
+    /// Tokens whose KV the slot holds (`None`: no slot, the next turn matches the tree).
+    pub slot_committed_len: Option<usize>,
+    /// True while the slot is lent to a running turn.
+    pub lent: bool,
+    /// True when a close waits for the turn in flight.
+    pub closing: bool,
+}
+
+/// The KV a streaming session keeps between turns: everything a finished request owned.
+///
+/// While idle, the row is held by [`RowHolder::Session`] and its owned pages are
+/// session-held; while lent, the row is held by the running request and counts as its own.
+/// The lock receipt never leaves the slot: it keeps the first turn's cached prefix (the row's
+/// protected pages) in the tree for the whole life of the slot.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) row: RowId,
+    pub(crate) lock: Option<LockReceipt>,
+    pub(crate) committed_len: usize,
+    pub(crate) allocated_len: usize,
+    pub(crate) cache_protected_len: usize,
+    pub(crate) mamba_slot: Option<u32>,
+    pub(crate) swa_evicted_len: usize,
+    pub(crate) lent: bool,
+    /// Session-held tokens while idle (owned pages × page size), cached for O(1) accounting.
+    pub(crate) held_tokens: usize,
+}
+
+#[derive(Debug)]
+pub(crate) struct Session {
+    pub(crate) streaming: bool,
+    pub(crate) ttl: Option<u64>,
+    /// Prompt + output of all finished turns; the next streaming turn must extend it.
+    pub(crate) history: RadixKey,
+    pub(crate) slot: Option<Slot>,
+    pub(crate) closing: bool,
+    /// (last use, sequence number) while the slot is idle: the key in the LRU and expiry sets.
+    pub(crate) idle_key: Option<(u64, u64)>,
+}
+
+/// A decorator over any [`PrefixCache`] that keeps streaming sessions' KV between turns,
+/// bounded by a held-token budget, an idle TTL and a per-session cap. See the crate docs.
+pub struct SessionAwareCache<C, K = SystemClock> {
+    pub(crate) inner: C,
+    pub(crate) clock: K,
+    pub(crate) cfg: SessionConfig,
+    pub(crate) sessions: HashMap<u64, Session>,
+    /// Idle slots by (last use, seq, id): the demotion order.
+    pub(crate) lru: BTreeSet<(u64, u64, u64)>,
+    /// Idle slots with a TTL by (deadline, seq, id).
+    pub(crate) expiry: BTreeSet<(u64, u64, u64)>,
+    pub(crate) seq: u64,
+    /// Σ `held_tokens` over idle slots.
+    pub(crate) held_tokens: usize,
+}
+
+impl<C: std::fmt::Debug, K> std::fmt::Debug for SessionAwareCache<C, K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionAwareCache")
+            .field("inner", &self.inner)
+            .field("cfg", &self.cfg)
+            .field("sessions", &self.sessions.len())
+            .field("idle_slots", &self.lru.len())
+            .field("held_tokens", &self.held_tokens)
+            .finish()
+    }
+}
+
+impl<C: PrefixCache> SessionAwareCache<C, SystemClock> {
+    /// Wraps `inner` with the wall clock (milliseconds; TTLs in milliseconds).
+    pub fn new(inner: C, cfg: SessionConfig) -> Self {
+        Self::with_clock(inner, cfg, SystemClock::new())
+    }
+}
+
+impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
+    /// Wraps `inner` with an explicit clock (tests pass a [`crate::ManualClock`]).
+    pub fn with_clock(inner: C, cfg: SessionConfig, clock: K) -> Self {
+        SessionAwareCache {
+            inner,
+            clock,
+            cfg,
+            sessions: HashMap::default(),
+            lru: BTreeSet::new(),
+            expiry: BTreeSet::new(),
+            seq: 0,
+            held_tokens: 0,
+        }
+    }
+
+    /// The wrapped cache (read-only: mutating it behind the sessions' back would break the
+    /// accounting).
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
+    /// The bounds in force.
+    pub fn config(&self) -> &SessionConfig {
+        &self.cfg
+    }
+
+    /// Changes the bounds; the next [`reap`](Self::reap) or turn end enforces them. Sessions
+    /// already open keep the TTL they were opened with.
+    pub fn set_config(&mut self, cfg: SessionConfig) {
+        self.cfg = cfg;
+    }
+
+    /// Opens a session. `ttl` overrides the configured idle TTL (in clock ticks).
+    ///
+    /// # Errors
+    /// [`SessionError::AlreadyOpen`].
+    pub fn open(&mut self, id: u64, streaming: bool, ttl: Option<u64>) -> Result<(), SessionError> {
+        if self.sessions.contains_key(&id) {
+            return Err(SessionError::AlreadyOpen(id));
+        }
+        self.sessions.insert(
+            id,
+            Session {
+                streaming,
+                ttl: ttl.or(self.cfg.idle_ttl),
+                history: RadixKey::default(),
+                slot: None,
+                closing: false,
+                idle_key: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Closes a session. An idle slot is released at once (its owned pages are freed, its lock
+    /// released); with a turn in flight the close is deferred to the end of that turn, whose
+    /// KV is then cached like an ordinary finished request (or freed if the turn aborts).
+    /// Closing again while deferred is a no-op.
+    ///
+    /// # Errors
+    /// [`SessionError::Unknown`]; [`SessionError::Cache`] if the inner cache rejects the
+    /// release (the session is gone anyway, nothing stays referenced).
+    pub fn close(&mut self, id: u64) -> Result<CloseOutcome, SessionError> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(SessionError::Unknown(id))?;
+        if s.slot.as_ref().is_some_and(|sl| sl.lent) {
+            s.closing = true;
+            return Ok(CloseOutcome::Deferred);
+        }
+        let slot = self.take_idle_slot(id);
+        self.sessions.remove(&id);
+        if let Some(slot) = slot {
+            self.release_slot(slot)?;
+        }
+        Ok(CloseOutcome::Closed)
+    }
+
+    /// Demotes one idle session now: its KV goes into the inner cache, its slot and row are
+    /// released, the session stays open. Returns false if it held nothing idle.
+    ///
+    /// # Errors
+    /// [`SessionError::Unknown`]; [`SessionError::Cache`] from the inner insert.
+    pub fn demote(&mut self, id: u64) -> Result<bool, SessionError> {
+        if !self.sessions.contains_key(&id) {
+            return Err(SessionError::Unknown(id));
+        }
+        Ok(self.demote_idle(id)?)
+    }
+
+    /// Demotes idle sessions whose TTL passed, then least recently used ones until the held
+    /// tokens fit the budget. Call it periodically (e.g. once per scheduling round); turn ends
+    /// call it too.
+    ///
+    /// # Errors
+    /// [`SessionError::Cache`] from the inner insert of a demoted session.
+    pub fn reap(&mut self) -> Result<ReapReport, SessionError> {
+        let mut report = ReapReport::default();
+        let now = self.clock.now();
+        while let Some(&(deadline, _, id)) = self.expiry.first() {
+            if deadline > now {
+                break;
+            }
+            self.demote_idle(id)?;
+            report.expired += 1;
+        }
+        while self.held_tokens > self.cfg.max_held_tokens {
+            let Some(&(_, _, id)) = self.lru.first() else {
+                break;
+            };
+            self.demote_idle(id)?;
+            report.over_budget += 1;
+        }
+        Ok(report)
+    }
+
+    /// Checks that `req` may start as the next turn of its streaming session: the session is
+    /// open, has no other turn in flight, and the key extends its history. Requests without a
+    /// streaming session always pass. [`PrefixCache::match_request`] runs the same check and
+    /// reports failures as [`CacheError::Session`]; call this first for the typed reason.
+    ///
+    /// # Errors
+    /// [`SessionError::Unknown`], [`SessionError::Closing`], [`SessionError::Busy`],
+    /// [`SessionError::NotExtending`].
+    pub fn validate_turn(&self, req: &RequestKv) -> Result<(), SessionError> {
+        let Some(tag) = req.session.filter(|t| t.streaming) else {
+            return Ok(());
+        };
+        let s = self
+            .sessions
+            .get(&tag.id)
+            .ok_or(SessionError::Unknown(tag.id))?;
+        if !s.streaming {
+            return Ok(());
+        }
+        if req.kv_lent {
+            return Self::check_extends(tag.id, s, req);
+        }
+        if s.closing {
+            return Err(SessionError::Closing(tag.id));
+        }
+        if s.slot.as_ref().is_some_and(|sl| sl.lent) {
+            return Err(SessionError::Busy(tag.id));
+        }
+        Self::check_extends(tag.id, s, req)
+    }
+
+    /// A view of session `id`.
+    pub fn session_info(&self, id: u64) -> Option<SessionInfo> {
+        self.sessions.get(&id).map(|s| SessionInfo {
+            streaming: s.streaming,
+            history_len: s.history.len(),
+            slot_committed_len: s.slot.as_ref().map(|sl| sl.committed_len),
+            lent: s.slot.as_ref().is_some_and(|sl| sl.lent),
+            closing: s.closing,
+        })
+    }
+
+    /// Open sessions.
+    pub fn open_sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Request-pool rows held by idle sessions.
+    pub fn held_rows(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// Mamba state slots held by idle sessions.
+    pub fn held_mamba_slots(&self) -> usize {
+        self.idle_slots().filter(|s| s.mamba_slot.is_some()).count()
+    }
+
+    pub(crate) fn idle_slots(&self) -> impl Iterator<Item = &Slot> + '_ {
+        self.sessions
+            .values()
+            .filter_map(|s| s.slot.as_ref())
+            .filter(|sl| !sl.lent)
+    }
+
+    pub(crate) fn check_extends(id: u64, s: &Session, req: &RequestKv) -> Result<(), SessionError> {
+        let ok = s.history.is_empty()
+            || (req.key.namespace == s.history.namespace
+                && req.key.tokens.starts_with(&s.history.tokens));
+        if ok {
+            Ok(())
+        } else {
+            Err(SessionError::NotExtending {
+                id,
+                history_len: s.history.len(),
+            })
+        }
+    }
+
+    /// Puts session `id`'s slot (already stored, not lent) into the idle index at `now`.
+    pub(crate) fn mark_idle(&mut self, id: u64) {
+        let now = self.clock.now();
+        self.seq += 1;
+        let seq = self.seq;
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(slot) = s.slot.as_ref() else {
+            return;
+        };
+        debug_assert!(!slot.lent && s.idle_key.is_none());
+        self.held_tokens += slot.held_tokens;
+        s.idle_key = Some((now, seq));
+        self.lru.insert((now, seq, id));
+        if let Some(ttl) = s.ttl {
+            self.expiry.insert((now.saturating_add(ttl), seq, id));
+        }
+    }
+
+    /// Removes session `id`'s slot from the idle index (it is being lent or dropped).
+    pub(crate) fn unmark_idle(&mut self, id: u64) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some((t, seq)) = s.idle_key.take() else {
+            return;
+        };
+        self.lru.remove(&(t, seq, id));
+        if let Some(ttl) = s.ttl {
+            self.expiry.remove(&(t.saturating_add(ttl), seq, id));
+        }
+        if let Some(slot) = s.slot.as_ref() {
+            self.held_tokens = self.held_tokens.saturating_sub(slot.held_tokens);
+        }
+    }
+
+    /// Detaches session `id`'s idle slot (None if it has none or it is lent).
+    pub(crate) fn take_idle_slot(&mut self, id: u64) -> Option<Slot> {
+        let lent = self.sessions.get(&id)?.slot.as_ref()?.lent;
+        if lent {
+            return None;
+        }
+        self.unmark_idle(id);
+        self.sessions.get_mut(&id)?.slot.take()
+    }
+
+    /// Owned pages of `row` × page size: what the row holds beyond the tree.
+    pub(crate) fn owned_tokens(&self, row: RowId) -> Result<usize, CacheError> {
+        let rows = &self.inner.pools().rows;
+        let owned = rows
+            .pages(row)?
+            .len()
+            .saturating_sub(rows.protected_pages(row)?);
+        Ok(owned * self.inner.page_size())
+    }
+
+    /// Releases a detached slot without caching anything: frees the owned pages and the row,
+    /// releases the lock (the protected prefix becomes ordinary cache).
+    pub(crate) fn release_slot(&mut self, slot: Slot) -> Result<(), CacheError> {
+        let pools = self.inner.pools_mut();
+        let freed = pools
+            .rows
+            .set_holder(slot.row, RowHolder::Request)
+            .and_then(|_| pools.release_row(slot.row));
+        let unlocked = match slot.lock {
+            Some(l) => self.inner.dec_lock_ref(l),
+            None => Ok(()),
+        };
+        freed.and(unlocked)
+    }
+
+    /// Hands a detached slot to the inner cache as a finished request over `history`: the
+    /// committed, page-aligned KV is inserted (shared prefixes dedup), the tail freed, the lock
+    /// and row released.
+    pub(crate) fn cache_slot(&mut self, slot: Slot, history: RadixKey) -> Result<(), CacheError> {
+        if let Err(e) = self
+            .inner
+            .pools_mut()
+            .rows
+            .set_holder(slot.row, RowHolder::Request)
+        {
+            // The row is gone already: still hand the lock back so the path does not stay locked.
+            if let Some(l) = slot.lock {
+                self.inner.dec_lock_ref(l)?;
+            }
+            return Err(e);
+        }
+        let mut req = RequestKv::new(history);
+        req.row = Some(slot.row);
+        req.last_node = slot.lock.as_ref().map(|l| l.anchor());
+        req.lock = slot.lock;
+        // The history always covers the committed KV; the clamp only guards a caller that broke
+        // the append-only contract.
+        req.committed_len = slot.committed_len.min(req.key.len());
+        req.allocated_len = slot.allocated_len.max(req.committed_len);
+        req.cache_protected_len = slot.cache_protected_len;
+        req.mamba_slot = slot.mamba_slot;
+        req.swa_evicted_len = slot.swa_evicted_len;
+        self.inner
+            .cache_finished_req(&mut req, FinishKind::Finished)
+    }
+
+    /// Demotes session `id`'s idle slot into the inner cache. False if it had none.
+    pub(crate) fn demote_idle(&mut self, id: u64) -> Result<bool, CacheError> {
+        let Some(slot) = self.take_idle_slot(id) else {
+            return Ok(false);
+        };
+        let history = self
+            .sessions
+            .get(&id)
+            .map(|s| s.history.clone())
+            .unwrap_or_default();
+        self.cache_slot(slot, history)?;
+        Ok(true)
+    }
+
+    /// Demotes idle sessions (least recently used first) until the inner cache can supply
+    /// `tokens`. Demotes nothing when even all of them would not suffice, so a failing
+    /// allocation leaves the sessions as they were. Returns true if it is worth retrying.
+    pub(crate) fn reclaim_for(&mut self, tokens: usize) -> Result<bool, CacheError> {
+        if self.inner.available_tokens() + self.held_tokens < tokens || self.lru.is_empty() {
+            return Ok(false);
+        }
+        while self.inner.available_tokens() < tokens {
+            let Some(&(_, _, id)) = self.lru.first() else {
+                break;
+            };
+            self.demote_idle(id)?;
+        }
+        Ok(true)
+    }
+
+    /// The slot of a finished turn takes the request's KV. `committed` is clamped to the key
+    /// and the allocation; pages past it (speculative overshoot, a retract gap) are freed.
+    pub(crate) fn slot_from_request(
+        &mut self,
+        req: &mut RequestKv,
+        lock: Option<LockReceipt>,
+    ) -> Result<Slot, CacheError> {
+        let row = req
+            .row
+            .ok_or(CacheError::InvalidRequestState("request has no row"))?;
+        let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
+        let p = self.inner.page_size();
+        let pools = self.inner.pools_mut();
+        pools.truncate_row(row, pages_for(committed, p))?;
+        pools.rows.set_holder(row, RowHolder::Session)?;
+        let held_tokens = self.owned_tokens(row)?;
+        Ok(Slot {
+            row,
+            lock,
+            committed_len: committed,
+            allocated_len: committed,
+            cache_protected_len: req.cache_protected_len,
+            mamba_slot: req.mamba_slot,
+            swa_evicted_len: req.swa_evicted_len.min(committed),
+            lent: false,
+            held_tokens,
+        })
+    }
+
+    /// After a turn stored its slot: the per-session cap, then TTL and budget.
+    pub(crate) fn after_save(&mut self, id: u64) -> Result<(), CacheError> {
+        let over_cap = self
+            .sessions
+            .get(&id)
+            .and_then(|s| s.slot.as_ref())
+            .is_some_and(|sl| sl.held_tokens > self.cfg.max_session_tokens);
+        if over_cap {
+            self.demote_idle(id)?;
+        }
+        self.reap().map_err(CacheError::from)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,459 @@
+//! [`PrefixCache`] for [`SessionAwareCache`]: streaming turns are answered from their session's
+//! slot; everything else is delegated to the inner cache.
+
+use radixkv_radix::{
+    CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
+    KvEvent, LockReceipt, NodeId, PageId, PrefixCache, RequestKv, RequestMatch, Result, RowHolder,
+    TreeMatch, ensure_inv, pages_for,
+};
+
+use crate::cache::SessionAwareCache;
+use crate::clock::Clock;
+
+/// How a request relates to the session table.
+enum Route {
+    /// Not a streaming session turn: the inner cache handles it.
+    Inner,
+    /// A turn of streaming session `id`.
+    Session(u64),
+}
+
+impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
+    fn route(&self, req: &RequestKv) -> Route {
+        match req.session {
+            Some(tag)
+                if tag.streaming
+                    && (req.kv_lent || self.sessions.get(&tag.id).is_none_or(|s| s.streaming)) =>
+            {
+                Route::Session(tag.id)
+            }
+            _ => Route::Inner,
+        }
+    }
+
+    /// Lends session `id`'s slot to `req` (or re-lends it to the same request after a rejected
+    /// admission). Returns None when the slot cannot serve this key: it is then demoted and the
+    /// caller matches the tree instead.
+    fn lend(&mut self, id: u64, req: &mut RequestKv) -> Result<Option<RequestMatch>> {
+        let p = self.inner.page_size();
+        let max = req.max_match_len();
+        let again = req.kv_lent;
+        let Some(slot) = self.sessions.get(&id).and_then(|s| s.slot.as_ref()) else {
+            return Err(CacheError::InvalidRequestState(
+                "request marked as lent but its session holds no slot",
+            ));
+        };
+        if again && (!slot.lent || req.row != Some(slot.row)) {
+            return Err(CacheError::InvalidRequestState(
+                "request marked as lent does not hold its session's row",
+            ));
+        }
+        // The key already obeys the len − 1 rule; a retract retry can leave committed one past it.
+        let prefix = slot.committed_len.min(max);
+        if prefix < slot.cache_protected_len {
+            // Sessions are append-only: below the tree-owned prefix the row cannot be reused in
+            // place (writing there would overwrite shared pages).
+            if again {
+                return Err(CacheError::InvalidRequestState(
+                    "re-match of a lent turn below its session's protected prefix",
+                ));
+            }
+            self.demote_idle(id)?;
+            return Ok(None);
+        }
+        let row = slot.row;
+        let pools = self.inner.pools_mut();
+        // Pool calls first: if one fails (a stale row would be a bug), the slot stays idle.
+        pools.truncate_row(row, pages_for(prefix, p))?;
+        pools.rows.set_holder(row, RowHolder::Request)?;
+        req.prefix_pages.clear();
+        let lent_pages = pools.rows.pages(row)?.get(..pages_for(prefix, p)).ok_or(
+            CacheError::InvalidRequestState("session row is shorter than its committed KV"),
+        )?;
+        req.prefix_pages.extend_from_slice(lent_pages);
+        if !again {
+            self.unmark_idle(id);
+        }
+        let Some(slot) = self.sessions.get_mut(&id).and_then(|s| s.slot.as_mut()) else {
+            return Err(CacheError::InvalidRequestState("session slot vanished"));
+        };
+        slot.lent = true;
+        slot.committed_len = prefix;
+        slot.allocated_len = prefix;
+        slot.swa_evicted_len = slot.swa_evicted_len.min(prefix);
+        req.row = Some(row);
+        req.prefix_len = prefix;
+        req.host_hit_len = 0;
+        req.last_node = None;
+        req.load_anchor = None;
+        req.committed_len = prefix;
+        req.allocated_len = prefix;
+        req.cache_protected_len = slot.cache_protected_len;
+        req.mamba_slot = slot.mamba_slot;
+        req.swa_evicted_len = slot.swa_evicted_len;
+        req.kv_lent = true;
+        Ok(Some(RequestMatch {
+            prefix_len: prefix,
+            host_hit_len: 0,
+            from_session: true,
+        }))
+    }
+
+    /// End of a lent turn: the slot takes its row back, either at the turn's end (finished)
+    /// or rolled back to the previous turn (aborted, retracted).
+    fn take_back(&mut self, id: u64, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        let p = self.inner.page_size();
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return Err(CacheError::InvalidRequestState(
+                "lent turn of an unknown session",
+            ));
+        };
+        let Some(slot) = s
+            .slot
+            .as_mut()
+            .filter(|sl| sl.lent && req.row == Some(sl.row))
+        else {
+            return Err(CacheError::InvalidRequestState(
+                "request marked as lent does not hold its session's row",
+            ));
+        };
+        let row = slot.row;
+        match kind {
+            FinishKind::Finished => {
+                let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
+                slot.committed_len = committed;
+                slot.allocated_len = committed;
+                slot.mamba_slot = req.mamba_slot;
+                slot.swa_evicted_len = req.swa_evicted_len.min(committed);
+                // The match verified that the key extends the history and keys only grow, so
+                // appending the new tail keeps this O(new tokens).
+                if req.key.len() >= s.history.len() {
+                    s.history
+                        .tokens
+                        .extend_from_slice(&req.key.tokens[s.history.len()..]);
+                } else {
+                    s.history = req.key.clone();
+                }
+            }
+            FinishKind::Aborted => {
+                slot.allocated_len = slot.committed_len;
+            }
+        }
+        slot.lent = false;
+        let keep = pages_for(slot.committed_len, p);
+        let closing = s.closing;
+        req.clear_kv_state();
+        let pools = self.inner.pools_mut();
+        let trimmed = pools.truncate_row(row, keep);
+        let held = pools.rows.set_holder(row, RowHolder::Session);
+        let owned = self.owned_tokens(row);
+        if let Some(slot) = self.sessions.get_mut(&id).and_then(|s| s.slot.as_mut()) {
+            slot.held_tokens = owned.as_ref().copied().unwrap_or(0);
+        }
+        self.mark_idle(id);
+        if closing {
+            let slot = self.take_idle_slot(id);
+            let history = self
+                .sessions
+                .remove(&id)
+                .map(|s| s.history)
+                .unwrap_or_default();
+            if let Some(slot) = slot {
+                match kind {
+                    FinishKind::Finished => self.cache_slot(slot, history)?,
+                    FinishKind::Aborted => self.release_slot(slot)?,
+                }
+            }
+            return trimmed.and(held).and(owned.map(|_| ()));
+        }
+        trimmed.and(held).and(owned.map(|_| ()))?;
+        if kind == FinishKind::Finished {
+            self.after_save(id)?;
+        }
+        Ok(())
+    }
+
+    /// End of a turn that ran through the inner cache (first turn, or after a demotion): the
+    /// session takes its KV if it can, otherwise the inner cache finishes it.
+    fn finish_unlent(&mut self, id: u64, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        let savable = kind == FinishKind::Finished
+            && req.row.is_some()
+            && req.committed_len > 0
+            && req.committed_len >= req.cache_protected_len
+            && self.sessions.get(&id).is_some_and(|s| {
+                s.streaming
+                    && !s.closing
+                    && s.slot.is_none()
+                    // Guards against a second, concurrent request of the same session: only a
+                    // turn that extends the history becomes the new slot.
+                    && Self::check_extends(id, s, req).is_ok()
+            });
+        if !savable {
+            return self.inner.cache_finished_req(req, kind);
+        }
+        let lock = req.lock.take();
+        let slot = match self.slot_from_request(req, lock) {
+            Ok(slot) => slot,
+            Err(e) => {
+                // Nothing was handed over: finish as an ordinary request so nothing leaks.
+                self.inner.cache_finished_req(req, FinishKind::Aborted)?;
+                return Err(e);
+            }
+        };
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return Err(CacheError::InvalidRequestState("session vanished"));
+        };
+        s.history = req.key.clone();
+        s.slot = Some(slot);
+        req.clear_kv_state();
+        self.mark_idle(id);
+        self.after_save(id)
+    }
+}
+
+impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    fn pools(&self) -> &DevicePools {
+        self.inner.pools()
+    }
+
+    fn pools_mut(&mut self) -> &mut DevicePools {
+        self.inner.pools_mut()
+    }
+
+    fn match_prefix(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<TreeMatch> {
+        self.inner.match_prefix(key, out)
+    }
+
+    fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &[PageId],
+        opts: InsertOptions,
+    ) -> Result<InsertResult> {
+        self.inner.insert(key, pages, opts)
+    }
+
+    /// Evicts from the inner cache only; idle sessions are demoted by the budget, the TTL and
+    /// allocation pressure, never by a plain evict.
+    fn evict(&mut self, tokens: usize) -> usize {
+        self.inner.evict(tokens)
+    }
+
+    fn inc_lock_ref(&mut self, node: NodeId) -> Result<LockReceipt> {
+        self.inner.inc_lock_ref(node)
+    }
+
+    fn dec_lock_ref(&mut self, receipt: LockReceipt) -> Result<()> {
+        self.inner.dec_lock_ref(receipt)
+    }
+
+    fn evictable_tokens(&self) -> usize {
+        self.inner.evictable_tokens()
+    }
+
+    fn protected_tokens(&self) -> usize {
+        self.inner.protected_tokens()
+    }
+
+    fn session_held_tokens(&self) -> usize {
+        self.held_tokens
+    }
+
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.inner.take_events()
+    }
+
+    /// # Errors
+    /// [`CacheError::Busy`] while any session holds a slot (close or demote them first).
+    fn reset(&mut self) -> Result<()> {
+        if self.sessions.values().any(|s| s.slot.is_some()) {
+            return Err(CacheError::Busy("sessions hold KV"));
+        }
+        self.inner.reset()
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_invariants()?;
+        let pools = self.inner.pools();
+        let p = self.inner.page_size();
+        let mut idle = 0usize;
+        let mut held = 0usize;
+        for (&id, s) in &self.sessions {
+            let Some(slot) = s.slot.as_ref() else {
+                ensure_inv!(
+                    s.idle_key.is_none(),
+                    "session {id} has no slot but is indexed as idle"
+                );
+                continue;
+            };
+            let holder = pools.rows.holder(slot.row);
+            let want = if slot.lent {
+                RowHolder::Request
+            } else {
+                RowHolder::Session
+            };
+            ensure_inv!(
+                holder == Ok(want),
+                "session {id}: row {:?} holder {holder:?}, expected {want:?}",
+                slot.row
+            );
+            let prot = pools.rows.protected_pages(slot.row).unwrap_or(usize::MAX);
+            ensure_inv!(
+                prot * p == slot.cache_protected_len
+                    && slot.cache_protected_len <= slot.committed_len,
+                "session {id}: row protects {prot} pages, slot {}",
+                slot.cache_protected_len
+            );
+            ensure_inv!(
+                slot.lock.is_some() || slot.cache_protected_len == 0,
+                "session {id}: protected prefix without a lock"
+            );
+            if slot.lent {
+                ensure_inv!(
+                    s.idle_key.is_none(),
+                    "session {id}: lent slot is indexed as idle"
+                );
+                continue;
+            }
+            idle += 1;
+            let pages = pools.rows.pages(slot.row).map(|v| v.len()).unwrap_or(0);
+            ensure_inv!(
+                slot.committed_len >= slot.cache_protected_len
+                    && slot.allocated_len == slot.committed_len
+                    && pages == pages_for(slot.committed_len, p)
+                    && slot.committed_len <= s.history.len(),
+                "session {id}: idle slot committed {} allocated {} protected {} pages {pages} \
+                 history {}",
+                slot.committed_len,
+                slot.allocated_len,
+                slot.cache_protected_len,
+                s.history.len()
+            );
+            ensure_inv!(
+                slot.held_tokens == (pages - prot) * p,
+                "session {id}: cached held tokens {} but row owns {} pages",
+                slot.held_tokens,
+                pages - prot
+            );
+            let Some((t, seq)) = s.idle_key else {
+                return Err(InvariantViolation(format!(
+                    "session {id}: idle slot is not indexed"
+                )));
+            };
+            ensure_inv!(
+                self.lru.contains(&(t, seq, id))
+                    && s.ttl.is_none_or(|ttl| self.expiry.contains(&(
+                        t.saturating_add(ttl),
+                        seq,
+                        id
+                    ))),
+                "session {id}: idle index entry missing"
+            );
+            held += slot.held_tokens;
+        }
+        ensure_inv!(
+            self.lru.len() == idle
+                && self.expiry.len() <= idle
+                && held == self.held_tokens
+                && pools.session_held_pages() * p == self.held_tokens,
+            "session accounting: {} idle slots, {} indexed, held {held} / counter {} / pool {}",
+            idle,
+            self.lru.len(),
+            self.held_tokens,
+            pools.session_held_pages() * p
+        );
+        let session_rows = pools
+            .rows
+            .iter()
+            .filter(|(_, h, _, _)| *h == RowHolder::Session)
+            .count();
+        ensure_inv!(
+            session_rows == idle,
+            "{session_rows} rows are session-held but {idle} slots are idle"
+        );
+        ensure_inv!(
+            self.accounting().balanced(),
+            "pool accounting does not balance: {:?}",
+            self.accounting()
+        );
+        Ok(())
+    }
+
+    fn match_request(&mut self, req: &mut RequestKv) -> Result<RequestMatch> {
+        let Route::Session(id) = self.route(req) else {
+            return self.inner.match_request(req);
+        };
+        self.validate_turn(req).map_err(CacheError::from)?;
+        let has_slot = self.sessions.get(&id).is_some_and(|s| s.slot.is_some());
+        if (req.kv_lent || has_slot)
+            && let Some(m) = self.lend(id, req)?
+        {
+            return Ok(m);
+        }
+        self.inner.match_request(req)
+    }
+
+    fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
+        if !req.kv_lent {
+            return self.inner.begin_request(req);
+        }
+        // A lent turn got its row and prefix at match time; the slot keeps the lock.
+        match req.row {
+            Some(row) if self.inner.pools().rows.holder(row) == Ok(RowHolder::Request) => Ok(()),
+            _ => Err(CacheError::InvalidRequestState(
+                "lent request without its session's row",
+            )),
+        }
+    }
+
+    fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
+        match self.inner.alloc_tokens(req, n) {
+            Err(CacheError::OutOfPages { needed, .. })
+                if self.reclaim_for(needed * self.inner.page_size())? =>
+            {
+                self.inner.alloc_tokens(req, n)
+            }
+            r => r,
+        }
+    }
+
+    fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> Result<()> {
+        if req.kv_lent {
+            // Later turns stay in the session's row; they reach the tree on demotion.
+            return Ok(());
+        }
+        self.inner.cache_unfinished_req(req)
+    }
+
+    fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        let Route::Session(id) = self.route(req) else {
+            return self.inner.cache_finished_req(req, kind);
+        };
+        if req.kv_lent {
+            self.take_back(id, req, kind)
+        } else {
+            self.finish_unlent(id, req, kind)
+        }
+    }
+
+    fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
+        match self.inner.alloc_pages(n) {
+            Err(CacheError::OutOfPages { .. })
+                if self.reclaim_for(n * self.inner.page_size())? =>
+            {
+                self.inner.alloc_pages(n)
+            }
+            r => r,
+        }
+    }
+
+    /// Free plus evictable tokens of the inner cache, plus what idle sessions hold (allocation
+    /// demotes them under pressure, so admission may count on it).
+    fn available_tokens(&self) -> usize {
+        self.inner.available_tokens() + self.held_tokens
+    }
+}

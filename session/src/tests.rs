@@ -1,0 +1,571 @@
+//! Unit tests: every path of the session layer, with invariants checked after each step.
+
+use radixkv_radix::{
+    CacheError, FinishKind, KeyRef, Namespace, PageId, PrefixCache, RadixCache, RadixConfig,
+    RadixKey, RequestKv, RequestMatch, RowHolder, SessionTag, TokenId,
+};
+
+use crate::{
+    CloseOutcome, ManualClock, ReapReport, SessionAwareCache, SessionConfig, SessionError,
+};
+
+const P: usize = 4;
+
+type Cache = SessionAwareCache<RadixCache, ManualClock>;
+
+fn cache_with(pages: usize, cfg: SessionConfig) -> (Cache, ManualClock) {
+    let inner = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: pages,
+        max_rows: 16,
+        ..Default::default()
+    })
+    .unwrap();
+    let clock = ManualClock::new(0);
+    (
+        SessionAwareCache::with_clock(inner, cfg, clock.clone()),
+        clock,
+    )
+}
+
+fn cache() -> (Cache, ManualClock) {
+    cache_with(64, SessionConfig::with_budget(1 << 20))
+}
+
+fn ok(c: &Cache) {
+    c.check_invariants().unwrap();
+    assert!(c.accounting().balanced(), "{:?}", c.accounting());
+}
+
+fn req(id: Option<u64>, tokens: Vec<TokenId>) -> RequestKv {
+    RequestKv {
+        session: id.map(|id| SessionTag {
+            id,
+            streaming: true,
+        }),
+        ..RequestKv::new(RadixKey::new(tokens))
+    }
+}
+
+/// Runs a turn up to (not including) its finish: match, begin, prefill, decode `generated` tokens.
+/// The last generated token's KV is not computed, as in a real decode loop.
+fn start(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatch {
+    let m = c.match_request(r).unwrap();
+    c.begin_request(r).unwrap();
+    let todo = r.key.len() - r.committed_len;
+    c.alloc_tokens(r, todo).unwrap();
+    r.commit(todo).unwrap();
+    r.append_tokens(generated);
+    if generated.len() > 1 {
+        c.alloc_tokens(r, generated.len() - 1).unwrap();
+        r.commit(generated.len() - 1).unwrap();
+    }
+    ok(c);
+    m
+}
+
+fn turn(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatch {
+    let m = start(c, r, generated);
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+    ok(c);
+    assert!(r.row.is_none() && r.lock.is_none() && !r.kv_lent);
+    m
+}
+
+fn extend(prev: &RequestKv, more: std::ops::Range<TokenId>) -> Vec<TokenId> {
+    let mut t = prev.key.tokens.clone();
+    t.extend(more);
+    t
+}
+
+fn session_pages(c: &Cache, id: u64) -> Vec<PageId> {
+    let row = c.sessions[&id].slot.as_ref().unwrap().row;
+    c.pools().rows.pages(row).unwrap().to_vec()
+}
+
+/// Nothing is held by anyone: every page is free or in the tree, unlocked; no rows.
+fn assert_drained(c: &Cache) {
+    ok(c);
+    let a = c.accounting();
+    assert_eq!(a.free + a.evictable, a.total, "{a:?}");
+    assert_eq!(c.pools().rows.live(), 0);
+    assert_eq!(c.session_held_tokens(), 0);
+}
+
+#[test]
+fn first_turn_is_saved_and_second_turn_restores_it() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    let m1 = turn(&mut c, &mut t1, &[100, 101, 102]);
+    assert!(!m1.from_session);
+    // 12 committed tokens (10 prompt + 2 decoded): 3 owned pages held by the session.
+    assert_eq!(c.session_held_tokens(), 12);
+    assert_eq!(c.held_rows(), 1);
+    assert_eq!(c.accounting().session_held, 12);
+    let info = c.session_info(1).unwrap();
+    assert_eq!((info.history_len, info.slot_committed_len), (13, Some(12)));
+    let saved = session_pages(&c, 1);
+
+    let mut t2 = req(Some(1), extend(&t1, 200..205));
+    let m2 = c.match_request(&mut t2).unwrap();
+    assert!(m2.from_session);
+    assert_eq!(m2.prefix_len, 12);
+    assert_eq!(t2.prefix_pages, saved);
+    assert!(t2.kv_lent && t2.lock.is_none());
+    // Lent: the row counts as the request's, not the session's.
+    assert_eq!(c.session_held_tokens(), 0);
+    assert_eq!(c.held_rows(), 0);
+    ok(&c);
+    c.begin_request(&mut t2).unwrap();
+    let todo = t2.key.len() - t2.committed_len;
+    c.alloc_tokens(&mut t2, todo).unwrap();
+    t2.commit(todo).unwrap();
+    t2.append_tokens(&[300]);
+    c.cache_finished_req(&mut t2, FinishKind::Finished).unwrap();
+    ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(18));
+    assert_eq!(c.session_held_tokens(), 20);
+    assert_eq!(&session_pages(&c, 1)[..3], &saved[..]);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn a_turn_that_does_not_extend_is_a_typed_error_and_the_session_is_unchanged() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101]);
+    let before = c.session_info(1).unwrap();
+    let held = c.session_held_tokens();
+
+    let mut bad = req(Some(1), (0..20).collect());
+    assert_eq!(
+        c.validate_turn(&bad),
+        Err(SessionError::NotExtending {
+            id: 1,
+            history_len: 12
+        })
+    );
+    assert!(matches!(
+        c.match_request(&mut bad),
+        Err(CacheError::Session(_))
+    ));
+    assert!(bad.row.is_none() && !bad.kv_lent);
+    // Same tokens in another namespace do not extend either.
+    let mut other_ns = RequestKv {
+        key: RadixKey::with_namespace(extend(&t1, 0..3), Namespace::new("t")),
+        ..req(Some(1), vec![])
+    };
+    assert!(c.match_request(&mut other_ns).is_err());
+    assert_eq!(c.session_info(1).unwrap(), before);
+    assert_eq!(c.session_held_tokens(), held);
+    ok(&c);
+
+    let mut good = req(Some(1), extend(&t1, 0..3));
+    assert!(turn(&mut c, &mut good, &[7]).from_session);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn lending_is_idempotent_and_a_second_request_is_busy() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101]);
+    let mut t2 = req(Some(1), extend(&t1, 50..60));
+    let a = c.match_request(&mut t2).unwrap();
+    let pages = t2.prefix_pages.clone();
+    // Admission rejected it: it matches again and gets the same answer.
+    let b = c.match_request(&mut t2).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(t2.prefix_pages, pages);
+    ok(&c);
+    let mut other = req(Some(1), extend(&t1, 50..60));
+    assert_eq!(c.validate_turn(&other), Err(SessionError::Busy(1)));
+    assert!(c.match_request(&mut other).is_err());
+    assert!(other.row.is_none());
+    // A lent session is never demoted.
+    assert_eq!(c.demote(1), Ok(false));
+    c.begin_request(&mut t2).unwrap();
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn abort_mid_turn_rolls_back_to_the_previous_turn() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101, 102]);
+    let saved = session_pages(&c, 1);
+    let held = c.session_held_tokens();
+    let free = c.pools().pages.available();
+
+    let mut t2 = req(Some(1), extend(&t1, 200..230));
+    start(&mut c, &mut t2, &[1, 2, 3]);
+    assert!(c.pools().pages.available() < free);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    assert!(t2.row.is_none() && !t2.kv_lent);
+    assert_eq!(c.pools().pages.available(), free);
+    assert_eq!(c.session_held_tokens(), held);
+    assert_eq!(session_pages(&c, 1), saved);
+    assert_eq!(c.session_info(1).unwrap().history_len, 13);
+    // The same turn can be retried (a retract re-queues it) and hits the full history.
+    let mut retry = req(Some(1), extend(&t1, 200..230));
+    let m = turn(&mut c, &mut retry, &[1]);
+    assert!(m.from_session);
+    assert_eq!(m.prefix_len, 12);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn retract_then_rematch_of_the_same_request() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..9).collect());
+    turn(&mut c, &mut t1, &[100, 101]);
+    let mut t2 = req(Some(1), extend(&t1, 20..40));
+    let first = start(&mut c, &mut t2, &[5, 6, 7]);
+    // Retract: the scheduler frees the request's KV and re-queues it with its tokens so far.
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    let again = c.match_request(&mut t2).unwrap();
+    assert_eq!(again, first);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn overshoot_past_the_committed_length_is_trimmed() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    start(&mut c, &mut t1, &[100, 101]);
+    // Speculative decoding allocated 9 draft slots that were not accepted.
+    c.alloc_tokens(&mut t1, 9).unwrap();
+    assert_eq!(t1.allocated_len, 20);
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    ok(&c);
+    assert_eq!(c.session_held_tokens(), 12);
+    // A retract retry can leave committed one past the (len − 1) key: the match trims it.
+    let mut same = req(Some(1), t1.key.tokens.clone());
+    let m = c.match_request(&mut same).unwrap();
+    assert_eq!(m.prefix_len, 11);
+    assert_eq!(same.prefix_pages.len(), 3);
+    c.cache_finished_req(&mut same, FinishKind::Aborted)
+        .unwrap();
+    ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(11));
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn a_match_below_the_protected_prefix_falls_back_to_the_tree() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    // Turn 1 publishes its 8-token prompt in the tree (as after a prefill chunk).
+    let mut t1 = req(Some(1), (0..8).collect());
+    c.match_request(&mut t1).unwrap();
+    c.begin_request(&mut t1).unwrap();
+    c.alloc_tokens(&mut t1, 8).unwrap();
+    t1.commit(8).unwrap();
+    c.cache_unfinished_req(&mut t1).unwrap();
+    assert_eq!(t1.cache_protected_len, 8);
+    t1.append_tokens(&[100]);
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    ok(&c);
+    assert_eq!(c.session_held_tokens(), 0);
+    // A cap on the reusable prefix (e.g. logprobs from token 4) cannot reuse the row in place.
+    let mut t2 = req(Some(1), extend(&t1, 0..4));
+    t2.max_prefix_len = Some(4);
+    let m = c.match_request(&mut t2).unwrap();
+    assert!(!m.from_session);
+    assert_eq!(m.prefix_len, 4);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    ok(&c);
+    turn_rest(&mut c, &mut t2);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+/// Finishes a matched turn.
+fn turn_rest(c: &mut Cache, r: &mut RequestKv) {
+    c.begin_request(r).unwrap();
+    let todo = r.key.len() - r.committed_len;
+    c.alloc_tokens(r, todo).unwrap();
+    r.commit(todo).unwrap();
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+    ok(c);
+}
+
+#[test]
+fn close_idle_releases_everything_and_close_unknown_is_an_error() {
+    let (mut c, _) = cache();
+    assert_eq!(c.close(9), Err(SessionError::Unknown(9)));
+    c.open(1, true, None).unwrap();
+    assert_eq!(c.open(1, true, None), Err(SessionError::AlreadyOpen(1)));
+    let mut t1 = req(Some(1), (0..30).collect());
+    turn(&mut c, &mut t1, &[1, 2]);
+    assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
+    assert_eq!(c.open_sessions(), 0);
+    assert_drained(&c);
+    // Closed sessions are unknown: their streaming turns are rejected.
+    let mut late = req(Some(1), extend(&t1, 0..2));
+    assert_eq!(c.validate_turn(&late), Err(SessionError::Unknown(1)));
+    assert!(c.match_request(&mut late).is_err());
+    assert_eq!(c.close(1), Err(SessionError::Unknown(1)));
+}
+
+#[test]
+fn close_during_a_turn_is_deferred_to_its_end() {
+    for kind in [FinishKind::Finished, FinishKind::Aborted] {
+        let (mut c, _) = cache();
+        c.open(1, true, None).unwrap();
+        let mut t1 = req(Some(1), (0..10).collect());
+        turn(&mut c, &mut t1, &[100, 101]);
+        let mut t2 = req(Some(1), extend(&t1, 20..30));
+        start(&mut c, &mut t2, &[5, 6]);
+        assert_eq!(c.close(1), Ok(CloseOutcome::Deferred));
+        assert_eq!(c.close(1), Ok(CloseOutcome::Deferred));
+        assert!(c.session_info(1).unwrap().closing);
+        let mut other = req(Some(1), extend(&t2, 0..2));
+        assert_eq!(c.validate_turn(&other), Err(SessionError::Closing(1)));
+        assert!(c.match_request(&mut other).is_err());
+        ok(&c);
+        c.cache_finished_req(&mut t2, kind).unwrap();
+        assert_eq!(c.open_sessions(), 0);
+        assert_drained(&c);
+        // A finished turn is cached like an ordinary request; an aborted one is freed.
+        let mut probe = Vec::new();
+        let hit = c
+            .match_prefix(KeyRef::new(&t2.key.tokens), &mut probe)
+            .unwrap()
+            .device_len;
+        match kind {
+            FinishKind::Finished => assert_eq!(hit, 20),
+            FinishKind::Aborted => assert_eq!(hit, 0),
+        }
+    }
+}
+
+#[test]
+fn non_streaming_and_sessionless_requests_pass_through() {
+    let (mut c, _) = cache();
+    c.open(2, false, None).unwrap();
+    let mut a = req(None, (0..10).collect());
+    assert!(!turn(&mut c, &mut a, &[1]).from_session);
+    let mut b = req(Some(2), (0..10).collect());
+    let m = turn(&mut c, &mut b, &[1]);
+    assert!(!m.from_session);
+    assert_eq!(m.prefix_len, 8);
+    // A request tagged non-streaming for a streaming session passes through as well.
+    c.open(3, true, None).unwrap();
+    let mut n = RequestKv {
+        session: Some(SessionTag {
+            id: 3,
+            streaming: false,
+        }),
+        ..RequestKv::new(RadixKey::new((0..10).collect()))
+    };
+    turn(&mut c, &mut n, &[1]);
+    assert_eq!(c.session_info(2).unwrap().slot_committed_len, None);
+    assert_eq!(c.session_info(3).unwrap().slot_committed_len, None);
+    assert_drained(&c);
+}
+
+#[test]
+fn ttl_expiry_demotes_and_the_next_turn_matches_the_tree() {
+    let cfg = SessionConfig {
+        idle_ttl: Some(100),
+        ..SessionConfig::with_budget(1 << 20)
+    };
+    let (mut c, clock) = cache_with(64, cfg);
+    c.open(1, true, None).unwrap();
+    c.open(2, true, Some(1000)).unwrap();
+    let mut a = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut a, &[100, 101]);
+    let mut b = req(Some(2), (500..510).collect());
+    turn(&mut c, &mut b, &[100, 101]);
+    clock.advance(99);
+    assert_eq!(c.reap(), Ok(ReapReport::default()));
+    clock.advance(1);
+    assert_eq!(
+        c.reap(),
+        Ok(ReapReport {
+            expired: 1,
+            over_budget: 0
+        })
+    );
+    ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert_eq!(c.session_info(2).unwrap().slot_committed_len, Some(11));
+    assert_eq!(c.session_held_tokens(), 12);
+    // Demoted KV is ordinary cache: the next turn hits its aligned history through the tree.
+    let mut a2 = req(Some(1), extend(&a, 0..5));
+    let m = turn(&mut c, &mut a2, &[9, 9]);
+    assert!(!m.from_session);
+    assert_eq!(m.prefix_len, 8);
+    // ... and becomes the slot again.
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(18));
+    c.close(1).unwrap();
+    c.close(2).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn over_budget_demotes_the_least_recently_used_idle_session() {
+    let (mut c, clock) = cache_with(64, SessionConfig::with_budget(24));
+    for id in 1..=2 {
+        c.open(id, true, None).unwrap();
+        let mut r = req(
+            Some(id),
+            (id as u32 * 1000..id as u32 * 1000 + 10).collect(),
+        );
+        turn(&mut c, &mut r, &[1, 2]);
+        clock.advance(1);
+    }
+    assert_eq!(c.session_held_tokens(), 24);
+    c.open(3, true, None).unwrap();
+    let mut r = req(Some(3), (3000..3010).collect());
+    turn(&mut c, &mut r, &[1, 2]);
+    assert!(c.session_held_tokens() <= 24);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert!(c.session_info(2).unwrap().slot_committed_len.is_some());
+    assert!(c.session_info(3).unwrap().slot_committed_len.is_some());
+    // Tightening the budget takes effect at the next reap.
+    c.set_config(SessionConfig::with_budget(0));
+    assert_eq!(c.reap().unwrap().over_budget, 2);
+    assert_eq!(c.held_rows(), 0);
+    for id in 1..=3 {
+        c.close(id).unwrap();
+    }
+    assert_drained(&c);
+}
+
+#[test]
+fn a_turn_over_the_per_session_cap_is_demoted_at_once() {
+    let cfg = SessionConfig {
+        max_session_tokens: 8,
+        ..SessionConfig::with_budget(1 << 20)
+    };
+    let (mut c, _) = cache_with(64, cfg);
+    c.open(1, true, None).unwrap();
+    let mut small = req(Some(1), (0..6).collect());
+    turn(&mut c, &mut small, &[1, 2]);
+    assert_eq!(c.session_held_tokens(), 8);
+    let mut big = req(Some(1), extend(&small, 10..20));
+    turn(&mut c, &mut big, &[1, 2]);
+    assert_eq!(c.session_held_tokens(), 0);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert_eq!(c.session_info(1).unwrap().history_len, 20);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn allocation_pressure_demotes_idle_sessions_but_never_lent_ones() {
+    // 16 pages of 4 tokens.
+    let (mut c, _) = cache_with(16, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    c.open(2, true, None).unwrap();
+    let mut a = req(Some(1), (0..22).collect());
+    turn(&mut c, &mut a, &[1, 2, 3]); // 24 committed: 6 pages
+    let mut b = req(Some(2), (100..122).collect());
+    turn(&mut c, &mut b, &[1, 2, 3]);
+    assert_eq!(c.pools().pages.available(), 4);
+    assert_eq!(c.available_tokens(), 16 + 48);
+    // Lend session 2; a plain request then needs more than is free: session 1 is demoted.
+    let mut b2 = req(Some(2), extend(&b, 0..2));
+    c.match_request(&mut b2).unwrap();
+    let mut x = req(None, (900..940).collect());
+    c.match_request(&mut x).unwrap();
+    c.begin_request(&mut x).unwrap();
+    c.alloc_tokens(&mut x, 40).unwrap();
+    ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert!(c.session_info(2).unwrap().lent);
+    // Nothing idle is left: the next allocation fails cleanly and the lent slot survives.
+    let free = c.pools().pages.available();
+    let err = c.alloc_pages(free + 1);
+    assert!(matches!(err, Err(CacheError::OutOfPages { .. })));
+    assert_eq!(c.pools().pages.available(), free);
+    assert!(c.session_info(2).unwrap().lent);
+    c.cache_finished_req(&mut x, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut b2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    c.close(1).unwrap();
+    c.close(2).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn hybrid_state_travels_with_the_slot_and_reset_waits_for_sessions() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    start(&mut c, &mut t1, &[1, 2]);
+    t1.mamba_slot = Some(7);
+    t1.swa_evicted_len = 4;
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    assert_eq!(c.held_mamba_slots(), 1);
+    assert_eq!(c.reset(), Err(CacheError::Busy("sessions hold KV")));
+    ok(&c);
+    let mut t2 = req(Some(1), extend(&t1, 0..3));
+    c.match_request(&mut t2).unwrap();
+    assert_eq!((t2.mamba_slot, t2.swa_evicted_len), (Some(7), 4));
+    assert_eq!(c.held_mamba_slots(), 0);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    assert_eq!(c.held_mamba_slots(), 1);
+    c.close(1).unwrap();
+    assert_eq!(c.reset(), Ok(()));
+    assert_drained(&c);
+}
+
+#[test]
+fn explicit_demotion_keeps_shared_prefixes_cached() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..16).collect());
+    turn(&mut c, &mut t1, &[1, 2, 3, 4, 5]);
+    assert_eq!(c.demote(1), Ok(true));
+    assert_eq!(c.demote(1), Ok(false));
+    assert_eq!(c.demote(5), Err(SessionError::Unknown(5)));
+    ok(&c);
+    // Another user sending the same conversation hits it in the tree.
+    let mut other = req(None, t1.key.tokens.clone());
+    let m = turn(&mut c, &mut other, &[1]);
+    assert_eq!(m.prefix_len, 20);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn the_invariant_check_sees_session_rows() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[1, 2]);
+    let row = c.sessions[&1].slot.as_ref().unwrap().row;
+    // A caller that flips the holder behind the session layer's back is caught.
+    c.pools_mut()
+        .rows
+        .set_holder(row, RowHolder::Request)
+        .unwrap();
+    assert!(c.check_invariants().is_err());
+    c.pools_mut()
+        .rows
+        .set_holder(row, RowHolder::Session)
+        .unwrap();
+    ok(&c);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
