@@ -1,1 +1,71 @@
-//! The scheduler facade `KvCacheManager` and the reference scheduler (issue #5).
+//! # radixkv-scheduler-api — the scheduler's front door to radixkv
+//!
+//! A continuous-batching scheduler embeds one [`KvCacheManager`] and drives one lifecycle per
+//! request; it never calls tree internals, pool allocators or tier controllers itself.
+//!
+//! ## The model
+//! - **Configuration** ([`ManagerConfig`], from a builder, TOML or JSON): model geometry
+//!   (layers, KV bytes per token, page size, optional hybrid pools), the device pool, the cache
+//!   kind (disabled / radix / HiCache with a host tier, a write policy and an optional storage
+//!   tier), the eviction policy, sessions and their budget, the device backend.
+//! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
+//!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks and tier reports. Kinds whose
+//!   crate is not wired into this build fail there with [`ManagerError::NotWired`], naming the
+//!   crate.
+//! - **Lifecycle**: `arrive` → `admit` (match, temporary lock, budget check, load-back, lock) →
+//!   `extend` per prefill chunk (allocation evicts as needed) → `chunk_done` (the chunk enters
+//!   the cache at once) → `decode` per token (out of memory → `retract`) → `finish` / `abort`.
+//!   Each scheduler step is bracketed by `begin_step` (its handle says what the forward must
+//!   wait for, per layer) and `end_step` (acks, KV events, transfer counts; debug builds audit
+//!   every invariant there).
+//! - **Budgets**: admission sees `free + evictable − reserved` tokens, where every admitted
+//!   request reserves its remaining prompt plus a clipped output budget until it allocates them.
+//! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), a `tracing`
+//!   span per step, KV events for routers.
+//!
+//! ## The reference scheduler and the `radixkv` binary
+//! [`sim`] holds a continuous-batching scheduler (FCFS admission, chunked prefill under a
+//! per-step token budget, a decode batch, retraction on decode OOM) that drives the manager
+//! under a cost model, and reports hit ratios per tier against the infinite-cache ideal,
+//! recomputed tokens, transfer bytes, simulated TTFT and throughput, and the manager's CPU time
+//! per request. [`trace`] reads Mooncake, agentic multi-turn and Azure traces and generates a
+//! synthetic multi-turn chat workload; hash blocks become deterministic token runs so the cache
+//! sees real token sequences. [`plot`] writes the charts as SVG and PNG.
+//!
+//! ```
+//! use radixkv_scheduler_api::sim::{SimConfig, replay};
+//! use radixkv_scheduler_api::trace::SyntheticChat;
+//!
+//! let trace = SyntheticChat { conversations: 3, ..Default::default() }.generate();
+//! let mut cfg = SimConfig::default();
+//! cfg.manager.device_tokens = 64 << 10;
+//! let report = replay(&trace, &cfg, &mut ())?;
+//! assert!(report.hit_ratio.overall <= report.ideal_hit_ratio);
+//! assert_eq!(report.leaked_tokens, 0);
+//! # Ok::<(), radixkv_scheduler_api::ManagerError>(())
+//! ```
+//!
+//! ## Errors
+//! Every bad input (malformed trace, unknown format, impossible configuration, out-of-order
+//! lifecycle call, unknown request) and every exhausted resource returns a typed
+//! [`ManagerError`]; nothing reachable from the public API panics.
+
+#![warn(missing_docs)]
+
+mod builder;
+pub mod config;
+pub mod error;
+pub mod factory;
+mod manager;
+pub mod metrics;
+pub mod plot;
+pub mod sim;
+pub mod trace;
+
+pub use builder::ManagerBuilder;
+pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
+pub use error::{ManagerError, Result};
+pub use manager::{
+    Admission, Admitted, KvCacheManager, ReqId, Request, StepHandle, StepSummary, WaitReason,
+};
+pub use metrics::Metrics;

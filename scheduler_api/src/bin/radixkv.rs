@@ -1,0 +1,396 @@
+//! `radixkv`: replays a workload through the reference scheduler and a `KvCacheManager`, and
+//! reports hit ratios, recomputation, transfers and simulated latency.
+//!
+//! `radixkv` (or `radixkv demo`) runs the built-in synthetic multi-turn chat workload;
+//! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use radixkv_radix::PolicyKind;
+use radixkv_scheduler_api::config::{Eviction, policy_names};
+use radixkv_scheduler_api::sim::{self, CompareOutcome, Progress, Report, SimConfig};
+use radixkv_scheduler_api::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
+use radixkv_scheduler_api::{
+    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy, plot,
+};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "radixkv",
+    version,
+    about = "Replay LLM serving workloads through the radixkv KV cache manager"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the built-in synthetic multi-turn chat workload (the default).
+    Demo {
+        /// Conversations to generate.
+        #[arg(long, default_value_t = SyntheticChat::default().conversations)]
+        conversations: u32,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+    /// Replay a trace file.
+    Replay {
+        /// The trace file (`.gz` is decompressed).
+        #[arg(long)]
+        trace: PathBuf,
+        /// mooncake | weka (agentic multi-turn) | azure.
+        #[arg(long)]
+        format: String,
+        /// Read at most this many requests (conversations for weka).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Keep only the first this many requests (by arrival).
+        #[arg(long)]
+        max_requests: Option<usize>,
+        /// Mean gap between conversation starts for weka traces (seconds).
+        #[arg(long, default_value_t = 2.0)]
+        conversation_gap_s: f64,
+        #[command(flatten)]
+        run: RunArgs,
+    },
+}
+
+#[derive(Args, Debug, Clone, Default)]
+struct RunArgs {
+    /// Manager configuration file (TOML, or JSON by extension); flags override it.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Device KV pool in tokens.
+    #[arg(long, global = true)]
+    device_tokens: Option<usize>,
+    /// Tokens per page.
+    #[arg(long, global = true)]
+    page_size: Option<usize>,
+    /// Eviction policy.
+    #[arg(long, global = true)]
+    policy: Option<String>,
+    /// disabled | radix | hicache.
+    #[arg(long, global = true)]
+    cache: Option<String>,
+    /// Host tier in tokens (implies --cache hicache).
+    #[arg(long, global = true)]
+    host_tokens: Option<usize>,
+    /// write_through | write_through_selective[:N] | write_back.
+    #[arg(long, global = true)]
+    write_policy: Option<String>,
+    /// Enable sessions holding at most this many tokens.
+    #[arg(long, global = true)]
+    session_tokens: Option<usize>,
+    /// Maximum running requests.
+    #[arg(long, global = true)]
+    max_running: Option<usize>,
+    /// Prefill tokens per step (chunk size).
+    #[arg(long, global = true)]
+    prefill_budget: Option<usize>,
+    /// Host↔device bandwidth in GB/s.
+    #[arg(long, global = true)]
+    bandwidth_gbps: Option<f64>,
+    /// Seed of synthetic workloads and arrival processes.
+    #[arg(long, global = true)]
+    seed: Option<u64>,
+    /// Run every configuration (no cache, each eviction policy, sessions, HiCache) on the same
+    /// workload and print one table.
+    #[arg(long, global = true)]
+    compare: bool,
+    /// Write the report(s) as JSON and plots (SVG + PNG) into this directory.
+    #[arg(long, global = true)]
+    out: Option<PathBuf>,
+    /// Print the report as JSON on stdout.
+    #[arg(long, global = true)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long, global = true)]
+    quiet: bool,
+}
+
+fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("radixkv: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let (trace, run, cfg) = match cli.cmd {
+        None => {
+            let cfg = sim_config(&cli.run)?;
+            let t = demo_trace(SyntheticChat::default().conversations, &cli.run);
+            (t, cli.run, cfg)
+        }
+        Some(Cmd::Demo { conversations, run }) => {
+            let run = merge(cli.run, run);
+            let cfg = sim_config(&run)?;
+            (demo_trace(conversations, &run), run, cfg)
+        }
+        Some(Cmd::Replay {
+            trace,
+            format,
+            limit,
+            max_requests,
+            conversation_gap_s,
+            run,
+        }) => {
+            let run = merge(cli.run, run);
+            let cfg = sim_config(&run)?;
+            let format = TraceFormat::from_name(&format)?;
+            if !conversation_gap_s.is_finite() || conversation_gap_s < 0.0 {
+                return Err(ManagerError::Config(
+                    "--conversation-gap-s must be a non-negative number".into(),
+                ));
+            }
+            let opts = ReadOptions {
+                limit,
+                max_requests,
+                seed: run.seed.unwrap_or(7),
+                conversation_gap_s,
+            };
+            (trace::read_trace(&trace, format, &opts)?, run, cfg)
+        }
+    };
+    eprintln!(
+        "radixkv: {} requests, {} prompt tokens from {}",
+        trace.requests.len(),
+        trace.prompt_tokens(),
+        trace.name
+    );
+    let reports = if run.compare {
+        compare(&trace, &cfg, &run)?
+    } else {
+        let mut bar = bar(trace.requests.len() as u64, &cfg.manager.label(), run.quiet);
+        let r = sim::replay(&trace, &cfg, &mut bar)?;
+        bar.0.finish_and_clear();
+        if run.json {
+            println!("{}", to_json(&r)?);
+        } else {
+            println!("{r}");
+        }
+        vec![r]
+    };
+    if let Some(dir) = &run.out {
+        write_out(dir, &reports)?;
+        eprintln!("radixkv: wrote report.json and plots to {}", dir.display());
+    }
+    Ok(())
+}
+
+fn demo_trace(conversations: u32, run: &RunArgs) -> Trace {
+    SyntheticChat {
+        conversations,
+        seed: run.seed.unwrap_or(42),
+        ..Default::default()
+    }
+    .generate()
+}
+
+/// Subcommand flags win over the same flags given before the subcommand.
+fn merge(top: RunArgs, sub: RunArgs) -> RunArgs {
+    RunArgs {
+        config: sub.config.or(top.config),
+        device_tokens: sub.device_tokens.or(top.device_tokens),
+        page_size: sub.page_size.or(top.page_size),
+        policy: sub.policy.or(top.policy),
+        cache: sub.cache.or(top.cache),
+        host_tokens: sub.host_tokens.or(top.host_tokens),
+        write_policy: sub.write_policy.or(top.write_policy),
+        session_tokens: sub.session_tokens.or(top.session_tokens),
+        max_running: sub.max_running.or(top.max_running),
+        prefill_budget: sub.prefill_budget.or(top.prefill_budget),
+        bandwidth_gbps: sub.bandwidth_gbps.or(top.bandwidth_gbps),
+        seed: sub.seed.or(top.seed),
+        compare: sub.compare || top.compare,
+        out: sub.out.or(top.out),
+        json: sub.json || top.json,
+        quiet: sub.quiet || top.quiet,
+    }
+}
+
+fn sim_config(run: &RunArgs) -> Result<SimConfig> {
+    let mut m = match &run.config {
+        Some(p) => ManagerConfig::from_file(p)?,
+        None => ManagerConfig::default(),
+    };
+    if let Some(n) = run.device_tokens {
+        m.device_tokens = n;
+    }
+    if let Some(p) = run.page_size {
+        m.model.page_size = p;
+    }
+    if let Some(name) = &run.policy {
+        m.eviction = Eviction(PolicyKind::from_name(name).ok_or_else(|| {
+            ManagerError::Config(format!(
+                "unknown eviction policy {name:?}; known: {}",
+                policy_names()
+            ))
+        })?);
+    }
+    let write_policy = match &run.write_policy {
+        Some(w) => Some(WritePolicy::from_name(w).ok_or_else(|| {
+            ManagerError::Config(format!(
+                "unknown write policy {w:?}; known: write_through, write_through_selective[:N], write_back"
+            ))
+        })?),
+        None => None,
+    };
+    match run.cache.as_deref() {
+        None => {}
+        Some("disabled") => m.cache = CacheKind::Disabled,
+        Some("radix") => m.cache = CacheKind::Radix,
+        Some("hicache") => {
+            m.cache = CacheKind::HiCache(HostTier::ratio(m.device_tokens, 4.0));
+        }
+        Some(other) => {
+            return Err(ManagerError::Config(format!(
+                "unknown cache kind {other:?}; known: disabled, radix, hicache"
+            )));
+        }
+    }
+    if let Some(h) = run.host_tokens {
+        let mut tier = match &m.cache {
+            CacheKind::HiCache(t) => t.clone(),
+            _ => HostTier::ratio(0, 0.0),
+        };
+        tier.host_tokens = h;
+        m.cache = CacheKind::HiCache(tier);
+    }
+    if let (Some(w), CacheKind::HiCache(t)) = (write_policy, &mut m.cache) {
+        t.write_policy = w;
+    }
+    if let Some(s) = run.session_tokens {
+        m.sessions = Some(SessionBudget {
+            max_held_tokens: s,
+            ..Default::default()
+        });
+    }
+    m.validate()?;
+    let mut cfg = SimConfig {
+        manager: m,
+        ..Default::default()
+    };
+    cfg.cost.layers = cfg.manager.model.layers;
+    if let Some(n) = run.max_running {
+        cfg.max_running = n;
+        cfg.manager.max_rows = cfg.manager.max_rows.max(n);
+    }
+    if let Some(n) = run.prefill_budget {
+        cfg.prefill_budget = n;
+    }
+    if let Some(b) = run.bandwidth_gbps {
+        if !b.is_finite() || b <= 0.0 {
+            return Err(ManagerError::Config(
+                "--bandwidth-gbps must be positive".into(),
+            ));
+        }
+        cfg.cost.transfer_gbps = b;
+    }
+    if cfg.max_running == 0 || cfg.prefill_budget == 0 {
+        return Err(ManagerError::Config(
+            "--max-running and --prefill-budget must be positive".into(),
+        ));
+    }
+    Ok(cfg)
+}
+
+fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>> {
+    let configs = sim::compare_configs(&cfg.manager);
+    let n = trace.requests.len() as u64;
+    let quiet = run.quiet;
+    println!("{}", Report::table_header());
+    let outcomes = sim::compare(
+        trace,
+        cfg,
+        &configs,
+        &mut |m| Box::new(bar(n, &m.label(), quiet)),
+        &mut |o| match o {
+            CompareOutcome::Ran(r) => println!("{}", r.table_row()),
+            CompareOutcome::Skipped { config, reason } => {
+                println!("{config:<24} skipped: {reason}");
+            }
+        },
+    )?;
+    let reports: Vec<Report> = outcomes
+        .into_iter()
+        .filter_map(|o| match o {
+            CompareOutcome::Ran(r) => Some(*r),
+            CompareOutcome::Skipped { .. } => None,
+        })
+        .collect();
+    if let Some(r) = reports.first() {
+        println!(
+            "ideal (infinite cache) token hit ratio {:.4}; cache-manager CPU in µs per request",
+            r.ideal_hit_ratio
+        );
+    }
+    if run.json {
+        println!("{}", to_json(&reports)?);
+    }
+    Ok(reports)
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string_pretty(v).map_err(|e| ManagerError::Config(format!("JSON: {e}")))
+}
+
+fn write_out(dir: &Path, reports: &[Report]) -> Result<()> {
+    let io = |e: std::io::Error| ManagerError::Io {
+        path: dir.display().to_string(),
+        message: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let json = match reports {
+        [r] => to_json(r)?,
+        rs => to_json(&rs)?,
+    };
+    std::fs::write(dir.join("report.json"), json).map_err(io)?;
+    let refs: Vec<&Report> = reports.iter().collect();
+    for (name, chart) in plot::report_charts(&refs) {
+        plot::write_chart(dir, name, &chart)?;
+    }
+    Ok(())
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal or `--quiet` is given.
+struct Bar(ProgressBar);
+
+impl Progress for Bar {
+    fn advance(&mut self, n: u64) {
+        self.0.inc(n);
+    }
+}
+
+fn bar(len: u64, label: &str, quiet: bool) -> Bar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return Bar(ProgressBar::hidden());
+    }
+    let b = ProgressBar::new(len);
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix:>20} [{bar:40}] {pos}/{len} requests ({eta})")
+    {
+        b.set_style(style.progress_chars("=> "));
+    }
+    b.set_prefix(label.to_string());
+    Bar(b)
+}

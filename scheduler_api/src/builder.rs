@@ -1,0 +1,81 @@
+//! [`ManagerBuilder`]: builds a [`KvCacheManager`] from code instead of a config file.
+
+use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, ModelGeometry, SessionBudget};
+use crate::error::Result;
+use crate::manager::KvCacheManager;
+
+/// Builder of a [`KvCacheManager`].
+#[derive(Clone, Debug, Default)]
+pub struct ManagerBuilder {
+    cfg: ManagerConfig,
+}
+
+impl ManagerBuilder {
+    /// Starts from a whole configuration.
+    pub fn config(mut self, cfg: ManagerConfig) -> Self {
+        self.cfg = cfg;
+        self
+    }
+
+    /// Model geometry.
+    pub fn model(mut self, m: ModelGeometry) -> Self {
+        self.cfg.model = m;
+        self
+    }
+
+    /// Tokens per page.
+    pub fn page_size(mut self, p: usize) -> Self {
+        self.cfg.model.page_size = p;
+        self
+    }
+
+    /// Device pool capacity in tokens.
+    pub fn device_tokens(mut self, n: usize) -> Self {
+        self.cfg.device_tokens = n;
+        self
+    }
+
+    /// Request-pool rows.
+    pub fn max_rows(mut self, n: usize) -> Self {
+        self.cfg.max_rows = n;
+        self
+    }
+
+    /// The cache kind.
+    pub fn cache(mut self, k: CacheKind) -> Self {
+        self.cfg.cache = k;
+        self
+    }
+
+    /// A host tier (turns the cache into HiCache).
+    pub fn host_tier(mut self, h: HostTier) -> Self {
+        self.cfg.cache = CacheKind::HiCache(h);
+        self
+    }
+
+    /// Sessions with a budget.
+    pub fn sessions(mut self, b: SessionBudget) -> Self {
+        self.cfg.sessions = Some(b);
+        self
+    }
+
+    /// Eviction policy.
+    pub fn eviction(mut self, p: radixkv_radix::PolicyKind) -> Self {
+        self.cfg.eviction = Eviction(p);
+        self
+    }
+
+    /// Record KV events.
+    pub fn events(mut self, on: bool) -> Self {
+        self.cfg.events = on;
+        self
+    }
+
+    /// Builds the manager.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] or [`ManagerError::NotWired`].
+    pub fn build(self) -> Result<KvCacheManager> {
+        KvCacheManager::new(self.cfg)
+    }
+}

@@ -1,0 +1,476 @@
+//! Typed configuration of a [`crate::KvCacheManager`]: model geometry, pool sizes, the cache
+//! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
+//!
+//! Every kind the product has is describable here, even the ones whose crate is not wired into
+//! [`crate::factory::build_cache`] yet: the factory, not the config, decides what can be built,
+//! and says which crate is missing.
+
+use std::path::Path;
+
+use radixkv_radix::PolicyKind;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ManagerError, Result};
+
+/// Model geometry: what one token of KV costs and how the pools are paged.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelGeometry {
+    /// Transformer layers (the unit of layer-pipelined loads).
+    pub layers: u32,
+    /// KV bytes per token per layer (K and V, all heads).
+    pub kv_bytes_per_token_per_layer: u64,
+    /// Tokens per page (at least 1).
+    pub page_size: usize,
+    /// Optional Mamba/SSM state pool (hybrid models).
+    pub mamba: Option<MambaPool>,
+    /// Optional sliding-window KV pool (hybrid models).
+    pub swa: Option<SwaPool>,
+}
+
+impl Default for ModelGeometry {
+    /// A Llama-3-8B-like geometry: 32 layers, 8 KV heads × 128 dims × 2 (K, V) × 2 bytes.
+    fn default() -> Self {
+        ModelGeometry {
+            layers: 32,
+            kv_bytes_per_token_per_layer: 4096,
+            page_size: 16,
+            mamba: None,
+            swa: None,
+        }
+    }
+}
+
+impl ModelGeometry {
+    /// KV bytes of one token across all layers.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        self.kv_bytes_per_token_per_layer * u64::from(self.layers)
+    }
+
+    /// KV bytes of one page across all layers.
+    pub fn page_bytes(&self) -> u64 {
+        self.kv_bytes_per_token() * self.page_size as u64
+    }
+}
+
+/// A Mamba/SSM state pool: one slot per state checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MambaPool {
+    /// State slots.
+    pub slots: u32,
+    /// Bytes of one state.
+    pub bytes_per_slot: u64,
+}
+
+/// A sliding-window KV pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SwaPool {
+    /// Window length in tokens.
+    pub window: u32,
+    /// Pool capacity in tokens.
+    pub tokens: usize,
+}
+
+/// Which prefix cache backs the manager.
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CacheKind {
+    /// No reuse at all: every prompt is recomputed (the baseline).
+    Disabled,
+    /// Device-only radix cache.
+    #[default]
+    Radix,
+    /// Device + host (+ optional storage) tiers.
+    HiCache(HostTier),
+}
+
+/// The host tier (L2) of a hierarchical cache.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostTier {
+    /// Host pool capacity in tokens (at least one page).
+    pub host_tokens: usize,
+    /// When device pages are written to the host.
+    #[serde(default)]
+    pub write_policy: WritePolicy,
+    /// Optional storage tier (L3).
+    #[serde(default)]
+    pub storage: Option<StorageTier>,
+}
+
+impl HostTier {
+    /// A host tier `ratio` times the size of a `device_tokens` pool, write-through.
+    pub fn ratio(device_tokens: usize, ratio: f64) -> Self {
+        HostTier {
+            host_tokens: (device_tokens as f64 * ratio.max(0.0)) as usize,
+            write_policy: WritePolicy::default(),
+            storage: None,
+        }
+    }
+
+    /// The same tier with another write policy.
+    pub fn write_policy(mut self, p: WritePolicy) -> Self {
+        self.write_policy = p;
+        self
+    }
+}
+
+/// When device KV is backed up to the host tier.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WritePolicy {
+    /// Back up every inserted page at once.
+    #[default]
+    WriteThrough,
+    /// Back up a page once it has been hit `hits` times.
+    WriteThroughSelective {
+        /// Hit threshold.
+        hits: u32,
+    },
+    /// Back up a page only when it is evicted from the device.
+    WriteBack,
+}
+
+impl WritePolicy {
+    /// Parses `write_through`, `write_through_selective[:N]` or `write_back`.
+    pub fn from_name(s: &str) -> Option<Self> {
+        let (name, arg) = s.split_once(':').unwrap_or((s, ""));
+        match name.replace('-', "_").as_str() {
+            "write_through" => Some(WritePolicy::WriteThrough),
+            "write_back" => Some(WritePolicy::WriteBack),
+            "write_through_selective" => Some(WritePolicy::WriteThroughSelective {
+                hits: if arg.is_empty() { 2 } else { arg.parse().ok()? },
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The storage tier (L3) below the host pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageTier {
+    /// Where pages are stored.
+    pub backend: StorageBackendKind,
+    /// When a waiting request stops waiting for its prefetch.
+    #[serde(default)]
+    pub prefetch: PrefetchPolicy,
+}
+
+/// A storage backend.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StorageBackendKind {
+    /// Files under a directory.
+    File {
+        /// The directory.
+        dir: String,
+    },
+    /// A Redis server or cluster (shared between servers).
+    Redis {
+        /// Connection URL.
+        url: String,
+    },
+    /// An in-process store (tests, simulation).
+    Memory {
+        /// Capacity in tokens.
+        capacity_tokens: usize,
+    },
+}
+
+/// When a prefetch from storage stops.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "stop", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PrefetchPolicy {
+    /// Use whatever arrived when the request is scheduled.
+    #[default]
+    BestEffort,
+    /// Wait until the whole prefetch completed.
+    WaitComplete,
+    /// Wait at most this long.
+    Timeout {
+        /// Milliseconds.
+        ms: u64,
+    },
+}
+
+/// Bounds on the KV that streaming sessions may hold between turns.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionBudget {
+    /// Total tokens all idle sessions may hold.
+    pub max_held_tokens: usize,
+    /// An idle session is demoted after this long (milliseconds of the caller's clock).
+    pub idle_ttl_ms: u64,
+    /// Tokens one session may hold.
+    pub per_session_cap_tokens: usize,
+}
+
+impl Default for SessionBudget {
+    fn default() -> Self {
+        SessionBudget {
+            max_held_tokens: 256 << 10,
+            idle_ttl_ms: 300_000,
+            per_session_cap_tokens: 128 << 10,
+        }
+    }
+}
+
+/// Where the KV pools live.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DeviceBackend {
+    /// Plain host memory with GPU-like stream semantics (tests, simulation).
+    #[default]
+    HostSim,
+    /// A CUDA device.
+    Cuda {
+        /// Device ordinal.
+        device: u32,
+    },
+}
+
+/// An eviction policy by name, (de)serialized as its short name (`"lru"`, `"sieve"`, ...).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Eviction(pub PolicyKind);
+
+impl TryFrom<String> for Eviction {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        PolicyKind::from_name(&s)
+            .map(Eviction)
+            .ok_or_else(|| format!("unknown eviction policy {s:?}; known: {}", policy_names()))
+    }
+}
+
+impl From<Eviction> for String {
+    fn from(e: Eviction) -> String {
+        e.0.name().to_string()
+    }
+}
+
+/// The names of every built-in eviction policy, comma separated.
+pub fn policy_names() -> String {
+    PolicyKind::ALL.map(|p| p.name()).join(", ")
+}
+
+/// Everything a [`crate::KvCacheManager`] is built from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ManagerConfig {
+    /// Model geometry and page size.
+    pub model: ModelGeometry,
+    /// Device KV pool capacity in tokens (rounded down to whole pages).
+    pub device_tokens: usize,
+    /// Request-pool rows: running requests plus held sessions.
+    pub max_rows: usize,
+    /// The cache kind and its tiers.
+    pub cache: CacheKind,
+    /// Eviction policy of the device tier.
+    pub eviction: Eviction,
+    /// Sessions on (with their budget) or off.
+    pub sessions: Option<SessionBudget>,
+    /// Device backend.
+    pub backend: DeviceBackend,
+    /// Record KV events for a router.
+    pub events: bool,
+    /// Output tokens reserved per request at admission are clipped to this (SGLang's
+    /// `CLIP_MAX_NEW_TOKENS`): reserving a request's whole `max_new_tokens` starves admission.
+    pub reserve_clip_tokens: usize,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        ManagerConfig {
+            model: ModelGeometry::default(),
+            device_tokens: 1 << 20,
+            max_rows: 512,
+            cache: CacheKind::Radix,
+            eviction: Eviction::default(),
+            sessions: None,
+            backend: DeviceBackend::HostSim,
+            events: false,
+            reserve_clip_tokens: 4096,
+        }
+    }
+}
+
+impl ManagerConfig {
+    /// Parses a TOML document.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] naming the bad field.
+    pub fn from_toml_str(s: &str) -> Result<Self> {
+        let c: ManagerConfig =
+            toml::from_str(s).map_err(|e| ManagerError::Config(format!("TOML config: {e}")))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Parses a JSON document.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] naming the bad field.
+    pub fn from_json_str(s: &str) -> Result<Self> {
+        let c: ManagerConfig = serde_json::from_str(s)
+            .map_err(|e| ManagerError::Config(format!("JSON config: {e}")))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads a `.toml` or `.json` file (by extension; anything else is read as TOML).
+    ///
+    /// # Errors
+    /// [`ManagerError::Io`] or [`ManagerError::Config`].
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ManagerError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        if path.extension().is_some_and(|e| e == "json") {
+            Self::from_json_str(&text)
+        } else {
+            Self::from_toml_str(&text)
+        }
+    }
+
+    /// Pages in the device pool.
+    pub fn device_pages(&self) -> usize {
+        self.device_tokens
+            .checked_div(self.model.page_size)
+            .unwrap_or(0)
+    }
+
+    /// Checks that the configuration is possible.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] with the first impossible value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(ManagerError::Config(m));
+        let p = self.model.page_size;
+        if p == 0 {
+            return bad("page size must be at least 1 token (got 0)".into());
+        }
+        if self.model.layers == 0 {
+            return bad("the model must have at least one layer".into());
+        }
+        if self.model.kv_bytes_per_token_per_layer == 0 {
+            return bad("KV bytes per token per layer must be positive".into());
+        }
+        if self.device_tokens < p {
+            return bad(format!(
+                "device pool of {} tokens is smaller than one page of {p} tokens",
+                self.device_tokens
+            ));
+        }
+        if self.max_rows == 0 {
+            return bad("max_rows must be at least 1".into());
+        }
+        if let CacheKind::HiCache(h) = &self.cache {
+            if h.host_tokens < p {
+                return bad(format!(
+                    "host pool of {} tokens is smaller than one page of {p} tokens",
+                    h.host_tokens
+                ));
+            }
+            if let WritePolicy::WriteThroughSelective { hits: 0 } = h.write_policy {
+                return bad("write_through_selective needs a hit threshold of at least 1".into());
+            }
+        }
+        if let Some(s) = &self.sessions {
+            if s.max_held_tokens > self.device_tokens {
+                return bad(format!(
+                    "sessions may hold {} tokens but the device pool has only {}",
+                    s.max_held_tokens, self.device_tokens
+                ));
+            }
+            if s.per_session_cap_tokens == 0 {
+                return bad("per-session cap must be positive".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// A short label of the cache configuration (`radix-lru`, `hicache-lru+4x`, ...).
+    pub fn label(&self) -> String {
+        let mut s = match &self.cache {
+            CacheKind::Disabled => return "disabled".into(),
+            CacheKind::Radix => format!("radix-{}", self.eviction.0.name()),
+            CacheKind::HiCache(h) => format!(
+                "hicache-{}+host{}",
+                self.eviction.0.name(),
+                human_tokens(h.host_tokens)
+            ),
+        };
+        if self.sessions.is_some() {
+            s.push_str("+sessions");
+        }
+        s
+    }
+}
+
+/// `1048576` → `1M`, `4096` → `4K`.
+pub fn human_tokens(n: usize) -> String {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{}M", n >> 20)
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
+        format!("{}K", n >> 10)
+    } else {
+        n.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_roundtrip_and_validation() {
+        let text = r#"
+            device_tokens = 65536
+            eviction = "sieve"
+            [model]
+            page_size = 32
+            [cache]
+            kind = "hi_cache"
+            host_tokens = 262144
+            write_policy = { policy = "write_through_selective", hits = 2 }
+        "#;
+        let c = ManagerConfig::from_toml_str(text).unwrap();
+        assert_eq!(c.eviction.0, PolicyKind::Sieve);
+        assert_eq!(c.device_pages(), 2048);
+        assert!(matches!(c.cache, CacheKind::HiCache(ref h) if h.host_tokens == 262144));
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(ManagerConfig::from_json_str(&json).unwrap(), c);
+    }
+
+    #[test]
+    fn impossible_configs_are_rejected() {
+        let mut c = ManagerConfig::default();
+        c.model.page_size = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("page size"));
+        let c = ManagerConfig {
+            cache: CacheKind::HiCache(HostTier::ratio(8, 1.0)),
+            ..Default::default()
+        };
+        assert!(c.validate().unwrap_err().to_string().contains("host pool"));
+        assert!(ManagerConfig::from_toml_str("eviction = \"nope\"").is_err());
+        assert!(ManagerConfig::from_toml_str("bogus_field = 1").is_err());
+    }
+
+    #[test]
+    fn write_policy_names() {
+        assert_eq!(
+            WritePolicy::from_name("write_through_selective:3"),
+            Some(WritePolicy::WriteThroughSelective { hits: 3 })
+        );
+        assert_eq!(
+            WritePolicy::from_name("write-back"),
+            Some(WritePolicy::WriteBack)
+        );
+        assert_eq!(WritePolicy::from_name("sometimes"), None);
+    }
+}

@@ -1,0 +1,78 @@
+//! Errors of the manager, the trace readers and the replay tool.
+
+use radixkv_radix::{CacheError, InvariantViolation};
+
+/// Everything the manager and the replay tool can refuse. Messages name the problem so the
+/// `radixkv` binary can print them as they are.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManagerError {
+    /// An impossible or malformed configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A cache kind whose crate is not wired into the factory yet.
+    #[error("cache kind `{kind}` needs the `{needs}` crate, which this build does not wire in")]
+    NotWired {
+        /// The requested kind.
+        kind: &'static str,
+        /// The crate that implements it.
+        needs: &'static str,
+    },
+    /// An error of the underlying cache.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// A handle that names no live request of this manager.
+    #[error("unknown request {0}")]
+    UnknownRequest(u64),
+    /// A lifecycle call out of order (e.g. `extend` before `admit`).
+    #[error("request {id}: {what}")]
+    Lifecycle {
+        /// The request.
+        id: u64,
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// Not enough device memory even after evicting everything evictable.
+    #[error("out of device memory: needed {needed} tokens, {available} available")]
+    OutOfMemory {
+        /// Tokens requested.
+        needed: usize,
+        /// Tokens that were available (free + evictable).
+        available: usize,
+    },
+    /// A request that can never fit the device pool.
+    #[error(
+        "request {index} needs {needed} tokens of KV but the device pool holds only {capacity}"
+    )]
+    PoolTooSmall {
+        /// Index of the request in the trace.
+        index: usize,
+        /// Tokens the request needs (prompt + output).
+        needed: usize,
+        /// Pool capacity in tokens.
+        capacity: usize,
+    },
+    /// A violated internal invariant (a bug).
+    #[error(transparent)]
+    Invariant(#[from] InvariantViolation),
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        message: String,
+    },
+    /// A malformed trace.
+    #[error("{path}:{line}: {message}")]
+    Trace {
+        /// The file.
+        path: String,
+        /// 1-based line (0 when not line-oriented).
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Shorthand result type.
+pub type Result<T, E = ManagerError> = std::result::Result<T, E>;

@@ -1,0 +1,727 @@
+//! [`KvCacheManager`]: the facade a continuous-batching scheduler embeds.
+//!
+//! The scheduler drives one lifecycle per request and never touches the tree, the pools or a
+//! tier controller directly:
+//!
+//! ```text
+//! arrive ─► admit ─► extend ─► chunk_done ─┬─► decode ─┬─► finish
+//!   ▲         │  (match, temporary lock,   │  (per step)├─► abort
+//!   │         │   budget, lock, load-back) └────────────┴─► retract ─┐
+//!   │         └─► Wait (no room / no row): try again next step       │
+//!   └───────────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! A token's KV counts as computed (committed) once the forward of the step that allocated it
+//! is over, which the manager learns from the next call on that request (`chunk_done`, the next
+//! `decode`, `finish`). Each step is bracketed by [`KvCacheManager::begin_step`] (starts queued
+//! loads, opens a `tracing` span) and [`KvCacheManager::end_step`] (drains acks, KV events and
+//! transfer counts; in debug builds, audits every invariant).
+
+use std::ops::Range;
+
+use ahash::HashMap;
+use radixkv_radix::{
+    FinishKind, KvEvent, Namespace, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag,
+    TokenId,
+};
+
+use crate::builder::ManagerBuilder;
+use crate::config::ManagerConfig;
+use crate::error::{ManagerError, Result};
+use crate::factory::{ManagedCache, StepTransfers, build_cache};
+use crate::metrics::Metrics;
+
+/// A request as the scheduler submits it.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    /// Prompt tokens (at least one).
+    pub tokens: Vec<TokenId>,
+    /// Tenant / LoRA / cache-salt namespace.
+    pub namespace: Namespace,
+    /// The streaming session this request continues, if any.
+    pub session: Option<u64>,
+    /// Priority (for the priority eviction policy).
+    pub priority: i32,
+    /// Maximum output tokens (drives the admission reservation).
+    pub max_new_tokens: usize,
+    /// Optional cap on the reusable prefix (e.g. a logprob start position).
+    pub max_prefix_len: Option<usize>,
+}
+
+impl Request {
+    /// A request for `tokens` in the default namespace.
+    pub fn new(tokens: Vec<TokenId>) -> Self {
+        Request {
+            tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the namespace.
+    pub fn namespace(mut self, ns: Namespace) -> Self {
+        self.namespace = ns;
+        self
+    }
+
+    /// Sets the session.
+    pub fn session(mut self, id: u64) -> Self {
+        self.session = Some(id);
+        self
+    }
+
+    /// Sets the output budget.
+    pub fn max_new_tokens(mut self, n: usize) -> Self {
+        self.max_new_tokens = n;
+        self
+    }
+}
+
+/// Handle to a request inside one manager. Never reused.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReqId(u64);
+
+impl ReqId {
+    /// The raw id (for logs).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Outcome of [`KvCacheManager::admit`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted: locked, row allocated, reservation taken.
+    Ready(Admitted),
+    /// Not admitted now; nothing is held. Try again at a later step.
+    Wait(WaitReason),
+}
+
+/// What an admission reused and what remains to compute.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Admitted {
+    /// Tokens reused from the device tier.
+    pub device_tokens: usize,
+    /// Tokens reused from the host tier (loaded back this step).
+    pub host_tokens: usize,
+    /// Tokens reused from the storage tier.
+    pub storage_tokens: usize,
+    /// Tokens that must be computed (prefill).
+    pub extend_tokens: usize,
+}
+
+impl Admitted {
+    /// Tokens reused from any tier.
+    pub fn cached_tokens(&self) -> usize {
+        self.device_tokens + self.host_tokens + self.storage_tokens
+    }
+}
+
+/// Why an admission must wait.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// The admission budget is short.
+    NoRoom {
+        /// Tokens the request needs (extend + clipped output + one page).
+        needed: usize,
+        /// Tokens available for admission after the temporary lock.
+        available: usize,
+    },
+    /// Every request-pool row is in use.
+    NoRow,
+}
+
+/// One scheduler step, from [`KvCacheManager::begin_step`] to [`KvCacheManager::end_step`].
+#[derive(Debug)]
+pub struct StepHandle {
+    index: u64,
+    load_bytes: u64,
+    layers: u32,
+    span: tracing::Span,
+}
+
+impl StepHandle {
+    /// The step number.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Bytes this step's forward waits for (host → device loads started at `begin_step`).
+    pub fn load_bytes(&self) -> u64 {
+        self.load_bytes
+    }
+
+    /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`
+    /// only waits for its own share.
+    pub fn layer_load_bytes(&self, layer: u32) -> u64 {
+        if layer >= self.layers {
+            return 0;
+        }
+        self.load_bytes / u64::from(self.layers)
+    }
+
+    /// The step's `tracing` span (enter it around the step's work).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+}
+
+/// What a step moved between tiers.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Host↔device traffic of the step (zero for a device-only cache).
+    pub transfers: StepTransfers,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Running,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    kv: RequestKv,
+    phase: Phase,
+    prompt_len: usize,
+    max_new: usize,
+    /// Tokens reserved at admission and not yet allocated.
+    reserved: usize,
+    admitted_before: bool,
+}
+
+/// The scheduler facade over one prefix cache. See the module docs for the lifecycle.
+///
+/// ```
+/// use radixkv_scheduler_api::{Admission, KvCacheManager, Request};
+///
+/// let mut kv = KvCacheManager::builder().device_tokens(4096).page_size(4).build()?;
+/// let r = kv.arrive(Request::new((0..10).collect()).max_new_tokens(4))?;
+/// let step = kv.begin_step();
+/// let Admission::Ready(a) = kv.admit(r)? else { unreachable!() };
+/// kv.extend(r, a.extend_tokens)?;
+/// kv.chunk_done(r)?;
+/// kv.decode(r, 99)?;
+/// kv.end_step(step)?;
+/// kv.finish(r)?;
+/// assert_eq!(kv.accounting().request_owned, 0);
+/// # Ok::<(), radixkv_scheduler_api::ManagerError>(())
+/// ```
+pub struct KvCacheManager {
+    cache: Box<dyn ManagedCache>,
+    cfg: ManagerConfig,
+    requests: HashMap<u64, Tracked>,
+    next_id: u64,
+    reserved_total: usize,
+    waiting: usize,
+    running: usize,
+    metrics: Metrics,
+    events: Vec<KvEvent>,
+    step: u64,
+    check_every_step: bool,
+}
+
+impl std::fmt::Debug for KvCacheManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCacheManager")
+            .field("config", &self.cfg.label())
+            .field("requests", &self.requests.len())
+            .field("accounting", &self.cache.accounting())
+            .finish()
+    }
+}
+
+impl KvCacheManager {
+    /// A builder with the default configuration.
+    pub fn builder() -> ManagerBuilder {
+        ManagerBuilder::default()
+    }
+
+    /// A manager for `cfg`.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] or [`ManagerError::NotWired`].
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        let cache = build_cache(&cfg)?;
+        Ok(KvCacheManager {
+            cache,
+            cfg,
+            requests: HashMap::default(),
+            next_id: 0,
+            reserved_total: 0,
+            waiting: 0,
+            running: 0,
+            metrics: Metrics::default(),
+            events: Vec::new(),
+            step: 0,
+            check_every_step: cfg!(debug_assertions),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// Turns the per-step invariant audit on or off (on by default in debug builds only).
+    pub fn set_check_every_step(&mut self, on: bool) {
+        self.check_every_step = on;
+    }
+
+    /// Where every device token is.
+    pub fn accounting(&self) -> PoolAccounting {
+        self.cache.accounting()
+    }
+
+    /// Tokens available for admission: free + evictable − reserved (never negative).
+    pub fn available_tokens(&self) -> usize {
+        self.cache
+            .available_tokens()
+            .saturating_sub(self.reserved_total)
+    }
+
+    /// Tokens reserved by admitted requests and not yet allocated.
+    pub fn reserved_tokens(&self) -> usize {
+        self.reserved_total
+    }
+
+    /// Counters and current gauges.
+    pub fn metrics(&self) -> Metrics {
+        let mut m = self.metrics;
+        m.gauges.set_pool(&self.cache.accounting());
+        m.gauges.reserved_tokens = self.reserved_total;
+        m.gauges.host_tokens = self.cache.host_tokens();
+        m.gauges.waiting_requests = self.waiting;
+        m.gauges.running_requests = self.running;
+        m.gauges.held_sessions = self.cache.held_sessions();
+        m
+    }
+
+    /// Drains the KV events collected at step ends (empty unless events are enabled).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        let mut e = std::mem::take(&mut self.events);
+        let mut late = self.cache.take_events();
+        self.metrics.counters.kv_events += late.len() as u64;
+        e.append(&mut late);
+        e
+    }
+
+    /// Audits the cache, its pools and the manager's own bookkeeping.
+    ///
+    /// # Errors
+    /// [`ManagerError::Invariant`] naming the first violated invariant.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.cache.check_invariants()?;
+        let a = self.cache.accounting();
+        if !a.balanced() {
+            return Err(inv(format!("pool accounting does not balance: {a:?}")));
+        }
+        let reserved: usize = self.requests.values().map(|t| t.reserved).sum();
+        if reserved != self.reserved_total {
+            return Err(inv(format!(
+                "reservations sum to {reserved} but the total says {}",
+                self.reserved_total
+            )));
+        }
+        let running = self
+            .requests
+            .values()
+            .filter(|t| t.phase == Phase::Running)
+            .count();
+        if running != self.running || self.requests.len() != self.running + self.waiting {
+            return Err(inv(format!(
+                "request counts drifted: {running} running of {} (gauges {} / {})",
+                self.requests.len(),
+                self.running,
+                self.waiting
+            )));
+        }
+        Ok(())
+    }
+
+    // ----- lifecycle -----
+
+    /// Registers a request; it waits until [`Self::admit`] succeeds.
+    ///
+    /// # Errors
+    /// [`ManagerError::Lifecycle`] for an empty prompt.
+    pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
+        let id = self.next_id;
+        if req.tokens.is_empty() {
+            return Err(ManagerError::Lifecycle {
+                id,
+                what: "empty prompt",
+            });
+        }
+        self.next_id += 1;
+        let prompt_len = req.tokens.len();
+        let mut tokens = req.tokens;
+        // Decoded tokens are appended one by one on the hot path: make room once, here (free
+        // when the caller already left room).
+        tokens.reserve(req.max_new_tokens);
+        let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
+        kv.max_prefix_len = req.max_prefix_len;
+        kv.priority = req.priority;
+        // Only a session layer gives the tag a meaning; without one it would be ignored anyway.
+        if self.cfg.sessions.is_some() {
+            kv.session = req.session.map(|id| SessionTag {
+                id,
+                streaming: true,
+            });
+        }
+        self.requests.insert(
+            id,
+            Tracked {
+                kv,
+                phase: Phase::Waiting,
+                prompt_len,
+                max_new: req.max_new_tokens,
+                reserved: 0,
+                admitted_before: false,
+            },
+        );
+        self.waiting += 1;
+        self.metrics.counters.arrived += 1;
+        Ok(ReqId(id))
+    }
+
+    /// Tries to admit a waiting request: match, temporary lock, budget check, load-back, lock.
+    ///
+    /// # Errors
+    /// Unknown or already running request; cache errors (nothing is held then).
+    pub fn admit(&mut self, id: ReqId) -> Result<Admission> {
+        let page = self.cfg.model.page_size;
+        let clip = self.cfg.reserve_clip_tokens;
+        let rows_free = self.cache.pools().rows.available();
+        let t = self
+            .requests
+            .get_mut(&id.0)
+            .ok_or(ManagerError::UnknownRequest(id.0))?;
+        if t.phase != Phase::Waiting {
+            return Err(ManagerError::Lifecycle {
+                id: id.0,
+                what: "admit on a running request",
+            });
+        }
+        if rows_free == 0 {
+            self.metrics.counters.admission_waits += 1;
+            return Ok(Admission::Wait(WaitReason::NoRow));
+        }
+        let m = self.cache.match_request(&mut t.kv)?;
+        let len = t.kv.key.len();
+        let generated = len - t.prompt_len;
+        let output_left = t.max_new.saturating_sub(generated).min(clip);
+        let needed = len - m.prefix_len + output_left + page;
+        // Locking the matched path takes it out of `evictable`, so the budget is read under a
+        // temporary lock, as the real admission will see it.
+        let available = match t.kv.last_node {
+            Some(node) => {
+                let receipt = self.cache.inc_lock_ref(node)?;
+                let a = self.cache.available_tokens();
+                self.cache.dec_lock_ref(receipt)?;
+                a
+            }
+            None => self.cache.available_tokens(),
+        }
+        .saturating_sub(self.reserved_total);
+        if needed > available {
+            self.metrics.counters.admission_waits += 1;
+            return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
+        }
+        self.cache.begin_request(&mut t.kv)?;
+        let device = m.prefix_len.min(t.kv.prefix_len);
+        let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
+        let extend = len - t.kv.prefix_len;
+        t.reserved = extend + output_left;
+        t.phase = Phase::Running;
+        self.reserved_total += t.reserved;
+        self.waiting -= 1;
+        self.running += 1;
+        let c = &mut self.metrics.counters;
+        c.admitted += 1;
+        // Hits count once per request (its first admission): a retracted request re-matching
+        // its own pages is not reuse.
+        if !t.admitted_before {
+            t.admitted_before = true;
+            c.prompt_tokens += t.prompt_len as u64;
+            c.hit_tokens_device += device as u64;
+            c.hit_tokens_host += host as u64;
+        }
+        Ok(Admission::Ready(Admitted {
+            device_tokens: device,
+            host_tokens: host,
+            storage_tokens: 0,
+            extend_tokens: extend,
+        }))
+    }
+
+    /// Allocates slots for the next `n` prompt tokens (one prefill chunk), evicting as needed.
+    /// Returns the token positions allocated.
+    ///
+    /// # Errors
+    /// [`ManagerError::OutOfMemory`] (nothing allocated), or a request that is not running or
+    /// has fewer than `n` unallocated prompt tokens.
+    pub fn extend(&mut self, id: ReqId, n: usize) -> Result<Range<usize>> {
+        let t = running_mut(&mut self.requests, id)?;
+        let start = t.kv.allocated_len;
+        if start + n > t.kv.key.len() {
+            return Err(ManagerError::Lifecycle {
+                id: id.0,
+                what: "extend past the prompt",
+            });
+        }
+        alloc(
+            self.cache.as_mut(),
+            &mut self.metrics,
+            &mut self.reserved_total,
+            t,
+            n,
+        )?;
+        self.metrics.counters.extend_tokens += n as u64;
+        Ok(start..start + n)
+    }
+
+    /// The forward of the last chunk is done: commits it and inserts the computed pages so
+    /// concurrent requests can share them at once (`cache_unfinished_req`).
+    ///
+    /// # Errors
+    /// A request that is not running; cache errors.
+    pub fn chunk_done(&mut self, id: ReqId) -> Result<()> {
+        let t = running_mut(&mut self.requests, id)?;
+        commit_pending(&mut t.kv)?;
+        self.cache.cache_unfinished_req(&mut t.kv)?;
+        Ok(())
+    }
+
+    /// Appends a sampled token and allocates its slot (evicting as needed). Returns the slot's
+    /// token position.
+    ///
+    /// # Errors
+    /// [`ManagerError::OutOfMemory`]: nothing changed; retract a request and retry.
+    pub fn decode(&mut self, id: ReqId, token: TokenId) -> Result<usize> {
+        let t = running_mut(&mut self.requests, id)?;
+        commit_pending(&mut t.kv)?;
+        if t.kv.allocated_len < t.kv.key.len() {
+            return Err(ManagerError::Lifecycle {
+                id: id.0,
+                what: "decode before the prompt is allocated",
+            });
+        }
+        t.kv.append_tokens(&[token]);
+        let r = alloc(
+            self.cache.as_mut(),
+            &mut self.metrics,
+            &mut self.reserved_total,
+            t,
+            1,
+        );
+        if r.is_err() {
+            t.kv.key.tokens.pop();
+        }
+        r?;
+        self.metrics.counters.decode_tokens += 1;
+        Ok(t.kv.allocated_len - 1)
+    }
+
+    /// The device pages of a request's row (page `i` holds positions `[i*P, (i+1)*P)`).
+    ///
+    /// # Errors
+    /// Unknown request or a request without a row.
+    pub fn pages(&self, id: ReqId) -> Result<&[PageId]> {
+        let t = self
+            .requests
+            .get(&id.0)
+            .ok_or(ManagerError::UnknownRequest(id.0))?;
+        let row = t.kv.row.ok_or(ManagerError::Lifecycle {
+            id: id.0,
+            what: "no row (not running)",
+        })?;
+        Ok(self.cache.pools().rows.pages(row)?)
+    }
+
+    /// Tokens of the request so far (prompt, then prompt + decoded tokens).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn tokens(&self, id: ReqId) -> Result<&[TokenId]> {
+        self.requests
+            .get(&id.0)
+            .map(|t| t.kv.key.tokens.as_slice())
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// Finishes a request: its KV enters the cache (or its session), its lock and row go.
+    ///
+    /// # Errors
+    /// Unknown or waiting request; cache errors (the request is released as far as possible).
+    pub fn finish(&mut self, id: ReqId) -> Result<()> {
+        let mut t = self.take(id)?;
+        if t.phase != Phase::Running {
+            self.requests.insert(id.0, t);
+            return Err(ManagerError::Lifecycle {
+                id: id.0,
+                what: "finish on a waiting request",
+            });
+        }
+        self.forget(&t);
+        let committed = commit_pending(&mut t.kv);
+        let r = self
+            .cache
+            .cache_finished_req(&mut t.kv, FinishKind::Finished);
+        self.metrics.counters.finished += 1;
+        committed.and(r.map_err(Into::into))
+    }
+
+    /// Aborts a request in any state; nothing it computed is cached.
+    ///
+    /// # Errors
+    /// Unknown request; cache errors.
+    pub fn abort(&mut self, id: ReqId) -> Result<()> {
+        let mut t = self.take(id)?;
+        self.forget(&t);
+        self.metrics.counters.aborted += 1;
+        Ok(self
+            .cache
+            .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
+    }
+
+    /// Retracts a running request (decode out of memory): frees its KV and puts it back to
+    /// waiting with its tokens so far; a later [`Self::admit`] re-matches it.
+    ///
+    /// # Errors
+    /// Unknown or waiting request; cache errors.
+    pub fn retract(&mut self, id: ReqId) -> Result<()> {
+        let t = running_mut(&mut self.requests, id)?;
+        self.reserved_total -= t.reserved;
+        t.reserved = 0;
+        t.phase = Phase::Waiting;
+        self.running -= 1;
+        self.waiting += 1;
+        self.metrics.counters.retracted += 1;
+        Ok(self
+            .cache
+            .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
+    }
+
+    /// Closes a session: whatever KV it holds is released to the cache.
+    ///
+    /// # Errors
+    /// Session-layer errors.
+    pub fn close_session(&mut self, session: u64) -> Result<()> {
+        self.cache.close_session(session)
+    }
+
+    /// Starts a step: queued loads start; the handle says what the forward waits for.
+    pub fn begin_step(&mut self) -> StepHandle {
+        self.step += 1;
+        let load_bytes = self.cache.on_begin_step();
+        StepHandle {
+            index: self.step,
+            load_bytes,
+            layers: self.cfg.model.layers,
+            span: tracing::debug_span!("kv_step", step = self.step, load_bytes),
+        }
+    }
+
+    /// Ends a step: drains acks, KV events and transfer counts; audits invariants in debug
+    /// builds.
+    ///
+    /// # Errors
+    /// [`ManagerError::Invariant`] when the audit fails.
+    pub fn end_step(&mut self, step: StepHandle) -> Result<StepSummary> {
+        let _g = step.span.enter();
+        let transfers = self.cache.on_end_step();
+        let c = &mut self.metrics.counters;
+        c.steps += 1;
+        c.pages_loaded += transfers.pages_loaded;
+        c.bytes_loaded += transfers.bytes_loaded;
+        c.pages_written += transfers.pages_written;
+        c.bytes_written += transfers.bytes_written;
+        c.pages_prefetched += transfers.pages_prefetched;
+        c.bytes_prefetched += transfers.bytes_prefetched;
+        if self.cfg.events {
+            let mut ev = self.cache.take_events();
+            c.kv_events += ev.len() as u64;
+            self.events.append(&mut ev);
+        }
+        if self.check_every_step {
+            self.check_invariants()?;
+        }
+        Ok(StepSummary { transfers })
+    }
+
+    fn take(&mut self, id: ReqId) -> Result<Tracked> {
+        self.requests
+            .remove(&id.0)
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// Drops a removed request's share of the manager's totals.
+    fn forget(&mut self, t: &Tracked) {
+        self.reserved_total -= t.reserved;
+        match t.phase {
+            Phase::Running => self.running -= 1,
+            Phase::Waiting => self.waiting -= 1,
+        }
+    }
+}
+
+fn inv(msg: String) -> ManagerError {
+    ManagerError::Invariant(radixkv_radix::InvariantViolation(msg))
+}
+
+fn running_mut(reqs: &mut HashMap<u64, Tracked>, id: ReqId) -> Result<&mut Tracked> {
+    let t = reqs
+        .get_mut(&id.0)
+        .ok_or(ManagerError::UnknownRequest(id.0))?;
+    if t.phase != Phase::Running {
+        return Err(ManagerError::Lifecycle {
+            id: id.0,
+            what: "not running (admit it first)",
+        });
+    }
+    Ok(t)
+}
+
+/// Everything allocated so far was computed by the forward that just ended.
+fn commit_pending(kv: &mut RequestKv) -> Result<()> {
+    let n = kv.allocated_len.min(kv.key.len()) - kv.committed_len;
+    Ok(kv.commit(n)?)
+}
+
+/// Allocates `n` slots for `t`, counting evictions and consuming its reservation.
+fn alloc(
+    cache: &mut dyn ManagedCache,
+    metrics: &mut Metrics,
+    reserved_total: &mut usize,
+    t: &mut Tracked,
+    n: usize,
+) -> Result<()> {
+    // Eviction is only possible when the free pages may not cover the allocation; skipping the
+    // counter reads otherwise keeps the per-token decode path short.
+    let p = cache.page_size();
+    let may_evict = cache.pools().pages.available() < n.div_ceil(p) + 1;
+    let cached_before = if may_evict {
+        cache.evictable_tokens() + cache.protected_tokens()
+    } else {
+        0
+    };
+    if let Err(e) = cache.alloc_tokens(&mut t.kv, n) {
+        metrics.counters.out_of_memory += 1;
+        return Err(match e {
+            radixkv_radix::CacheError::OutOfPages { .. } => ManagerError::OutOfMemory {
+                needed: n,
+                available: cache.available_tokens(),
+            },
+            e => e.into(),
+        });
+    }
+    if may_evict {
+        // Allocation changes the tree only by evicting.
+        let cached_after = cache.evictable_tokens() + cache.protected_tokens();
+        metrics.counters.evicted_tokens += cached_before.saturating_sub(cached_after) as u64;
+    }
+    let used = n.min(t.reserved);
+    t.reserved -= used;
+    *reserved_total -= used;
+    Ok(())
+}

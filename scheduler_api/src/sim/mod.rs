@@ -1,0 +1,97 @@
+//! The reference scheduler and its simulation: cost model, infinite-cache ideal, replay,
+//! report, and the comparison of several configurations on one trace.
+
+mod cost;
+mod ideal;
+mod report;
+mod scheduler;
+
+pub use cost::CostModel;
+pub use ideal::IdealCache;
+pub use report::{CpuBreakdown, OccupancySample, Report, TierRatios};
+pub use scheduler::{Progress, SimConfig, replay};
+
+use radixkv_radix::PolicyKind;
+
+use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget};
+use crate::error::{ManagerError, Result};
+use crate::trace::Trace;
+
+/// The configurations `--compare` runs: no cache, the radix cache under every eviction
+/// policy, and (built from the same base) sessions and HiCache. Kinds this build cannot
+/// construct are reported as skipped by [`compare`], not dropped silently.
+pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
+    let mut out = vec![ManagerConfig {
+        cache: CacheKind::Disabled,
+        sessions: None,
+        ..base.clone()
+    }];
+    for p in PolicyKind::ALL {
+        out.push(ManagerConfig {
+            cache: CacheKind::Radix,
+            eviction: Eviction(p),
+            sessions: None,
+            ..base.clone()
+        });
+    }
+    out.push(ManagerConfig {
+        cache: CacheKind::Radix,
+        sessions: Some(SessionBudget {
+            max_held_tokens: base.device_tokens / 4,
+            ..Default::default()
+        }),
+        ..base.clone()
+    });
+    out.push(ManagerConfig {
+        cache: CacheKind::HiCache(HostTier::ratio(base.device_tokens, 4.0)),
+        sessions: None,
+        ..base.clone()
+    });
+    out
+}
+
+/// One configuration's outcome in a comparison.
+#[derive(Debug)]
+pub enum CompareOutcome {
+    /// The replay ran.
+    Ran(Box<Report>),
+    /// The configuration needs a crate this build does not wire in.
+    Skipped {
+        /// Configuration label.
+        config: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Replays `trace` under every configuration; `on_done` sees each outcome as it completes.
+///
+/// # Errors
+/// The first error other than a not-wired cache kind.
+pub fn compare(
+    trace: &Trace,
+    base: &SimConfig,
+    configs: &[ManagerConfig],
+    progress: &mut dyn FnMut(&ManagerConfig) -> Box<dyn Progress>,
+    on_done: &mut dyn FnMut(&CompareOutcome),
+) -> Result<Vec<CompareOutcome>> {
+    let mut out = Vec::with_capacity(configs.len());
+    for m in configs {
+        let cfg = SimConfig {
+            manager: m.clone(),
+            ..base.clone()
+        };
+        let mut p = progress(m);
+        let outcome = match replay(trace, &cfg, p.as_mut()) {
+            Ok(r) => CompareOutcome::Ran(Box::new(r)),
+            Err(e @ ManagerError::NotWired { .. }) => CompareOutcome::Skipped {
+                config: m.label(),
+                reason: e.to_string(),
+            },
+            Err(e) => return Err(e),
+        };
+        on_done(&outcome);
+        out.push(outcome);
+    }
+    Ok(out)
+}

@@ -1,0 +1,442 @@
+//! The reference continuous-batching scheduler: FCFS admission under the manager's budget,
+//! chunked prefill under a per-step prefill token budget, one decode token per running
+//! request per step, retraction of the youngest request on decode out-of-memory. Time is
+//! simulated by the [`CostModel`]; wall-clock time is measured only around manager calls.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use radixkv_radix::{TokenId, pages_for};
+use serde::Serialize;
+
+use super::cost::CostModel;
+use super::ideal::IdealCache;
+use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
+use crate::config::ManagerConfig;
+use crate::error::{ManagerError, Result};
+use crate::manager::{Admission, KvCacheManager, ReqId, Request};
+use crate::trace::Trace;
+
+/// Scheduler and simulation parameters.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SimConfig {
+    /// The manager under test.
+    pub manager: ManagerConfig,
+    /// Simulated costs.
+    pub cost: CostModel,
+    /// Prefill tokens per step (the chunk size of chunked prefill).
+    pub prefill_budget: usize,
+    /// Maximum running requests (the decode batch).
+    pub max_running: usize,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            manager: ManagerConfig::default(),
+            cost: CostModel::default(),
+            prefill_budget: 8192,
+            max_running: 256,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Job {
+    index: usize,
+    id: ReqId,
+    generated: u32,
+    prefill_left: usize,
+    first_admitted: bool,
+    role: Role,
+    output: Vec<TokenId>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Role {
+    Idle,
+    Prefill,
+    Decode,
+}
+
+/// Where the manager's CPU time goes, by lifecycle phase.
+#[derive(Copy, Clone, Debug)]
+enum Phase {
+    Arrive,
+    Step,
+    Admit,
+    Extend,
+    Decode,
+    Complete,
+}
+
+/// Wall-clock time spent inside manager calls, per phase. Whole loops of calls are timed, not
+/// single calls, so the clock itself stays out of the figure.
+#[derive(Debug, Default)]
+struct CpuClock([Duration; 6]);
+
+impl CpuClock {
+    fn add(&mut self, phase: Phase, since: Instant) {
+        self.0[phase as usize] += since.elapsed();
+    }
+}
+
+/// Observes replay progress (a progress bar, or nothing).
+pub trait Progress {
+    /// `n` more requests finished.
+    fn advance(&mut self, n: u64);
+}
+
+impl Progress for () {
+    fn advance(&mut self, _n: u64) {}
+}
+
+/// Replays `trace` under `cfg` and reports.
+///
+/// # Errors
+/// [`ManagerError::PoolTooSmall`] when some request can never fit, configuration errors, and
+/// any error of the manager (which would be a bug).
+pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
+    let started = Instant::now();
+    check_fits(trace, &cfg.manager)?;
+    if cfg.prefill_budget == 0 || cfg.max_running == 0 {
+        return Err(ManagerError::Config(
+            "prefill budget and max running requests must be positive".into(),
+        ));
+    }
+    let mut kv = KvCacheManager::new(cfg.manager.clone())?;
+    let mut sim = Sim {
+        trace,
+        cfg,
+        ideal: IdealCache::new(cfg.manager.model.page_size),
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        now_us: 0.0,
+        cpu: CpuClock::default(),
+        ttft_ms: Vec::with_capacity(trace.requests.len()),
+        report: Report {
+            config: cfg.manager.label(),
+            trace: trace.name.clone(),
+            page_bytes: cfg.manager.model.page_bytes(),
+            ..Default::default()
+        },
+        sample_every: 1,
+        last_finish_us: 0.0,
+    };
+    sim.run(&mut kv, progress)?;
+    sim.finish(&kv, started)
+}
+
+/// Rejects a trace with a request that could never be admitted.
+fn check_fits(trace: &Trace, m: &ManagerConfig) -> Result<()> {
+    let p = m.model.page_size.max(1);
+    let capacity = m.device_pages() * p;
+    for (index, r) in trace.requests.iter().enumerate() {
+        let whole = pages_for((r.prompt_len + u64::from(r.output_len)) as usize, p) * p;
+        let admit = r.prompt_len as usize + (r.output_len as usize).min(m.reserve_clip_tokens) + p;
+        let needed = whole.max(admit);
+        if needed > capacity {
+            return Err(ManagerError::PoolTooSmall {
+                index,
+                needed,
+                capacity,
+            });
+        }
+    }
+    Ok(())
+}
+
+struct Sim<'a> {
+    trace: &'a Trace,
+    cfg: &'a SimConfig,
+    ideal: IdealCache,
+    waiting: VecDeque<Job>,
+    running: Vec<Job>,
+    now_us: f64,
+    cpu: CpuClock,
+    ttft_ms: Vec<f64>,
+    report: Report,
+    sample_every: u64,
+    last_finish_us: f64,
+}
+
+impl Sim<'_> {
+    fn run(&mut self, kv: &mut KvCacheManager, progress: &mut dyn Progress) -> Result<()> {
+        let reqs = &self.trace.requests;
+        let mut next = 0;
+        loop {
+            while next < reqs.len() && reqs[next].arrival_us as f64 <= self.now_us {
+                let r = &reqs[next];
+                let room = r.output_len as usize;
+                let mut q = Request::new(r.prompt_tokens_with_room(room)).max_new_tokens(room);
+                q.session = r.session;
+                let t0 = Instant::now();
+                let id = kv.arrive(q)?;
+                self.cpu.add(Phase::Arrive, t0);
+                self.waiting.push_back(Job {
+                    index: next,
+                    id,
+                    generated: 0,
+                    prefill_left: 0,
+                    first_admitted: false,
+                    role: Role::Idle,
+                    output: Vec::new(),
+                });
+                next += 1;
+            }
+            if self.running.is_empty() && self.waiting.is_empty() {
+                if next == reqs.len() {
+                    return Ok(());
+                }
+                self.now_us = self.now_us.max(reqs[next].arrival_us as f64);
+                continue;
+            }
+            let finished = self.step(kv)?;
+            progress.advance(finished);
+        }
+    }
+
+    /// One scheduler step; returns the number of requests that finished.
+    fn step(&mut self, kv: &mut KvCacheManager) -> Result<u64> {
+        let t0 = Instant::now();
+        let step = kv.begin_step();
+        self.cpu.add(Phase::Step, t0);
+        let span = step.span().clone();
+        let _entered = span.enter();
+        let mut budget = self.cfg.prefill_budget;
+        let mut prefill_tokens = 0;
+
+        // Chunks of requests already prefilling, oldest first.
+        let t0 = Instant::now();
+        for job in self.running.iter_mut().filter(|j| j.prefill_left > 0) {
+            let take = job.prefill_left.min(budget);
+            if take == 0 || kv.extend(job.id, take).is_err() {
+                break;
+            }
+            job.prefill_left -= take;
+            job.role = Role::Prefill;
+            budget -= take;
+            prefill_tokens += take;
+        }
+        self.cpu.add(Phase::Extend, t0);
+
+        // Admission, FCFS: the head of the queue blocks the rest.
+        let mut admitted = Vec::new();
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(job) = self.waiting.front_mut() else {
+                break;
+            };
+            let t0 = Instant::now();
+            let adm = kv.admit(job.id)?;
+            self.cpu.add(Phase::Admit, t0);
+            let Admission::Ready(a) = adm else {
+                break;
+            };
+            let Some(mut job) = self.waiting.pop_front() else {
+                break;
+            };
+            if !job.first_admitted {
+                job.first_admitted = true;
+                admitted.push((job.index, a));
+            }
+            job.prefill_left = a.extend_tokens;
+            let take = job.prefill_left.min(budget);
+            let t0 = Instant::now();
+            let ok = take > 0 && kv.extend(job.id, take).is_ok();
+            self.cpu.add(Phase::Extend, t0);
+            if ok {
+                job.prefill_left -= take;
+                job.role = Role::Prefill;
+                budget -= take;
+                prefill_tokens += take;
+            }
+            self.running.push(job);
+        }
+
+        // One decode token per request past its prefill.
+        let t0 = Instant::now();
+        let mut decode_seqs = 0;
+        let mut j = 0;
+        while j < self.running.len() {
+            let job = &self.running[j];
+            if job.prefill_left > 0 || job.generated == 0 || job.role != Role::Idle {
+                j += 1;
+                continue;
+            }
+            let token = job.output[job.generated as usize - 1];
+            match kv.decode(job.id, token) {
+                Ok(_) => {
+                    self.running[j].role = Role::Decode;
+                    decode_seqs += 1;
+                    j += 1;
+                }
+                Err(ManagerError::OutOfMemory { .. }) => {
+                    // Retract the youngest request; if that is this one, it waits.
+                    let victim = self.running.len() - 1;
+                    self.retract(kv, victim)?;
+                    if victim == j {
+                        break;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.cpu.add(Phase::Decode, t0);
+
+        if prefill_tokens == 0 && decode_seqs == 0 {
+            // Nothing could run: free memory by retracting the youngest, or give up.
+            if self.running.len() > 1 {
+                let victim = self.running.len() - 1;
+                self.retract(kv, victim)?;
+            } else {
+                let (index, needed) = self
+                    .running
+                    .first()
+                    .or(self.waiting.front())
+                    .map(|j| {
+                        let r = &self.trace.requests[j.index];
+                        (j.index, (r.prompt_len + u64::from(r.output_len)) as usize)
+                    })
+                    .unwrap_or_default();
+                return Err(ManagerError::PoolTooSmall {
+                    index,
+                    needed,
+                    capacity: kv.accounting().total,
+                });
+            }
+        }
+
+        // Infinite-cache ideal and per-tier hits of the requests admitted for the first time.
+        for (index, a) in admitted {
+            let r = &self.trace.requests[index];
+            let prompt = r.prompt_tokens();
+            let output = r.output_tokens();
+            self.report.ideal_hit_tokens += self.ideal.admit(&prompt, &output) as u64;
+            self.report.hit_tokens_device += a.device_tokens as u64;
+            self.report.hit_tokens_host += a.host_tokens as u64;
+            self.report.hit_tokens_storage += a.storage_tokens as u64;
+            self.report.prompt_tokens += r.prompt_len;
+            if let Some(job) = self.running.iter_mut().find(|j| j.index == index) {
+                job.output = output;
+            }
+        }
+
+        let dt = self
+            .cfg
+            .cost
+            .step_us(prefill_tokens, decode_seqs, step.load_bytes());
+        self.now_us += dt;
+        self.report.recomputed_tokens += prefill_tokens as u64;
+
+        // The forward is over: commit chunks, emit tokens, finish. Bookkeeping first, then the
+        // manager calls in one timed batch.
+        let mut chunked = Vec::new();
+        let mut done = Vec::new();
+        for job in &mut self.running {
+            match std::mem::replace(&mut job.role, Role::Idle) {
+                Role::Idle => {}
+                Role::Prefill => {
+                    chunked.push(job.id);
+                    if job.prefill_left == 0 && job.generated == 0 {
+                        job.generated = 1;
+                        let arrival = self.trace.requests[job.index].arrival_us as f64;
+                        self.ttft_ms.push((self.now_us - arrival) / 1e3);
+                    }
+                }
+                Role::Decode => job.generated += 1,
+            }
+            let out_len = self.trace.requests[job.index].output_len;
+            if job.prefill_left == 0 && job.generated >= out_len {
+                done.push(job.id);
+                self.report.output_tokens += u64::from(out_len);
+            }
+        }
+        let t0 = Instant::now();
+        for &id in &chunked {
+            kv.chunk_done(id)?;
+        }
+        for &id in &done {
+            kv.finish(id)?;
+        }
+        drop(_entered);
+        kv.end_step(step)?;
+        self.cpu.add(Phase::Complete, t0);
+        let finished = done.len() as u64;
+        if finished > 0 {
+            self.last_finish_us = self.now_us;
+            self.running.retain(|j| !done.contains(&j.id));
+        }
+        self.sample(kv);
+        Ok(finished)
+    }
+
+    fn retract(&mut self, kv: &mut KvCacheManager, victim: usize) -> Result<()> {
+        let mut job = self.running.remove(victim);
+        kv.retract(job.id)?;
+        job.role = Role::Idle;
+        job.prefill_left = 0;
+        self.report.retractions += 1;
+        self.waiting.push_front(job);
+        Ok(())
+    }
+
+    /// Records occupancy, halving the resolution whenever the series gets long.
+    fn sample(&mut self, kv: &KvCacheManager) {
+        self.report.steps += 1;
+        if !self.report.steps.is_multiple_of(self.sample_every) {
+            return;
+        }
+        let a = kv.accounting();
+        let total = a.total.max(1) as f64;
+        self.report.occupancy.push(OccupancySample {
+            t_s: self.now_us / 1e6,
+            in_use: (a.protected + a.request_owned + a.session_held) as f64 / total,
+            cached: a.evictable as f64 / total,
+        });
+        if self.report.occupancy.len() >= 2048 {
+            let kept: Vec<_> = self.report.occupancy.iter().step_by(2).copied().collect();
+            self.report.occupancy = kept;
+            self.sample_every *= 2;
+        }
+    }
+
+    fn finish(mut self, kv: &KvCacheManager, started: Instant) -> Result<Report> {
+        let a = kv.accounting();
+        let m = kv.metrics();
+        let r = &mut self.report;
+        r.requests = self.trace.requests.len() as u64;
+        r.counters = m.counters;
+        r.evicted_tokens = m.counters.evicted_tokens;
+        r.pages_loaded = m.counters.pages_loaded;
+        r.bytes_loaded = m.counters.bytes_loaded;
+        r.bytes_written = m.counters.bytes_written;
+        r.leaked_tokens = (a.protected + a.request_owned + kv.reserved_tokens()) as u64;
+        r.accounting_balanced = a.balanced();
+        self.ttft_ms.sort_by(f64::total_cmp);
+        r.ttft_p50_ms = quantile(&self.ttft_ms, 0.5);
+        r.ttft_p99_ms = quantile(&self.ttft_ms, 0.99);
+        let first = self
+            .trace
+            .requests
+            .first()
+            .map_or(0.0, |q| q.arrival_us as f64);
+        r.sim_duration_s = ((self.last_finish_us - first) / 1e6).max(1e-9);
+        r.throughput_tok_s = r.output_tokens as f64 / r.sim_duration_s;
+        r.throughput_req_s = r.requests as f64 / r.sim_duration_s;
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / (r.requests.max(1) as f64);
+        r.cache_cpu_us_per_request = per(self.cpu.0.iter().sum());
+        r.cache_cpu_breakdown = CpuBreakdown {
+            arrive_us: per(self.cpu.0[Phase::Arrive as usize]),
+            admit_us: per(self.cpu.0[Phase::Admit as usize]),
+            extend_us: per(self.cpu.0[Phase::Extend as usize]),
+            decode_us: per(self.cpu.0[Phase::Decode as usize]),
+            complete_us: per(
+                self.cpu.0[Phase::Complete as usize] + self.cpu.0[Phase::Step as usize]
+            ),
+        };
+        r.wall_s = started.elapsed().as_secs_f64();
+        r.derive_ratios();
+        kv.check_invariants()?;
+        Ok(self.report)
+    }
+}

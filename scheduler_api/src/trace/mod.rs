@@ -1,0 +1,372 @@
+//! Workloads: trace readers and the built-in synthetic chat generator.
+//!
+//! Public traces carry no text, only hash ids of fixed-size token blocks. A reader turns every
+//! block id into a deterministic pseudo-random token run ([`block_tokens`]), so equal ids give
+//! equal tokens and the cache sees real token sequences with exactly the trace's sharing. A
+//! partial last block is a prefix of its block's run. Traces whose ids are local to one
+//! conversation get an id offset per conversation, so ids never alias across conversations.
+//!
+//! A prompt is stored as a few [`Segment`]s (runs of consecutive block ids), not as tokens:
+//! tokens are generated when the request is admitted.
+
+mod azure;
+mod mooncake;
+mod synthetic;
+mod weka;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use radixkv_radix::TokenId;
+
+use crate::error::{ManagerError, Result};
+
+pub use synthetic::SyntheticChat;
+
+/// Tags keep the id spaces of the different token sources apart.
+const TAG_SHIFT: u32 = 56;
+/// Ids of output tokens.
+pub(crate) const TAG_OUTPUT: u64 = 1 << TAG_SHIFT;
+/// Ids of per-request unique tails (tokens not covered by any hash block).
+pub(crate) const TAG_TAIL: u64 = 2 << TAG_SHIFT;
+/// Ids of the synthetic generator's blocks.
+pub(crate) const TAG_SYNTH: u64 = 3 << TAG_SHIFT;
+
+/// A run of `len` tokens made of consecutive blocks `first, first + 1, ...` of `block` tokens
+/// each (the last one possibly partial).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Id of the first block.
+    pub first: u64,
+    /// Tokens per block.
+    pub block: u32,
+    /// Tokens in the segment.
+    pub len: u64,
+}
+
+impl Segment {
+    /// Appends the segment's tokens to `out`.
+    pub fn append_tokens(&self, out: &mut Vec<TokenId>) {
+        let mut left = self.len;
+        let mut id = self.first;
+        while left > 0 {
+            let n = left.min(u64::from(self.block));
+            block_tokens(id, n as usize, out);
+            left -= n;
+            id = id.wrapping_add(1);
+        }
+    }
+}
+
+/// Appends the first `n` tokens of block `id`'s deterministic run to `out`.
+pub fn block_tokens(id: u64, n: usize, out: &mut Vec<TokenId>) {
+    // SplitMix64 seeded by the id: two tokens per step.
+    let mut s = id ^ 0x5851_f42d_4c95_7f2d;
+    let mut next = || {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    out.reserve(n);
+    for _ in 0..n / 2 {
+        let z = next();
+        out.push(z as u32);
+        out.push((z >> 32) as u32);
+    }
+    if n % 2 == 1 {
+        out.push(next() as u32);
+    }
+}
+
+/// Builds a segment list from a block-id list: consecutive ids merge into one segment.
+pub(crate) fn segments_from_blocks(ids: &[u64], block: u32, len: u64, out: &mut Vec<Segment>) {
+    let mut left = len;
+    let mut i = 0;
+    while i < ids.len() && left > 0 {
+        let mut j = i + 1;
+        while j < ids.len() && ids[j] == ids[j - 1].wrapping_add(1) {
+            j += 1;
+        }
+        let n = (((j - i) as u64) * u64::from(block)).min(left);
+        out.push(Segment {
+            first: ids[i],
+            block,
+            len: n,
+        });
+        left -= n;
+        i = j;
+    }
+}
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceRequest {
+    /// Arrival time in microseconds since the start of the workload.
+    pub arrival_us: u64,
+    /// The prompt as segments.
+    pub prompt: Vec<Segment>,
+    /// Prompt length in tokens.
+    pub prompt_len: u64,
+    /// Output tokens to generate (at least 1).
+    pub output_len: u32,
+    /// Output tokens are block `output_id`'s run.
+    pub output_id: u64,
+    /// The conversation (session) this request belongs to, if the workload has them.
+    pub session: Option<u64>,
+}
+
+impl TraceRequest {
+    /// The prompt tokens.
+    pub fn prompt_tokens(&self) -> Vec<TokenId> {
+        self.prompt_tokens_with_room(0)
+    }
+
+    /// The prompt tokens in a vector with room for `extra` more (the decoded tokens), so
+    /// appending them never reallocates.
+    pub fn prompt_tokens_with_room(&self, extra: usize) -> Vec<TokenId> {
+        let mut v = Vec::with_capacity(self.prompt_len as usize + extra);
+        for s in &self.prompt {
+            s.append_tokens(&mut v);
+        }
+        v
+    }
+
+    /// The output tokens the simulated model generates.
+    pub fn output_tokens(&self) -> Vec<TokenId> {
+        let mut v = Vec::with_capacity(self.output_len as usize);
+        block_tokens(self.output_id, self.output_len as usize, &mut v);
+        v
+    }
+}
+
+/// A workload: requests sorted by arrival.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    /// A short name (file stem or generator).
+    pub name: String,
+    /// The requests, sorted by arrival time.
+    pub requests: Vec<TraceRequest>,
+}
+
+impl Trace {
+    /// Sorts by arrival (stable, so equal times keep file order).
+    pub(crate) fn finish(mut self) -> Self {
+        self.requests.sort_by_key(|r| r.arrival_us);
+        self
+    }
+
+    /// Total prompt tokens.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| r.prompt_len).sum()
+    }
+}
+
+/// Trace file formats.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceFormat {
+    /// Mooncake JSONL: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512-token
+    /// blocks, global ids).
+    Mooncake,
+    /// Agentic multi-turn JSONL (optionally gzip'd): one conversation per line, 64-token blocks
+    /// with ids local to the conversation, sub-agents, think times.
+    Weka,
+    /// Azure LLM inference CSV: `TIMESTAMP,ContextTokens,GeneratedTokens` (no prefix info).
+    Azure,
+}
+
+impl TraceFormat {
+    /// Parses a format name.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] listing the known formats.
+    pub fn from_name(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "mooncake" => Ok(TraceFormat::Mooncake),
+            "weka" | "agentic" | "claude_code" => Ok(TraceFormat::Weka),
+            "azure" => Ok(TraceFormat::Azure),
+            _ => Err(ManagerError::Config(format!(
+                "unknown trace format {s:?}; known: mooncake, weka (agentic), azure"
+            ))),
+        }
+    }
+}
+
+/// Options of the trace readers.
+#[derive(Copy, Clone, Debug)]
+pub struct ReadOptions {
+    /// Read at most this many requests (Mooncake, Azure) or conversations (agentic).
+    pub limit: Option<usize>,
+    /// Keep only the first this many requests by arrival time (after reading).
+    pub max_requests: Option<usize>,
+    /// Seed of the arrival process for traces without absolute times (agentic).
+    pub seed: u64,
+    /// Mean gap between conversation starts in seconds (agentic).
+    pub conversation_gap_s: f64,
+}
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions {
+            limit: None,
+            max_requests: None,
+            seed: 7,
+            conversation_gap_s: 2.0,
+        }
+    }
+}
+
+/// Reads a trace file.
+///
+/// # Errors
+/// [`ManagerError::Io`] for a missing or unreadable file, [`ManagerError::Trace`] with the
+/// line number for malformed content.
+pub fn read_trace(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Result<Trace> {
+    let file = std::fs::File::open(path).map_err(|e| io_err(path, &e))?;
+    let gz = path.extension().is_some_and(|e| e == "gz");
+    let reader: Box<dyn Read> = if gz {
+        Box::new(flate2::read::GzDecoder::new(file))
+    } else {
+        Box::new(file)
+    };
+    let reader = BufReader::with_capacity(1 << 20, reader);
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ctx = Ctx { path, name };
+    let trace = match format {
+        TraceFormat::Mooncake => mooncake::read(reader, &ctx, opts),
+        TraceFormat::Weka => weka::read(reader, &ctx, opts),
+        TraceFormat::Azure => azure::read(reader, &ctx, opts),
+    }?;
+    if trace.requests.is_empty() {
+        return Err(ManagerError::Trace {
+            path: path.display().to_string(),
+            line: 0,
+            message: "the trace has no requests".into(),
+        });
+    }
+    let mut trace = trace.finish();
+    if let Some(n) = opts.max_requests {
+        trace.requests.truncate(n.max(1));
+    }
+    Ok(trace)
+}
+
+pub(crate) struct Ctx<'a> {
+    pub path: &'a Path,
+    pub name: String,
+}
+
+impl Ctx<'_> {
+    pub fn err(&self, line: usize, message: impl Into<String>) -> ManagerError {
+        ManagerError::Trace {
+            path: self.path.display().to_string(),
+            line,
+            message: message.into(),
+        }
+    }
+}
+
+fn io_err(path: &Path, e: &std::io::Error) -> ManagerError {
+    ManagerError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// Iterates non-empty lines with their 1-based numbers; IO errors (including gzip corruption)
+/// become trace errors on that line.
+pub(crate) fn lines<'a>(
+    reader: impl BufRead + 'a,
+    ctx: &'a Ctx<'a>,
+) -> impl Iterator<Item = Result<(usize, String)>> + 'a {
+    reader
+        .lines()
+        .enumerate()
+        .map(move |(i, l)| match l {
+            Ok(s) => Ok((i + 1, s)),
+            Err(e) => Err(ctx.err(i + 1, format!("cannot read: {e}"))),
+        })
+        .filter(|r| !matches!(r, Ok((_, s)) if s.trim().is_empty()))
+}
+
+/// A small deterministic PRNG for arrival processes and the synthetic generator.
+#[derive(Clone, Debug)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Exponential with the given mean.
+    pub fn exp(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.unit()).ln()
+    }
+
+    /// Uniform integer in [lo, hi].
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_ids_give_equal_tokens_and_partial_blocks_are_prefixes() {
+        let mut a = Vec::new();
+        block_tokens(5, 512, &mut a);
+        let mut b = Vec::new();
+        block_tokens(5, 100, &mut b);
+        assert_eq!(&a[..100], &b[..]);
+        let mut c = Vec::new();
+        block_tokens(6, 512, &mut c);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn consecutive_ids_merge_into_segments() {
+        let mut s = Vec::new();
+        segments_from_blocks(&[0, 14, 15, 16], 512, 1800, &mut s);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].len, 512);
+        assert_eq!(s[1].len, 1800 - 512);
+        let mut t = Vec::new();
+        for seg in &s {
+            seg.append_tokens(&mut t);
+        }
+        let mut expect = Vec::new();
+        for (id, n) in [(0, 512), (14, 512), (15, 512), (16, 264)] {
+            block_tokens(id, n, &mut expect);
+        }
+        assert_eq!(t, expect);
+    }
+
+    #[test]
+    fn unknown_format_is_a_clear_error() {
+        let e = TraceFormat::from_name("parquet").unwrap_err().to_string();
+        assert!(
+            e.contains("unknown trace format") && e.contains("mooncake"),
+            "{e}"
+        );
+    }
+}
