@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use radixkv_hicache::{
-    HostLayout, HostPool, HostSim, HostSimConfig, HybridCacheController, KvGeometry,
+    DeviceBackend, HostLayout, HostPool, HostSim, HostSimConfig, HybridCacheController, KvGeometry,
 };
 use radixkv_radix::{PageAllocator, PageId};
 
@@ -30,6 +30,14 @@ struct Rig {
 fn rig(layout: HostLayout) -> Rig {
     let g = KvGeometry::new(LAYERS, PAGE_SIZE, BYTES_PER_TOKEN).unwrap();
     let dev = Arc::new(HostSim::new(g, TOTAL_PAGES * 2, HostSimConfig::default()).unwrap());
+    // Touch every device page: an untouched zeroed allocation reads as the shared zero page,
+    // which would make backups look faster than any real copy.
+    let fill = vec![0x5au8; g.page_bytes_per_layer()];
+    for l in 0..LAYERS {
+        for p in 0..TOTAL_PAGES * 2 {
+            dev.write_device_page(l, PageId(p as u32), &fill).unwrap();
+        }
+    }
     let host = HostPool::new(g, TOTAL_PAGES * 2, layout).unwrap();
     let mut ctrl = HybridCacheController::new(dev, host, &[]).unwrap();
     // Host pages that loads read from, backed up once.
@@ -70,6 +78,9 @@ fn load_round(r: &mut Rig, op_pages: usize) {
     r.ctrl.start_loading().unwrap();
     r.ctrl.wait_all().unwrap();
     black_box(r.ctrl.poll_acks());
+    // The allocator is a stack: free in reverse so the next round gets the same ascending
+    // pages (and the same merged runs) as this one, instead of a reversed, unmergeable order.
+    dev.reverse();
     r.device.free(&dev).unwrap();
 }
 
@@ -82,16 +93,25 @@ fn memcpy_round(src: &[u8], dst: &mut [u8]) {
     black_box(dst);
 }
 
-fn median(mut f: impl FnMut(), n: usize) -> Duration {
-    let mut v: Vec<Duration> = (0..n)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed()
-        })
-        .collect();
-    v.sort();
-    v[n / 2]
+const ROUNDS: usize = 21;
+
+/// Times `op` and a memcpy of the same bytes alternately, `ROUNDS` times each, and returns
+/// (median op time, median memcpy time). Interleaving makes both medians see the same load on
+/// a shared machine, so their ratio is stable even when absolute speeds drift.
+fn paired_medians(mut op: impl FnMut(), src: &[u8], dst: &mut [u8]) -> (Duration, Duration) {
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed()
+    };
+    let (mut a, mut b) = (Vec::with_capacity(ROUNDS), Vec::with_capacity(ROUNDS));
+    for _ in 0..ROUNDS {
+        a.push(time(&mut op));
+        b.push(time(&mut || memcpy_round(src, dst)));
+    }
+    a.sort();
+    b.sort();
+    (a[ROUNDS / 2], b[ROUNDS / 2])
 }
 
 fn benches(c: &mut Criterion) {
@@ -115,23 +135,24 @@ fn benches(c: &mut Criterion) {
     }
     g.finish();
 
-    // Ratios to memcpy from medians measured back to back in this run.
+    // Ratios to memcpy from medians of interleaved rounds (see `paired_medians`).
     println!(
-        "\nmerged transfer throughput vs memcpy ({} MiB per round, medians of 15):",
+        "\nmerged transfer throughput vs memcpy ({} MiB per round, medians of {ROUNDS} \
+         interleaved rounds):",
         bytes() >> 20
     );
-    let base = median(|| memcpy_round(&src, &mut dst), 15);
     let gbps = |d: Duration| bytes() as f64 / d.as_secs_f64() / 1e9;
-    println!("  memcpy                       {:6.2} GB/s", gbps(base));
     for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
         let mut r = rig(layout);
         for op_pages in [1, 64] {
-            let w = median(|| write_round(&mut r, op_pages), 15);
-            let l = median(|| load_round(&mut r, op_pages), 15);
-            for (dir, d) in [("write", w), ("load", l)] {
+            let w = paired_medians(|| write_round(&mut r, op_pages), &src, &mut dst);
+            let l = paired_medians(|| load_round(&mut r, op_pages), &src, &mut dst);
+            for (dir, (d, base)) in [("write", w), ("load", l)] {
                 println!(
-                    "  {dir:5} {layout:?} {op_pages:2}-page ops {:6.2} GB/s  ratio {:.2}",
+                    "  {dir:5} {layout:?} {op_pages:2}-page ops {:6.2} GB/s  memcpy {:6.2} GB/s  \
+                     ratio {:.2}",
                     gbps(d),
+                    gbps(base),
                     base.as_secs_f64() / d.as_secs_f64()
                 );
             }

@@ -11,6 +11,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use radixkv_radix::PageId;
 
+use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::{HostLayout, KvGeometry};
 
@@ -57,6 +58,21 @@ pub struct PageCopy {
     pub host: Arc<HostMemory>,
 }
 
+/// One submitted copy of extra-pool slots (Mamba state, SWA KV, ...): each run moves `pages`
+/// consecutive slots of `item_bytes` each between the device-side buffer of `pool` and `host`.
+/// An extra-pool item has no layers, so the copy is one contiguous span per run on both sides.
+#[derive(Clone, Debug)]
+pub struct SlotCopy {
+    /// Direction.
+    pub direction: Direction,
+    /// The pool (the backend resolves its device-side buffer).
+    pub pool: PoolName,
+    /// Slot runs: `device` and `host` are first slots, `pages` is the slot count.
+    pub runs: Arc<[PageRun]>,
+    /// The pool's host-side buffer.
+    pub host: Arc<SlotMemory>,
+}
+
 /// Completion handle of everything submitted to a stream before it was recorded.
 pub trait CopyEvent: Clone + Send + Sync + 'static {
     /// True once the copies before the event are done (successfully or not).
@@ -98,6 +114,30 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// # Errors
     /// [`HiCacheError::Transfer`] for a dead stream.
     fn record_event(&self, stream: StreamKind) -> Result<Self::Event>;
+    /// Allocates the device-side buffer of an extra pool: `slots` items of `item_bytes` bytes.
+    /// Idempotent for the same sizes.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for zero sizes or a pool registered with other sizes.
+    fn register_extra_pool(&self, pool: PoolName, slots: u32, item_bytes: usize) -> Result<()>;
+    /// Submits an extra-pool copy to `stream`, ordered with the KV copies submitted there (an
+    /// event recorded after both covers both); returns without waiting for it.
+    ///
+    /// # Errors
+    /// Unregistered pool, out-of-range slots, mismatched item size (nothing is submitted then)
+    /// or a dead stream.
+    fn enqueue_slot_copy(&self, stream: StreamKind, copy: SlotCopy) -> Result<()>;
+    /// Synchronously reads one slot of an extra pool's device-side buffer.
+    ///
+    /// # Errors
+    /// Unregistered pool, out-of-range slot, wrong buffer size.
+    fn read_extra_slot(&self, pool: PoolName, slot: u32, out: &mut [u8]) -> Result<()>;
+    /// Synchronously writes one slot of an extra pool's device-side buffer (what the model
+    /// does when it updates the state).
+    ///
+    /// # Errors
+    /// Unregistered pool, out-of-range slot, wrong buffer size.
+    fn write_extra_slot(&self, pool: PoolName, slot: u32, data: &[u8]) -> Result<()>;
     /// Synchronously reads one page of one layer of the device pool (tests, debugging and
     /// engines without kernels of their own).
     ///
@@ -205,6 +245,109 @@ impl HostMemory {
     pub fn write_page(&self, layer: usize, page: u32, data: &[u8]) -> Result<()> {
         let o = self.check(layer, page, data.len())?;
         self.write()[o..o + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Box<[u8]>> {
+        self.bytes.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
+        self.bytes.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A flat buffer of fixed-size slots: the host side of an extra pool, and the device side of
+/// one in [`HostSim`](crate::HostSim).
+#[derive(Debug)]
+pub struct SlotMemory {
+    pool: PoolName,
+    slots: usize,
+    item_bytes: usize,
+    bytes: RwLock<Box<[u8]>>,
+}
+
+impl SlotMemory {
+    /// A zeroed buffer of `slots` items of `item_bytes` bytes.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for zero sizes or an overflowing size.
+    pub fn new(pool: PoolName, slots: u32, item_bytes: usize) -> Result<Self> {
+        let n = (slots as usize)
+            .checked_mul(item_bytes)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                HiCacheError::Config(format!(
+                    "extra pool {pool:?}: {slots} slots of {item_bytes} bytes is empty or too large"
+                ))
+            })?;
+        Ok(SlotMemory {
+            pool,
+            slots: slots as usize,
+            item_bytes,
+            bytes: RwLock::new(vec![0u8; n].into_boxed_slice()),
+        })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> PoolName {
+        self.pool
+    }
+
+    /// Slots in the buffer.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Bytes of one slot.
+    pub fn item_bytes(&self) -> usize {
+        self.item_bytes
+    }
+
+    fn check(&self, slot: u32, len: usize) -> Result<usize> {
+        if slot as usize >= self.slots {
+            return Err(HiCacheError::HostPageOutOfRange(slot));
+        }
+        if len != self.item_bytes {
+            return Err(HiCacheError::BufferSize {
+                expected: self.item_bytes,
+                got: len,
+            });
+        }
+        Ok(slot as usize * self.item_bytes)
+    }
+
+    /// Reads one slot.
+    ///
+    /// # Errors
+    /// Out-of-range slot, wrong buffer size.
+    pub fn read_slot(&self, slot: u32, out: &mut [u8]) -> Result<()> {
+        let o = self.check(slot, out.len())?;
+        out.copy_from_slice(&self.read()[o..o + out.len()]);
+        Ok(())
+    }
+
+    /// Writes one slot.
+    ///
+    /// # Errors
+    /// Out-of-range slot, wrong buffer size.
+    pub fn write_slot(&self, slot: u32, data: &[u8]) -> Result<()> {
+        let o = self.check(slot, data.len())?;
+        self.write()[o..o + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Checks that every run lies inside this buffer on the given side.
+    pub(crate) fn check_runs(&self, runs: &[PageRun], device_side: bool) -> Result<()> {
+        for r in runs {
+            let first = if device_side { r.device } else { r.host };
+            let end = first as usize + r.pages as usize;
+            if r.pages == 0 || end > self.slots {
+                return Err(HiCacheError::HostPageOutOfRange(
+                    end.saturating_sub(1) as u32
+                ));
+            }
+        }
         Ok(())
     }
 

@@ -9,15 +9,24 @@
 //! [`HybridCacheController::poll_acks`], which the cache calls at step boundaries.
 //!
 //! Extra pools (Mamba state, SWA KV) ride in the same operation as [`PoolTransfer`]s with their
-//! own indices. This issue allocates and releases their slots; their bytes move with the pools
-//! themselves in a later issue.
+//! own indices. Each registered pool has a host-side [`SlotMemory`] here and a device-side
+//! buffer in the backend, both of its own item size; a merged transfer moves the KV runs and the
+//! extra pools' slot runs on the same stream before the same completion event, so an ack (or a
+//! layer event of a load) covers every pool. Allocation across all pools is all or nothing.
+//! (The pools' owners — Mamba, SWA — come in a later issue; `HiRadixCache` does not pass extra
+//! pools yet.)
+//!
+//! A failed copy is reported in [`Acks::failed_writes`] / [`Acks::failed_loads`], never as a
+//! completed operation; its pages stay allocated and the owner decides what to do with them.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use radixkv_radix::{CacheError, PageAllocator, PageId};
 
-use crate::backend::{CopyEvent, DeviceBackend, Direction, PageCopy, PageRun, StreamKind};
+use crate::backend::{
+    CopyEvent, DeviceBackend, Direction, PageCopy, PageRun, SlotCopy, SlotMemory, StreamKind,
+};
 use crate::error::{HiCacheError, Result};
 use crate::host_pool::{HostPool, SlotAllocator};
 use crate::layer_counter::LayerDoneCounter;
@@ -46,6 +55,8 @@ pub struct ExtraPoolSpec {
     pub host_slots: u32,
     /// Device slots.
     pub device_slots: u32,
+    /// Bytes of one slot (one Mamba state checkpoint, one SWA page, ...).
+    pub item_bytes: usize,
 }
 
 /// Indices of one extra pool moved by an operation. For `write` the caller fills
@@ -100,21 +111,39 @@ pub struct LoadStep {
     pub stats: TransferStats,
 }
 
-/// Completed operations, in completion order.
+/// Completed operations, in completion order. A failed operation is listed only as failed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Acks {
     /// Backups whose bytes are on the host.
     pub writes: Vec<OpId>,
     /// Loads whose bytes are on the device.
     pub loads: Vec<OpId>,
-    /// Operations whose copy failed (also listed above).
-    pub failed: Vec<OpId>,
+    /// Backups whose copy failed: the host pages hold garbage.
+    pub failed_writes: Vec<OpId>,
+    /// Loads whose copy failed: the device pages hold garbage.
+    pub failed_loads: Vec<OpId>,
 }
 
 impl Acks {
     /// True when nothing completed.
     pub fn is_empty(&self) -> bool {
-        self.writes.is_empty() && self.loads.is_empty()
+        self.writes.is_empty()
+            && self.loads.is_empty()
+            && self.failed_writes.is_empty()
+            && self.failed_loads.is_empty()
+    }
+
+    /// True when some copy failed.
+    pub fn has_failures(&self) -> bool {
+        !self.failed_writes.is_empty() || !self.failed_loads.is_empty()
+    }
+
+    /// Appends `other` (a later poll).
+    pub fn extend(&mut self, other: Acks) {
+        self.writes.extend(other.writes);
+        self.loads.extend(other.loads);
+        self.failed_writes.extend(other.failed_writes);
+        self.failed_loads.extend(other.failed_loads);
     }
 }
 
@@ -123,6 +152,43 @@ struct ExtraPool {
     name: PoolName,
     host: SlotAllocator,
     device: SlotAllocator,
+    host_mem: Arc<SlotMemory>,
+}
+
+/// One started transfer: its events (one per layer for a pipelined load), its operations, and
+/// whether it is known to have failed regardless of the events (partial submission).
+struct InFlight<E> {
+    events: Vec<E>,
+    ids: Vec<OpId>,
+    failed: bool,
+}
+
+impl<E: CopyEvent> InFlight<E> {
+    fn new(events: Vec<E>, ids: Vec<OpId>) -> Self {
+        InFlight {
+            events,
+            ids,
+            failed: false,
+        }
+    }
+
+    /// Events complete in stream order, so the last one decides completion.
+    fn is_complete(&self) -> bool {
+        self.events.last().is_none_or(CopyEvent::is_complete)
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut res = Ok(());
+        for e in &self.events {
+            res = res.and(e.wait());
+        }
+        if self.failed && res.is_ok() {
+            res = Err(HiCacheError::Transfer(
+                "transfer only partly submitted".into(),
+            ));
+        }
+        res
+    }
 }
 
 /// Merges, submits and tracks device↔host transfers. See the module docs.
@@ -132,11 +198,14 @@ pub struct HybridCacheController<B: DeviceBackend> {
     extra: Vec<ExtraPool>,
     write_queue: Vec<CacheOperation>,
     load_queue: Vec<CacheOperation>,
-    write_acks: VecDeque<(B::Event, Vec<OpId>)>,
-    load_acks: VecDeque<(B::Event, Vec<OpId>)>,
+    write_acks: VecDeque<InFlight<B::Event>>,
+    load_acks: VecDeque<InFlight<B::Event>>,
     layers: Arc<LayerDoneCounter<B::Event>>,
     next_op: OpId,
     pairs: Vec<(u32, u32)>,
+    /// Host pages to free once every load issued up to the given op id has completed.
+    deferred_host: Vec<(OpId, Vec<u32>)>,
+    last_load: OpId,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
@@ -184,10 +253,12 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                     s.name
                 )));
             }
+            backend.register_extra_pool(s.name, s.device_slots, s.item_bytes)?;
             pools.push(ExtraPool {
                 name: s.name,
                 host: SlotAllocator::new(s.host_slots),
                 device: SlotAllocator::new(s.device_slots),
+                host_mem: Arc::new(SlotMemory::new(s.name, s.host_slots, s.item_bytes)?),
             });
         }
         let layers = Arc::new(LayerDoneCounter::new(backend.geometry().layers));
@@ -202,6 +273,8 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             layers,
             next_op: 1,
             pairs: Vec::new(),
+            deferred_host: Vec::new(),
+            last_load: 0,
         })
     }
 
@@ -228,6 +301,84 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.host.free(pages)
     }
 
+    /// Frees host pages once every load queued or in flight now has completed, so a load that
+    /// still reads them never races a backup that reuses them. Frees at once when no load is
+    /// outstanding.
+    ///
+    /// # Errors
+    /// Double free or out of range (checked now); nothing freed then.
+    pub fn free_host_after_loads(&mut self, pages: Vec<u32>) -> Result<()> {
+        self.host.check_free(&pages)?;
+        if self.oldest_outstanding_load().is_none() {
+            return self.host.free(&pages);
+        }
+        self.deferred_host.push((self.last_load, pages));
+        Ok(())
+    }
+
+    /// Host pages waiting in [`HybridCacheController::free_host_after_loads`].
+    pub fn deferred_host_pages(&self) -> usize {
+        self.deferred_host.iter().map(|(_, p)| p.len()).sum()
+    }
+
+    fn oldest_outstanding_load(&self) -> Option<OpId> {
+        let queued = self.load_queue.iter().map(|o| o.id);
+        let flying = self.load_acks.iter().flat_map(|t| t.ids.iter().copied());
+        queued.chain(flying).min()
+    }
+
+    fn release_deferred(&mut self) {
+        if self.deferred_host.is_empty() {
+            return;
+        }
+        let oldest = self.oldest_outstanding_load();
+        let host = &mut self.host;
+        self.deferred_host.retain(|(mark, pages)| {
+            if oldest.is_some_and(|o| o <= *mark) {
+                return true;
+            }
+            if let Err(e) = host.free(pages) {
+                tracing::error!(error = %e, "deferred host pages were freed twice");
+            }
+            false
+        });
+    }
+
+    /// The host-side buffer of an extra pool (tests, storage tiers).
+    ///
+    /// # Errors
+    /// [`HiCacheError::UnknownPool`].
+    pub fn extra_memory(&self, name: PoolName) -> Result<&Arc<SlotMemory>> {
+        Ok(&self.extra_pool(name)?.host_mem)
+    }
+
+    /// Copies host pages to device pages (all layers) on the load stream and waits: the
+    /// synchronous repair of a failed load, whose host copy is intact.
+    ///
+    /// # Errors
+    /// Mismatched lengths, out-of-range pages, or the copy failed again.
+    pub fn reload_now(&mut self, host_pages: &[u32], device_pages: &[PageId]) -> Result<()> {
+        if host_pages.len() != device_pages.len() {
+            return Err(HiCacheError::BufferSize {
+                expected: host_pages.len(),
+                got: device_pages.len(),
+            });
+        }
+        let mut pairs: Vec<(u32, u32)> = device_pages
+            .iter()
+            .zip(host_pages)
+            .map(|(d, &h)| (d.0, h))
+            .collect();
+        let copy = PageCopy {
+            direction: Direction::HostToDevice,
+            layers: 0..self.backend.geometry().layers,
+            runs: merge_runs(&mut pairs).into(),
+            host: self.host.memory().clone(),
+        };
+        self.backend.enqueue_copy(StreamKind::Load, copy)?;
+        self.backend.record_event(StreamKind::Load)?.wait()
+    }
+
     /// Frees every host page and extra-pool slot (cache reset). Waits for in-flight copies.
     ///
     /// # Errors
@@ -238,6 +389,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.load_queue.clear();
         self.write_acks.clear();
         self.load_acks.clear();
+        self.deferred_host.clear();
         self.host.reset();
         for p in &mut self.extra {
             p.host.reset();
@@ -350,6 +502,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             return Err(e);
         }
         let id = self.fresh_id();
+        self.last_load = id;
         self.load_queue.push(CacheOperation {
             id,
             device_pages,
@@ -443,17 +596,54 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         }
         let runs = merge_runs(&mut self.pairs);
         let pages = self.pairs.len();
-        let stats = TransferStats {
+        let mut stats = TransferStats {
             ops: ops.len(),
             pages,
             runs: runs.len(),
             bytes: pages * self.backend.geometry().page_bytes(),
         };
+        for p in &self.extra {
+            let slots: usize = ops
+                .iter()
+                .flat_map(|o| o.extra.iter().filter(|t| t.name == p.name))
+                .map(|t| t.device_indices.len())
+                .sum();
+            stats.bytes += slots * p.host_mem.item_bytes();
+        }
         (runs.into(), stats)
     }
 
-    /// Merges every queued backup into one device→host transfer (all layers) on the write
-    /// stream. Returns `None` when nothing was queued.
+    /// One slot copy per extra pool that `ops` move, with its slot pairs merged into runs.
+    fn merge_extra(&mut self, ops: &[CacheOperation], direction: Direction) -> Vec<SlotCopy> {
+        let mut out = Vec::new();
+        for p in &self.extra {
+            self.pairs.clear();
+            for t in ops
+                .iter()
+                .flat_map(|o| o.extra.iter().filter(|t| t.name == p.name))
+            {
+                self.pairs.extend(
+                    t.device_indices
+                        .iter()
+                        .copied()
+                        .zip(t.host_indices.iter().copied()),
+                );
+            }
+            if self.pairs.is_empty() {
+                continue;
+            }
+            out.push(SlotCopy {
+                direction,
+                pool: p.name,
+                runs: merge_runs(&mut self.pairs).into(),
+                host: p.host_mem.clone(),
+            });
+        }
+        out
+    }
+
+    /// Merges every queued backup into one device→host transfer (all layers, plus every extra
+    /// pool the operations move) on the write stream. Returns `None` when nothing was queued.
     ///
     /// # Errors
     /// The backend refused the copy; the operations stay queued then.
@@ -463,6 +653,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         }
         let ops = std::mem::take(&mut self.write_queue);
         let (runs, stats) = self.merge(&ops);
+        let extra = self.merge_extra(&ops, Direction::DeviceToHost);
         let _span =
             tracing::debug_span!("start_writing", ops = stats.ops, runs = stats.runs).entered();
         let copy = PageCopy {
@@ -471,25 +662,32 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             runs,
             host: self.host.memory().clone(),
         };
-        let ev = match self
+        let submitted = self
             .backend
             .enqueue_copy(StreamKind::Write, copy)
-            .and_then(|()| self.backend.record_event(StreamKind::Write))
-        {
+            .and_then(|()| {
+                extra
+                    .into_iter()
+                    .try_for_each(|c| self.backend.enqueue_slot_copy(StreamKind::Write, c))
+            })
+            .and_then(|()| self.backend.record_event(StreamKind::Write));
+        let ev = match submitted {
             Ok(ev) => ev,
             Err(e) => {
+                // Copies already submitted only rewrite the same host pages; a retry redoes them.
                 self.write_queue = ops;
                 return Err(e);
             }
         };
         self.write_acks
-            .push_back((ev, ops.iter().map(|o| o.id).collect()));
+            .push_back(InFlight::new(vec![ev], ops.iter().map(|o| o.id).collect()));
         Ok(Some(stats))
     }
 
     /// Merges every queued load into one host→device transfer, submitted layer by layer on the
     /// load stream with one event per layer in a fresh producer slot of the layer counter.
-    /// Returns `None` when nothing was queued.
+    /// Extra pools the operations move are copied first, so every layer's event also covers
+    /// them. Returns `None` when nothing was queued.
     ///
     /// # Errors
     /// The backend refused a copy, or the producer slot's previous batch failed. The operations
@@ -500,6 +698,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         }
         let ops = std::mem::take(&mut self.load_queue);
         let (runs, stats) = self.merge(&ops);
+        let extra = self.merge_extra(&ops, Direction::HostToDevice);
         let _span =
             tracing::debug_span!("start_loading", ops = stats.ops, runs = stats.runs).entered();
         let producer = match self.layers.update_producer() {
@@ -509,8 +708,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 return Err(e);
             }
         };
+        if let Err(e) = extra
+            .into_iter()
+            .try_for_each(|c| self.backend.enqueue_slot_copy(StreamKind::Load, c))
+        {
+            // Only extra slots the operations own were written; nothing is reported yet.
+            self.load_queue = ops;
+            return Err(e);
+        }
         let layers = self.backend.geometry().layers;
-        let mut last = None;
+        let mut events = Vec::with_capacity(layers);
         for layer in 0..layers {
             let copy = PageCopy {
                 direction: Direction::HostToDevice,
@@ -525,35 +732,39 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             match ev {
                 Ok(ev) => {
                     self.layers.set_event(producer, layer, ev.clone());
-                    last = Some(ev);
+                    events.push(ev);
                 }
                 Err(e) if layer == 0 => {
                     self.load_queue = ops;
                     return Err(e);
                 }
                 Err(e) => {
-                    // Part of the transfer is in flight: report the loads as failed at once
-                    // rather than leave them waiting forever.
+                    // Part of the transfer is in flight and the rest never will be: report the
+                    // loads as failed (once the submitted part is done) rather than as loaded.
                     tracing::error!(error = %e, "pipelined load submission failed mid-way");
-                    let failed = ops.iter().map(|o| o.id).collect();
-                    self.load_acks
-                        .push_back((last.clone().expect("layer 0 was submitted"), failed));
+                    let mut t = InFlight::new(events, ops.iter().map(|o| o.id).collect());
+                    t.failed = true;
+                    self.load_acks.push_back(t);
                     return Err(e);
                 }
             }
         }
-        let last = last.expect("at least one layer");
         self.load_acks
-            .push_back((last, ops.iter().map(|o| o.id).collect()));
+            .push_back(InFlight::new(events, ops.iter().map(|o| o.id).collect()));
         Ok(Some(LoadStep { producer, stats }))
     }
 
     /// Pops the completed transfers, oldest first (a transfer completes only after every older
-    /// one on its stream).
+    /// one on its stream). Also frees deferred host pages whose loads are all done.
     pub fn poll_acks(&mut self) -> Acks {
         let mut acks = Acks::default();
-        drain_done(&mut self.write_acks, &mut acks.writes, &mut acks.failed);
-        drain_done(&mut self.load_acks, &mut acks.loads, &mut acks.failed);
+        drain_done(
+            &mut self.write_acks,
+            &mut acks.writes,
+            &mut acks.failed_writes,
+        );
+        drain_done(&mut self.load_acks, &mut acks.loads, &mut acks.failed_loads);
+        self.release_deferred();
         acks
     }
 
@@ -563,25 +774,24 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// The first failed copy.
     pub fn wait_all(&self) -> Result<()> {
         let mut res = Ok(());
-        for q in [&self.write_acks, &self.load_acks] {
-            if let Some((ev, _)) = q.back() {
-                res = res.and(ev.wait());
-            }
+        for t in self.write_acks.iter().chain(&self.load_acks) {
+            res = res.and(t.wait());
         }
         res
     }
 }
 
 fn drain_done<E: CopyEvent>(
-    q: &mut VecDeque<(E, Vec<OpId>)>,
-    out: &mut Vec<OpId>,
+    q: &mut VecDeque<InFlight<E>>,
+    done: &mut Vec<OpId>,
     failed: &mut Vec<OpId>,
 ) {
-    while q.front().is_some_and(|(ev, _)| ev.is_complete()) {
-        let (ev, ids) = q.pop_front().expect("checked");
-        if ev.wait().is_err() {
-            failed.extend_from_slice(&ids);
+    while q.front().is_some_and(InFlight::is_complete) {
+        let t = q.pop_front().expect("checked");
+        if t.wait().is_err() {
+            failed.extend(t.ids);
+        } else {
+            done.extend(t.ids);
         }
-        out.extend(ids);
     }
 }

@@ -215,6 +215,14 @@ impl HostPool {
         self.alloc.free(pages)
     }
 
+    /// Checks that [`HostPool::free`] of `pages` would succeed, without freeing.
+    ///
+    /// # Errors
+    /// As `free`.
+    pub fn check_free(&self, pages: &[u32]) -> Result<()> {
+        self.alloc.check_free(pages)
+    }
+
     /// Frees every page.
     pub fn reset(&mut self) {
         self.alloc.reset();

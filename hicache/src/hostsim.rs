@@ -6,6 +6,7 @@
 //! submitted before it. Tests can slow copies down ([`HostSimConfig::per_copy_delay`]) or hold
 //! them until released ([`CopyGate`]) to observe overlap deterministically.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -14,8 +15,10 @@ use std::time::Duration;
 use radixkv_radix::PageId;
 
 use crate::backend::{
-    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, StreamKind, validate_copy,
+    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, SlotCopy, SlotMemory, StreamKind,
+    validate_copy,
 };
+use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::KvGeometry;
 
@@ -115,8 +118,13 @@ impl CopyEvent for SimEvent {
 
 enum Cmd {
     Copy(PageCopy),
+    Slots(SlotCopy, Arc<SlotMemory>),
     Record(SimEvent),
 }
+
+/// Byte a failed copy leaves in its destination: a failed transfer is garbage, never stale
+/// but plausible bytes, so a test that consumes it cannot pass by accident.
+pub const POISON_BYTE: u8 = 0xA5;
 
 /// The simulated device memory: one lock per layer, so a consumer reading layer `i` never
 /// waits for the copy of layer `i + 1`.
@@ -128,27 +136,32 @@ struct DeviceMem {
 }
 
 impl DeviceMem {
-    fn execute(&self, c: &PageCopy) {
+    /// Executes `c`; with `poison` the destination is overwritten with [`POISON_BYTE`] instead.
+    fn execute(&self, c: &PageCopy, poison: bool) {
         let g = &self.geometry;
         let pbl = g.page_bytes_per_layer();
         let layout = c.host.layout();
         let host_pages = c.host.pages();
+        // Consecutive pages of one layer are adjacent in the host buffer for a layer-first
+        // layout, and for a page-first one with a single layer: then a run is one memcpy.
+        let contiguous = layout.pages_contiguous_per_layer() || g.layers == 1;
         for layer in c.layers.clone() {
             let dev_lock = &self.layers[layer];
-            // Lock order is always device layer, then host buffer.
+            // Lock order is always device layer(s), then host buffer.
             match c.direction {
                 Direction::DeviceToHost => {
                     let dev = dev_lock.read().unwrap_or_else(|e| e.into_inner());
                     let mut host = c.host.write();
                     for r in c.runs.iter() {
                         copy_run(
-                            layout.pages_contiguous_per_layer(),
+                            contiguous,
                             r.pages as usize,
                             pbl,
                             |i| r.device as usize * pbl + i * pbl,
                             |i| layout.offset(g, host_pages, layer, r.host as usize + i),
                             &dev,
                             &mut host,
+                            poison,
                         );
                     }
                 }
@@ -157,13 +170,14 @@ impl DeviceMem {
                     let host = c.host.read();
                     for r in c.runs.iter() {
                         copy_run(
-                            layout.pages_contiguous_per_layer(),
+                            contiguous,
                             r.pages as usize,
                             pbl,
                             |i| layout.offset(g, host_pages, layer, r.host as usize + i),
                             |i| r.device as usize * pbl + i * pbl,
                             &host,
                             &mut dev,
+                            poison,
                         );
                     }
                 }
@@ -172,9 +186,46 @@ impl DeviceMem {
     }
 }
 
+/// Executes an extra-pool copy: one contiguous span per run on both sides.
+fn execute_slots(c: &SlotCopy, dev: &SlotMemory, poison: bool) {
+    let item = dev.item_bytes();
+    let spans = |from: &[u8], to: &mut [u8], src_dev: bool| {
+        for r in c.runs.iter() {
+            let (s, d) = if src_dev {
+                (r.device, r.host)
+            } else {
+                (r.host, r.device)
+            };
+            let len = r.pages as usize * item;
+            copy_run(
+                true,
+                1,
+                len,
+                |_| s as usize * item,
+                |_| d as usize * item,
+                from,
+                to,
+                poison,
+            );
+        }
+    };
+    // Lock order is always device, then host.
+    match c.direction {
+        Direction::DeviceToHost => {
+            let src = dev.read();
+            spans(&src, &mut c.host.write(), true);
+        }
+        Direction::HostToDevice => {
+            let mut dst = dev.write();
+            spans(&c.host.read(), &mut dst, false);
+        }
+    }
+}
+
 /// Copies a run of `n` pages of `pbl` bytes: one `memcpy` when both sides are contiguous,
-/// else one per page.
+/// else one per page. With `poison` the destination is filled with [`POISON_BYTE`].
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn copy_run(
     contiguous: bool,
     n: usize,
@@ -183,19 +234,23 @@ fn copy_run(
     dst_at: impl Fn(usize) -> usize,
     src: &[u8],
     dst: &mut [u8],
+    poison: bool,
 ) {
-    if contiguous {
-        let (s, d, len) = (src_at(0), dst_at(0), n * pbl);
-        dst[d..d + len].copy_from_slice(&src[s..s + len]);
-    } else {
-        for i in 0..n {
-            let (s, d) = (src_at(i), dst_at(i));
-            dst[d..d + pbl].copy_from_slice(&src[s..s + pbl]);
+    let (chunks, len) = if contiguous { (1, n * pbl) } else { (n, pbl) };
+    for i in 0..chunks {
+        let (s, d) = (src_at(i), dst_at(i));
+        let out = &mut dst[d..d + len];
+        if poison {
+            out.fill(POISON_BYTE);
+        } else {
+            out.copy_from_slice(&src[s..s + len]);
         }
     }
 }
 
 struct Stream {
+    /// Copies still to fail (fault injection).
+    faults: Arc<AtomicU32>,
     tx: Mutex<Option<Sender<Cmd>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -206,6 +261,7 @@ pub struct HostSim {
     load: Stream,
     write: Stream,
     gate: Option<CopyGate>,
+    extra: RwLock<Vec<Arc<SlotMemory>>>,
 }
 
 impl std::fmt::Debug for HostSim {
@@ -244,11 +300,14 @@ impl HostSim {
             let mem = mem.clone();
             let gate = gate.clone();
             let delay = cfg.per_copy_delay;
+            let faults = Arc::new(AtomicU32::new(0));
+            let f = faults.clone();
             let worker = std::thread::Builder::new()
                 .name(format!("hostsim-{name}"))
-                .spawn(move || worker(rx, mem, gate, delay))
+                .spawn(move || worker(rx, mem, gate, delay, f))
                 .map_err(|e| HiCacheError::Transfer(format!("spawning a stream: {e}")))?;
             Ok(Stream {
+                faults,
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
             })
@@ -258,7 +317,25 @@ impl HostSim {
             write: spawn("write")?,
             mem,
             gate,
+            extra: RwLock::new(Vec::new()),
         })
+    }
+
+    /// Fault injection: the next `n` copies executed on `stream` fail. A failed copy fills its
+    /// destination with [`POISON_BYTE`] and fails the next event recorded on the stream (the
+    /// event of a pipelined load's layer, or of a whole backup), as a device error would.
+    pub fn fail_next_copies(&self, stream: StreamKind, n: u32) {
+        self.stream(stream).faults.fetch_add(n, Ordering::SeqCst);
+    }
+
+    fn extra_pool(&self, pool: PoolName) -> Result<Arc<SlotMemory>> {
+        self.extra
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|m| m.pool() == pool)
+            .cloned()
+            .ok_or(HiCacheError::UnknownPool(pool))
     }
 
     /// The copy gate, when the backend was built with [`HostSimConfig::gated`].
@@ -301,7 +378,21 @@ impl HostSim {
     }
 }
 
-fn worker(rx: Receiver<Cmd>, mem: Arc<DeviceMem>, gate: Option<CopyGate>, delay: Duration) {
+fn worker(
+    rx: Receiver<Cmd>,
+    mem: Arc<DeviceMem>,
+    gate: Option<CopyGate>,
+    delay: Duration,
+    faults: Arc<AtomicU32>,
+) {
+    // The first failure since the last event; the next event reports it (sticky until then,
+    // like a CUDA stream error).
+    let mut failed: Option<String> = None;
+    let take_fault = || {
+        faults
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    };
     for cmd in rx {
         match cmd {
             Cmd::Copy(c) => {
@@ -312,9 +403,21 @@ fn worker(rx: Receiver<Cmd>, mem: Arc<DeviceMem>, gate: Option<CopyGate>, delay:
                     std::thread::sleep(delay);
                 }
                 let _span = tracing::trace_span!("hostsim_copy", layers = ?c.layers).entered();
-                mem.execute(&c);
+                let poison = take_fault();
+                mem.execute(&c, poison);
+                if poison {
+                    failed
+                        .get_or_insert_with(|| format!("injected fault in {:?} copy", c.direction));
+                }
             }
-            Cmd::Record(ev) => ev.complete(Ok(())),
+            Cmd::Slots(c, dev) => {
+                let poison = take_fault();
+                execute_slots(&c, &dev, poison);
+                if poison {
+                    failed.get_or_insert_with(|| format!("injected fault in {:?} copy", c.pool));
+                }
+            }
+            Cmd::Record(ev) => ev.complete(failed.take().map_or(Ok(()), Err)),
         }
     }
 }
@@ -367,6 +470,42 @@ impl DeviceBackend for HostSim {
         let ev = SimEvent::new();
         self.send(stream, Cmd::Record(ev.clone()))?;
         Ok(ev)
+    }
+
+    fn register_extra_pool(&self, pool: PoolName, slots: u32, item_bytes: usize) -> Result<()> {
+        let mut pools = self.extra.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = pools.iter().find(|m| m.pool() == pool) {
+            return if m.slots() == slots as usize && m.item_bytes() == item_bytes {
+                Ok(())
+            } else {
+                Err(HiCacheError::Config(format!(
+                    "extra pool {pool:?} is registered with other sizes"
+                )))
+            };
+        }
+        pools.push(Arc::new(SlotMemory::new(pool, slots, item_bytes)?));
+        Ok(())
+    }
+
+    fn enqueue_slot_copy(&self, stream: StreamKind, copy: SlotCopy) -> Result<()> {
+        let dev = self.extra_pool(copy.pool)?;
+        if copy.host.item_bytes() != dev.item_bytes() || copy.host.pool() != copy.pool {
+            return Err(HiCacheError::Config(format!(
+                "host buffer does not match extra pool {:?}",
+                copy.pool
+            )));
+        }
+        dev.check_runs(&copy.runs, true)?;
+        copy.host.check_runs(&copy.runs, false)?;
+        self.send(stream, Cmd::Slots(copy, dev))
+    }
+
+    fn read_extra_slot(&self, pool: PoolName, slot: u32, out: &mut [u8]) -> Result<()> {
+        self.extra_pool(pool)?.read_slot(slot, out)
+    }
+
+    fn write_extra_slot(&self, pool: PoolName, slot: u32, data: &[u8]) -> Result<()> {
+        self.extra_pool(pool)?.write_slot(slot, data)
     }
 
     fn read_device_page(&self, layer: usize, page: PageId, out: &mut [u8]) -> Result<()> {

@@ -16,13 +16,21 @@
 //!   observe overlap. A CUDA backend comes later behind the `cuda` feature.
 //! - **Controller.** `write`/`load` allocate the target pages (and extra-pool slots, all or
 //!   nothing) and queue a [`CacheOperation`]; `start_writing`/`start_loading` merge the queue
-//!   into one transfer whose adjacent pages coalesce into runs. Loads go layer by layer and
-//!   complete one event per layer in a [`LayerDoneCounter`], so the forward pass of layer `i`
-//!   waits only for layer `i`. Completions return as [`Acks`].
+//!   into one transfer whose adjacent pages coalesce into runs. Extra pools (Mamba state, SWA
+//!   KV: [`ExtraPoolSpec`] with their own item size) have a host-side [`SlotMemory`] and a
+//!   device-side buffer in the backend, and their slots move in the same transfer, before the
+//!   same events. Loads go layer by layer and complete one event per layer in a
+//!   [`LayerDoneCounter`], so the forward pass of layer `i` waits only for layer `i`.
+//!   Completions return as [`Acks`]; a failed copy is reported as failed, never as done.
 //! - **Tiers.** Node states: device only → writing (locked until the ack) → both → host only
 //!   → gone. [`WritePolicy`] decides when to back up; device eviction of a backed-up node frees
-//!   only its device pages; host eviction removes host-only leaves; an exhausted host degrades
-//!   to device-only (counted in [`HiCacheStats`]), never to an error. A host hit is loaded
+//!   only its device pages; host eviction removes host-only leaves in the order of the
+//!   configured eviction policy family (the device tier's [`PolicyKind`](radixkv_radix::PolicyKind),
+//!   a second instance); an exhausted host degrades to device-only (counted in
+//!   [`HiCacheStats`]), never to an error. A host `BlockStored` event is emitted when the
+//!   backup is acknowledged, not when it is queued. A failed backup leaves the node
+//!   device-only; a failed load is reported to the forward pass as an error and repaired (or
+//!   demoted) at the next step, never served as wrong KV. A host hit is loaded
 //!   back in `begin_request` (minimum size and quota apply) and becomes part of the request's
 //!   prefix; the scheduler starts the loads with [`HiRadixCache::start_loading`] and waits per
 //!   layer before reading them.
@@ -64,9 +72,9 @@
 //! ```
 //!
 //! ## Not yet here
-//! The storage tier (L3), the CUDA backend, byte movement for extra pools (their slots are
-//! allocated and rolled back atomically already) and multi-rank consensus come in later
-//! issues.
+//! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
+//! [`HiRadixCache`] does not pass extra pools to the controller yet: the Mamba and SWA pools
+//! that own those slots arrive with their own issue.
 
 mod backend;
 mod controller;
@@ -78,7 +86,8 @@ mod hostsim;
 mod layer_counter;
 
 pub use backend::{
-    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, PageRun, StreamKind, validate_copy,
+    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, PageRun, SlotCopy, SlotMemory,
+    StreamKind, validate_copy,
 };
 pub use controller::{
     Acks, CacheOperation, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
@@ -88,5 +97,5 @@ pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};
 pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, WritePolicy};
 pub use host_pool::{HostPool, HostSize, SlotAllocator};
-pub use hostsim::{CopyGate, HostSim, HostSimConfig, SimEvent};
+pub use hostsim::{CopyGate, HostSim, HostSimConfig, POISON_BYTE, SimEvent};
 pub use layer_counter::{LayerDoneCounter, PRODUCER_RING};

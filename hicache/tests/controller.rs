@@ -206,11 +206,13 @@ fn extra_pool_failure_rolls_back_every_pool() {
             name: PoolName::Mamba,
             host_slots: 4,
             device_slots: 4,
+            item_bytes: 24,
         },
         ExtraPoolSpec {
             name: PoolName::Swa,
             host_slots: 2,
             device_slots: 2,
+            item_bytes: 40,
         },
     ];
     let (_dev, mut ctrl) = setup(2, 16, 16, HostSimConfig::default(), &extra);

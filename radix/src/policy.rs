@@ -46,6 +46,11 @@ pub trait EvictionPolicy: Debug + Send {
     }
     /// Removes and returns the next victim.
     fn pop(&mut self) -> Option<NodeId>;
+    /// The victim `pop` would return next, if the policy can tell cheaply (used to prefetch
+    /// the next victim's node while the current one is evicted).
+    fn peek(&self) -> Option<NodeId> {
+        None
+    }
     /// Number of leaves held.
     fn len(&self) -> usize;
     /// True when no leaf is held.
@@ -190,6 +195,10 @@ impl EvictionPolicy for OrderedPolicy {
 
     fn pop(&mut self) -> Option<NodeId> {
         self.set.pop_first().map(|(_, _, n)| n)
+    }
+
+    fn peek(&self) -> Option<NodeId> {
+        self.set.first().map(|&(_, _, n)| n)
     }
 
     fn len(&self) -> usize {
@@ -341,6 +350,18 @@ impl EvictionPolicy for RecencyList {
         }
         self.unlink(i);
         Some(NodeId {
+            idx: i,
+            generation: self.generation[i as usize],
+        })
+    }
+
+    fn peek(&self) -> Option<NodeId> {
+        let i = if self.most_recent_first {
+            self.tail
+        } else {
+            self.head
+        };
+        (i != NO).then(|| NodeId {
             idx: i,
             generation: self.generation[i as usize],
         })

@@ -1,40 +1,74 @@
-//! The host-tier eviction order: host-only leaves by least recent access.
+//! The host-tier eviction order: host-only leaves, ordered by a second instance of the
+//! device tier's eviction policy ([`PolicyKind::build`]) fed with the nodes' [`NodeMeta`].
 //!
 //! The tree does not track host-only leaves incrementally, so the cache keeps them here,
 //! pushing a node whenever it becomes one through the cache's own actions (a device eviction
 //! demotes a backed-up leaf, a host eviction exposes the parent). Entries are validated
 //! lazily when popped: stale ones (loaded back, removed, locked, gained a child) are dropped,
-//! and an entry whose node was accessed since it was pushed is re-queued under its new time.
-//! When the order runs dry the cache rebuilds it with one scan of the tree, so a leaf the
-//! order missed (e.g. one unlocked after it was dropped) is still found.
+//! and an entry whose metadata changed since it was pushed (accessed, reused) is re-queued
+//! under its new metadata, so the policy always decides on current facts. When the order runs
+//! dry the cache rebuilds it with one scan of the tree, so a leaf the order missed (e.g. one
+//! unlocked after it was dropped) is still found.
+//!
+//! Entries are keyed by arena index, not by [`NodeId`]: a policy may index its own arrays by
+//! node index, so two generations of one slot must never be held at once.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
-use radixkv_radix::{NodeId, RadixTree};
+use radixkv_radix::{EvictionPolicy, LeafToken, NodeId, NodeMeta, PolicyKind, RadixTree};
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct HostLeaves {
-    order: BTreeSet<(u64, NodeId)>,
-    keys: HashMap<NodeId, u64>,
+    kind: PolicyKind,
+    policy: Box<dyn EvictionPolicy>,
+    entries: HashMap<usize, (NodeId, LeafToken, NodeMeta)>,
 }
 
 impl HostLeaves {
-    pub(crate) fn push(&mut self, id: NodeId, tick: u64) {
-        if let Some(old) = self.keys.insert(id, tick) {
-            self.order.remove(&(old, id));
+    pub(crate) fn new(kind: PolicyKind) -> Self {
+        HostLeaves {
+            kind,
+            policy: kind.build(),
+            entries: HashMap::new(),
         }
-        self.order.insert((tick, id));
     }
 
-    /// The least recently accessed valid host-only leaf, removed from the order.
+    /// The policy family ordering the host tier.
+    pub(crate) fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    /// Queues `id` (or re-queues it under `meta`).
+    pub(crate) fn push(&mut self, id: NodeId, meta: NodeMeta) {
+        self.forget_index(id.index());
+        let token = self.policy.insert(id, &meta);
+        self.entries.insert(id.index(), (id, token, meta));
+    }
+
+    /// Drops the entry of `id`'s slot, if any (the node is being removed by other means).
+    pub(crate) fn forget(&mut self, id: NodeId) {
+        self.forget_index(id.index());
+    }
+
+    fn forget_index(&mut self, index: usize) {
+        if let Some((old, token, _)) = self.entries.remove(&index) {
+            self.policy.remove(old, token);
+        }
+    }
+
+    /// The next valid host-only leaf in policy order, removed from the order.
     pub(crate) fn pop(&mut self, tree: &RadixTree) -> Option<NodeId> {
-        while let Some((tick, id)) = self.order.pop_first() {
-            self.keys.remove(&id);
+        while let Some(id) = self.policy.pop() {
+            let Some((held, _, meta)) = self.entries.remove(&id.index()) else {
+                continue;
+            };
+            debug_assert_eq!(held, id, "policy and entries disagree");
             if !tree.is_host_leaf(id) {
                 continue;
             }
-            let now = tree.meta(id).map(|m| m.last_access).unwrap_or(tick);
-            if now != tick {
+            let now = tree.meta(id).unwrap_or(meta);
+            if now != meta {
+                // Re-queued once under its current metadata; the next pop sees it unchanged.
                 self.push(id, now);
                 continue;
             }
@@ -47,13 +81,13 @@ impl HostLeaves {
         self.clear();
         for id in tree.host_leaves() {
             if let Ok(m) = tree.meta(id) {
-                self.push(id, m.last_access);
+                self.push(id, m);
             }
         }
     }
 
     pub(crate) fn clear(&mut self) {
-        self.order.clear();
-        self.keys.clear();
+        self.policy.clear();
+        self.entries.clear();
     }
 }

@@ -10,8 +10,31 @@
 //! Copies run on the backend's streams, but the tree is only ever changed on the caller's
 //! thread: completions come back as acks that [`HiRadixCache::step`] applies at step
 //! boundaries (it releases the locks that protected writing and loading nodes).
+//!
+//! # Events
+//! A device-medium `BlockStored` is emitted when KV becomes resident (insert, load-back); a
+//! host-medium `BlockStored` only when the backup's copy is acknowledged at a step boundary,
+//! never when it is queued, so a consumer of the events never learns of host KV that is not
+//! there yet. Removals are reported per medium as they happen.
+//!
+//! # Failed copies
+//! - A failed **backup** is undone at the step boundary that sees it: the node loses its host
+//!   copy (host pages freed, node device-only again, lock released), and so does every backup
+//!   below it, to keep backed-up nodes root-connected. No host event was reported for it.
+//! - A failed **load** is never reported as loaded. The forward pass learns it first:
+//!   [`LayerDoneCounter::wait_until`] returns [`HiCacheError::Transfer`] for the batch. The
+//!   next [`HiRadixCache::step`] repairs the KV by copying the (intact) host copy again,
+//!   synchronously; when it returns `Ok`, the pages hold the right KV and the batch may be
+//!   re-run. If the repair fails too, `step` returns the error: abort the batch's requests;
+//!   the loaded nodes are demoted back to host-only as soon as they are unlocked (retried at
+//!   every step), so their device pages are never served again once demoted.
+//!
+//! # Extra pools
+//! The controller moves extra pools (Mamba state, SWA KV) with the KV, but this cache does not
+//! pass any yet: their owners arrive in a later issue.
 
 mod host_leaves;
+mod recovery;
 mod tiering;
 
 use std::collections::HashMap;
@@ -70,7 +93,8 @@ pub struct HiCacheConfig {
     /// Load host hits back in `begin_request` (otherwise only through
     /// [`HiRadixCache::init_load_back`]).
     pub load_back_on_begin: bool,
-    /// Extra pools moved with the KV (their slots only, in this version).
+    /// Extra pools registered with the controller (their buffers are allocated). The cache
+    /// itself moves none yet: the Mamba / SWA pools that own them come in a later issue.
     pub extra_pools: Vec<ExtraPoolSpec>,
 }
 
@@ -116,6 +140,41 @@ pub struct HiCacheStats {
     pub load_back_device_full: u64,
     /// Transfers that reported a failed copy.
     pub failed_transfers: u64,
+    /// Backups whose copy failed (undone: the nodes are device-only again).
+    pub failed_writes: u64,
+    /// Loads whose copy failed.
+    pub failed_loads: u64,
+    /// Failed loads repaired by a second, synchronous copy.
+    pub repaired_loads: u64,
+    /// Failed loads whose nodes were demoted back to host-only.
+    pub demoted_failed_loads: u64,
+    /// Tokens whose host copy was dropped because a backup failed (theirs or an ancestor's).
+    pub dropped_backup_tokens: u64,
+}
+
+/// A queued or in-flight backup.
+#[derive(Debug)]
+pub(crate) struct PendingWrite {
+    /// The lock protecting the chain until the ack (`None` for synchronous write-back).
+    pub(crate) lock: Option<LockReceipt>,
+    /// The nodes backed up (each keeps its id across splits; split-off parts become its
+    /// ancestors).
+    pub(crate) nodes: Vec<NodeId>,
+    /// The host pages written, sorted.
+    pub(crate) host: Vec<u32>,
+}
+
+/// A queued or in-flight load.
+#[derive(Debug)]
+pub(crate) struct PendingLoad {
+    /// The lock on the anchor (released at the ack).
+    pub(crate) lock: Option<LockReceipt>,
+    /// The anchor: the deepest node loaded.
+    pub(crate) last: NodeId,
+    /// Source host pages, paired with `device`.
+    pub(crate) host: Vec<u32>,
+    /// Target device pages.
+    pub(crate) device: Vec<PageId>,
 }
 
 /// The tiered prefix cache. See the module docs.
@@ -127,8 +186,10 @@ pub struct HiRadixCache<B: DeviceBackend> {
     load_back_quota_tokens: Option<usize>,
     load_back_on_begin: bool,
     host_leaves: HostLeaves,
-    pending_writes: HashMap<OpId, LockReceipt>,
-    pending_loads: HashMap<OpId, LockReceipt>,
+    pending_writes: HashMap<OpId, PendingWrite>,
+    pending_loads: HashMap<OpId, PendingLoad>,
+    /// Failed loads not yet repaired or demoted.
+    unrepaired: Vec<PendingLoad>,
     stats: HiCacheStats,
     pages: Vec<PageId>,
     host_scratch: Vec<u32>,
@@ -169,6 +230,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         let host_pages = cfg.host_size.pages(&g, backend.device_pages())?;
         let host = HostPool::new(g, host_pages, cfg.host_layout)?;
+        let host_leaves = HostLeaves::new(cfg.radix.policy);
         let ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
         Ok(HiRadixCache {
             inner: RadixCache::new(cfg.radix)?,
@@ -177,9 +239,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             load_back_min_tokens: cfg.load_back_min_tokens,
             load_back_quota_tokens: cfg.load_back_quota_tokens,
             load_back_on_begin: cfg.load_back_on_begin,
-            host_leaves: HostLeaves::default(),
+            host_leaves,
             pending_writes: HashMap::new(),
             pending_loads: HashMap::new(),
+            unrepaired: Vec::new(),
             stats: HiCacheStats::default(),
             pages: Vec::new(),
             host_scratch: Vec::new(),
@@ -216,6 +279,17 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.policy
     }
 
+    /// The eviction policy family ordering both tiers (the device tier's, from the config).
+    pub fn host_policy(&self) -> radixkv_radix::PolicyKind {
+        self.host_leaves.kind()
+    }
+
+    /// Host pages of backups queued or in flight: allocated, but not yet reported by a host
+    /// `BlockStored` event.
+    pub fn unacked_backup_pages(&self) -> usize {
+        self.pending_writes.values().map(|w| w.host.len()).sum()
+    }
+
     /// Tokens held by the host tier.
     pub fn host_tokens(&self) -> usize {
         self.ctrl.host().used() * self.inner.tree().page_size()
@@ -236,10 +310,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     ///
     /// # Errors
     /// The backend refused a copy, or a stale lock (a bug).
+    /// A failed load that could not be repaired is an error here (see the module docs).
     pub fn step(&mut self) -> HiResult<Acks> {
         self.ctrl.start_writing()?;
-        let acks = self.ctrl.poll_acks();
-        self.apply_acks(&acks)?;
+        let mut acks = self.ctrl.poll_acks();
+        self.apply_acks(&mut acks)?;
         Ok(acks)
     }
 
@@ -251,30 +326,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.ctrl.start_writing()?;
         self.ctrl.start_loading()?;
         let waited = self.ctrl.wait_all();
-        let acks = self.ctrl.poll_acks();
-        self.apply_acks(&acks)?;
-        waited
-    }
-
-    fn apply_acks(&mut self, acks: &Acks) -> HiResult<()> {
-        if !acks.failed.is_empty() {
-            tracing::error!(ops = ?acks.failed, "host tier transfers failed");
-            self.stats.failed_transfers += acks.failed.len() as u64;
-        }
-        let mut res = Ok(());
-        for id in &acks.writes {
-            self.stats.writes_acked += 1;
-            if let Some(r) = self.pending_writes.remove(id) {
-                res = res.and(self.inner.dec_lock_ref(r).map_err(HiCacheError::from));
-            }
-        }
-        for id in &acks.loads {
-            self.stats.loads_acked += 1;
-            if let Some(r) = self.pending_loads.remove(id) {
-                res = res.and(self.inner.dec_lock_ref(r).map_err(HiCacheError::from));
-            }
-        }
-        res
+        let mut acks = self.ctrl.poll_acks();
+        self.apply_acks(&mut acks)?;
+        // Failed copies were handled above; what is left to report is a failure that was not.
+        waited.or_else(|e| if acks.has_failures() { Ok(()) } else { Err(e) })
     }
 
     /// Pre-insert view of `key`, kept only when events are on (to report nodes an insert makes
@@ -366,6 +421,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         self.flush()?;
         self.inner.reset()?;
         self.host_leaves.clear();
+        self.unrepaired.clear();
         self.ctrl.reset()?;
         Ok(())
     }
@@ -391,13 +447,19 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 "node {n:?}: host page {h} is out of range, free, or listed twice"
             )));
         }
-        if count != host.used() {
+        let deferred = self.ctrl.deferred_host_pages();
+        if count + deferred != host.used() {
             return Err(InvariantViolation(format!(
-                "tree holds {count} host pages but {} are allocated",
+                "tree holds {count} host pages (+{deferred} awaiting loads) but {} are allocated",
                 host.used()
             )));
         }
-        let pending = self.pending_writes.len() + self.pending_loads.len();
+        let pending = self
+            .pending_writes
+            .values()
+            .filter(|w| w.lock.is_some())
+            .count()
+            + self.pending_loads.len();
         if pending > tree.outstanding_locks() {
             return Err(InvariantViolation(format!(
                 "{pending} transfers pending but only {} locks outstanding",

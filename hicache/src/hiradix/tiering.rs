@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use radixkv_radix::{NodeId, PrefixCache, RequestKv};
 
-use super::{HiRadixCache, WritePolicy};
+use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::DeviceBackend;
 use crate::error::{HiCacheError, Result};
 
@@ -49,7 +49,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 
     /// Queues one backup of `chain` (root first; the first node's parent is backed up or the
     /// root; every node on device without a host copy). Evicts host leaves if the host is
-    /// short. With `lock`, the chain stays locked until the write is acknowledged. Returns
+    /// short. With `lock`, the chain stays locked until the write is acknowledged. The host
+    /// copy is recorded now (so nothing backs it up twice) but reported by a host
+    /// `BlockStored` event only at the ack. Returns
     /// `false` (and counts it) when the host cannot make room: the nodes stay device-only.
     pub(super) fn backup_chain(&mut self, chain: &[NodeId], lock: bool) -> Result<bool> {
         let p = self.page_size();
@@ -81,14 +83,25 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut at = 0;
         for &n in chain {
             let len = tree.device_pages(n)?.len();
-            tree.set_host_pages(n, host[at..at + len].to_vec())?;
+            tree.set_host_pages_unreported(n, host[at..at + len].to_vec())?;
             at += len;
         }
-        if lock {
-            let last = *chain.last().expect("chain is not empty");
-            let receipt = tree.inc_lock_ref(last)?;
-            self.pending_writes.insert(id, receipt);
-        }
+        let last = *chain.last().expect("chain is not empty");
+        let lock = if lock {
+            Some(tree.inc_lock_ref(last)?)
+        } else {
+            None
+        };
+        let mut host = host;
+        host.sort_unstable();
+        self.pending_writes.insert(
+            id,
+            PendingWrite {
+                lock,
+                nodes: chain.to_vec(),
+                host,
+            },
+        );
         self.stats.backed_up_tokens += (need * p) as u64;
         Ok(true)
     }
@@ -141,7 +154,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         if had_host {
             if let Ok(m) = tree.meta(v) {
-                self.host_leaves.push(v, m.last_access);
+                self.host_leaves.push(v, m);
             }
             self.stats.demoted_tokens += n as u64;
         } else if self.policy == WritePolicy::WriteBack {
@@ -174,13 +187,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         if self.backup_chain(&chain, false)? {
             self.ctrl.start_writing()?;
-            self.ctrl.wait_all()?;
+            // A failure is handled by the acks (the chain goes back to device-only and is then
+            // evicted without backup), so the wait's own error adds nothing.
+            let _ = self.ctrl.wait_all();
+            let mut acks = self.ctrl.poll_acks();
+            self.apply_acks(&mut acks)?;
         }
         Ok(())
     }
 
-    /// Host eviction: removes host-only leaves (least recently used first) until `tokens` are
-    /// freed or none is left. Returns the tokens freed.
+    /// Host eviction: removes host-only leaves in the order of the configured eviction policy
+    /// (the device tier's family, e.g. LFU or priority) until `tokens` are freed or none is
+    /// left. Returns the tokens freed.
     pub fn evict_host(&mut self, tokens: usize) -> usize {
         let mut done = 0;
         let mut rebuilt = false;
@@ -208,7 +226,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             if let Some(p) = parent.filter(|&p| tree.is_host_leaf(p))
                 && let Ok(m) = tree.meta(p)
             {
-                self.host_leaves.push(p, m.last_access);
+                self.host_leaves.push(p, m);
             }
         }
         done
@@ -306,7 +324,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             tree.attach_device_pages(c, &dev[at..at + len])?;
             at += len;
         }
-        self.pending_loads.insert(id, lock);
+        self.pending_loads.insert(
+            id,
+            PendingLoad {
+                lock: Some(lock),
+                last: anchor,
+                host: self.host_scratch.clone(),
+                device: dev.clone(),
+            },
+        );
         req.prefix_pages.extend_from_slice(&dev);
         req.prefix_len += tokens;
         req.host_hit_len = 0;

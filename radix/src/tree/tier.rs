@@ -62,6 +62,74 @@ impl RadixTree {
     /// copy, or whose parent has none (backed-up nodes must stay root-connected). Nothing
     /// changes on error.
     pub fn set_host_pages(&mut self, id: NodeId, host: Vec<u32>) -> Result<()> {
+        let idx = self.attach_host(id, host)?;
+        self.emit_stored(idx, Medium::Host);
+        Ok(())
+    }
+
+    /// Records a host copy of node `id` like [`RadixTree::set_host_pages`] but emits no event:
+    /// for owners that report the host copy only once its bytes have arrived (with
+    /// [`RadixTree::emit_stored_event`]).
+    ///
+    /// # Errors
+    /// As [`RadixTree::set_host_pages`]; nothing changes on error.
+    pub fn set_host_pages_unreported(&mut self, id: NodeId, host: Vec<u32>) -> Result<()> {
+        self.attach_host(id, host).map(|_| ())
+    }
+
+    /// Removes the host copy of the device-resident node `id` (a backup that failed or must be
+    /// dropped), appending its host pages to `out`. Emits no event (see
+    /// [`RadixTree::emit_removed_event`]). The node stays on device. Costs a scan of the tree
+    /// when the node has children.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the node has no host
+    /// copy, is not on device, or a child still has a host copy (backed-up nodes must stay
+    /// root-connected). Nothing changes on error.
+    pub fn clear_host_pages(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<()> {
+        let idx = self.resolve(id)?;
+        let n = &self.nodes[idx as usize];
+        if n.host.is_none() || !n.on_device() {
+            return Err(CacheError::InvalidRequestState(
+                "only a device node with a host copy can drop it",
+            ));
+        }
+        // A scan (`O(nodes)`): this is the rare failure path, and the child table keeps stale
+        // entries that would need generation checks.
+        let child_backed = n.children.len() > 0
+            && self
+                .nodes
+                .iter()
+                .any(|(_, c)| c.parent == idx && c.host.is_some());
+        if child_backed {
+            return Err(CacheError::InvalidRequestState(
+                "a child still has a host copy",
+            ));
+        }
+        if let Some(h) = self.nodes[idx as usize].host.take() {
+            out.extend_from_slice(&h);
+        }
+        Ok(())
+    }
+
+    /// Emits a `BlockRemoved` event for node `id` on `medium` (the counterpart of
+    /// [`RadixTree::emit_stored_event`]).
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn emit_removed_event(&mut self, id: NodeId, medium: Medium) -> Result<()> {
+        let idx = self.resolve(id)?;
+        if self.events.is_some() {
+            let hashes = self.nodes[idx as usize].page_hashes.clone();
+            self.push_event(KvEvent::BlockRemoved {
+                page_hashes: hashes,
+                medium,
+            });
+        }
+        Ok(())
+    }
+
+    fn attach_host(&mut self, id: NodeId, host: Vec<u32>) -> Result<u32> {
         let idx = self.resolve(id)?;
         if idx == self.root {
             return Err(CacheError::InvalidRequestState("the root has no host copy"));
@@ -85,8 +153,7 @@ impl RadixTree {
             ));
         }
         self.nodes[idx as usize].host = Some(host);
-        self.emit_stored(idx, Medium::Host);
-        Ok(())
+        Ok(idx)
     }
 
     /// True when `id` is a host-only leaf: not on device, has a host copy, no children, not
@@ -340,6 +407,46 @@ mod tests {
         t.evict_host_leaf(b, &mut host).unwrap();
         assert!(t.is_host_leaf(a));
         assert!(t.attach_device_pages(a, &[PageId(3), PageId(4)]).is_err());
+        t.check().unwrap();
+    }
+    #[test]
+    fn unreported_backup_and_dropping_a_host_copy() {
+        let mut t = tree();
+        let mut rep = Vec::new();
+        let ins = |t: &mut RadixTree, k: &[u32], p: &mut [PageId], rep: &mut Vec<PageId>| {
+            t.insert(KeyRef::new(k), p, rep, InsertOptions::default())
+                .unwrap()
+                .last_node
+        };
+        let a = ins(&mut t, &[1, 2], &mut [PageId(0)], &mut rep);
+        let b = ins(&mut t, &[1, 2, 3, 4], &mut [PageId(0), PageId(1)], &mut rep);
+        t.take_events();
+        t.set_host_pages_unreported(a, vec![5]).unwrap();
+        t.set_host_pages_unreported(b, vec![6]).unwrap();
+        assert!(t.take_events().is_empty(), "no event until reported");
+        t.emit_stored_event(a, Medium::Host).unwrap();
+        assert_eq!(t.take_events().len(), 1);
+        let mut out = Vec::new();
+        assert!(
+            t.clear_host_pages(a, &mut out).is_err(),
+            "b is backed up below"
+        );
+        t.clear_host_pages(b, &mut out).unwrap();
+        t.clear_host_pages(a, &mut out).unwrap();
+        assert_eq!(out, vec![6, 5]);
+        assert!(
+            t.clear_host_pages(a, &mut out).is_err(),
+            "no host copy left"
+        );
+        assert_eq!(t.host_page_count(), 0);
+        t.emit_removed_event(a, Medium::Host).unwrap();
+        assert!(matches!(
+            t.take_events()[..],
+            [KvEvent::BlockRemoved {
+                medium: Medium::Host,
+                ..
+            }]
+        ));
         t.check().unwrap();
     }
 }

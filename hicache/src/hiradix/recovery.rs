@@ -1,0 +1,253 @@
+//! Applying acks at step boundaries: reporting completed backups, releasing locks, and undoing
+//! or repairing failed copies (see the module docs of `hiradix`).
+
+use std::collections::{HashMap, HashSet};
+
+use radixkv_radix::{Medium, NodeId, PageId, PrefixCache};
+
+use super::{HiRadixCache, PendingLoad, PendingWrite};
+use crate::backend::DeviceBackend;
+use crate::controller::Acks;
+use crate::error::{HiCacheError, Result};
+
+impl<B: DeviceBackend> HiRadixCache<B> {
+    /// Applies completed transfers. With failures among them, first waits for every started
+    /// transfer so that undoing a backup never frees host pages a copy still touches.
+    pub(super) fn apply_acks(&mut self, acks: &mut Acks) -> Result<()> {
+        if acks.has_failures() {
+            // The wait's error is the failure being handled here.
+            let _ = self.ctrl.wait_all();
+            acks.extend(self.ctrl.poll_acks());
+            tracing::error!(
+                writes = ?acks.failed_writes,
+                loads = ?acks.failed_loads,
+                "host tier transfers failed"
+            );
+            self.stats.failed_transfers +=
+                (acks.failed_writes.len() + acks.failed_loads.len()) as u64;
+        }
+        let mut res = Ok(());
+        for id in &acks.writes {
+            self.stats.writes_acked += 1;
+            if let Some(w) = self.pending_writes.remove(id) {
+                self.report_backup(&w);
+                res = res.and(self.release(w.lock));
+            }
+        }
+        for id in &acks.loads {
+            self.stats.loads_acked += 1;
+            if let Some(l) = self.pending_loads.remove(id) {
+                res = res.and(self.release(l.lock));
+            }
+        }
+        // Loads first: a repair reads host copies that undoing a failed backup may drop.
+        for id in &acks.failed_loads {
+            self.stats.failed_loads += 1;
+            if let Some(l) = self.pending_loads.remove(id) {
+                self.unrepaired.push(l);
+            }
+        }
+        if !self.unrepaired.is_empty() {
+            res = res.and(self.repair_loads());
+        }
+        let mut failed = Vec::new();
+        for id in &acks.failed_writes {
+            self.stats.failed_writes += 1;
+            if let Some(mut w) = self.pending_writes.remove(id) {
+                res = res.and(self.release(w.lock.take()));
+                failed.push(w);
+            }
+        }
+        if !failed.is_empty() {
+            self.drop_failed_backups(&failed);
+        }
+        res
+    }
+
+    fn release(&mut self, lock: Option<radixkv_radix::LockReceipt>) -> Result<()> {
+        match lock {
+            Some(r) => self.inner.dec_lock_ref(r).map_err(HiCacheError::from),
+            None => Ok(()),
+        }
+    }
+
+    /// Emits the host `BlockStored` events of an acknowledged backup, shallowest first: its
+    /// nodes plus the parts split off above them since, i.e. the ancestors whose host pages
+    /// belong to this backup.
+    fn report_backup(&mut self, w: &PendingWrite) {
+        let tree = self.inner.tree();
+        if !tree.events_enabled() {
+            return;
+        }
+        let mut seen = HashSet::new();
+        let mut found = Vec::new();
+        for &last in &w.nodes {
+            let mut n = last;
+            while let Ok(Some(h)) = tree.host_pages(n) {
+                if h.first().is_none_or(|p| w.host.binary_search(p).is_err()) || !seen.insert(n) {
+                    break;
+                }
+                found.push((tree.depth_tokens(n).unwrap_or(0), n));
+                match tree.parent(n) {
+                    Ok(Some(p)) => n = p,
+                    _ => break,
+                }
+            }
+        }
+        found.sort_unstable();
+        let (tree, _) = self.inner.parts_mut();
+        for (_, n) in found {
+            // The node was checked just above; a stale id cannot occur here.
+            let _ = tree.emit_stored_event(n, Medium::Host);
+        }
+    }
+
+    /// Undoes failed backups: every node holding a failed host page loses its host copy, and
+    /// so does every backed-up node below one (backed-up nodes stay root-connected). Nodes on
+    /// device become device-only; host-only nodes below are removed. Host pages that held good
+    /// bytes are freed only after the loads that may read them.
+    fn drop_failed_backups(&mut self, failed: &[PendingWrite]) {
+        let mut bad: Vec<u32> = failed.iter().flat_map(|w| w.host.iter().copied()).collect();
+        bad.sort_unstable();
+        let tree = self.inner.tree();
+        let mut backed: HashMap<NodeId, bool> = HashMap::new();
+        tree.for_each_host_page(|n, h| {
+            *backed.entry(n).or_default() |= bad.binary_search(&h).is_ok();
+        });
+        let failed_nodes: HashSet<NodeId> = backed
+            .iter()
+            .filter(|&(_, &b)| b)
+            .map(|(&n, _)| n)
+            .collect();
+        let mut doomed: Vec<(usize, NodeId, bool)> = Vec::new();
+        for (&n, &is_bad) in &backed {
+            let mut up = Some(n);
+            while let Some(u) = up {
+                if failed_nodes.contains(&u) {
+                    let depth = tree.depth_tokens(n).unwrap_or(0);
+                    doomed.push((depth, n, !is_bad));
+                    break;
+                }
+                up = tree.parent(u).ok().flatten();
+            }
+        }
+        // Deepest first: a node drops its copy only after every backed-up child did.
+        doomed.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut pages = Vec::new();
+        for (_, n, reported) in doomed {
+            pages.clear();
+            let (tree, _) = self.inner.parts_mut();
+            let tokens = tree.node_key(n).map_or(0, <[u32]>::len);
+            let dropped = if tree.on_device(n).unwrap_or(false) {
+                let r = tree.clear_host_pages(n, &mut pages);
+                if r.is_ok() && reported {
+                    let _ = tree.emit_removed_event(n, Medium::Host);
+                }
+                r
+            } else {
+                self.host_leaves.forget(n);
+                tree.evict_host_leaf(n, &mut pages).map(|_| ())
+            };
+            if let Err(e) = dropped {
+                tracing::error!(node = ?n, error = %e, "could not drop a failed backup");
+                continue;
+            }
+            self.stats.dropped_backup_tokens += tokens as u64;
+            let freed = if reported {
+                self.ctrl.free_host_after_loads(std::mem::take(&mut pages))
+            } else {
+                // Garbage no load reads (its nodes were locked on device): free at once.
+                self.ctrl.free_host(&pages)
+            };
+            if let Err(e) = freed {
+                debug_assert!(false, "host pages of a node were not allocated: {e}");
+            }
+        }
+    }
+
+    /// Repairs failed loads by copying their host copies again, synchronously. A load whose
+    /// repair fails is demoted to host-only once its nodes are unlocked, retried at every step
+    /// until then.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Transfer`] when some failed load is neither repaired nor demoted.
+    fn repair_loads(&mut self) -> Result<()> {
+        let mut res = Ok(());
+        for mut l in std::mem::take(&mut self.unrepaired) {
+            let lock = l.lock.take();
+            // The host copy is the repair's source: only trust it while the anchor still holds
+            // it (a failed backup above may have dropped it since).
+            let intact = self
+                .inner
+                .tree()
+                .host_pages(l.last)
+                .ok()
+                .flatten()
+                .and_then(<[u32]>::last)
+                .is_some_and(|p| l.host.contains(p));
+            let repaired = if intact {
+                self.ctrl.reload_now(&l.host, &l.device)
+            } else {
+                Err(HiCacheError::Transfer(
+                    "the host copy of a failed load is gone".into(),
+                ))
+            };
+            match repaired {
+                Ok(()) => {
+                    self.stats.repaired_loads += 1;
+                    res = res.and(self.release(lock));
+                }
+                Err(e) => {
+                    res = res.and(self.release(lock));
+                    if self.demote_loaded(&l) {
+                        self.stats.demoted_failed_loads += 1;
+                    } else {
+                        self.unrepaired.push(l);
+                    }
+                    res = res.and(Err(e));
+                }
+            }
+        }
+        res
+    }
+
+    /// Demotes the nodes of a failed load back to host-only (a node whose host copy was
+    /// dropped meanwhile is removed instead), deepest first. Returns `true` when none of them
+    /// is left on device (or the load is gone from the tree).
+    fn demote_loaded(&mut self, l: &PendingLoad) -> bool {
+        let mut device = l.device.clone();
+        device.sort_unstable();
+        let tree = self.inner.tree();
+        if !tree.contains(l.last) {
+            return true;
+        }
+        let mut chain = Vec::new();
+        let mut n = l.last;
+        loop {
+            match tree.device_pages(n) {
+                Ok([]) => {}
+                Ok([first, ..]) if device.binary_search(first).is_ok() => chain.push(n),
+                _ => break,
+            }
+            match tree.parent(n) {
+                Ok(Some(p)) if p != tree.root() => n = p,
+                _ => break,
+            }
+        }
+        let mut freed: Vec<PageId> = Vec::new();
+        for &n in &chain {
+            let (tree, pools) = self.inner.parts_mut();
+            freed.clear();
+            if tree.evict_device(n, &mut freed).is_err() {
+                return false;
+            }
+            if let Err(e) = pools.pages.free_released_tree_pages(&freed) {
+                debug_assert!(false, "demoted pages were not tree-owned: {e}");
+            }
+            if let Ok(m) = tree.meta(n) {
+                self.host_leaves.push(n, m);
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,226 @@
+//! Failed copies: a failed backup leaves the node device-only; a failed load is never
+//! reported as a load and never leaves wrong KV in the tree.
+
+mod common;
+
+use common::*;
+use radixkv_hicache::{
+    DeviceBackend, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize,
+    KvGeometry, POISON_BYTE, StreamKind, WritePolicy,
+};
+use radixkv_radix::{FinishKind, KvEvent, Medium, PrefixCache, RadixKey, RequestKv};
+
+fn toks(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 1000 + i).collect()
+}
+
+fn host_hit(c: &mut impl PrefixCache, t: &[u32]) -> (usize, usize) {
+    let mut r = RequestKv::new(RadixKey::new(t.to_vec()));
+    let m = c.match_request(&mut r).unwrap();
+    (m.prefix_len, m.host_hit_len)
+}
+
+fn host_event_balance(c: &mut HiRadixCache<HostSim>) -> (usize, usize) {
+    let mut n = (0, 0);
+    for e in c.take_events() {
+        match e {
+            KvEvent::BlockStored {
+                medium: Medium::Host,
+                ..
+            } => n.0 += 1,
+            KvEvent::BlockRemoved {
+                medium: Medium::Host,
+                ..
+            } => n.1 += 1,
+            _ => {}
+        }
+    }
+    n
+}
+
+#[test]
+fn failed_backup_leaves_the_node_device_only() {
+    let mut c = cache(
+        2,
+        16,
+        HostSize::Ratio(2.0),
+        HostLayout::PageFirst,
+        WritePolicy::WriteThrough,
+    );
+    c.backend().fail_next_copies(StreamKind::Write, 1);
+    let a = toks(1, 9);
+    serve(&mut c, &a).unwrap();
+    c.flush().unwrap();
+    let s = c.stats();
+    assert_eq!((s.failed_writes, s.writes_acked), (1, 0));
+    assert_eq!(c.host_tokens(), 0, "host pages freed");
+    assert_eq!(c.protected_tokens(), 0, "lock released");
+    assert_eq!(host_event_balance(&mut c), (0, 0), "never reported");
+    c.check_invariants().unwrap();
+    // Device-only: eviction drops it instead of demoting it to a garbage host copy.
+    assert_eq!(c.evict(100), 8);
+    assert_eq!(host_hit(&mut c, &a), (0, 0));
+    // The next backup works and round-trips byte-exactly.
+    serve(&mut c, &a).unwrap();
+    c.flush().unwrap();
+    assert_eq!(c.host_tokens(), 8);
+    c.evict(100);
+    assert_eq!(serve(&mut c, &a).unwrap().loaded, 8);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn failed_backup_drops_backups_below_it() {
+    let sim = HostSimConfig {
+        gated: true,
+        ..Default::default()
+    };
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let backend = std::sync::Arc::new(HostSim::new(g, 32, sim).unwrap());
+    let mut c = HiRadixCache::new(
+        radixkv_hicache::HiCacheConfig {
+            radix: radixkv_radix::RadixConfig {
+                page_size: 2,
+                total_pages: 32,
+                max_rows: 8,
+                events: true,
+                ..Default::default()
+            },
+            write_policy: WritePolicy::WriteThrough,
+            load_back_min_tokens: 1,
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap();
+    let a = toks(1, 9);
+    let ab = toks(1, 17);
+    // A's backup is held in flight; AB's backup of the tail queues behind it.
+    serve(&mut c, &a).unwrap();
+    serve(&mut c, &ab).unwrap();
+    c.backend().fail_next_copies(StreamKind::Write, 1);
+    c.backend().gate().unwrap().open();
+    c.flush().unwrap();
+    let s = c.stats();
+    assert_eq!((s.failed_writes, s.writes_acked), (1, 1), "{s:?}");
+    assert_eq!(s.dropped_backup_tokens, 16);
+    assert_eq!(c.host_tokens(), 0, "the tail's good backup had to go too");
+    let (stored, removed) = host_event_balance(&mut c);
+    assert_eq!(
+        (stored, removed),
+        (1, 1),
+        "the tail was reported, then removed"
+    );
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    // Nothing garbage is ever loaded: after eviction nothing is on the host.
+    c.evict(100);
+    assert_eq!(host_hit(&mut c, &ab), (0, 0));
+    c.check_invariants().unwrap();
+}
+
+/// Demotes A to the host, then begins a request for it whose load is started; returns the
+/// request (holding its row and lock) and whether waiting for every layer failed.
+fn begin_loaded(c: &mut HiRadixCache<HostSim>, a: &[u32]) -> (RequestKv, bool) {
+    serve(c, a).unwrap();
+    c.flush().unwrap();
+    c.evict(100);
+    let mut r = RequestKv::new(RadixKey::new(a.to_vec()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    assert_eq!(r.prefix_len, 8, "the load-back extended the prefix");
+    let step = c.start_loading().unwrap().unwrap();
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    let mut failed = false;
+    for l in 0..LAYERS {
+        if let Err(e) = counter.wait_until(l) {
+            assert!(matches!(e, HiCacheError::Transfer(_)));
+            failed = true;
+        }
+    }
+    (r, failed)
+}
+
+fn finish(c: &mut HiRadixCache<HostSim>, r: &mut RequestKv, tokens: &[u32]) {
+    // Only a partial page is left to compute: no whole page of new KV to write.
+    c.alloc_tokens(r, tokens.len() - r.prefix_len).unwrap();
+    r.commit(tokens.len() - r.prefix_len).unwrap();
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+}
+
+#[test]
+fn failed_load_is_repaired_and_not_reported_as_loaded() {
+    let mut c = cache(
+        2,
+        16,
+        HostSize::Ratio(2.0),
+        HostLayout::PageFirst,
+        WritePolicy::WriteThrough,
+    );
+    let a = toks(1, 9);
+    c.backend().fail_next_copies(StreamKind::Load, 1);
+    let (mut r, failed) = begin_loaded(&mut c, &a);
+    assert!(failed, "the forward pass is told");
+    // Layer 0 holds garbage until the repair.
+    let g = c.backend().geometry();
+    let mut buf = vec![0u8; g.page_bytes_per_layer()];
+    c.backend()
+        .read_device_page(0, r.prefix_pages[0], &mut buf)
+        .unwrap();
+    assert!(buf.iter().all(|&b| b == POISON_BYTE));
+    let acks = c.step().unwrap();
+    assert!(acks.loads.is_empty() && acks.failed_loads.len() == 1);
+    let s = c.stats();
+    assert_eq!((s.loads_acked, s.failed_loads, s.repaired_loads), (0, 1, 1));
+    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    finish(&mut c, &mut r, &a);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+}
+
+#[test]
+fn unrepairable_load_is_demoted_back_to_the_host() {
+    let mut c = cache(
+        2,
+        16,
+        HostSize::Ratio(2.0),
+        HostLayout::LayerFirst,
+        WritePolicy::WriteThrough,
+    );
+    let a = toks(1, 9);
+    // Every layer fails, and so do the repairs at the next two steps.
+    c.backend()
+        .fail_next_copies(StreamKind::Load, LAYERS as u32 + 2);
+    let (mut r, failed) = begin_loaded(&mut c, &a);
+    assert!(failed);
+    let free_before = c.pools().pages.available();
+    assert!(matches!(c.step(), Err(HiCacheError::Transfer(_))));
+    assert_eq!(
+        c.stats().demoted_failed_loads,
+        0,
+        "still used by the request"
+    );
+    // The scheduler aborts the request; the next step demotes the garbage pages.
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    assert!(matches!(c.step(), Err(HiCacheError::Transfer(_))));
+    assert_eq!(c.stats().demoted_failed_loads, 1);
+    assert!(
+        c.pools().pages.available() >= free_before + 4,
+        "the loaded pages went back to the allocator"
+    );
+    assert_eq!(
+        host_hit(&mut c, &a),
+        (0, 8),
+        "host-only again, not on device"
+    );
+    c.check_invariants().unwrap();
+    // Faults are exhausted: a fresh request loads the intact host copy byte-exactly.
+    assert_eq!(serve(&mut c, &a).unwrap().loaded, 8);
+    c.step().unwrap();
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+}
