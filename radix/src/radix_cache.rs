@@ -121,9 +121,23 @@ impl RadixCache {
         owned_from: usize,
         opts: InsertOptions,
     ) -> Result<TreeInsert> {
+        self.insert_owned_with(pages, owned_from, |tree, pages, replaced| {
+            tree.insert(key, pages, replaced, opts)
+        })
+    }
+
+    /// Runs a tree insert with `pages[owned_from..]` tentatively tree-owned, and settles page
+    /// states after it: replaced duplicates become owned again (in `self.scratch`), and on error
+    /// every page returns to its owner.
+    fn insert_owned_with(
+        &mut self,
+        pages: &mut [PageId],
+        owned_from: usize,
+        insert: impl FnOnce(&mut RadixTree, &mut [PageId], &mut Vec<PageId>) -> Result<TreeInsert>,
+    ) -> Result<TreeInsert> {
         self.pools.pages.adopt_into_tree(&pages[owned_from..])?;
         self.scratch.clear();
-        match self.tree.insert(key, pages, &mut self.scratch, opts) {
+        match insert(&mut self.tree, pages, &mut self.scratch) {
             Ok(r) => {
                 self.pools.pages.release_from_tree(&self.scratch);
                 Ok(r)
@@ -137,7 +151,12 @@ impl RadixCache {
 
     /// Inserts the first `len` tokens of the request (page-aligned) from its row, frees the
     /// duplicates, and makes the row's first `len / P` pages canonical and protected.
-    fn insert_request_prefix(&mut self, req: &RequestKv, len: usize) -> Result<TreeInsert> {
+    fn insert_request_prefix(
+        &mut self,
+        req: &RequestKv,
+        len: usize,
+        chunked: bool,
+    ) -> Result<TreeInsert> {
         let row = req
             .row
             .ok_or(CacheError::InvalidRequestState("request has no row"))?;
@@ -145,15 +164,25 @@ impl RadixCache {
         let (pages, protected) = self.pools.rows.parts_mut(row)?;
         let mut buf = std::mem::take(pages);
         let owned_from = (*protected).min(len / p);
-        let res = self.insert_owned(
-            req.key.prefix(len),
-            &mut buf[..len / p],
-            owned_from,
-            InsertOptions {
-                priority: req.priority,
-                chunked: false,
-            },
-        );
+        let opts = InsertOptions {
+            priority: req.priority,
+            chunked,
+        };
+        // The request's lock anchor ends exactly at its tree-owned prefix, whose pages are
+        // already canonical: start the walk there instead of comparing the prefix again.
+        let anchor = req.lock.as_ref().map(LockReceipt::anchor).filter(|_| {
+            req.cache_protected_len <= len && req.cache_protected_len == owned_from * p
+        });
+        let res = match anchor {
+            Some(anchor) => {
+                let from = req.cache_protected_len;
+                let key = req.key.prefix(len);
+                self.insert_owned_with(&mut buf[..len / p], owned_from, |tree, pages, replaced| {
+                    tree.insert_from(anchor, from, key, pages, replaced, opts)
+                })
+            }
+            None => self.insert_owned(req.key.prefix(len), &mut buf[..len / p], owned_from, opts),
+        };
         let (pages, protected) = self.pools.rows.parts_mut(row)?;
         *pages = buf;
         let r = res?;
@@ -391,7 +420,8 @@ impl PrefixCache for RadixCache {
         if self.disabled || aligned <= req.cache_protected_len {
             return Ok(());
         }
-        let r = self.insert_request_prefix(req, aligned)?;
+        // Chunks do not count as reuse hits; the finish does, once per request.
+        let r = self.insert_request_prefix(req, aligned, true)?;
         // Lock the new end before releasing the old one so the shared path never becomes
         // evictable in between.
         let receipt = self.tree.inc_lock_ref(r.last_node)?;
@@ -418,7 +448,7 @@ impl PrefixCache for RadixCache {
         let aligned = align_down(req.committed_len, p);
         let mut result = Ok(());
         if kind == FinishKind::Finished && !self.disabled && aligned > 0 {
-            result = self.insert_request_prefix(req, aligned).map(|_| ());
+            result = self.insert_request_prefix(req, aligned, false).map(|_| ());
         }
         // Free everything the row still owns (the unaligned tail, over-allocation, or all of it
         // on abort), release the lock and the row.

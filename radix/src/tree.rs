@@ -632,10 +632,76 @@ impl RadixTree {
                 page_size: p,
             });
         }
+        self.insert_at(self.root, 0, key, pages, replaced, opts)
+    }
+
+    /// Like [`RadixTree::insert`], but starts the walk at `anchor`, which must end exactly at
+    /// token `offset` of `key` (a node locked by the request whose key this is: its path is
+    /// `key[..offset]` and its pages are already the caller's first `offset / P` pages). The
+    /// cached prefix is not compared again, which makes finishing a request cost its new tokens
+    /// only; the anchor's ancestors still get their reuse statistics. `prefix_len` counts from
+    /// `offset` on top of it.
+    ///
+    /// # Errors
+    /// As [`RadixTree::insert`], plus [`CacheError::StaleNode`] for a dead anchor and
+    /// [`CacheError::InvalidRequestState`] when the anchor does not end at `offset`.
+    pub fn insert_from(
+        &mut self,
+        anchor: NodeId,
+        offset: usize,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let start = self.resolve(anchor)?;
+        let p = self.page_size;
+        let tokens = key.tokens;
+        if !tokens.len().is_multiple_of(p) || pages.len() * p != tokens.len() {
+            return Err(CacheError::LengthMismatch {
+                tokens: tokens.len(),
+                pages: pages.len(),
+                page_size: p,
+            });
+        }
+        if offset > tokens.len() || self.depth_tokens(anchor)? != offset {
+            return Err(CacheError::InvalidRequestState(
+                "insert anchor does not end at the given offset",
+            ));
+        }
+        if offset == tokens.len() && start == self.root {
+            return Err(CacheError::EmptyKey);
+        }
+        self.insert_at(start, offset, key, pages, replaced, opts)
+    }
+
+    fn insert_at(
+        &mut self,
+        start: u32,
+        start_pos: usize,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let p = self.page_size;
+        let tokens = key.tokens;
         let now = self.next_tick();
-        let mut node = self.root;
-        let mut pos = 0;
-        let mut prefix_len = 0;
+        // The anchor's path was matched before: it only needs its statistics refreshed.
+        let mut up = start;
+        while up != self.root {
+            let n = &mut self.nodes[up as usize];
+            if !opts.chunked {
+                n.meta.hit_count = n.meta.hit_count.saturating_add(1);
+            }
+            n.meta.priority = n.meta.priority.max(opts.priority);
+            let parent = n.parent;
+            self.touch(up, now);
+            up = parent;
+        }
+        let mut node = start;
+        let mut pos = start_pos;
+        let mut prefix_len = start_pos;
         let mut adopted = 0;
         let mut prefix_done = false;
         while pos < tokens.len() {

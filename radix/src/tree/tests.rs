@@ -326,3 +326,44 @@ fn common_pages_rounds_down() {
     assert_eq!(common_pages(&[1; 40], &b, 1), 33);
     assert_eq!(common_pages(&[1; 40], &b, 16), 32);
 }
+
+#[test]
+fn insert_from_anchor_skips_the_cached_prefix() {
+    let mut t = tree(2);
+    ins(&mut t, &[1, 2, 3, 4], &mut pages(0..2));
+    let (m, _) = matched(&mut t, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(m.device_len, 4);
+    let mut rep = Vec::new();
+    let o = InsertOptions::default();
+    // The anchor must end exactly at the offset.
+    let mut pg = vec![PageId(0), PageId(1), PageId(7)];
+    assert!(matches!(
+        t.insert_from(
+            m.last_device,
+            2,
+            KeyRef::new(&[1, 2, 3, 4, 5, 6]),
+            &mut pg,
+            &mut rep,
+            o
+        ),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    let r = t
+        .insert_from(
+            m.last_device,
+            4,
+            KeyRef::new(&[1, 2, 3, 4, 5, 6]),
+            &mut pg,
+            &mut rep,
+            o,
+        )
+        .unwrap();
+    assert_eq!((r.prefix_len, r.adopted_len), (4, 2));
+    assert!(rep.is_empty());
+    t.check().unwrap();
+    let (m2, out) = matched(&mut t, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(m2.device_len, 6);
+    assert_eq!(out, vec![PageId(0), PageId(1), PageId(7)]);
+    // The anchor's ancestors were counted as reused.
+    assert_eq!(t.meta(m.last_device).unwrap().hit_count, 1);
+}
