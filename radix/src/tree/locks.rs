@@ -1,0 +1,153 @@
+//! Lock receipts and eviction of unlocked leaves.
+
+use super::*;
+
+impl RadixTree {
+    // ---------------------------------------------------------------------------------------
+    // Locks
+
+    /// Locks the path from the root to `node` against eviction.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`] for a handle to a removed node.
+    pub fn inc_lock_ref(&mut self, node: NodeId) -> Result<LockReceipt> {
+        let mut i = self.resolve(node)?;
+        while i != self.root {
+            let n = &mut self.nodes[i as usize];
+            if n.lock_ref == 0 && n.on_device() {
+                self.evictable -= n.key.len();
+                self.protected += n.key.len();
+            }
+            n.lock_ref += 1;
+            let parent = n.parent;
+            if self.nodes[i as usize].lock_ref == 1 {
+                self.update_leaf(i);
+            }
+            i = parent;
+        }
+        self.outstanding_locks += 1;
+        Ok(LockReceipt {
+            anchor: node,
+            tree_id: self.tree_id,
+        })
+    }
+
+    /// Releases the lock proven by `receipt`.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleReceipt`] for a receipt of another tree or whose anchor is gone;
+    /// [`CacheError::LockUnderflow`] if the path does not hold the lock (nothing changes then).
+    pub fn dec_lock_ref(&mut self, receipt: LockReceipt) -> Result<()> {
+        if receipt.tree_id != self.tree_id {
+            return Err(CacheError::StaleReceipt);
+        }
+        let start = self
+            .resolve(receipt.anchor)
+            .map_err(|_| CacheError::StaleReceipt)?;
+        let mut i = start;
+        while i != self.root {
+            if self.nodes[i as usize].lock_ref == 0 {
+                return Err(CacheError::LockUnderflow(self.id_of(i)));
+            }
+            i = self.nodes[i as usize].parent;
+        }
+        let mut i = start;
+        while i != self.root {
+            let n = &mut self.nodes[i as usize];
+            n.lock_ref -= 1;
+            let parent = n.parent;
+            if n.lock_ref == 0 {
+                if n.on_device() {
+                    self.protected -= n.key.len();
+                    self.evictable += n.key.len();
+                }
+                self.update_leaf(i);
+            }
+            i = parent;
+        }
+        self.outstanding_locks -= 1;
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Eviction
+
+    /// Takes the next victim out of the evictable-leaf set (policy order). The node is still
+    /// in the tree: pass it to [`RadixTree::evict_device`].
+    pub fn pop_victim(&mut self) -> Option<NodeId> {
+        let id = self.policy.pop()?;
+        self.nodes[id.index()].leaf = None;
+        Some(id)
+    }
+
+    /// Releases the device pages of `id` (appended to `out`); returns the tokens released.
+    /// A node with a host copy stays in the tree (host only); any other node is removed.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the node is locked,
+    /// the root, not on device or has a child on device (nothing changes then).
+    pub fn evict_device(&mut self, id: NodeId, out: &mut Vec<PageId>) -> Result<usize> {
+        let idx = self.resolve(id)?;
+        let n = &self.nodes[idx as usize];
+        if idx == self.root || n.lock_ref > 0 || !n.on_device() || n.device_children > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "only an unlocked device leaf can be evicted",
+            ));
+        }
+        if let Some(tok) = self.nodes[idx as usize].leaf.take() {
+            self.policy.remove(id, tok);
+        }
+        let n = &mut self.nodes[idx as usize];
+        let len = n.key.len();
+        out.extend_from_slice(&n.pages);
+        let pages = std::mem::take(&mut n.pages);
+        self.bufs.recycle(Vec::new(), pages);
+        self.evictable -= len;
+        let parent = n.parent;
+        let keep = n.host.is_some();
+        if self.events.is_some() {
+            let hashes = self.nodes[idx as usize].page_hashes.clone();
+            self.push_event(KvEvent::BlockRemoved {
+                page_hashes: hashes,
+                medium: Medium::Device,
+            });
+        }
+        if !keep {
+            debug_assert_eq!(self.nodes[idx as usize].children.len(), 0);
+            self.remove_child(parent, idx);
+            self.free_node_recycle(idx);
+        }
+        self.nodes[parent as usize].device_children -= 1;
+        self.update_leaf(parent);
+        Ok(len)
+    }
+
+    /// Evicts leaves in policy order until at least `tokens` device tokens were released or
+    /// nothing evictable is left. Released pages are appended to `out`. Returns the tokens
+    /// released.
+    pub fn evict(&mut self, tokens: usize, out: &mut Vec<PageId>) -> usize {
+        let mut done = 0;
+        while done < tokens {
+            let Some(victim) = self.pop_victim() else {
+                break;
+            };
+            if let Some(n) = self
+                .policy
+                .peek()
+                .and_then(|next| self.nodes.get(next.index()))
+            {
+                // Victims of a large cache are cold: start loading the next one's node while
+                // this one is evicted.
+                prefetch(n);
+            }
+            match self.evict_device(victim, out) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    debug_assert!(false, "policy returned a non-evictable node: {e}");
+                    break;
+                }
+            }
+        }
+        done
+    }
+}

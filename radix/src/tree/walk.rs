@@ -1,0 +1,363 @@
+//! Match, split and insert: the walks from the root (or a lock anchor) down the tree.
+
+use super::*;
+
+impl RadixTree {
+    // ---------------------------------------------------------------------------------------
+    // Match
+
+    /// Longest page-aligned prefix of `key` in the tree. Appends the device pages of the
+    /// device prefix to `out`. The key is truncated to whole pages first. Refreshes access
+    /// times along the path and splits a node when the match ends inside it (so the returned
+    /// anchors end exactly at the match). Takes no lock.
+    pub fn match_prefix(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {
+        let p = self.page_size;
+        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
+        let now = self.next_tick();
+        let mut node = self.root;
+        let mut last_device = self.root;
+        let mut pos = 0;
+        let mut device_len = 0;
+        let mut on_device = true;
+        while pos < tokens.len() {
+            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            let common = common_pages(&self.nodes[child as usize].key, &tokens[pos..], p);
+            let child = if common < self.nodes[child as usize].key.len() {
+                self.split(child, common)
+            } else {
+                child
+            };
+            self.touch(child, now);
+            let n = &self.nodes[child as usize];
+            if on_device && n.on_device() {
+                out.extend_from_slice(&n.pages);
+                device_len += common;
+                last_device = child;
+            } else if n.host.is_some() {
+                on_device = false;
+            } else {
+                break;
+            }
+            pos += common;
+            node = child;
+            if common < n.key.len() {
+                break;
+            }
+        }
+        TreeMatch {
+            device_len,
+            host_len: pos - device_len,
+            last_device: self.id_of(last_device),
+            last_node: self.id_of(node),
+        }
+    }
+
+    /// Splits `child` so that its first `at` tokens become a new parent node; returns the new
+    /// node. The child keeps its id, so outstanding receipts anchored at it stay valid.
+    pub(super) fn split(&mut self, child: u32, at: usize) -> u32 {
+        let p = self.page_size;
+        debug_assert!(at > 0 && at.is_multiple_of(p) && at < self.nodes[child as usize].key.len());
+        let pages_at = at / p;
+        let c = &mut self.nodes[child as usize];
+        let tail_key = c.key.split_off(at);
+        let head_key = std::mem::replace(&mut c.key, tail_key);
+        let head_pages = if c.pages.is_empty() {
+            Vec::new()
+        } else {
+            let tail = c.pages.split_off(pages_at);
+            std::mem::replace(&mut c.pages, tail)
+        };
+        let head_host = c.host.as_mut().map(|h| {
+            let tail = h.split_off(pages_at);
+            std::mem::replace(h, tail)
+        });
+        let head_hashes = if c.page_hashes.is_empty() {
+            Vec::new()
+        } else {
+            let tail = c.page_hashes.split_off(pages_at);
+            std::mem::replace(&mut c.page_hashes, tail)
+        };
+        let parent = c.parent;
+        let mid_node = Node {
+            parent,
+            key: head_key,
+            pages: head_pages,
+            host: head_host,
+            children: Children::default(),
+            child_hash: c.child_hash,
+            namespace: c.namespace.clone(),
+            lock_ref: c.lock_ref,
+            device_children: u32::from(c.on_device()),
+            meta: c.meta,
+            leaf: None,
+            page_hashes: head_hashes,
+        };
+        let mid = self.alloc_node(mid_node);
+        self.replace_child(parent, child, mid);
+        let new_hash = self.child_hash(
+            mid,
+            &Namespace::DEFAULT,
+            &self.nodes[child as usize].key[..p],
+        );
+        let c = &mut self.nodes[child as usize];
+        c.parent = mid;
+        c.child_hash = new_hash;
+        if let Children::Inline(v) = &mut self.nodes[mid as usize].children {
+            v.push(child);
+        }
+        // The child's leaf status is unchanged (its own state did not change); the new parent
+        // may be a leaf only in tiered caches (child not on device).
+        self.update_leaf(mid);
+        mid
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Insert
+
+    /// Inserts `key` (page-aligned, non-empty) with one device page per page in `pages`.
+    ///
+    /// Where the tree already holds a device page for a position and it differs from
+    /// `pages[i]`, the caller's page is a duplicate: it is appended to `replaced` and `pages[i]`
+    /// is overwritten with the tree's page, so on return `pages` is the canonical page list of
+    /// the key. Every other page of `pages` is adopted by the tree (the caller must mark it
+    /// tree-owned). Nodes that exist only on the host tier adopt the caller's pages.
+    ///
+    /// # Errors
+    /// [`CacheError::EmptyKey`], [`CacheError::Misaligned`], [`CacheError::LengthMismatch`];
+    /// the tree is unchanged then.
+    pub fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let p = self.page_size;
+        let tokens = key.tokens;
+        if tokens.is_empty() {
+            return Err(CacheError::EmptyKey);
+        }
+        if !tokens.len().is_multiple_of(p) {
+            return Err(CacheError::Misaligned {
+                len: tokens.len(),
+                page_size: p,
+            });
+        }
+        if pages.len() * p != tokens.len() {
+            return Err(CacheError::LengthMismatch {
+                tokens: tokens.len(),
+                pages: pages.len(),
+                page_size: p,
+            });
+        }
+        self.insert_at(self.root, 0, key, pages, replaced, opts)
+    }
+
+    /// Like [`RadixTree::insert`], but starts the walk at `anchor`, which must end exactly at
+    /// token `offset` of `key` (a node locked by the request whose key this is: its path is
+    /// `key[..offset]` and its pages are already the caller's first `offset / P` pages). The
+    /// cached prefix is not compared again, which makes finishing a request cost its new tokens
+    /// only; the anchor's ancestors still get their reuse statistics. `prefix_len` counts from
+    /// `offset` on top of it.
+    ///
+    /// # Errors
+    /// As [`RadixTree::insert`], plus [`CacheError::StaleNode`] for a dead anchor and
+    /// [`CacheError::InvalidRequestState`] when the anchor does not end at `offset`.
+    pub fn insert_from(
+        &mut self,
+        anchor: NodeId,
+        offset: usize,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let start = self.resolve(anchor)?;
+        let p = self.page_size;
+        let tokens = key.tokens;
+        if !tokens.len().is_multiple_of(p) || pages.len() * p != tokens.len() {
+            return Err(CacheError::LengthMismatch {
+                tokens: tokens.len(),
+                pages: pages.len(),
+                page_size: p,
+            });
+        }
+        if offset > tokens.len() || self.depth_tokens(anchor)? != offset {
+            return Err(CacheError::InvalidRequestState(
+                "insert anchor does not end at the given offset",
+            ));
+        }
+        if offset == tokens.len() && start == self.root {
+            return Err(CacheError::EmptyKey);
+        }
+        self.insert_at(start, offset, key, pages, replaced, opts)
+    }
+
+    pub(super) fn insert_at(
+        &mut self,
+        start: u32,
+        start_pos: usize,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let p = self.page_size;
+        let tokens = key.tokens;
+        let now = self.next_tick();
+        // The anchor's path was matched before: it only needs its statistics refreshed.
+        let mut up = start;
+        while up != self.root {
+            let n = &mut self.nodes[up as usize];
+            if !opts.chunked {
+                n.meta.hit_count = n.meta.hit_count.saturating_add(1);
+            }
+            n.meta.priority = n.meta.priority.max(opts.priority);
+            let parent = n.parent;
+            self.touch(up, now);
+            up = parent;
+        }
+        let mut node = start;
+        let mut pos = start_pos;
+        let mut prefix_len = start_pos;
+        let mut adopted = 0;
+        let mut prefix_done = false;
+        while pos < tokens.len() {
+            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            let common = common_pages(&self.nodes[child as usize].key, &tokens[pos..], p);
+            let child = if common < self.nodes[child as usize].key.len() {
+                self.split(child, common)
+            } else {
+                child
+            };
+            // Update the reuse stats before the touch, so the policy keys the leaf by them.
+            {
+                let n = &mut self.nodes[child as usize];
+                if !opts.chunked {
+                    n.meta.hit_count = n.meta.hit_count.saturating_add(1);
+                }
+                n.meta.priority = n.meta.priority.max(opts.priority);
+            }
+            self.touch(child, now);
+            let seg = &mut pages[pos / p..(pos + common) / p];
+            if self.nodes[child as usize].on_device() {
+                for (mine, theirs) in seg.iter_mut().zip(&self.nodes[child as usize].pages) {
+                    if *mine != *theirs {
+                        replaced.push(*mine);
+                        *mine = *theirs;
+                    }
+                }
+                if !prefix_done {
+                    prefix_len += common;
+                }
+            } else {
+                // Host-only node (tiered caches): take the caller's pages.
+                prefix_done = true;
+                self.nodes[child as usize].pages = seg.to_vec();
+                self.on_device_added(child, common);
+                adopted += common;
+            }
+            pos += common;
+            node = child;
+        }
+        if pos < tokens.len() {
+            let leaf = self.new_leaf(
+                node,
+                key.namespace,
+                &tokens[pos..],
+                &pages[pos / p..],
+                now,
+                opts,
+            );
+            adopted += tokens.len() - pos;
+            node = leaf;
+        }
+        Ok(TreeInsert {
+            prefix_len,
+            adopted_len: adopted,
+            last_node: self.id_of(node),
+        })
+    }
+
+    pub(super) fn new_leaf(
+        &mut self,
+        parent: u32,
+        ns: &Namespace,
+        tokens: &[TokenId],
+        pages: &[PageId],
+        now: u64,
+        opts: InsertOptions,
+    ) -> u32 {
+        let p = self.page_size;
+        let child_hash = self.child_hash(parent, ns, &tokens[..p]);
+        let mut page_hashes = Vec::new();
+        if self.events.is_some() {
+            let seed = self.nodes[parent as usize]
+                .page_hashes
+                .last()
+                .copied()
+                .unwrap_or_else(|| namespace_seed(ns));
+            page_hashes.reserve_exact(pages.len());
+            chain_hashes(seed, tokens, p, &mut page_hashes);
+        }
+        let key = self.bufs.tokens(tokens);
+        let node_pages = self.bufs.pages(pages);
+        let idx = self.alloc_node(Node {
+            parent,
+            key,
+            pages: node_pages,
+            host: None,
+            children: Children::default(),
+            child_hash,
+            namespace: ns.clone(),
+            lock_ref: 0,
+            device_children: 0,
+            meta: NodeMeta {
+                last_access: now,
+                created: now,
+                hit_count: 0,
+                priority: opts.priority,
+            },
+            leaf: None,
+            page_hashes,
+        });
+        self.add_child(parent, idx);
+        self.on_device_added(idx, tokens.len());
+        self.emit_stored(idx, Medium::Device);
+        idx
+    }
+
+    /// Counter and leaf bookkeeping after node `idx` gained `len` device tokens.
+    pub(super) fn on_device_added(&mut self, idx: u32, len: usize) {
+        if self.nodes[idx as usize].lock_ref > 0 {
+            self.protected += len;
+        } else {
+            self.evictable += len;
+        }
+        let parent = self.nodes[idx as usize].parent;
+        self.nodes[parent as usize].device_children += 1;
+        self.update_leaf(parent);
+        self.update_leaf(idx);
+    }
+
+    pub(super) fn emit_stored(&mut self, idx: u32, medium: Medium) {
+        if self.events.is_none() {
+            return;
+        }
+        let n = &self.nodes[idx as usize];
+        let parent_hash = self.nodes[n.parent as usize].page_hashes.last().copied();
+        let ev = KvEvent::BlockStored {
+            page_hashes: n.page_hashes.clone(),
+            parent_hash,
+            token_ids: n.key.clone(),
+            page_size: self.page_size,
+            namespace: n.namespace.clone(),
+            medium,
+        };
+        self.push_event(ev);
+    }
+}
