@@ -20,14 +20,8 @@ impl RadixTree {
         let mut device_len = 0;
         let mut on_device = true;
         while pos < tokens.len() {
-            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
                 break;
-            };
-            let common = common_pages(&self.nodes[child as usize].key, &tokens[pos..], p);
-            let child = if common < self.nodes[child as usize].key.len() {
-                self.split(child, common)
-            } else {
-                child
             };
             self.touch(child, now);
             let n = &self.nodes[child as usize];
@@ -52,6 +46,38 @@ impl RadixTree {
             last_device: self.id_of(last_device),
             last_node: self.id_of(node),
         }
+    }
+
+    /// One step of a walk: the child of `node` that starts with the first page of `rest`, and
+    /// how many tokens of `rest` it matches (whole pages). A child matched only in part is
+    /// split first, so the returned node ends exactly at the match.
+    #[inline]
+    pub(super) fn step_down(
+        &mut self,
+        node: u32,
+        ns: &Namespace,
+        rest: &[TokenId],
+    ) -> Option<(u32, usize)> {
+        let p = self.page_size;
+        let child = self.find_child(node, ns, &rest[..p])?;
+        let common = common_pages(&self.nodes[child as usize].key, rest, p);
+        if common < self.nodes[child as usize].key.len() {
+            Some((self.split(child, common), common))
+        } else {
+            Some((child, common))
+        }
+    }
+
+    /// An insert passed through `idx`: count the reuse (unless chunked), raise the priority,
+    /// then touch, so the policy keys the leaf by the new statistics.
+    #[inline]
+    fn record_reuse(&mut self, idx: u32, opts: InsertOptions, now: u64) {
+        let n = &mut self.nodes[idx as usize];
+        if !opts.chunked {
+            n.meta.hit_count = n.meta.hit_count.saturating_add(1);
+        }
+        n.meta.priority = n.meta.priority.max(opts.priority);
+        self.touch(idx, now);
     }
 
     /// Splits `child` so that its first `at` tokens become a new parent node; returns the new
@@ -210,14 +236,8 @@ impl RadixTree {
         // The anchor's path was matched before: it only needs its statistics refreshed.
         let mut up = start;
         while up != self.root {
-            let n = &mut self.nodes[up as usize];
-            if !opts.chunked {
-                n.meta.hit_count = n.meta.hit_count.saturating_add(1);
-            }
-            n.meta.priority = n.meta.priority.max(opts.priority);
-            let parent = n.parent;
-            self.touch(up, now);
-            up = parent;
+            self.record_reuse(up, opts, now);
+            up = self.nodes[up as usize].parent;
         }
         let mut node = start;
         let mut pos = start_pos;
@@ -225,24 +245,10 @@ impl RadixTree {
         let mut adopted = 0;
         let mut prefix_done = false;
         while pos < tokens.len() {
-            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
                 break;
             };
-            let common = common_pages(&self.nodes[child as usize].key, &tokens[pos..], p);
-            let child = if common < self.nodes[child as usize].key.len() {
-                self.split(child, common)
-            } else {
-                child
-            };
-            // Update the reuse stats before the touch, so the policy keys the leaf by them.
-            {
-                let n = &mut self.nodes[child as usize];
-                if !opts.chunked {
-                    n.meta.hit_count = n.meta.hit_count.saturating_add(1);
-                }
-                n.meta.priority = n.meta.priority.max(opts.priority);
-            }
-            self.touch(child, now);
+            self.record_reuse(child, opts, now);
             let seg = &mut pages[pos / p..(pos + common) / p];
             if self.nodes[child as usize].on_device() {
                 for (mine, theirs) in seg.iter_mut().zip(&self.nodes[child as usize].pages) {
