@@ -66,6 +66,7 @@ pub struct RadixCache {
     pools: DevicePools,
     disabled: bool,
     scratch: Vec<PageId>,
+    canonical: Vec<PageId>,
 }
 
 impl RadixCache {
@@ -80,6 +81,7 @@ impl RadixCache {
             pools,
             disabled: cfg.disabled,
             scratch: Vec::new(),
+            canonical: Vec::new(),
         })
     }
 
@@ -233,13 +235,19 @@ impl PrefixCache for RadixCache {
         if self.disabled {
             return Err(CacheError::InvalidRequestState("the cache is disabled"));
         }
-        let mut buf = pages.to_vec();
-        let r = self.insert_owned(key, &mut buf, 0, opts)?;
+        // The canonical page list is only needed during the insert: reuse one buffer.
+        let mut buf = std::mem::take(&mut self.canonical);
+        buf.clear();
+        buf.extend_from_slice(pages);
+        let r = self.insert_owned(key, &mut buf, 0, opts);
+        self.canonical = buf;
+        let r = r?;
         self.debug_audit();
         Ok(InsertResult {
             prefix_len: r.prefix_len,
             adopted_len: r.adopted_len,
-            duplicates: std::mem::take(&mut self.scratch),
+            // One allocation of the exact size; the scratch buffer keeps its capacity.
+            duplicates: self.scratch.clone(),
             last_node: r.last_node,
         })
     }
