@@ -1,9 +1,13 @@
 //! Typed configuration of a [`crate::KvCacheManager`]: model geometry, pool sizes, the cache
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
-//! Every kind the product has is describable here, even the ones whose crate is not wired into
-//! [`crate::factory::build_cache`] yet: the factory, not the config, decides what can be built,
-//! and says which crate is missing.
+//! Every kind the product has is describable here, even the ones not wired into
+//! [`crate::factory::build_cache`] yet (the CUDA backend, hybrid pools): the factory, not the
+//! config, decides what can be built, and says which crate is missing.
+//!
+//! Two geometries: [`ModelGeometry`] is the real model's (the *modeled* bytes every report
+//! and the cost model use); [`SimGeometry`] is what the HostSim backend really allocates and
+//! copies, kept tiny so that a 1M + 4M token replay fits in a few tens of MB.
 
 use std::path::Path;
 
@@ -13,6 +17,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ManagerError, Result};
 
 /// Model geometry: what one token of KV costs and how the pools are paged.
+///
+/// These are the *modeled* bytes: the cost model's transfer times and every byte count in the
+/// metrics and the replay report derive from them (pages × [`ModelGeometry::page_bytes`]). The
+/// HostSim backend allocates and copies a much smaller [`SimGeometry`] instead.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelGeometry {
@@ -134,6 +142,15 @@ pub enum WritePolicy {
 }
 
 impl WritePolicy {
+    /// A short name for labels: `wt`, `wts2`, `wb`.
+    pub fn short_name(&self) -> String {
+        match self {
+            WritePolicy::WriteThrough => "wt".into(),
+            WritePolicy::WriteThroughSelective { hits } => format!("wts{hits}"),
+            WritePolicy::WriteBack => "wb".into(),
+        }
+    }
+
     /// Parses `write_through`, `write_through_selective[:N]` or `write_back`.
     pub fn from_name(s: &str) -> Option<Self> {
         let (name, arg) = s.split_once(':').unwrap_or((s, ""));
@@ -218,6 +235,34 @@ impl Default for SessionBudget {
     }
 }
 
+/// The geometry the HostSim backend really allocates and copies, as opposed to the *modeled*
+/// geometry of [`ModelGeometry`].
+///
+/// HostSim moves real bytes. At a real model's KV size (e.g. 128 KiB per token), a replay with
+/// 1M device and 4M host tokens would need hundreds of GB, so the simulated pools use this tiny
+/// geometry instead (by default 2 layers × 4 bytes per token per layer: 8 MB per million
+/// tokens). It only decides how much memory the simulation touches: every byte count the
+/// manager reports (step load bytes, transferred bytes, the cost model's transfer time) is
+/// *modeled* bytes, `pages × ModelGeometry::page_bytes()`. Layer `i` of the modeled forward
+/// waits for simulated layer `i × sim layers / model layers`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimGeometry {
+    /// Layers of the simulated pools (at least 1).
+    pub layers: u32,
+    /// Bytes per token per layer of the simulated pools (at least 1).
+    pub bytes_per_token_per_layer: u32,
+}
+
+impl Default for SimGeometry {
+    fn default() -> Self {
+        SimGeometry {
+            layers: 2,
+            bytes_per_token_per_layer: 4,
+        }
+    }
+}
+
 /// Where the KV pools live.
 #[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -275,6 +320,9 @@ pub struct ManagerConfig {
     pub sessions: Option<SessionBudget>,
     /// Device backend.
     pub backend: DeviceBackend,
+    /// What the HostSim backend really allocates per token (see [`SimGeometry`]); reported
+    /// bytes are always modeled bytes from [`ModelGeometry`].
+    pub sim_geometry: SimGeometry,
     /// Record KV events for a router.
     pub events: bool,
     /// Output tokens reserved per request at admission are clipped to this (SGLang's
@@ -292,6 +340,7 @@ impl Default for ManagerConfig {
             eviction: Eviction::default(),
             sessions: None,
             backend: DeviceBackend::HostSim,
+            sim_geometry: SimGeometry::default(),
             events: false,
             reserve_clip_tokens: 4096,
         }
@@ -380,6 +429,11 @@ impl ManagerConfig {
                 return bad("write_through_selective needs a hit threshold of at least 1".into());
             }
         }
+        if self.sim_geometry.layers == 0 || self.sim_geometry.bytes_per_token_per_layer == 0 {
+            return bad(
+                "the simulated geometry needs at least 1 layer and 1 byte per token".into(),
+            );
+        }
         if let Some(s) = &self.sessions {
             if s.max_held_tokens > self.device_tokens {
                 return bad(format!(
@@ -400,8 +454,9 @@ impl ManagerConfig {
             CacheKind::Disabled => return "disabled".into(),
             CacheKind::Radix => format!("radix-{}", self.eviction.0.name()),
             CacheKind::HiCache(h) => format!(
-                "hicache-{}+host{}",
+                "hicache-{}-{}+host{}",
                 self.eviction.0.name(),
+                h.write_policy.short_name(),
                 human_tokens(h.host_tokens)
             ),
         };

@@ -20,6 +20,12 @@ pub enum ManagerError {
     /// An error of the underlying cache.
     #[error(transparent)]
     Cache(#[from] CacheError),
+    /// An error of the session layer (unknown session, already open, ...).
+    #[error(transparent)]
+    Session(#[from] radixkv_session::SessionError),
+    /// An error of the host tier (a failed or refused copy, a host-pool configuration).
+    #[error("host tier: {0}")]
+    Tier(#[from] radixkv_hicache::HiCacheError),
     /// A handle that names no live request of this manager.
     #[error("unknown request {0}")]
     UnknownRequest(u64),

@@ -3,27 +3,43 @@
 //! see through [`PrefixCache`] alone.
 //!
 //! Wiring a new cache kind means: implement [`ManagedCache`] for it (every method has a default
-//! that is right for a device-only cache) and construct it in [`build_cache`].
+//! that is right for a device-only cache without sessions) and construct it in
+//! [`build_cache`]. Built here today:
+//!
+//! | config                          | cache                                              |
+//! |---------------------------------|----------------------------------------------------|
+//! | `disabled`, `radix`             | `RadixCache`                                       |
+//! | `radix` + sessions              | `SessionAwareCache<RadixCache, SimClock>`          |
+//! | `hi_cache`                      | [`Tiered`]: `HiRadixCache<HostSim>`                |
+//! | `hi_cache` + sessions           | `SessionAwareCache<Tiered, SimClock>`              |
+//!
+//! The CUDA backend and the hybrid (Mamba / SWA) pools are still [`ManagerError::NotWired`].
 
-use radixkv_radix::{PrefixCache, RadixCache, RadixConfig};
+use std::sync::Arc;
+
+use radixkv_radix::{PrefixCache, RadixCache, RadixConfig, RequestKv};
+use radixkv_session::{SessionAwareCache, SessionConfig};
 
 use crate::config::{CacheKind, DeviceBackend, ManagerConfig};
 use crate::error::{ManagerError, Result};
+use crate::sessions::SimClock;
+pub use crate::tiered::Tiered;
 
-/// Host↔device traffic of one step, as reported by a tiered cache.
+/// Host↔device traffic of one step, as reported by a tiered cache. Bytes are *modeled* bytes
+/// (`pages × ModelGeometry::page_bytes()`), never the simulated backend's.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepTransfers {
     /// Pages loaded host → device.
     pub pages_loaded: u64,
-    /// Bytes loaded host → device.
+    /// Modeled bytes loaded host → device.
     pub bytes_loaded: u64,
     /// Pages written device → host.
     pub pages_written: u64,
-    /// Bytes written device → host.
+    /// Modeled bytes written device → host.
     pub bytes_written: u64,
     /// Pages fetched storage → host.
     pub pages_prefetched: u64,
-    /// Bytes fetched storage → host.
+    /// Modeled bytes fetched storage → host.
     pub bytes_prefetched: u64,
 }
 
@@ -39,45 +55,142 @@ impl StepTransfers {
     }
 }
 
-/// A [`PrefixCache`] as the manager drives it: the trait plus step hooks and tier reports.
+/// Waits for one started, layer-pipelined load (the real per-layer completion events).
+pub trait LayerWait: Send + Sync + std::fmt::Debug {
+    /// Blocks until the load of modeled layer `layer` is on the device.
+    ///
+    /// # Errors
+    /// [`ManagerError::Tier`] when that layer's copy failed: the batch must not read it (the
+    /// next step boundary repairs or demotes the KV).
+    fn wait_layer(&self, layer: u32) -> Result<()>;
+    /// True when modeled layer `layer`'s load is complete (or there is none).
+    fn is_layer_done(&self, layer: u32) -> bool;
+}
+
+/// What a step's forward must wait for, as [`ManagedCache::on_begin_step`] reports it.
+#[derive(Clone, Debug, Default)]
+pub struct StepLoads {
+    /// Pages whose load started.
+    pub pages: u64,
+    /// Modeled bytes of those pages.
+    pub bytes: u64,
+    /// The per-layer wait of the started load (`None` when nothing was loaded).
+    pub wait: Option<Arc<dyn LayerWait>>,
+}
+
+/// A [`PrefixCache`] as the manager drives it: the trait plus step hooks, session lifecycle
+/// and tier reports.
 ///
-/// The defaults describe a device-only cache (no loads, no transfers, no sessions); tiered and
-/// session caches override what applies to them.
+/// The defaults describe a device-only cache without sessions (no loads, no transfers, no
+/// sessions); tiered and session caches override what applies to them.
 pub trait ManagedCache: PrefixCache + Send {
-    /// Called at the start of a scheduler step: start queued loads. Returns the bytes that the
-    /// step's forward must wait for, layer by layer.
-    fn on_begin_step(&mut self) -> u64 {
-        0
+    /// Called once the step's batch is formed, before its forward: starts queued loads and
+    /// says what the forward waits for, layer by layer.
+    ///
+    /// # Errors
+    /// The backend refused the copy.
+    fn on_begin_step(&mut self) -> Result<StepLoads> {
+        Ok(StepLoads::default())
     }
-    /// Called at the end of a step: apply completion acks; returns the step's traffic.
-    fn on_end_step(&mut self) -> StepTransfers {
-        StepTransfers::default()
+    /// Called at the end of a step: applies completion acks (releasing the locks that
+    /// protected transferring nodes) and returns the step's traffic.
+    ///
+    /// # Errors
+    /// A failed copy that could not be repaired.
+    fn on_end_step(&mut self) -> Result<StepTransfers> {
+        Ok(StepTransfers::default())
     }
-    /// Closes a session, releasing what it holds. A cache without sessions holds nothing.
+    /// Starts everything queued, waits for every transfer and applies its ack (end of a
+    /// replay, shutdown). Returns the traffic not reported by a step yet.
+    ///
+    /// # Errors
+    /// A failed copy.
+    fn drain(&mut self) -> Result<StepTransfers> {
+        Ok(StepTransfers::default())
+    }
+    /// Opens a session (`ttl_ms`: idle TTL overriding the configured one).
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] for a cache without sessions; session-layer errors.
+    fn open_session(&mut self, _id: u64, _streaming: bool, _ttl_ms: Option<u64>) -> Result<()> {
+        Err(ManagerError::Config(
+            "sessions are off in this configuration".into(),
+        ))
+    }
+    /// True when session `id` is open.
+    fn has_session(&self, _id: u64) -> bool {
+        false
+    }
+    /// True when `req` may run as the next turn of its streaming session (or has none). A
+    /// turn that may not (another turn of the session is in flight, or it does not extend the
+    /// session's history) must run as an ordinary request instead.
+    fn session_turn_ok(&self, _req: &RequestKv) -> bool {
+        true
+    }
+    /// Closes a session, releasing what it holds (deferred to the end of a turn in flight).
     ///
     /// # Errors
     /// Session-layer errors.
     fn close_session(&mut self, _id: u64) -> Result<()> {
         Ok(())
     }
+    /// Demotes idle session `id` now (its KV goes to the tree, its slot, row and lock are
+    /// released; the session stays open). Returns false when it held nothing idle.
+    ///
+    /// # Errors
+    /// Session-layer errors.
+    fn demote_session(&mut self, _id: u64) -> Result<bool> {
+        Ok(false)
+    }
+    /// Applies the session TTL and budget (demotes expired and over-budget idle sessions).
+    ///
+    /// # Errors
+    /// Session-layer errors.
+    fn reap_sessions(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Open sessions.
+    fn open_sessions(&self) -> usize {
+        0
+    }
+    /// Sessions currently holding KV (idle slots).
+    fn held_sessions(&self) -> usize {
+        0
+    }
     /// Tokens resident on the host tier.
     fn host_tokens(&self) -> usize {
         0
     }
-    /// Sessions currently holding KV.
-    fn held_sessions(&self) -> usize {
-        0
+    /// True when allocating token slots inside pages a request's row already has needs no
+    /// work from the cache (only `allocated_len` moves), so the manager may skip the
+    /// `alloc_tokens` call for them — most decode tokens. A cache with per-token state (a
+    /// sliding-window pool that frees as it slides) must return false.
+    fn page_granular(&self) -> bool {
+        true
     }
 }
 
 impl ManagedCache for RadixCache {}
 
-/// Builds the cache a configuration describes.
+/// Builds the cache a configuration describes, with a fresh session clock at 0.
 ///
 /// # Errors
-/// [`ManagerError::Config`] for an impossible configuration, [`ManagerError::NotWired`] for a
-/// kind whose crate this build does not include.
+/// As [`build_cache_with_clock`].
 pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
+    build_cache_with_clock(cfg, SimClock::default())
+}
+
+/// Builds the cache a configuration describes; sessions read their idle TTLs from `clock`
+/// (milliseconds).
+///
+/// # Errors
+/// [`ManagerError::Config`] for an impossible configuration, [`ManagerError::NotWired`] for
+/// the CUDA backend and hybrid pools, [`ManagerError::Tier`] when the simulated backend cannot
+/// be allocated.
+pub fn build_cache_with_clock(
+    cfg: &ManagerConfig,
+    clock: SimClock,
+) -> Result<Box<dyn ManagedCache>> {
     cfg.validate()?;
     if let DeviceBackend::Cuda { .. } = cfg.backend {
         return Err(ManagerError::NotWired {
@@ -91,12 +204,6 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
             needs: "radixkv-hicache",
         });
     }
-    if cfg.sessions.is_some() {
-        return Err(ManagerError::NotWired {
-            kind: "sessions",
-            needs: "radixkv-session",
-        });
-    }
     let radix = RadixConfig {
         page_size: cfg.model.page_size,
         total_pages: cfg.device_pages(),
@@ -105,42 +212,101 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
         events: cfg.events,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
     };
-    match &cfg.cache {
-        CacheKind::Disabled | CacheKind::Radix => Ok(Box::new(RadixCache::new(radix)?)),
-        CacheKind::HiCache(_) => Err(ManagerError::NotWired {
-            kind: "hi_cache",
-            needs: "radixkv-hicache",
-        }),
-    }
+    let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
+        max_held_tokens: b.max_held_tokens,
+        max_session_tokens: b.per_session_cap_tokens,
+        idle_ttl: Some(b.idle_ttl_ms),
+    });
+    Ok(match (&cfg.cache, sessions) {
+        (CacheKind::Disabled | CacheKind::Radix, None) => Box::new(RadixCache::new(radix)?),
+        (CacheKind::Disabled | CacheKind::Radix, Some(s)) => Box::new(
+            SessionAwareCache::with_clock(RadixCache::new(radix)?, s, clock),
+        ),
+        (CacheKind::HiCache(h), None) => Box::new(Tiered::new(cfg, h, radix)?),
+        (CacheKind::HiCache(h), Some(s)) => Box::new(SessionAwareCache::with_clock(
+            Tiered::new(cfg, h, radix)?,
+            s,
+            clock,
+        )),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{HostTier, SessionBudget};
+    use crate::config::{HostTier, MambaPool, SessionBudget, WritePolicy};
 
-    #[test]
-    fn builds_radix_and_names_missing_crates() {
-        let cfg = ManagerConfig {
+    fn base() -> ManagerConfig {
+        ManagerConfig {
             device_tokens: 4096,
             ..Default::default()
-        };
-        let c = build_cache(&cfg).unwrap();
+        }
+    }
+
+    #[test]
+    fn builds_every_wired_kind() {
+        let c = build_cache(&base()).unwrap();
         assert_eq!(c.accounting().total, 4096);
-        let hi = ManagerConfig {
-            cache: CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
-            ..cfg.clone()
+        assert_eq!(c.open_sessions(), 0);
+        for w in [
+            WritePolicy::WriteThrough,
+            WritePolicy::WriteThroughSelective { hits: 2 },
+            WritePolicy::WriteBack,
+        ] {
+            let hi = ManagerConfig {
+                cache: CacheKind::HiCache(HostTier::ratio(4096, 2.0).write_policy(w)),
+                ..base()
+            };
+            let mut c = build_cache(&hi).unwrap();
+            assert_eq!(c.accounting().total, 4096);
+            assert_eq!(c.host_tokens(), 0);
+            let loads = c.on_begin_step().unwrap();
+            assert_eq!(loads.pages, 0);
+            assert!(loads.wait.is_none());
+            assert_eq!(c.on_end_step().unwrap(), StepTransfers::default());
+            assert!(c.open_session(1, true, None).is_err(), "no sessions here");
+        }
+        let budget = SessionBudget {
+            max_held_tokens: 1024,
+            ..Default::default()
         };
-        let e = build_cache(&hi).err().unwrap().to_string();
+        for cache in [
+            CacheKind::Radix,
+            CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
+        ] {
+            let s = ManagerConfig {
+                cache,
+                sessions: Some(budget.clone()),
+                ..base()
+            };
+            let mut c = build_cache(&s).unwrap();
+            c.open_session(9, true, None).unwrap();
+            assert!(c.has_session(9));
+            assert_eq!(c.open_sessions(), 1);
+            assert!(matches!(
+                c.open_session(9, true, None),
+                Err(ManagerError::Session(_))
+            ));
+            c.close_session(9).unwrap();
+            assert!(!c.has_session(9));
+            assert!(c.close_session(9).is_err());
+        }
+    }
+
+    #[test]
+    fn cuda_and_hybrid_pools_name_their_crate() {
+        let cuda = ManagerConfig {
+            backend: DeviceBackend::Cuda { device: 0 },
+            ..base()
+        };
+        let e = build_cache(&cuda).err().unwrap().to_string();
+        assert!(e.contains("cuda"), "{e}");
+        let mut hybrid = base();
+        hybrid.model.mamba = Some(MambaPool {
+            slots: 4,
+            bytes_per_slot: 64,
+        });
+        let e = build_cache(&hybrid).err().unwrap().to_string();
         assert!(e.contains("radixkv-hicache"), "{e}");
-        let s = ManagerConfig {
-            sessions: Some(SessionBudget {
-                max_held_tokens: 1024,
-                ..Default::default()
-            }),
-            ..cfg
-        };
-        let e = build_cache(&s).err().unwrap().to_string();
-        assert!(e.contains("radixkv-session"), "{e}");
     }
 }

@@ -9,9 +9,16 @@
 //!   kind (disabled / radix / HiCache with a host tier, a write policy and an optional storage
 //!   tier), the eviction policy, sessions and their budget, the device backend.
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
-//!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks and tier reports. Kinds whose
-//!   crate is not wired into this build fail there with [`ManagerError::NotWired`], naming the
-//!   crate.
+//!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
+//!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
+//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. The CUDA backend and hybrid pools
+//!   fail with [`ManagerError::NotWired`], naming the crate.
+//! - **Modeled vs simulated bytes**: HostSim really copies bytes, so its pools use a tiny
+//!   [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost model's
+//!   transfer time) is *modeled*: pages × the model's page bytes.
+//! - **Sessions**: a request carrying a session id opens it (streaming) on arrival, or call
+//!   [`KvCacheManager::open_session`]; [`KvCacheManager::close_session`] releases it. Idle TTLs
+//!   run on the manager's clock, which the scheduler sets ([`KvCacheManager::set_time_ms`]).
 //! - **Lifecycle**: `arrive` → `admit` (match, temporary lock, budget check, load-back, lock) →
 //!   `extend` per prefill chunk (allocation evicts as needed) → `chunk_done` (the chunk enters
 //!   the cache at once) → `decode` per token (out of memory → `retract`) → `finish` / `abort`.
@@ -59,7 +66,11 @@ pub mod factory;
 mod manager;
 pub mod metrics;
 pub mod plot;
+mod request;
+mod sessions;
 pub mod sim;
+mod table;
+mod tiered;
 pub mod trace;
 
 pub use builder::ManagerBuilder;
@@ -69,3 +80,4 @@ pub use manager::{
     Admission, Admitted, KvCacheManager, ReqId, Request, StepHandle, StepSummary, WaitReason,
 };
 pub use metrics::Metrics;
+pub use sessions::SimClock;

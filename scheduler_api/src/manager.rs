@@ -19,158 +19,21 @@
 
 use std::ops::Range;
 
-use ahash::HashMap;
+use ahash::HashSet;
 use radixkv_radix::{
-    FinishKind, KvEvent, Namespace, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag,
-    TokenId,
+    FinishKind, KvEvent, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
-use crate::factory::{ManagedCache, StepTransfers, build_cache};
+use crate::factory::{ManagedCache, StepTransfers, build_cache_with_clock};
 use crate::metrics::Metrics;
-
-/// A request as the scheduler submits it.
-#[derive(Clone, Debug, Default)]
-pub struct Request {
-    /// Prompt tokens (at least one).
-    pub tokens: Vec<TokenId>,
-    /// Tenant / LoRA / cache-salt namespace.
-    pub namespace: Namespace,
-    /// The streaming session this request continues, if any.
-    pub session: Option<u64>,
-    /// Priority (for the priority eviction policy).
-    pub priority: i32,
-    /// Maximum output tokens (drives the admission reservation).
-    pub max_new_tokens: usize,
-    /// Optional cap on the reusable prefix (e.g. a logprob start position).
-    pub max_prefix_len: Option<usize>,
-}
-
-impl Request {
-    /// A request for `tokens` in the default namespace.
-    pub fn new(tokens: Vec<TokenId>) -> Self {
-        Request {
-            tokens,
-            ..Default::default()
-        }
-    }
-
-    /// Sets the namespace.
-    pub fn namespace(mut self, ns: Namespace) -> Self {
-        self.namespace = ns;
-        self
-    }
-
-    /// Sets the session.
-    pub fn session(mut self, id: u64) -> Self {
-        self.session = Some(id);
-        self
-    }
-
-    /// Sets the output budget.
-    pub fn max_new_tokens(mut self, n: usize) -> Self {
-        self.max_new_tokens = n;
-        self
-    }
-}
-
-/// Handle to a request inside one manager. Never reused.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ReqId(u64);
-
-impl ReqId {
-    /// The raw id (for logs).
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-/// Outcome of [`KvCacheManager::admit`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Admission {
-    /// Admitted: locked, row allocated, reservation taken.
-    Ready(Admitted),
-    /// Not admitted now; nothing is held. Try again at a later step.
-    Wait(WaitReason),
-}
-
-/// What an admission reused and what remains to compute.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct Admitted {
-    /// Tokens reused from the device tier.
-    pub device_tokens: usize,
-    /// Tokens reused from the host tier (loaded back this step).
-    pub host_tokens: usize,
-    /// Tokens reused from the storage tier.
-    pub storage_tokens: usize,
-    /// Tokens that must be computed (prefill).
-    pub extend_tokens: usize,
-}
-
-impl Admitted {
-    /// Tokens reused from any tier.
-    pub fn cached_tokens(&self) -> usize {
-        self.device_tokens + self.host_tokens + self.storage_tokens
-    }
-}
-
-/// Why an admission must wait.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum WaitReason {
-    /// The admission budget is short.
-    NoRoom {
-        /// Tokens the request needs (extend + clipped output + one page).
-        needed: usize,
-        /// Tokens available for admission after the temporary lock.
-        available: usize,
-    },
-    /// Every request-pool row is in use.
-    NoRow,
-}
-
-/// One scheduler step, from [`KvCacheManager::begin_step`] to [`KvCacheManager::end_step`].
-#[derive(Debug)]
-pub struct StepHandle {
-    index: u64,
-    load_bytes: u64,
-    layers: u32,
-    span: tracing::Span,
-}
-
-impl StepHandle {
-    /// The step number.
-    pub fn index(&self) -> u64 {
-        self.index
-    }
-
-    /// Bytes this step's forward waits for (host → device loads started at `begin_step`).
-    pub fn load_bytes(&self) -> u64 {
-        self.load_bytes
-    }
-
-    /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`
-    /// only waits for its own share.
-    pub fn layer_load_bytes(&self, layer: u32) -> u64 {
-        if layer >= self.layers {
-            return 0;
-        }
-        self.load_bytes / u64::from(self.layers)
-    }
-
-    /// The step's `tracing` span (enter it around the step's work).
-    pub fn span(&self) -> &tracing::Span {
-        &self.span
-    }
-}
-
-/// What a step moved between tiers.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepSummary {
-    /// Host↔device traffic of the step (zero for a device-only cache).
-    pub transfers: StepTransfers,
-}
+pub use crate::request::{
+    Admission, Admitted, ReqId, Request, StepHandle, StepSummary, WaitReason,
+};
+use crate::sessions::SimClock;
+use crate::table::Table;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Phase {
@@ -187,6 +50,9 @@ struct Tracked {
     /// Tokens reserved at admission and not yet allocated.
     reserved: usize,
     admitted_before: bool,
+    /// Token slots the request's row covers as of the last allocation (0: unknown). Decode
+    /// tokens below it are bookkeeping only (see [`ManagedCache::page_granular`]).
+    row_capacity: usize,
 }
 
 /// The scheduler facade over one prefix cache. See the module docs for the lifecycle.
@@ -209,8 +75,7 @@ struct Tracked {
 pub struct KvCacheManager {
     cache: Box<dyn ManagedCache>,
     cfg: ManagerConfig,
-    requests: HashMap<u64, Tracked>,
-    next_id: u64,
+    requests: Table<Tracked>,
     reserved_total: usize,
     waiting: usize,
     running: usize,
@@ -218,6 +83,16 @@ pub struct KvCacheManager {
     events: Vec<KvEvent>,
     step: u64,
     check_every_step: bool,
+    clock: SimClock,
+    /// The cache's [`ManagedCache::page_granular`], read once.
+    page_granular: bool,
+    /// Sessions this manager opened and has not closed.
+    sessions_open: HashSet<u64>,
+    /// Per open session, when a turn of it last arrived or finished (a sequence number).
+    session_use: ahash::HashMap<u64, u64>,
+    use_seq: u64,
+    /// A failure of `begin_step` (which cannot fail), reported by the next `end_step`.
+    step_error: Option<ManagerError>,
 }
 
 impl std::fmt::Debug for KvCacheManager {
@@ -241,12 +116,13 @@ impl KvCacheManager {
     /// # Errors
     /// [`ManagerError::Config`] or [`ManagerError::NotWired`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
-        let cache = build_cache(&cfg)?;
+        let clock = SimClock::default();
+        let cache = build_cache_with_clock(&cfg, clock.clone())?;
+        let page_granular = cache.page_granular();
         Ok(KvCacheManager {
             cache,
             cfg,
-            requests: HashMap::default(),
-            next_id: 0,
+            requests: Table::default(),
             reserved_total: 0,
             waiting: 0,
             running: 0,
@@ -254,12 +130,30 @@ impl KvCacheManager {
             events: Vec::new(),
             step: 0,
             check_every_step: cfg!(debug_assertions),
+            clock,
+            page_granular,
+            sessions_open: HashSet::default(),
+            session_use: Default::default(),
+            use_seq: 0,
+            step_error: None,
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &ManagerConfig {
         &self.cfg
+    }
+
+    /// Sets the manager's clock (milliseconds, monotonic: an earlier time is ignored). Session
+    /// idle TTLs are measured on it; a replay sets the simulated time, a live scheduler its
+    /// own monotonic time.
+    pub fn set_time_ms(&mut self, ms: u64) {
+        self.clock.set_ms(ms);
+    }
+
+    /// The manager's clock (milliseconds).
+    pub fn time_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     /// Turns the per-step invariant audit on or off (on by default in debug builds only).
@@ -345,14 +239,12 @@ impl KvCacheManager {
     /// # Errors
     /// [`ManagerError::Lifecycle`] for an empty prompt.
     pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
-        let id = self.next_id;
         if req.tokens.is_empty() {
             return Err(ManagerError::Lifecycle {
-                id,
+                id: self.requests.next_handle(),
                 what: "empty prompt",
             });
         }
-        self.next_id += 1;
         let prompt_len = req.tokens.len();
         let mut tokens = req.tokens;
         // Decoded tokens are appended one by one on the hot path: make room once, here (free
@@ -362,23 +254,30 @@ impl KvCacheManager {
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
         // Only a session layer gives the tag a meaning; without one it would be ignored anyway.
-        if self.cfg.sessions.is_some() {
-            kv.session = req.session.map(|id| SessionTag {
-                id,
+        // A session is opened (streaming) the first time one of its requests arrives.
+        if let (Some(_), Some(sid)) = (&self.cfg.sessions, req.session) {
+            if !self.sessions_open.contains(&sid) {
+                if !self.cache.has_session(sid) {
+                    self.cache.open_session(sid, true, None)?;
+                }
+                self.sessions_open.insert(sid);
+            }
+            self.use_seq += 1;
+            self.session_use.insert(sid, self.use_seq);
+            kv.session = Some(SessionTag {
+                id: sid,
                 streaming: true,
             });
         }
-        self.requests.insert(
-            id,
-            Tracked {
-                kv,
-                phase: Phase::Waiting,
-                prompt_len,
-                max_new: req.max_new_tokens,
-                reserved: 0,
-                admitted_before: false,
-            },
-        );
+        let id = self.requests.insert(Tracked {
+            kv,
+            phase: Phase::Waiting,
+            prompt_len,
+            max_new: req.max_new_tokens,
+            reserved: 0,
+            admitted_before: false,
+            row_capacity: 0,
+        });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
         Ok(ReqId(id))
@@ -394,7 +293,7 @@ impl KvCacheManager {
         let rows_free = self.cache.pools().rows.available();
         let t = self
             .requests
-            .get_mut(&id.0)
+            .get_mut(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
         if t.phase != Phase::Waiting {
             return Err(ManagerError::Lifecycle {
@@ -406,23 +305,45 @@ impl KvCacheManager {
             self.metrics.counters.admission_waits += 1;
             return Ok(Admission::Wait(WaitReason::NoRow));
         }
-        let m = self.cache.match_request(&mut t.kv)?;
+        // A turn its session cannot serve (another turn in flight, history not extended) runs
+        // as an ordinary request rather than failing.
+        if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
+            t.kv.session = None;
+        }
+        let mut m = self.cache.match_request(&mut t.kv)?;
         let len = t.kv.key.len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);
-        let needed = len - m.prefix_len + output_left + page;
-        // Locking the matched path takes it out of `evictable`, so the budget is read under a
-        // temporary lock, as the real admission will see it.
-        let available = match t.kv.last_node {
-            Some(node) => {
-                let receipt = self.cache.inc_lock_ref(node)?;
-                let a = self.cache.available_tokens();
-                self.cache.dec_lock_ref(receipt)?;
-                a
+        let mut needed = len - m.prefix_len + output_left + page;
+        let mut available = admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
+        if needed > available && self.running == 0 && !self.sessions_open.is_empty() {
+            // Nothing runs, so nothing will free memory by finishing: idle sessions are all
+            // that stands in the way. Their slots keep their first turn's prefix locked, which
+            // the session budget does not count, so demote them (least recently used first;
+            // their KV stays in the tree as evictable cache) until the request fits.
+            let own = t.kv.session.map(|s| s.id);
+            let mut order: Vec<(u64, u64)> = self
+                .sessions_open
+                .iter()
+                .filter(|&&s| Some(s) != own)
+                .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
+                .collect();
+            order.sort_unstable();
+            for (_, sid) in order {
+                if self.cache.demote_session(sid)? {
+                    self.metrics.counters.session_demotions += 1;
+                    available =
+                        admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
+                    if needed <= available {
+                        break;
+                    }
+                }
             }
-            None => self.cache.available_tokens(),
+            // Demotion inserted into the tree: match again so the handles are current.
+            m = self.cache.match_request(&mut t.kv)?;
+            needed = len - m.prefix_len + output_left + page;
+            available = admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
         }
-        .saturating_sub(self.reserved_total);
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
@@ -433,6 +354,7 @@ impl KvCacheManager {
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
         t.phase = Phase::Running;
+        t.row_capacity = 0;
         self.reserved_total += t.reserved;
         self.waiting -= 1;
         self.running += 1;
@@ -471,6 +393,8 @@ impl KvCacheManager {
         }
         alloc(
             self.cache.as_mut(),
+            self.cfg.model.page_size,
+            self.page_granular,
             &mut self.metrics,
             &mut self.reserved_total,
             t,
@@ -488,6 +412,8 @@ impl KvCacheManager {
     pub fn chunk_done(&mut self, id: ReqId) -> Result<()> {
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
+        // Inserting may rewrite the row; the next allocation asks the cache again.
+        t.row_capacity = 0;
         self.cache.cache_unfinished_req(&mut t.kv)?;
         Ok(())
     }
@@ -509,6 +435,8 @@ impl KvCacheManager {
         t.kv.append_tokens(&[token]);
         let r = alloc(
             self.cache.as_mut(),
+            self.cfg.model.page_size,
+            self.page_granular,
             &mut self.metrics,
             &mut self.reserved_total,
             t,
@@ -529,7 +457,7 @@ impl KvCacheManager {
     pub fn pages(&self, id: ReqId) -> Result<&[PageId]> {
         let t = self
             .requests
-            .get(&id.0)
+            .get(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
         let row = t.kv.row.ok_or(ManagerError::Lifecycle {
             id: id.0,
@@ -544,7 +472,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn tokens(&self, id: ReqId) -> Result<&[TokenId]> {
         self.requests
-            .get(&id.0)
+            .get(id.0)
             .map(|t| t.kv.key.tokens.as_slice())
             .ok_or(ManagerError::UnknownRequest(id.0))
     }
@@ -556,13 +484,17 @@ impl KvCacheManager {
     pub fn finish(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
         if t.phase != Phase::Running {
-            self.requests.insert(id.0, t);
+            self.requests.restore(id.0, t);
             return Err(ManagerError::Lifecycle {
                 id: id.0,
                 what: "finish on a waiting request",
             });
         }
         self.forget(&t);
+        if let Some(tag) = t.kv.session {
+            self.use_seq += 1;
+            self.session_use.insert(tag.id, self.use_seq);
+        }
         let committed = commit_pending(&mut t.kv);
         let r = self
             .cache
@@ -594,6 +526,7 @@ impl KvCacheManager {
         self.reserved_total -= t.reserved;
         t.reserved = 0;
         t.phase = Phase::Waiting;
+        t.row_capacity = 0;
         self.running -= 1;
         self.waiting += 1;
         self.metrics.counters.retracted += 1;
@@ -607,19 +540,92 @@ impl KvCacheManager {
     /// # Errors
     /// Session-layer errors.
     pub fn close_session(&mut self, session: u64) -> Result<()> {
-        self.cache.close_session(session)
+        self.cache.close_session(session)?;
+        self.sessions_open.remove(&session);
+        self.session_use.remove(&session);
+        Ok(())
     }
 
-    /// Starts a step: queued loads start; the handle says what the forward waits for.
+    /// Opens a session explicitly (requests carrying an unknown session id open it as a
+    /// streaming session on arrival). `ttl_ms` overrides the configured idle TTL.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] when sessions are off; [`ManagerError::Session`] when it is
+    /// already open.
+    pub fn open_session(
+        &mut self,
+        session: u64,
+        streaming: bool,
+        ttl_ms: Option<u64>,
+    ) -> Result<()> {
+        self.cache.open_session(session, streaming, ttl_ms)?;
+        self.sessions_open.insert(session);
+        Ok(())
+    }
+
+    /// Closes every session this manager has open (shutdown, end of a replay).
+    ///
+    /// # Errors
+    /// The first session-layer error (the other sessions are still closed).
+    pub fn close_all_sessions(&mut self) -> Result<()> {
+        self.session_use.clear();
+        let mut ids: Vec<u64> = self.sessions_open.drain().collect();
+        ids.sort_unstable();
+        let mut first = Ok(());
+        for id in ids {
+            let r = self.cache.close_session(id);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Open sessions.
+    pub fn open_sessions(&self) -> usize {
+        self.cache.open_sessions()
+    }
+
+    /// Waits for every transfer in flight and applies its ack (shutdown, end of a replay):
+    /// afterwards no page is locked by a transfer.
+    ///
+    /// # Errors
+    /// A failed copy.
+    pub fn drain(&mut self) -> Result<StepTransfers> {
+        let t = self.cache.drain()?;
+        self.count_transfers(&t);
+        Ok(t)
+    }
+
+    /// Starts a step, once its batch is formed and before its forward: queued loads (host
+    /// hits of this step's admissions) start; the handle says what the forward waits for.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        let load_bytes = self.cache.on_begin_step();
+        let loads = match self.cache.on_begin_step() {
+            Ok(l) => l,
+            Err(e) => {
+                self.step_error.get_or_insert(e);
+                Default::default()
+            }
+        };
         StepHandle {
             index: self.step,
-            load_bytes,
+            load_pages: loads.pages,
+            load_bytes: loads.bytes,
             layers: self.cfg.model.layers,
-            span: tracing::debug_span!("kv_step", step = self.step, load_bytes),
+            wait: loads.wait,
+            span: tracing::debug_span!("kv_step", step = self.step, load_bytes = loads.bytes),
         }
+    }
+
+    fn count_transfers(&mut self, t: &StepTransfers) {
+        let c = &mut self.metrics.counters;
+        c.pages_loaded += t.pages_loaded;
+        c.bytes_loaded += t.bytes_loaded;
+        c.pages_written += t.pages_written;
+        c.bytes_written += t.bytes_written;
+        c.pages_prefetched += t.pages_prefetched;
+        c.bytes_prefetched += t.bytes_prefetched;
     }
 
     /// Ends a step: drains acks, KV events and transfer counts; audits invariants in debug
@@ -629,15 +635,13 @@ impl KvCacheManager {
     /// [`ManagerError::Invariant`] when the audit fails.
     pub fn end_step(&mut self, step: StepHandle) -> Result<StepSummary> {
         let _g = step.span.enter();
-        let transfers = self.cache.on_end_step();
+        if let Some(e) = self.step_error.take() {
+            return Err(e);
+        }
+        let transfers = self.cache.on_end_step()?;
+        self.count_transfers(&transfers);
         let c = &mut self.metrics.counters;
         c.steps += 1;
-        c.pages_loaded += transfers.pages_loaded;
-        c.bytes_loaded += transfers.bytes_loaded;
-        c.pages_written += transfers.pages_written;
-        c.bytes_written += transfers.bytes_written;
-        c.pages_prefetched += transfers.pages_prefetched;
-        c.bytes_prefetched += transfers.bytes_prefetched;
         if self.cfg.events {
             let mut ev = self.cache.take_events();
             c.kv_events += ev.len() as u64;
@@ -651,7 +655,7 @@ impl KvCacheManager {
 
     fn take(&mut self, id: ReqId) -> Result<Tracked> {
         self.requests
-            .remove(&id.0)
+            .remove(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
@@ -665,13 +669,32 @@ impl KvCacheManager {
     }
 }
 
+/// Admission budget for a matched request. Locking the matched path takes it out of
+/// `evictable`, so the budget is read under a temporary lock, as the real admission will see it.
+fn admission_available(
+    cache: &mut dyn ManagedCache,
+    kv: &RequestKv,
+    reserved_total: usize,
+) -> Result<usize> {
+    let a = match kv.last_node {
+        Some(node) => {
+            let receipt = cache.inc_lock_ref(node)?;
+            let a = cache.available_tokens();
+            cache.dec_lock_ref(receipt)?;
+            a
+        }
+        None => cache.available_tokens(),
+    };
+    Ok(a.saturating_sub(reserved_total))
+}
+
 fn inv(msg: String) -> ManagerError {
     ManagerError::Invariant(radixkv_radix::InvariantViolation(msg))
 }
 
-fn running_mut(reqs: &mut HashMap<u64, Tracked>, id: ReqId) -> Result<&mut Tracked> {
+fn running_mut(reqs: &mut Table<Tracked>, id: ReqId) -> Result<&mut Tracked> {
     let t = reqs
-        .get_mut(&id.0)
+        .get_mut(id.0)
         .ok_or(ManagerError::UnknownRequest(id.0))?;
     if t.phase != Phase::Running {
         return Err(ManagerError::Lifecycle {
@@ -691,15 +714,28 @@ fn commit_pending(kv: &mut RequestKv) -> Result<()> {
 /// Allocates `n` slots for `t`, counting evictions and consuming its reservation.
 fn alloc(
     cache: &mut dyn ManagedCache,
+    page_size: usize,
+    in_place: bool,
     metrics: &mut Metrics,
     reserved_total: &mut usize,
     t: &mut Tracked,
     n: usize,
 ) -> Result<()> {
-    // Eviction is only possible when the free pages may not cover the allocation; skipping the
-    // counter reads otherwise keeps the per-token decode path short.
-    let p = cache.page_size();
-    let may_evict = cache.pools().pages.available() < n.div_ceil(p) + 1;
+    // Most decode tokens land in a page the row already has: with a page-granular cache that
+    // is bookkeeping only, no cache call.
+    if in_place && t.kv.allocated_len + n <= t.row_capacity {
+        t.kv.allocated_len += n;
+        let used = n.min(t.reserved);
+        t.reserved -= used;
+        *reserved_total -= used;
+        return Ok(());
+    }
+    // Eviction is only possible when the allocation needs new pages and the free ones may not
+    // cover them.
+    let p = page_size;
+    let have = t.kv.allocated_len;
+    let new_pages = (have + n).div_ceil(p) - have.div_ceil(p);
+    let may_evict = new_pages > 0 && cache.pools().pages.available() < new_pages + 1;
     let cached_before = if may_evict {
         cache.evictable_tokens() + cache.protected_tokens()
     } else {
@@ -714,6 +750,13 @@ fn alloc(
             },
             e => e.into(),
         });
+    }
+    if in_place && let Some(row) = t.kv.row {
+        t.row_capacity = cache
+            .pools()
+            .rows
+            .pages(row)
+            .map_or(0, |pages| pages.len() * p);
     }
     if may_evict {
         // Allocation changes the tree only by evicting.

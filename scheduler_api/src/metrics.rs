@@ -52,6 +52,9 @@ pub struct Counters {
     pub steps: u64,
     /// KV events drained for routers.
     pub kv_events: u64,
+    /// Idle sessions demoted by the manager to admit a request nothing else could make room
+    /// for.
+    pub session_demotions: u64,
 }
 
 /// Point-in-time values.
@@ -203,6 +206,12 @@ impl Metrics {
             "counter",
             "Scheduler steps.",
             &[("", c.steps)],
+        );
+        family(
+            "session_demotions_total",
+            "counter",
+            "Idle sessions demoted to make room for an admission.",
+            &[("", c.session_demotions)],
         );
         family(
             "kv_events_total",

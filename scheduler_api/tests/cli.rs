@@ -87,10 +87,21 @@ fn compare_prints_one_table_with_every_configuration() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    for label in ["disabled", "radix-lru", "radix-sieve", "radix-slru"] {
+    for label in [
+        "disabled",
+        "radix-lru",
+        "radix-sieve",
+        "radix-slru",
+        "radix-lru+sessions",
+        "hicache-lru-wt+host128K",
+        "hicache-lru-wts2+host128K",
+        "hicache-lru-wb+host128K",
+        "hicache-lru-wt+host128K+sessions",
+    ] {
         assert!(out.contains(label), "{label} missing in {out}");
     }
     assert!(out.lines().next().unwrap().contains("/ideal"));
+    assert!(!out.contains("skipped"), "{out}");
 }
 
 #[test]
@@ -215,11 +226,33 @@ fn impossible_configs_are_rejected() {
 }
 
 #[test]
-fn unwired_cache_kinds_name_their_crate() {
-    let o = radixkv(&["demo", "--conversations", "2", "--cache", "hicache"]);
-    fails_with(&o, "radixkv-hicache");
-    let o = radixkv(&["demo", "--conversations", "2", "--session-tokens", "4096"]);
-    fails_with(&o, "radixkv-session");
+fn hicache_and_sessions_run_and_cuda_names_its_crate() {
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--device-tokens",
+        "32768",
+        "--cache",
+        "hicache",
+        "--write-policy",
+        "write_back",
+        "--session-tokens",
+        "4096",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("hicache-lru-wb+host128K+sessions"),
+        "{}",
+        stdout(&o)
+    );
+    let dir = temp_dir();
+    let f = dir.join("cuda.toml");
+    std::fs::write(&f, "[backend]\ntype = \"cuda\"\ndevice = 0\n").unwrap();
+    let o = radixkv(&["demo", "--config", f.to_str().unwrap()]);
+    fails_with(&o, "radixkv-hicache (feature `cuda`)");
+    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]

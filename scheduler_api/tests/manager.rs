@@ -1,6 +1,9 @@
 //! The KvCacheManager lifecycle, budgets, errors and metrics.
 
-use radixkv_scheduler_api::{Admission, KvCacheManager, ManagerError, Request, WaitReason};
+use radixkv_scheduler_api::{
+    Admission, Admitted, HostTier, KvCacheManager, ManagerError, Request, SessionBudget,
+    WaitReason, WritePolicy,
+};
 
 fn manager(device_tokens: usize, page: usize) -> KvCacheManager {
     KvCacheManager::builder()
@@ -186,17 +189,174 @@ fn kv_events_are_drained_for_routers() {
 }
 
 #[test]
-fn config_files_build_managers_and_name_missing_crates() {
+fn config_files_build_every_wired_kind() {
     let cfg = radixkv_scheduler_api::ManagerConfig::from_toml_str(
         "device_tokens = 8192\n[cache]\nkind = \"hi_cache\"\nhost_tokens = 32768\n",
     )
     .unwrap();
-    let e = KvCacheManager::new(cfg).unwrap_err().to_string();
-    assert!(e.contains("radixkv-hicache"), "{e}");
+    let kv = KvCacheManager::new(cfg).unwrap();
+    assert_eq!(kv.accounting().total, 8192);
+    assert_eq!(kv.config().label(), "hicache-lru-wt+host32K");
     let cfg = radixkv_scheduler_api::ManagerConfig::from_toml_str(
-        "device_tokens = 8192\neviction = \"slru\"\n",
+        "device_tokens = 8192\neviction = \"slru\"\n[sessions]\nmax_held_tokens = 2048\n",
     )
     .unwrap();
     let kv = KvCacheManager::new(cfg).unwrap();
     assert_eq!(kv.accounting().total, 8192);
+    assert_eq!(kv.config().label(), "radix-slru+sessions");
+}
+
+fn session_manager(hicache: bool) -> KvCacheManager {
+    let mut b = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(4)
+        .max_rows(8)
+        .sessions(SessionBudget {
+            max_held_tokens: 128,
+            idle_ttl_ms: 1_000,
+            per_session_cap_tokens: 128,
+        });
+    if hicache {
+        b = b.host_tier(HostTier::ratio(256, 4.0));
+    }
+    b.build().unwrap()
+}
+
+/// One turn of `session`: prefill in one step, `out − 1` decode steps, finish.
+fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Admitted {
+    let id = kv
+        .arrive(
+            Request::new(tokens)
+                .session(session)
+                .max_new_tokens(out as usize),
+        )
+        .unwrap();
+    let Admission::Ready(a) = kv.admit(id).unwrap() else {
+        panic!("admission waited")
+    };
+    kv.extend(id, a.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    for layer in 0..kv.config().model.layers {
+        step.wait_layer(layer).unwrap();
+    }
+    kv.end_step(step).unwrap();
+    kv.chunk_done(id).unwrap();
+    for t in 0..out.saturating_sub(1) {
+        kv.decode(id, 9_000 + t).unwrap();
+        let step = kv.begin_step();
+        kv.end_step(step).unwrap();
+    }
+    kv.finish(id).unwrap();
+    kv.check_invariants().unwrap();
+    a
+}
+
+#[test]
+fn sessions_open_on_arrival_serve_the_next_turn_and_release_on_close() {
+    for hicache in [false, true] {
+        let mut kv = session_manager(hicache);
+        let first: Vec<u32> = (0..10).collect();
+        assert_eq!(turn(&mut kv, 7, first, 3).cached_tokens(), 0);
+        assert_eq!(kv.open_sessions(), 1);
+        assert!(kv.accounting().session_held > 0, "the slot holds turn 1");
+        assert_eq!(kv.metrics().gauges.held_sessions, 1);
+        // Turn 2 extends turn 1 (prompt + both fed-back outputs) and reuses it unaligned.
+        let mut next: Vec<u32> = (0..10).collect();
+        next.extend([9_000, 9_001, 50, 51, 52]);
+        assert_eq!(turn(&mut kv, 7, next, 2).device_tokens, 12);
+        // A turn that does not extend the history runs as an ordinary request.
+        assert_eq!(turn(&mut kv, 7, (100..120).collect(), 2).cached_tokens(), 0);
+        kv.close_session(7).unwrap();
+        assert_eq!(kv.open_sessions(), 0);
+        kv.drain().unwrap();
+        let a = kv.accounting();
+        assert_eq!(a.session_held + a.protected + a.request_owned, 0, "{a:?}");
+        assert_eq!(a.free + a.evictable, a.total);
+        assert!(matches!(kv.close_session(7), Err(ManagerError::Session(_))));
+    }
+}
+
+#[test]
+fn session_ttl_runs_on_the_manager_clock() {
+    let mut kv = session_manager(false);
+    kv.open_session(3, true, Some(50)).unwrap();
+    assert!(kv.open_session(3, true, None).is_err());
+    turn(&mut kv, 3, (0..10).collect(), 2);
+    assert!(kv.accounting().session_held > 0);
+    kv.set_time_ms(49);
+    let step = kv.begin_step();
+    kv.end_step(step).unwrap();
+    assert!(kv.accounting().session_held > 0, "not expired yet");
+    kv.set_time_ms(10);
+    assert_eq!(kv.time_ms(), 49, "the clock never goes back");
+    kv.set_time_ms(60);
+    let step = kv.begin_step();
+    kv.end_step(step).unwrap();
+    assert_eq!(
+        kv.accounting().session_held,
+        0,
+        "expired: demoted to the tree"
+    );
+    assert_eq!(kv.open_sessions(), 1, "demotion keeps the session open");
+    kv.close_all_sessions().unwrap();
+    assert_eq!(kv.open_sessions(), 0);
+    let plain = manager(4096, 4);
+    let mut plain = plain;
+    assert!(matches!(
+        plain.open_session(1, true, None),
+        Err(ManagerError::Config(_))
+    ));
+}
+
+#[test]
+fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(64)
+        .page_size(4)
+        .max_rows(4)
+        .host_tier(HostTier::ratio(64, 4.0).write_policy(WritePolicy::WriteThrough))
+        .build()
+        .unwrap();
+    let page_bytes = kv.config().model.page_bytes();
+    let a: Vec<u32> = (0..41).collect();
+    let run = |kv: &mut KvCacheManager, tokens: Vec<u32>| {
+        let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
+        let Admission::Ready(adm) = kv.admit(id).unwrap() else {
+            panic!("admission waited")
+        };
+        kv.extend(id, adm.extend_tokens).unwrap();
+        let step = kv.begin_step();
+        let loads = (step.load_pages(), step.load_bytes());
+        for layer in 0..kv.config().model.layers {
+            step.wait_layer(layer).unwrap();
+            assert!(step.is_layer_done(layer));
+        }
+        kv.end_step(step).unwrap();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        (adm, loads)
+    };
+    run(&mut kv, a.clone());
+    // Another 41 tokens do not fit beside the first: the first is demoted to the host.
+    run(&mut kv, (1000..1041).collect());
+    let (adm, (pages, bytes)) = run(&mut kv, a);
+    assert_eq!(adm.host_tokens, 40, "{adm:?}");
+    assert_eq!(pages, 10);
+    assert_eq!(bytes, 10 * page_bytes, "modeled, not simulated, bytes");
+    let m = kv.metrics();
+    assert_eq!(m.counters.hit_tokens_host, 40);
+    assert_eq!(m.counters.pages_loaded, 10);
+    assert_eq!(
+        m.counters.bytes_loaded,
+        m.counters.pages_loaded * page_bytes
+    );
+    assert_eq!(
+        m.counters.bytes_written,
+        m.counters.pages_written * page_bytes
+    );
+    assert!(m.gauges.host_tokens >= 80);
+    let a = kv.accounting();
+    assert_eq!(a.free + a.evictable, a.total);
 }

@@ -4,10 +4,12 @@
 use std::path::PathBuf;
 
 use radixkv_radix::PolicyKind;
-use radixkv_scheduler_api::CacheKind;
 use radixkv_scheduler_api::config::Eviction;
-use radixkv_scheduler_api::sim::{Report, SimConfig, replay};
+use radixkv_scheduler_api::sim::{
+    CompareOutcome, Report, SimConfig, compare, compare_configs, replay,
+};
 use radixkv_scheduler_api::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
+use radixkv_scheduler_api::{CacheKind, HostTier, SessionBudget, WritePolicy};
 
 fn traces() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces")
@@ -41,9 +43,17 @@ fn check(r: &Report, trace: &Trace) {
         r.ideal_hit_tokens
     );
     assert!(r.hit_ratio.overall <= r.ideal_hit_ratio + 1e-12);
+    let tiers = r.hit_ratio.device + r.hit_ratio.host + r.hit_ratio.storage;
+    assert!(
+        (tiers - r.hit_ratio.overall).abs() < 1e-9,
+        "tiers sum to overall"
+    );
     assert!(r.achieved_over_ideal <= 1.0 + 1e-12);
     assert_eq!(r.bytes_loaded, r.pages_loaded * r.page_bytes);
+    assert_eq!(r.bytes_written, r.counters.pages_written * r.page_bytes);
+    // After the drain and the session closes: no lock, no owner, no session holds a page.
     assert_eq!(r.leaked_tokens, 0, "no pages leaked at the end");
+    assert_eq!(r.open_sessions_at_end, 0);
     assert!(r.accounting_balanced);
     if r.retractions == 0 {
         assert_eq!(r.recomputed_tokens, r.prompt_tokens - hits);
@@ -189,29 +199,109 @@ fn a_request_larger_than_the_pool_is_a_typed_error() {
 }
 
 #[test]
-fn unwired_kinds_are_reported_not_run() {
+fn every_compare_configuration_runs() {
     let t = SyntheticChat {
-        conversations: 2,
+        conversations: 3,
         ..Default::default()
     }
     .generate();
     let base = sim(32 << 10, 16);
-    let configs = radixkv_scheduler_api::sim::compare_configs(&base.manager);
-    let outcomes = radixkv_scheduler_api::sim::compare(
-        &t,
-        &base,
-        &configs,
-        &mut |_| Box::new(()),
-        &mut |_| {},
+    let configs = compare_configs(&base.manager);
+    let outcomes = compare(&t, &base, &configs, &mut |_| Box::new(()), &mut |_| {}).unwrap();
+    assert_eq!(outcomes.len(), configs.len());
+    for o in &outcomes {
+        match o {
+            CompareOutcome::Ran(r) => check(r, &t),
+            CompareOutcome::Skipped { config, reason } => panic!("{config} skipped: {reason}"),
+        }
+    }
+    assert!(configs.len() > PolicyKind::ALL.len() + 5);
+}
+
+fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {
+    let mut cfg = sim(device, 16);
+    cfg.manager.cache = CacheKind::HiCache(HostTier {
+        host_tokens: host,
+        write_policy: w,
+        storage: None,
+    });
+    cfg
+}
+
+#[test]
+fn hicache_slices_respect_the_invariants_under_every_write_policy() {
+    // A Mooncake slice (little reuse this early in the trace) and a synthetic chat whose
+    // history outgrows a small device pool, so that the host tier serves hits.
+    let moon = slice(
+        "mooncake/conversation_trace.jsonl",
+        TraceFormat::Mooncake,
+        60,
+    );
+    let chat = SyntheticChat {
+        conversations: 8,
+        ..Default::default()
+    }
+    .generate();
+    for w in [
+        WritePolicy::WriteThrough,
+        WritePolicy::WriteThroughSelective { hits: 2 },
+        WritePolicy::WriteBack,
+    ] {
+        let r = replay(&moon, &hicache(128 << 10, 512 << 10, w.clone()), &mut ()).unwrap();
+        check(&r, &moon);
+        assert!(r.config.starts_with("hicache-lru-"));
+        let r = replay(&chat, &hicache(32 << 10, 128 << 10, w.clone()), &mut ()).unwrap();
+        check(&r, &chat);
+        assert!(r.counters.pages_written > 0, "{w:?} backs something up");
+        assert!(r.hit_tokens_host > 0, "{w:?}: the host tier serves hits");
+        assert!(r.pages_loaded > 0);
+    }
+}
+
+#[test]
+fn sessions_over_radix_and_hicache_replay_multi_turn_chat() {
+    let t = SyntheticChat {
+        conversations: 6,
+        ..Default::default()
+    }
+    .generate();
+    let budget = SessionBudget {
+        max_held_tokens: 16 << 10,
+        ..Default::default()
+    };
+    let mut radix = sim(64 << 10, 16);
+    radix.manager.sessions = Some(budget.clone());
+    let mut hi = hicache(64 << 10, 256 << 10, WritePolicy::WriteThrough);
+    hi.manager.sessions = Some(budget);
+    for cfg in [radix, hi] {
+        let r = replay(&t, &cfg, &mut ()).unwrap();
+        check(&r, &t);
+        assert!(r.config.ends_with("+sessions"));
+        assert!(r.hit_ratio.overall > 0.5, "{}", r.hit_ratio.overall);
+    }
+}
+
+#[test]
+fn agentic_slice_with_sessions() {
+    let opts = ReadOptions {
+        limit: Some(1),
+        max_requests: Some(6),
+        ..Default::default()
+    };
+    let t = read_trace(
+        &traces().join("weka_claude_code/weka_claude_code_traces.jsonl.gz"),
+        TraceFormat::Weka,
+        &opts,
     )
     .unwrap();
-    assert_eq!(outcomes.len(), configs.len());
-    // Disabled plus one run per eviction policy always work.
-    let ran = outcomes
-        .iter()
-        .filter(|o| matches!(o, radixkv_scheduler_api::sim::CompareOutcome::Ran(_)))
-        .count();
-    assert!(ran > PolicyKind::ALL.len());
+    let mut cfg = sim(256 << 10, 64);
+    cfg.manager.sessions = Some(SessionBudget {
+        max_held_tokens: 128 << 10,
+        ..Default::default()
+    });
+    let r = replay(&t, &cfg, &mut ()).unwrap();
+    check(&r, &t);
+    assert!(r.hit_ratio.overall > 0.5, "{}", r.hit_ratio.overall);
 }
 
 /// The whole Mooncake conversation trace (12,031 requests). Release builds only: in debug
@@ -234,5 +324,24 @@ fn full_mooncake_conversation_trace() {
         r.ideal_hit_ratio
     );
     assert!(r.hit_ratio.overall > 0.03);
+    println!("{r}");
+}
+
+/// The whole Mooncake conversation trace through HiCache, 1M device + 4M host tokens,
+/// write-back (the tiers stay nearly disjoint: about 5M tokens of cache). Release builds only.
+#[cfg(not(debug_assertions))]
+#[test]
+fn full_mooncake_conversation_trace_with_hicache() {
+    let t = read_trace(
+        &traces().join("mooncake/conversation_trace.jsonl"),
+        TraceFormat::Mooncake,
+        &ReadOptions::default(),
+    )
+    .unwrap();
+    let cfg = hicache(1 << 20, 4 << 20, WritePolicy::WriteBack);
+    let r = replay(&t, &cfg, &mut ()).unwrap();
+    check(&r, &t);
+    assert!(r.hit_tokens_host > 0);
+    assert!(r.hit_ratio.overall > 0.1, "{}", r.hit_ratio.overall);
     println!("{r}");
 }

@@ -157,6 +157,13 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         &self.inner
     }
 
+    /// The wrapped cache, mutably, for tier maintenance that leaves the device accounting of
+    /// the sessions' slots alone (a tiered cache's `start_loading` / `step` at step
+    /// boundaries). Tree-level calls must still go through the [`PrefixCache`] methods.
+    pub fn inner_mut(&mut self) -> &mut C {
+        &mut self.inner
+    }
+
     /// The bounds in force.
     pub fn config(&self) -> &SessionConfig {
         &self.cfg

@@ -6,8 +6,13 @@
 //! its whole sequence (prompt and output) join the set. Anything the real cache could hold at
 //! that moment came from a request admitted earlier, so the real hit can never exceed the
 //! ideal one.
+//!
+//! With sessions, a streaming turn reuses its session's KV without page alignment (up to
+//! `len − 1` tokens of the previous turns). [`IdealCache::admit_turn`] credits that too: every
+//! sequence of a session is remembered as (length, hash of its pages, hash of its partial
+//! tail), and a turn whose prompt starts with one of them may reuse all of it.
 
-use ahash::HashSet;
+use ahash::{HashMap, HashSet};
 use radixkv_radix::TokenId;
 use radixkv_radix::events::{chain_hashes, namespace_seed};
 use radixkv_radix::{Namespace, align_down};
@@ -19,6 +24,9 @@ pub struct IdealCache {
     page_size: usize,
     seed: u64,
     hashes: Vec<u64>,
+    /// Per session: (length, chain hash of its whole pages, hash of its partial tail).
+    sessions: HashMap<u64, Vec<(usize, u64, u64)>>,
+    tail_hasher: ahash::RandomState,
 }
 
 impl IdealCache {
@@ -29,6 +37,8 @@ impl IdealCache {
             page_size: page_size.max(1),
             seed: namespace_seed(&Namespace::DEFAULT),
             hashes: Vec::new(),
+            sessions: HashMap::default(),
+            tail_hasher: ahash::RandomState::with_seeds(1, 2, 3, 4),
         }
     }
 
@@ -54,10 +64,63 @@ impl IdealCache {
         hit * self.page_size
     }
 
+    /// Like [`Self::admit`], for a turn of streaming session `session`: the turn may also
+    /// reuse, unaligned, any earlier sequence of its session that its prompt extends.
+    pub fn admit_turn(&mut self, session: u64, prompt: &[TokenId], output: &[TokenId]) -> usize {
+        let paged = self.admit(prompt, output);
+        let p = self.page_size;
+        let max = prompt.len().saturating_sub(1);
+        let mut best = paged;
+        let seqs = self.sessions.entry(session).or_default();
+        for &(len, pages_hash, tail_hash) in seqs.iter() {
+            if len <= best || len > prompt.len() {
+                continue;
+            }
+            let full = len / p;
+            let ph = if full == 0 {
+                self.seed
+            } else {
+                self.hashes[full - 1]
+            };
+            if ph == pages_hash && hash_tail(&self.tail_hasher, &prompt[full * p..len]) == tail_hash
+            {
+                best = best.max(len.min(max));
+            }
+        }
+        // The sequence this turn leaves behind: prompt and fed-back output.
+        let len = prompt.len() + output.len().saturating_sub(1);
+        let full = len / p;
+        let ph = if full == 0 {
+            self.seed
+        } else {
+            self.hashes[full - 1]
+        };
+        let tail_start = full * p;
+        let tail: Vec<TokenId> = prompt
+            .iter()
+            .chain(output.iter())
+            .take(len)
+            .skip(tail_start)
+            .copied()
+            .collect();
+        let th = hash_tail(&self.tail_hasher, &tail);
+        seqs.push((len, ph, th));
+        best
+    }
+
+    /// Forgets a closed session's sequences.
+    pub fn close_session(&mut self, session: u64) {
+        self.sessions.remove(&session);
+    }
+
     /// Distinct pages remembered.
     pub fn pages(&self) -> usize {
         self.pages.len()
     }
+}
+
+fn hash_tail(state: &ahash::RandomState, tokens: &[TokenId]) -> u64 {
+    state.hash_one(tokens)
 }
 
 #[cfg(test)]
@@ -76,5 +139,21 @@ mod tests {
         assert_eq!(c.admit(&b, &[]), 12);
         let other: Vec<u32> = (50..70).collect();
         assert_eq!(c.admit(&other, &[]), 0);
+    }
+
+    #[test]
+    fn session_turns_reuse_unaligned_history() {
+        let mut c = IdealCache::new(4);
+        let t1: Vec<u32> = (0..10).collect();
+        assert_eq!(c.admit_turn(5, &t1, &[100, 101]), 0);
+        // History is 10 prompt + 1 fed-back output token = 11 tokens.
+        let t2: Vec<u32> = (0..10).chain([100, 101, 7, 8]).collect();
+        assert_eq!(c.admit_turn(5, &t2, &[]), 11);
+        // Another session sees only the paged ideal.
+        assert_eq!(c.admit_turn(6, &t2, &[]), 12);
+        let mut d = IdealCache::new(4);
+        d.admit_turn(1, &t1, &[100, 101]);
+        let diverged: Vec<u32> = (0..10).chain([99, 98, 97]).collect();
+        assert_eq!(d.admit_turn(1, &diverged, &[]), 8);
     }
 }

@@ -13,14 +13,22 @@ pub use scheduler::{Progress, SimConfig, replay};
 
 use radixkv_radix::PolicyKind;
 
-use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget};
+use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget, WritePolicy};
 use crate::error::{ManagerError, Result};
 use crate::trace::Trace;
 
 /// The configurations `--compare` runs: no cache, the radix cache under every eviction
-/// policy, and (built from the same base) sessions and HiCache. Kinds this build cannot
-/// construct are reported as skipped by [`compare`], not dropped silently.
+/// policy, radix (base policy) + sessions, HiCache with a host tier 4× the device pool under
+/// each write policy, and HiCache + sessions. Kinds this build cannot construct are reported
+/// as skipped by [`compare`], not dropped silently.
 pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
+    let sessions = Some(SessionBudget {
+        max_held_tokens: base.device_tokens / 4,
+        ..Default::default()
+    });
+    let host = |w: WritePolicy| {
+        CacheKind::HiCache(HostTier::ratio(base.device_tokens, 4.0).write_policy(w))
+    };
     let mut out = vec![ManagerConfig {
         cache: CacheKind::Disabled,
         sessions: None,
@@ -36,15 +44,23 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
     }
     out.push(ManagerConfig {
         cache: CacheKind::Radix,
-        sessions: Some(SessionBudget {
-            max_held_tokens: base.device_tokens / 4,
-            ..Default::default()
-        }),
+        sessions: sessions.clone(),
         ..base.clone()
     });
+    for w in [
+        WritePolicy::WriteThrough,
+        WritePolicy::WriteThroughSelective { hits: 2 },
+        WritePolicy::WriteBack,
+    ] {
+        out.push(ManagerConfig {
+            cache: host(w),
+            sessions: None,
+            ..base.clone()
+        });
+    }
     out.push(ManagerConfig {
-        cache: CacheKind::HiCache(HostTier::ratio(base.device_tokens, 4.0)),
-        sessions: None,
+        cache: host(WritePolicy::WriteThrough),
+        sessions,
         ..base.clone()
     });
     out

@@ -80,11 +80,12 @@ pub struct Report {
     pub retractions: u64,
     /// Pages loaded host → device.
     pub pages_loaded: u64,
-    /// Bytes loaded host → device.
+    /// Modeled bytes loaded host → device (`pages_loaded × page_bytes`).
     pub bytes_loaded: u64,
-    /// Bytes written device → host.
+    /// Modeled bytes written device → host.
     pub bytes_written: u64,
-    /// Bytes of one KV page (all layers).
+    /// Modeled bytes of one KV page (all layers, the model's geometry; the simulated backend
+    /// copies far fewer, see `SimGeometry`).
     pub page_bytes: u64,
     /// Simulated time to first token, median (ms).
     pub ttft_p50_ms: f64,
@@ -106,6 +107,8 @@ pub struct Report {
     pub wall_s: f64,
     /// Device tokens still locked or owned after every request finished (must be 0).
     pub leaked_tokens: u64,
+    /// Sessions still open after the replay closed every conversation's session (must be 0).
+    pub open_sessions_at_end: u64,
     /// The pool accounting balanced at the end.
     pub accounting_balanced: bool,
     /// Device pool occupancy over time.
@@ -138,7 +141,7 @@ impl Report {
     /// Header of the comparison table.
     pub fn table_header() -> String {
         format!(
-            "{:<24} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8}",
+            "{:<34} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8}",
             "config",
             "requests",
             "hit",
@@ -147,7 +150,7 @@ impl Report {
             "ideal",
             "/ideal",
             "recomputed",
-            "xfer MB",
+            "xfer GB",
             "TTFT p50",
             "TTFT p99",
             "tok/s",
@@ -158,7 +161,7 @@ impl Report {
     /// One row of the comparison table.
     pub fn table_row(&self) -> String {
         format!(
-            "{:<24} {:>8} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.3} {:>12} {:>10.1} {:>8.1}ms {:>8.1}ms {:>9.0} {:>8.2}",
+            "{:<34} {:>8} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.3} {:>12} {:>10.1} {:>8.1}ms {:>8.1}ms {:>9.0} {:>8.2}",
             self.config,
             self.requests,
             self.hit_ratio.overall,
@@ -167,7 +170,7 @@ impl Report {
             self.ideal_hit_ratio,
             self.achieved_over_ideal,
             self.recomputed_tokens,
-            (self.bytes_loaded + self.bytes_written) as f64 / 1e6,
+            (self.bytes_loaded + self.bytes_written) as f64 / 1e9,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
             self.throughput_tok_s,
@@ -203,8 +206,8 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "transfers        {} pages / {} bytes loaded, {} bytes written",
-            self.pages_loaded, self.bytes_loaded, self.bytes_written
+            "transfers        {} pages / {} modeled bytes loaded, {} pages / {} modeled bytes written",
+            self.pages_loaded, self.bytes_loaded, self.counters.pages_written, self.bytes_written
         )?;
         writeln!(
             f,

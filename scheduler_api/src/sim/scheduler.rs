@@ -6,13 +6,15 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use ahash::HashMap;
+
 use radixkv_radix::{TokenId, pages_for};
 use serde::Serialize;
 
 use super::cost::CostModel;
 use super::ideal::IdealCache;
 use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
-use crate::config::ManagerConfig;
+use crate::config::{CacheKind, ManagerConfig};
 use crate::error::{ManagerError, Result};
 use crate::manager::{Admission, KvCacheManager, ReqId, Request};
 use crate::trace::Trace;
@@ -105,10 +107,20 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
         ));
     }
     let mut kv = KvCacheManager::new(cfg.manager.clone())?;
+    // Requests left per session: the last one's finish closes the session.
+    let mut turns_left: HashMap<u64, u32> = HashMap::default();
+    if cfg.manager.sessions.is_some() {
+        for s in trace.requests.iter().filter_map(|r| r.session) {
+            *turns_left.entry(s).or_default() += 1;
+        }
+    }
     let mut sim = Sim {
+        turns_left,
+        stall_drained: false,
+        decode_batch: Vec::new(),
         trace,
         cfg,
-        ideal: IdealCache::new(cfg.manager.model.page_size),
+        ideal_hits: ideal_hits(trace, &cfg.manager),
         waiting: VecDeque::new(),
         running: Vec::new(),
         now_us: 0.0,
@@ -124,7 +136,49 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
         last_finish_us: 0.0,
     };
     sim.run(&mut kv, progress)?;
+    // Nothing runs any more: let every transfer land and every session go.
+    let t0 = Instant::now();
+    kv.drain()?;
+    kv.close_all_sessions()?;
+    sim.cpu.add(Phase::Complete, t0);
     sim.finish(&kv, started)
+}
+
+/// The infinite-cache ideal of every request. First admissions happen in arrival order (the
+/// queue is FCFS and only already-admitted requests are pushed back to its front), so the
+/// ideal is computed in a pass of its own before the replay: its hash set is large, and
+/// building it between manager calls would only evict the manager's data from the CPU caches.
+fn ideal_hits(trace: &Trace, m: &ManagerConfig) -> Vec<u64> {
+    let mut ideal = IdealCache::new(m.model.page_size);
+    let mut left: HashMap<u64, u32> = HashMap::default();
+    if m.sessions.is_some() {
+        for s in trace.requests.iter().filter_map(|r| r.session) {
+            *left.entry(s).or_default() += 1;
+        }
+    }
+    trace
+        .requests
+        .iter()
+        .map(|r| {
+            let prompt = r.prompt_tokens();
+            let output = r.output_tokens();
+            let hit = match r.session.filter(|s| left.contains_key(s)) {
+                Some(s) => {
+                    let hit = ideal.admit_turn(s, &prompt, &output);
+                    if let Some(n) = left.get_mut(&s) {
+                        *n -= 1;
+                        if *n == 0 {
+                            left.remove(&s);
+                            ideal.close_session(s);
+                        }
+                    }
+                    hit
+                }
+                None => ideal.admit(&prompt, &output),
+            };
+            hit as u64
+        })
+        .collect()
 }
 
 /// Rejects a trace with a request that could never be admitted.
@@ -147,9 +201,14 @@ fn check_fits(trace: &Trace, m: &ManagerConfig) -> Result<()> {
 }
 
 struct Sim<'a> {
+    turns_left: HashMap<u64, u32>,
+    /// The current stall (a step where nothing could run) already waited for the transfers.
+    stall_drained: bool,
+    decode_batch: Vec<(usize, ReqId, TokenId)>,
     trace: &'a Trace,
     cfg: &'a SimConfig,
-    ideal: IdealCache,
+    /// Per request, what the infinite cache reuses at its first admission.
+    ideal_hits: Vec<u64>,
     waiting: VecDeque<Job>,
     running: Vec<Job>,
     now_us: f64,
@@ -198,11 +257,7 @@ impl Sim<'_> {
 
     /// One scheduler step; returns the number of requests that finished.
     fn step(&mut self, kv: &mut KvCacheManager) -> Result<u64> {
-        let t0 = Instant::now();
-        let step = kv.begin_step();
-        self.cpu.add(Phase::Step, t0);
-        let span = step.span().clone();
-        let _entered = span.enter();
+        kv.set_time_ms((self.now_us / 1e3) as u64);
         let mut budget = self.cfg.prefill_budget;
         let mut prefill_tokens = 0;
 
@@ -253,37 +308,70 @@ impl Sim<'_> {
             self.running.push(job);
         }
 
-        // One decode token per request past its prefill.
-        let t0 = Instant::now();
+        // One decode token per request past its prefill. The batch is listed first and the
+        // manager calls run in one timed loop, so the figure is the manager's, not the
+        // simulator's bookkeeping.
         let mut decode_seqs = 0;
-        let mut j = 0;
-        while j < self.running.len() {
-            let job = &self.running[j];
-            if job.prefill_left > 0 || job.generated == 0 || job.role != Role::Idle {
-                j += 1;
-                continue;
-            }
-            let token = job.output[job.generated as usize - 1];
-            match kv.decode(job.id, token) {
-                Ok(_) => {
-                    self.running[j].role = Role::Decode;
-                    decode_seqs += 1;
-                    j += 1;
+        let mut from = 0;
+        let mut batch = std::mem::take(&mut self.decode_batch);
+        loop {
+            batch.clear();
+            for (j, job) in self.running.iter().enumerate().skip(from) {
+                if job.prefill_left == 0 && job.generated > 0 && job.role == Role::Idle {
+                    batch.push((j, job.id, job.output[job.generated as usize - 1]));
                 }
-                Err(ManagerError::OutOfMemory { .. }) => {
-                    // Retract the youngest request; if that is this one, it waits.
-                    let victim = self.running.len() - 1;
-                    self.retract(kv, victim)?;
-                    if victim == j {
+            }
+            let t0 = Instant::now();
+            let mut failed = None;
+            for (k, &(_, id, token)) in batch.iter().enumerate() {
+                match kv.decode(id, token) {
+                    Ok(_) => {}
+                    Err(ManagerError::OutOfMemory { .. }) => {
+                        failed = Some(k);
                         break;
                     }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
             }
+            self.cpu.add(Phase::Decode, t0);
+            let ok = failed.unwrap_or(batch.len());
+            for &(j, _, _) in &batch[..ok] {
+                self.running[j].role = Role::Decode;
+            }
+            decode_seqs += ok;
+            let Some(k) = failed else {
+                break;
+            };
+            // Retract the youngest request; if that is the one that failed, it waits.
+            let j = batch[k].0;
+            let victim = self.running.len() - 1;
+            let t0 = Instant::now();
+            self.retract(kv, victim)?;
+            self.cpu.add(Phase::Decode, t0);
+            if victim == j {
+                break;
+            }
+            from = j;
         }
-        self.cpu.add(Phase::Decode, t0);
+        self.decode_batch = batch;
 
-        if prefill_tokens == 0 && decode_seqs == 0 {
+        // The batch is formed: its loads start now, before the forward.
+        let t0 = Instant::now();
+        let step = kv.begin_step();
+        self.cpu.add(Phase::Step, t0);
+        let span = step.span().clone();
+        let _entered = span.enter();
+
+        let mut drain_now = false;
+        let tiered = matches!(self.cfg.manager.cache, CacheKind::HiCache(_));
+        if prefill_tokens > 0 || decode_seqs > 0 {
+            self.stall_drained = false;
+        } else if tiered && !self.stall_drained {
+            // Nothing could run, but transfers in flight lock their pages until their acks:
+            // wait for them (as time would pass) before retracting anything.
+            self.stall_drained = true;
+            drain_now = true;
+        } else {
             // Nothing could run: free memory by retracting the youngest, or give up.
             if self.running.len() > 1 {
                 let victim = self.running.len() - 1;
@@ -309,9 +397,8 @@ impl Sim<'_> {
         // Infinite-cache ideal and per-tier hits of the requests admitted for the first time.
         for (index, a) in admitted {
             let r = &self.trace.requests[index];
-            let prompt = r.prompt_tokens();
             let output = r.output_tokens();
-            self.report.ideal_hit_tokens += self.ideal.admit(&prompt, &output) as u64;
+            self.report.ideal_hit_tokens += self.ideal_hits[index];
             self.report.hit_tokens_device += a.device_tokens as u64;
             self.report.hit_tokens_host += a.host_tokens as u64;
             self.report.hit_tokens_storage += a.storage_tokens as u64;
@@ -347,7 +434,7 @@ impl Sim<'_> {
             }
             let out_len = self.trace.requests[job.index].output_len;
             if job.prefill_left == 0 && job.generated >= out_len {
-                done.push(job.id);
+                done.push((job.id, self.trace.requests[job.index].session));
                 self.report.output_tokens += u64::from(out_len);
             }
         }
@@ -355,16 +442,28 @@ impl Sim<'_> {
         for &id in &chunked {
             kv.chunk_done(id)?;
         }
-        for &id in &done {
+        for &(id, session) in &done {
             kv.finish(id)?;
+            if let Some(s) = session
+                && let Some(n) = self.turns_left.get_mut(&s)
+            {
+                *n -= 1;
+                if *n == 0 {
+                    self.turns_left.remove(&s);
+                    kv.close_session(s)?;
+                }
+            }
         }
         drop(_entered);
         kv.end_step(step)?;
+        if drain_now {
+            kv.drain()?;
+        }
         self.cpu.add(Phase::Complete, t0);
         let finished = done.len() as u64;
         if finished > 0 {
             self.last_finish_us = self.now_us;
-            self.running.retain(|j| !done.contains(&j.id));
+            self.running.retain(|j| !done.iter().any(|d| d.0 == j.id));
         }
         self.sample(kv);
         Ok(finished)
@@ -410,8 +509,11 @@ impl Sim<'_> {
         r.pages_loaded = m.counters.pages_loaded;
         r.bytes_loaded = m.counters.bytes_loaded;
         r.bytes_written = m.counters.bytes_written;
-        r.leaked_tokens = (a.protected + a.request_owned + kv.reserved_tokens()) as u64;
+        // After the drain and the session closes, everything is free or evictable cache.
+        r.leaked_tokens =
+            (a.protected + a.request_owned + a.session_held + kv.reserved_tokens()) as u64;
         r.accounting_balanced = a.balanced();
+        r.open_sessions_at_end = kv.open_sessions() as u64;
         self.ttft_ms.sort_by(f64::total_cmp);
         r.ttft_p50_ms = quantile(&self.ttft_ms, 0.5);
         r.ttft_p99_ms = quantile(&self.ttft_ms, 0.99);

@@ -1,0 +1,173 @@
+//! The values the scheduler exchanges with [`crate::KvCacheManager`]: requests and their
+//! handles, admission outcomes, and the per-step handle with its per-layer load wait.
+
+use std::sync::Arc;
+
+use radixkv_radix::{Namespace, TokenId};
+
+use crate::error::Result;
+use crate::factory::{LayerWait, StepTransfers};
+
+/// A request as the scheduler submits it.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    /// Prompt tokens (at least one).
+    pub tokens: Vec<TokenId>,
+    /// Tenant / LoRA / cache-salt namespace.
+    pub namespace: Namespace,
+    /// The streaming session this request continues, if any.
+    pub session: Option<u64>,
+    /// Priority (for the priority eviction policy).
+    pub priority: i32,
+    /// Maximum output tokens (drives the admission reservation).
+    pub max_new_tokens: usize,
+    /// Optional cap on the reusable prefix (e.g. a logprob start position).
+    pub max_prefix_len: Option<usize>,
+}
+
+impl Request {
+    /// A request for `tokens` in the default namespace.
+    pub fn new(tokens: Vec<TokenId>) -> Self {
+        Request {
+            tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the namespace.
+    pub fn namespace(mut self, ns: Namespace) -> Self {
+        self.namespace = ns;
+        self
+    }
+
+    /// Sets the session.
+    pub fn session(mut self, id: u64) -> Self {
+        self.session = Some(id);
+        self
+    }
+
+    /// Sets the output budget.
+    pub fn max_new_tokens(mut self, n: usize) -> Self {
+        self.max_new_tokens = n;
+        self
+    }
+}
+
+/// Handle to a request inside one manager. Never reused.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReqId(pub(crate) u64);
+
+impl ReqId {
+    /// The raw id (for logs).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Outcome of [`KvCacheManager::admit`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted: locked, row allocated, reservation taken.
+    Ready(Admitted),
+    /// Not admitted now; nothing is held. Try again at a later step.
+    Wait(WaitReason),
+}
+
+/// What an admission reused and what remains to compute.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Admitted {
+    /// Tokens reused from the device tier.
+    pub device_tokens: usize,
+    /// Tokens reused from the host tier (loaded back this step).
+    pub host_tokens: usize,
+    /// Tokens reused from the storage tier.
+    pub storage_tokens: usize,
+    /// Tokens that must be computed (prefill).
+    pub extend_tokens: usize,
+}
+
+impl Admitted {
+    /// Tokens reused from any tier.
+    pub fn cached_tokens(&self) -> usize {
+        self.device_tokens + self.host_tokens + self.storage_tokens
+    }
+}
+
+/// Why an admission must wait.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// The admission budget is short.
+    NoRoom {
+        /// Tokens the request needs (extend + clipped output + one page).
+        needed: usize,
+        /// Tokens available for admission after the temporary lock.
+        available: usize,
+    },
+    /// Every request-pool row is in use.
+    NoRow,
+}
+
+/// One scheduler step, from [`KvCacheManager::begin_step`] to [`KvCacheManager::end_step`].
+#[derive(Debug)]
+pub struct StepHandle {
+    pub(crate) index: u64,
+    pub(crate) load_pages: u64,
+    pub(crate) load_bytes: u64,
+    pub(crate) layers: u32,
+    pub(crate) wait: Option<Arc<dyn LayerWait>>,
+    pub(crate) span: tracing::Span,
+}
+
+impl StepHandle {
+    /// The step number.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Modeled bytes this step's forward waits for (host → device loads started at
+    /// `begin_step`): pages × the model's page bytes, whatever the backend really copies.
+    pub fn load_bytes(&self) -> u64 {
+        self.load_bytes
+    }
+
+    /// Pages whose load started at `begin_step`.
+    pub fn load_pages(&self) -> u64 {
+        self.load_pages
+    }
+
+    /// Blocks until layer `layer`'s share of this step's loads is on the device (the
+    /// backend's real per-layer completion events). Returns at once when nothing was loaded.
+    ///
+    /// # Errors
+    /// [`ManagerError::Tier`] when the layer's copy failed: the batch must not read it;
+    /// `end_step` repairs the KV (or reports that it could not).
+    pub fn wait_layer(&self, layer: u32) -> Result<()> {
+        self.wait.as_ref().map_or(Ok(()), |w| w.wait_layer(layer))
+    }
+
+    /// True when layer `layer`'s load is complete (or there is none).
+    pub fn is_layer_done(&self, layer: u32) -> bool {
+        self.wait.as_ref().is_none_or(|w| w.is_layer_done(layer))
+    }
+
+    /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`
+    /// only waits for its own share.
+    pub fn layer_load_bytes(&self, layer: u32) -> u64 {
+        if layer >= self.layers {
+            return 0;
+        }
+        self.load_bytes / u64::from(self.layers)
+    }
+
+    /// The step's `tracing` span (enter it around the step's work).
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+}
+
+/// What a step moved between tiers.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Host↔device traffic of the step (zero for a device-only cache).
+    pub transfers: StepTransfers,
+}

@@ -1,0 +1,90 @@
+//! Sessions as the manager drives them: the manager-owned simulated clock that the session
+//! layer reads its idle TTLs from, and [`ManagedCache`] for `SessionAwareCache` over any
+//! managed cache (radix or HiCache).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use radixkv_radix::RequestKv;
+use radixkv_session::{Clock, SessionAwareCache};
+
+use crate::error::Result;
+use crate::factory::{ManagedCache, StepLoads, StepTransfers};
+
+/// The manager's clock in milliseconds. It moves only when the scheduler says so
+/// ([`crate::KvCacheManager::set_time_ms`]); a replay sets it to the simulated time, a live
+/// scheduler to its own monotonic time. Clones share the same time.
+#[derive(Clone, Debug, Default)]
+pub struct SimClock(Arc<AtomicU64>);
+
+impl SimClock {
+    /// Sets the time; a time earlier than the current one is ignored (the clock is monotonic).
+    pub fn set_ms(&self, ms: u64) {
+        self.0.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// The current time.
+    pub fn now_ms(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Clock for SimClock {
+    fn now(&self) -> u64 {
+        self.now_ms()
+    }
+}
+
+impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
+    fn on_begin_step(&mut self) -> Result<StepLoads> {
+        self.inner_mut().on_begin_step()
+    }
+
+    fn on_end_step(&mut self) -> Result<StepTransfers> {
+        let t = self.inner_mut().on_end_step()?;
+        self.reap()?;
+        Ok(t)
+    }
+
+    fn drain(&mut self) -> Result<StepTransfers> {
+        self.inner_mut().drain()
+    }
+
+    fn open_session(&mut self, id: u64, streaming: bool, ttl_ms: Option<u64>) -> Result<()> {
+        Ok(self.open(id, streaming, ttl_ms)?)
+    }
+
+    fn has_session(&self, id: u64) -> bool {
+        self.session_info(id).is_some()
+    }
+
+    fn session_turn_ok(&self, req: &RequestKv) -> bool {
+        self.validate_turn(req).is_ok()
+    }
+
+    fn close_session(&mut self, id: u64) -> Result<()> {
+        self.close(id)?;
+        Ok(())
+    }
+
+    fn demote_session(&mut self, id: u64) -> Result<bool> {
+        Ok(self.demote(id)?)
+    }
+
+    fn reap_sessions(&mut self) -> Result<()> {
+        self.reap()?;
+        Ok(())
+    }
+
+    fn open_sessions(&self) -> usize {
+        SessionAwareCache::open_sessions(self)
+    }
+
+    fn held_sessions(&self) -> usize {
+        self.held_rows()
+    }
+
+    fn host_tokens(&self) -> usize {
+        self.inner().host_tokens()
+    }
+}

@@ -1,0 +1,261 @@
+//! [`Tiered`]: the HiCache kind as the manager drives it — a `HiRadixCache` over the HostSim
+//! backend, plus the conversion of its traffic from simulated to *modeled* bytes.
+//!
+//! HostSim really allocates and copies its pools, so they use the tiny
+//! [`SimGeometry`](crate::config::SimGeometry); everything reported (step load bytes, transfer
+//! bytes) is pages × the model's page bytes. Pages, not bytes, are what the two geometries
+//! share.
+
+use std::sync::Arc;
+
+use radixkv_hicache::{
+    CopyEvent, HiCacheConfig, HiCacheStats, HiRadixCache, HostSim, HostSimConfig, HostSize,
+    KvGeometry, LayerDoneCounter, WritePolicy as HiWritePolicy,
+};
+use radixkv_radix::{
+    DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef, KvEvent,
+    LockReceipt, NodeId, PageId, PoolAccounting, PrefixCache, RadixConfig, RequestKv, RequestMatch,
+    TreeMatch,
+};
+
+use crate::config::{HostTier, ManagerConfig, WritePolicy};
+use crate::error::Result;
+use crate::factory::{LayerWait, ManagedCache, StepLoads, StepTransfers};
+
+/// HiCache (device + host tiers) over the HostSim backend. See the module docs.
+pub struct Tiered {
+    cache: HiRadixCache<HostSim>,
+    page_size: u64,
+    modeled_page_bytes: u64,
+    model_layers: u32,
+    sim_layers: u32,
+    /// Tier counters already reported by a step.
+    seen: HiCacheStats,
+}
+
+impl std::fmt::Debug for Tiered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tiered")
+            .field("cache", &self.cache)
+            .field("modeled_page_bytes", &self.modeled_page_bytes)
+            .finish()
+    }
+}
+
+impl Tiered {
+    /// A HiCache for `cfg` with host tier `host` and device tier `radix`.
+    ///
+    /// # Errors
+    /// [`ManagerError::Tier`] when the simulated pools cannot be built.
+    pub fn new(cfg: &ManagerConfig, host: &HostTier, radix: RadixConfig) -> Result<Self> {
+        let sim = &cfg.sim_geometry;
+        let geometry = KvGeometry::new(
+            sim.layers as usize,
+            radix.page_size,
+            sim.bytes_per_token_per_layer as usize,
+        )?;
+        let device = Arc::new(HostSim::new(
+            geometry,
+            radix.total_pages,
+            HostSimConfig::default(),
+        )?);
+        let write_policy = match host.write_policy {
+            WritePolicy::WriteThrough => HiWritePolicy::WriteThrough,
+            WritePolicy::WriteThroughSelective { hits } => {
+                HiWritePolicy::WriteThroughSelective { hits }
+            }
+            WritePolicy::WriteBack => HiWritePolicy::WriteBack,
+        };
+        let page_size = radix.page_size;
+        let hc = HiCacheConfig {
+            radix,
+            host_size: HostSize::Pages(host.host_tokens / page_size),
+            write_policy,
+            ..Default::default()
+        };
+        Ok(Tiered {
+            cache: HiRadixCache::new(hc, device)?,
+            page_size: page_size as u64,
+            modeled_page_bytes: cfg.model.page_bytes(),
+            model_layers: cfg.model.layers,
+            sim_layers: sim.layers,
+            seen: HiCacheStats::default(),
+        })
+    }
+
+    /// The wrapped tiered cache (read-only).
+    pub fn hicache(&self) -> &HiRadixCache<HostSim> {
+        &self.cache
+    }
+
+    /// Traffic since the last report, in pages and modeled bytes.
+    fn transfers_since_last(&mut self) -> StepTransfers {
+        let now = self.cache.stats();
+        let pages = |tokens: u64| tokens / self.page_size;
+        let loaded = pages(now.loaded_tokens - self.seen.loaded_tokens);
+        let written = pages(now.backed_up_tokens - self.seen.backed_up_tokens);
+        self.seen = now;
+        StepTransfers {
+            pages_loaded: loaded,
+            bytes_loaded: loaded * self.modeled_page_bytes,
+            pages_written: written,
+            bytes_written: written * self.modeled_page_bytes,
+            ..Default::default()
+        }
+    }
+}
+
+/// The per-layer wait of one started load, mapping modeled layers onto simulated ones.
+struct ProducerWait<E: CopyEvent> {
+    counter: Arc<LayerDoneCounter<E>>,
+    producer: usize,
+    model_layers: u32,
+    sim_layers: u32,
+}
+
+impl<E: CopyEvent> std::fmt::Debug for ProducerWait<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProducerWait")
+            .field("producer", &self.producer)
+            .finish()
+    }
+}
+
+impl<E: CopyEvent> ProducerWait<E> {
+    fn sim_layer(&self, layer: u32) -> usize {
+        let l = u64::from(layer.min(self.model_layers.saturating_sub(1)));
+        (l * u64::from(self.sim_layers) / u64::from(self.model_layers.max(1))) as usize
+    }
+}
+
+impl<E: CopyEvent> LayerWait for ProducerWait<E> {
+    fn wait_layer(&self, layer: u32) -> Result<()> {
+        Ok(self
+            .counter
+            .wait_layer(self.producer, self.sim_layer(layer))?)
+    }
+
+    fn is_layer_done(&self, layer: u32) -> bool {
+        self.counter
+            .is_layer_done(self.producer, self.sim_layer(layer))
+    }
+}
+
+impl ManagedCache for Tiered {
+    fn on_begin_step(&mut self) -> Result<StepLoads> {
+        let Some(step) = self.cache.start_loading()? else {
+            return Ok(StepLoads::default());
+        };
+        let pages = step.stats.pages as u64;
+        Ok(StepLoads {
+            pages,
+            bytes: pages * self.modeled_page_bytes,
+            wait: Some(Arc::new(ProducerWait {
+                counter: self.cache.layer_counter().clone(),
+                producer: step.producer,
+                model_layers: self.model_layers,
+                sim_layers: self.sim_layers,
+            })),
+        })
+    }
+
+    fn on_end_step(&mut self) -> Result<StepTransfers> {
+        self.cache.step()?;
+        Ok(self.transfers_since_last())
+    }
+
+    fn drain(&mut self) -> Result<StepTransfers> {
+        self.cache.flush()?;
+        Ok(self.transfers_since_last())
+    }
+
+    fn host_tokens(&self) -> usize {
+        self.cache.host_tokens()
+    }
+}
+
+// Every method, defaulted ones included, goes to the tiered cache: it overrides some defaults
+// (eviction demotes to the host), so the trait's defaults must not run on the wrapper.
+impl PrefixCache for Tiered {
+    fn page_size(&self) -> usize {
+        self.cache.page_size()
+    }
+    fn pools(&self) -> &DevicePools {
+        self.cache.pools()
+    }
+    fn pools_mut(&mut self) -> &mut DevicePools {
+        self.cache.pools_mut()
+    }
+    fn match_prefix(
+        &mut self,
+        key: KeyRef<'_>,
+        out: &mut Vec<PageId>,
+    ) -> radixkv_radix::Result<TreeMatch> {
+        self.cache.match_prefix(key, out)
+    }
+    fn insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &[PageId],
+        opts: InsertOptions,
+    ) -> radixkv_radix::Result<InsertResult> {
+        self.cache.insert(key, pages, opts)
+    }
+    fn evict(&mut self, tokens: usize) -> usize {
+        self.cache.evict(tokens)
+    }
+    fn inc_lock_ref(&mut self, node: NodeId) -> radixkv_radix::Result<LockReceipt> {
+        self.cache.inc_lock_ref(node)
+    }
+    fn dec_lock_ref(&mut self, receipt: LockReceipt) -> radixkv_radix::Result<()> {
+        self.cache.dec_lock_ref(receipt)
+    }
+    fn evictable_tokens(&self) -> usize {
+        self.cache.evictable_tokens()
+    }
+    fn protected_tokens(&self) -> usize {
+        self.cache.protected_tokens()
+    }
+    fn session_held_tokens(&self) -> usize {
+        self.cache.session_held_tokens()
+    }
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        self.cache.take_events()
+    }
+    fn reset(&mut self) -> radixkv_radix::Result<()> {
+        self.cache.reset()?;
+        self.seen = self.cache.stats();
+        Ok(())
+    }
+    fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        self.cache.check_invariants()
+    }
+    fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
+        self.cache.match_request(req)
+    }
+    fn begin_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        self.cache.begin_request(req)
+    }
+    fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> radixkv_radix::Result<()> {
+        self.cache.alloc_tokens(req, n)
+    }
+    fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        self.cache.cache_unfinished_req(req)
+    }
+    fn cache_finished_req(
+        &mut self,
+        req: &mut RequestKv,
+        kind: FinishKind,
+    ) -> radixkv_radix::Result<()> {
+        self.cache.cache_finished_req(req, kind)
+    }
+    fn alloc_pages(&mut self, n: usize) -> radixkv_radix::Result<Vec<PageId>> {
+        self.cache.alloc_pages(n)
+    }
+    fn available_tokens(&self) -> usize {
+        self.cache.available_tokens()
+    }
+    fn accounting(&self) -> PoolAccounting {
+        self.cache.accounting()
+    }
+}
