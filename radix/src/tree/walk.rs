@@ -160,11 +160,16 @@ impl RadixTree {
         replaced: &mut Vec<PageId>,
         opts: InsertOptions,
     ) -> Result<TreeInsert> {
-        let p = self.page_size;
-        let tokens = key.tokens;
-        if tokens.is_empty() {
+        if key.tokens.is_empty() {
             return Err(CacheError::EmptyKey);
         }
+        self.check_key_pages(key.tokens, pages)?;
+        self.insert_at(self.root, 0, key, pages, replaced, opts)
+    }
+
+    /// A key must be whole pages with one page per page of tokens.
+    fn check_key_pages(&self, tokens: &[TokenId], pages: &[PageId]) -> Result<()> {
+        let p = self.page_size;
         if !tokens.len().is_multiple_of(p) {
             return Err(CacheError::Misaligned {
                 len: tokens.len(),
@@ -178,7 +183,7 @@ impl RadixTree {
                 page_size: p,
             });
         }
-        self.insert_at(self.root, 0, key, pages, replaced, opts)
+        Ok(())
     }
 
     /// Like [`RadixTree::insert`], but starts the walk at `anchor`, which must end exactly at
@@ -189,7 +194,7 @@ impl RadixTree {
     /// `offset` on top of it.
     ///
     /// # Errors
-    /// As [`RadixTree::insert`], plus [`CacheError::StaleNode`] for a dead anchor and
+    /// [`CacheError::Misaligned`], [`CacheError::LengthMismatch`], [`CacheError::StaleNode`] for a dead anchor and
     /// [`CacheError::InvalidRequestState`] when the anchor does not end at `offset`.
     pub fn insert_from(
         &mut self,
@@ -201,15 +206,8 @@ impl RadixTree {
         opts: InsertOptions,
     ) -> Result<TreeInsert> {
         let start = self.resolve(anchor)?;
-        let p = self.page_size;
         let tokens = key.tokens;
-        if !tokens.len().is_multiple_of(p) || pages.len() * p != tokens.len() {
-            return Err(CacheError::LengthMismatch {
-                tokens: tokens.len(),
-                pages: pages.len(),
-                page_size: p,
-            });
-        }
+        self.check_key_pages(tokens, pages)?;
         if offset > tokens.len() || self.depth_tokens(anchor)? != offset {
             return Err(CacheError::InvalidRequestState(
                 "insert anchor does not end at the given offset",
