@@ -130,7 +130,9 @@ pub fn bar_chart(
                 fill: PALETTE[k % PALETTE.len()],
             });
         }
-        c.text(gx + gw * 0.4, height - BOTTOM + 16.0, cat, 1, 1);
+        // Alternate two label rows so long configuration names do not overlap.
+        let row = if i % 2 == 0 { 16.0 } else { 30.0 };
+        c.text(gx + gw * 0.4, height - BOTTOM + row, cat, 1, 1);
     }
     if let Some((name, v)) = reference {
         let y = c.y(v);
