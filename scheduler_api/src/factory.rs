@@ -27,7 +27,7 @@ pub use crate::tiered::Tiered;
 
 /// Host↔device traffic of one step, as reported by a tiered cache. Bytes are *modeled* bytes
 /// (`pages × ModelGeometry::page_bytes()`), never the simulated backend's.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StepTransfers {
     /// Pages loaded host → device.
     pub pages_loaded: u64,

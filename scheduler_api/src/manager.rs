@@ -619,13 +619,7 @@ impl KvCacheManager {
     }
 
     fn count_transfers(&mut self, t: &StepTransfers) {
-        let c = &mut self.metrics.counters;
-        c.pages_loaded += t.pages_loaded;
-        c.bytes_loaded += t.bytes_loaded;
-        c.pages_written += t.pages_written;
-        c.bytes_written += t.bytes_written;
-        c.pages_prefetched += t.pages_prefetched;
-        c.bytes_prefetched += t.bytes_prefetched;
+        self.metrics.counters.transfers.add(t);
     }
 
     /// Ends a step: drains acks, KV events and transfer counts; audits invariants in debug

@@ -5,6 +5,8 @@ use std::fmt::Write as _;
 
 use radixkv_radix::PoolAccounting;
 
+use crate::factory::StepTransfers;
+
 /// Monotonic counters since the manager was built.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
@@ -36,18 +38,8 @@ pub struct Counters {
     pub evicted_tokens: u64,
     /// Allocations that failed even after eviction.
     pub out_of_memory: u64,
-    /// Pages loaded host → device.
-    pub pages_loaded: u64,
-    /// Bytes loaded host → device.
-    pub bytes_loaded: u64,
-    /// Pages written device → host.
-    pub pages_written: u64,
-    /// Bytes written device → host.
-    pub bytes_written: u64,
-    /// Pages prefetched storage → host.
-    pub pages_prefetched: u64,
-    /// Bytes prefetched storage → host.
-    pub bytes_prefetched: u64,
+    /// Traffic between tiers (pages and modeled bytes, by direction).
+    pub transfers: StepTransfers,
     /// Scheduler steps.
     pub steps: u64,
     /// KV events drained for routers.
@@ -186,9 +178,9 @@ impl Metrics {
             "counter",
             "Pages moved between tiers.",
             &[
-                ("direction=\"load\"", c.pages_loaded),
-                ("direction=\"write\"", c.pages_written),
-                ("direction=\"prefetch\"", c.pages_prefetched),
+                ("direction=\"load\"", c.transfers.pages_loaded),
+                ("direction=\"write\"", c.transfers.pages_written),
+                ("direction=\"prefetch\"", c.transfers.pages_prefetched),
             ],
         );
         family(
@@ -196,9 +188,9 @@ impl Metrics {
             "counter",
             "Bytes moved between tiers.",
             &[
-                ("direction=\"load\"", c.bytes_loaded),
-                ("direction=\"write\"", c.bytes_written),
-                ("direction=\"prefetch\"", c.bytes_prefetched),
+                ("direction=\"load\"", c.transfers.bytes_loaded),
+                ("direction=\"write\"", c.transfers.bytes_written),
+                ("direction=\"prefetch\"", c.transfers.bytes_prefetched),
             ],
         );
         family(

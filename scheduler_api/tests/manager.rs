@@ -347,14 +347,14 @@ fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
     assert_eq!(bytes, 10 * page_bytes, "modeled, not simulated, bytes");
     let m = kv.metrics();
     assert_eq!(m.counters.hit_tokens_host, 40);
-    assert_eq!(m.counters.pages_loaded, 10);
+    assert_eq!(m.counters.transfers.pages_loaded, 10);
     assert_eq!(
-        m.counters.bytes_loaded,
-        m.counters.pages_loaded * page_bytes
+        m.counters.transfers.bytes_loaded,
+        m.counters.transfers.pages_loaded * page_bytes
     );
     assert_eq!(
-        m.counters.bytes_written,
-        m.counters.pages_written * page_bytes
+        m.counters.transfers.bytes_written,
+        m.counters.transfers.pages_written * page_bytes
     );
     assert!(m.gauges.host_tokens >= 80);
     let a = kv.accounting();

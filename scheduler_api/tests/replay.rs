@@ -49,8 +49,14 @@ fn check(r: &Report, trace: &Trace) {
         "tiers sum to overall"
     );
     assert!(r.achieved_over_ideal <= 1.0 + 1e-12);
-    assert_eq!(r.bytes_loaded, r.pages_loaded * r.page_bytes);
-    assert_eq!(r.bytes_written, r.counters.pages_written * r.page_bytes);
+    assert_eq!(
+        r.counters.transfers.bytes_loaded,
+        r.counters.transfers.pages_loaded * r.page_bytes
+    );
+    assert_eq!(
+        r.counters.transfers.bytes_written,
+        r.counters.transfers.pages_written * r.page_bytes
+    );
     // After the drain and the session closes: no lock, no owner, no session holds a page.
     assert_eq!(r.leaked_tokens, 0, "no pages leaked at the end");
     assert_eq!(r.open_sessions_at_end, 0);
@@ -95,7 +101,7 @@ fn mooncake_slice_under_memory_pressure_evicts_and_stays_consistent() {
     // Barely larger than the largest request: eviction and admission waits are constant.
     let r = replay(&t, &sim(max_req + 8192, 16), &mut ()).unwrap();
     check(&r, &t);
-    assert!(r.evicted_tokens > 0);
+    assert!(r.counters.evicted_tokens > 0);
     assert!(r.counters.admission_waits > 0);
 }
 
@@ -252,9 +258,12 @@ fn hicache_slices_respect_the_invariants_under_every_write_policy() {
         assert!(r.config.starts_with("hicache-lru-"));
         let r = replay(&chat, &hicache(32 << 10, 128 << 10, w.clone()), &mut ()).unwrap();
         check(&r, &chat);
-        assert!(r.counters.pages_written > 0, "{w:?} backs something up");
+        assert!(
+            r.counters.transfers.pages_written > 0,
+            "{w:?} backs something up"
+        );
         assert!(r.hit_tokens_host > 0, "{w:?}: the host tier serves hits");
-        assert!(r.pages_loaded > 0);
+        assert!(r.counters.transfers.pages_loaded > 0);
     }
 }
 

@@ -74,16 +74,8 @@ pub struct Report {
     pub recomputed_tokens: u64,
     /// Output tokens generated.
     pub output_tokens: u64,
-    /// Cached tokens evicted from the device.
-    pub evicted_tokens: u64,
     /// Retractions (decode out of memory).
     pub retractions: u64,
-    /// Pages loaded host → device.
-    pub pages_loaded: u64,
-    /// Modeled bytes loaded host → device (`pages_loaded × page_bytes`).
-    pub bytes_loaded: u64,
-    /// Modeled bytes written device → host.
-    pub bytes_written: u64,
     /// Modeled bytes of one KV page (all layers, the model's geometry; the simulated backend
     /// copies far fewer, see `SimGeometry`).
     pub page_bytes: u64,
@@ -170,7 +162,8 @@ impl Report {
             self.ideal_hit_ratio,
             self.achieved_over_ideal,
             self.recomputed_tokens,
-            (self.bytes_loaded + self.bytes_written) as f64 / 1e9,
+            (self.counters.transfers.bytes_loaded + self.counters.transfers.bytes_written) as f64
+                / 1e9,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
             self.throughput_tok_s,
@@ -202,12 +195,13 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "recomputed       {} tokens; evicted {} tokens; {} retractions",
-            self.recomputed_tokens, self.evicted_tokens, self.retractions
+            self.recomputed_tokens, self.counters.evicted_tokens, self.retractions
         )?;
+        let t = &self.counters.transfers;
         writeln!(
             f,
             "transfers        {} pages / {} modeled bytes loaded, {} pages / {} modeled bytes written",
-            self.pages_loaded, self.bytes_loaded, self.counters.pages_written, self.bytes_written
+            t.pages_loaded, t.bytes_loaded, t.pages_written, t.bytes_written
         )?;
         writeln!(
             f,

@@ -505,10 +505,6 @@ impl Sim<'_> {
         let r = &mut self.report;
         r.requests = self.trace.requests.len() as u64;
         r.counters = m.counters;
-        r.evicted_tokens = m.counters.evicted_tokens;
-        r.pages_loaded = m.counters.pages_loaded;
-        r.bytes_loaded = m.counters.bytes_loaded;
-        r.bytes_written = m.counters.bytes_written;
         // After the drain and the session closes, everything is free or evictable cache.
         r.leaked_tokens =
             (a.protected + a.request_owned + a.session_held + kv.reserved_tokens()) as u64;
