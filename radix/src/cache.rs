@@ -276,9 +276,11 @@ pub trait PrefixCache {
         let have = self.pools().rows.pages(row)?.len();
         let need = pages_for(req.allocated_len + n, p).saturating_sub(have);
         if need > 0 {
-            let mut fresh = self.alloc_pages(need)?;
-            let (pages, _) = self.pools_mut().rows.parts_mut(row)?;
-            pages.append(&mut fresh);
+            self.make_room(need)?;
+            // Straight into the row's page table: no temporary page list on this hot path.
+            let pools = self.pools_mut();
+            let (pages, _) = pools.rows.parts_mut(row)?;
+            pools.pages.alloc_into(need, pages)?;
         }
         req.allocated_len += n;
         Ok(())
@@ -303,6 +305,15 @@ pub trait PrefixCache {
     /// [`CacheError::OutOfPages`] when not even eviction frees enough (nothing allocated and nothing
     /// evicted then).
     fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
+        self.make_room(n)?;
+        self.pools_mut().pages.alloc(n)
+    }
+    /// Evicts cached pages until `n` pages are free. Nothing is evicted when even evicting
+    /// everything evictable would not be enough.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfPages`] in that case.
+    fn make_room(&mut self, n: usize) -> Result<()> {
         let free = self.pools().pages.available();
         if free < n {
             let p = self.page_size();
@@ -317,7 +328,7 @@ pub trait PrefixCache {
             }
             self.evict((n - free) * p);
         }
-        self.pools_mut().pages.alloc(n)
+        Ok(())
     }
     /// Tokens available for new work: free plus evictable.
     fn available_tokens(&self) -> usize {
