@@ -180,9 +180,51 @@ fn bench_evict(cr: &mut Criterion) {
     g.finish();
 }
 
+/// Eviction cost per policy at 100K leaves, a third of which were reused (so the
+/// frequency-aware policies order more than one class).
+fn bench_evict_policies(cr: &mut Criterion) {
+    const K: usize = 1000;
+    let mut g = cr.benchmark_group("evict_policy");
+    g.throughput(Throughput::Elements(K as u64));
+    g.sample_size(20);
+    for policy in [
+        PolicyKind::Lru,
+        PolicyKind::Reuse,
+        PolicyKind::Slru,
+        PolicyKind::Sieve,
+    ] {
+        let mut rng = Rng(5);
+        let mut c = cache(100_000 + K, policy);
+        let fill = |c: &mut RadixCache, rng: &mut Rng, n: usize| {
+            for i in 0..n {
+                let t = rng.tokens(P);
+                insert(c, &t);
+                if i % 3 == 0 {
+                    insert(c, &t);
+                }
+            }
+        };
+        fill(&mut c, &mut rng, 100_000);
+        g.bench_function(BenchmarkId::from_parameter(policy.name()), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let start = Instant::now();
+                    let freed = c.evict(K * P);
+                    total += start.elapsed();
+                    assert_eq!(freed, K * P);
+                    fill(&mut c, &mut rng, K);
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
-    targets = bench_match, bench_insert, bench_evict
+    targets = bench_match, bench_insert, bench_evict, bench_evict_policies
 }
 criterion_main!(benches);

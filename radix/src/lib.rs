@@ -58,7 +58,7 @@ pub use cache::{
 };
 pub use error::{CacheError, InvariantViolation, Result};
 pub use events::KvEvent;
-pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
+pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};

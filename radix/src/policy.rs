@@ -81,11 +81,14 @@ pub enum PolicyKind {
     Slru,
     /// SIEVE adapted to leaves: a FIFO with a visited bit and a moving hand; scan-resistant.
     Sieve,
+    /// LRU in which each past reuse (up to five) buys a leaf one more residence time of the
+    /// cache ([`ReuseCreditPolicy`]); the best of these on multi-turn chat traces.
+    Reuse,
 }
 
 impl PolicyKind {
     /// Every built-in policy.
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::Lru,
         PolicyKind::Lfu,
         PolicyKind::Fifo,
@@ -94,6 +97,7 @@ impl PolicyKind {
         PolicyKind::Priority,
         PolicyKind::Slru,
         PolicyKind::Sieve,
+        PolicyKind::Reuse,
     ];
 
     /// The policy's short name.
@@ -107,6 +111,7 @@ impl PolicyKind {
             PolicyKind::Priority => "priority",
             PolicyKind::Slru => "slru",
             PolicyKind::Sieve => "sieve",
+            PolicyKind::Reuse => "reuse",
         }
     }
 
@@ -134,6 +139,7 @@ impl PolicyKind {
                 (u64::from(m.hit_count >= 2), m.last_access)
             })),
             PolicyKind::Sieve => Box::new(SievePolicy::default()),
+            PolicyKind::Reuse => Box::new(ReuseCreditPolicy::new()),
         }
     }
 }
@@ -212,38 +218,39 @@ impl EvictionPolicy for OrderedPolicy {
 
 const NO: u32 = u32::MAX;
 
-/// LRU (or MRU) as an intrusive doubly linked list ordered by `last_access`, threaded through
-/// arrays indexed by node index: insert, remove, touch and pop are `O(1)` and allocation-free
-/// in the common cases.
+/// Doubly linked lists ordered by access tick, threaded through arrays indexed by node index.
+/// A node is in at most one list at a time (its `class`); every list keeps ascending ticks.
 ///
-/// A touched leaf moves to the tail (its access tick is the newest). A node that becomes a leaf
-/// with an older access time (a parent whose last child was evicted, an unlocked path) is placed
-/// at its exact position by a search that starts from both ends at once, so it costs
-/// `O(min(distance from head, distance from tail))` — a handful of steps in practice, since
-/// such nodes are either among the oldest or among the newest.
+/// A node that enters with an older tick than the newest (a parent whose last child was
+/// evicted, an unlocked path) is placed at its exact position by a search that starts from
+/// both ends of its list at once, so it costs `O(min(distance from head, distance from tail))`
+/// — a handful of steps in practice, since such nodes are either among the oldest or among
+/// the newest.
 #[derive(Debug)]
-pub struct RecencyList {
-    most_recent_first: bool,
+struct TickLists {
     prev: Vec<u32>,
     next: Vec<u32>,
     tick: Vec<u64>,
     generation: Vec<u32>,
-    head: u32,
-    tail: u32,
+    class: Vec<u8>,
+    head: Vec<u32>,
+    /// `tick` of each head, kept beside `head` so that comparing heads touches no node.
+    head_tick: Vec<u64>,
+    tail: Vec<u32>,
     len: usize,
 }
 
-impl RecencyList {
-    /// An empty list; `most_recent_first` makes it MRU.
-    pub fn new(most_recent_first: bool) -> Self {
-        RecencyList {
-            most_recent_first,
+impl TickLists {
+    fn new(lists: usize) -> Self {
+        TickLists {
             prev: Vec::new(),
             next: Vec::new(),
             tick: Vec::new(),
             generation: Vec::new(),
-            head: NO,
-            tail: NO,
+            class: Vec::new(),
+            head: vec![NO; lists],
+            head_tick: vec![u64::MAX; lists],
+            tail: vec![NO; lists],
             len: 0,
         }
     }
@@ -255,59 +262,118 @@ impl RecencyList {
             self.next.resize(n, NO);
             self.tick.resize(n, 0);
             self.generation.resize(n, 0);
+            self.class.resize(n, 0);
         }
     }
 
+    fn id(&self, i: u32) -> NodeId {
+        NodeId {
+            idx: i,
+            generation: self.generation[i as usize],
+        }
+    }
+
+    /// Adds `node` to list `class` at the position of tick `t`.
+    fn insert(&mut self, node: NodeId, t: u64, class: usize) {
+        let i = node.index();
+        self.ensure(i);
+        self.tick[i] = t;
+        self.generation[i] = node.generation;
+        self.class[i] = class as u8;
+        self.insert_sorted(node.idx, t, class);
+    }
+
     fn unlink(&mut self, i: u32) {
+        let c = self.class[i as usize] as usize;
         let (p, n) = (self.prev[i as usize], self.next[i as usize]);
         if p == NO {
-            self.head = n;
+            self.head[c] = n;
+            self.head_tick[c] = if n == NO {
+                u64::MAX
+            } else {
+                self.tick[n as usize]
+            };
         } else {
             self.next[p as usize] = n;
         }
         if n == NO {
-            self.tail = p;
+            self.tail[c] = p;
         } else {
             self.prev[n as usize] = p;
         }
         self.len -= 1;
     }
 
-    /// Links `i` after `p` (`NO`: at the head).
-    fn link_after(&mut self, i: u32, p: u32) {
+    /// Links `i` after `p` (`NO`: at the head) in list `c`.
+    fn link_after(&mut self, i: u32, p: u32, c: usize) {
         let n = if p == NO {
-            self.head
+            self.head[c]
         } else {
             self.next[p as usize]
         };
         self.prev[i as usize] = p;
         self.next[i as usize] = n;
         if p == NO {
-            self.head = i;
+            self.head[c] = i;
+            self.head_tick[c] = self.tick[i as usize];
         } else {
             self.next[p as usize] = i;
         }
         if n == NO {
-            self.tail = i;
+            self.tail[c] = i;
         } else {
             self.prev[n as usize] = i;
         }
         self.len += 1;
     }
 
-    /// Inserts `i` with access tick `t` at its sorted position (ascending ticks, ties after).
-    fn insert_sorted(&mut self, i: u32, t: u64) {
-        let (mut back, mut front) = (self.tail, self.head);
+    /// Inserts `i` with access tick `t` at its sorted position in list `c` (ties after).
+    fn insert_sorted(&mut self, i: u32, t: u64, c: usize) {
+        let (mut back, mut front) = (self.tail[c], self.head[c]);
         loop {
             if back == NO || self.tick[back as usize] <= t {
-                return self.link_after(i, back);
+                return self.link_after(i, back, c);
             }
             if self.tick[front as usize] > t {
                 let p = self.prev[front as usize];
-                return self.link_after(i, p);
+                return self.link_after(i, p, c);
             }
             back = self.prev[back as usize];
             front = self.next[front as usize];
+        }
+    }
+
+    fn clear(&mut self) {
+        self.head.fill(NO);
+        self.head_tick.fill(u64::MAX);
+        self.tail.fill(NO);
+        self.len = 0;
+    }
+}
+
+/// LRU (or MRU) as one intrusive list ordered by `last_access`: insert, remove, touch and pop
+/// are `O(1)` and allocation-free in the common cases (see [`TickLists`] for the placement of
+/// leaves that enter with an old tick).
+#[derive(Debug)]
+pub struct RecencyList {
+    most_recent_first: bool,
+    lists: TickLists,
+}
+
+impl RecencyList {
+    /// An empty list; `most_recent_first` makes it MRU.
+    pub fn new(most_recent_first: bool) -> Self {
+        RecencyList {
+            most_recent_first,
+            lists: TickLists::new(1),
+        }
+    }
+
+    fn end(&self) -> u32 {
+        if self.most_recent_first {
+            self.lists.tail[0]
+        } else {
+            self.lists.head[0]
         }
     }
 }
@@ -318,63 +384,167 @@ impl EvictionPolicy for RecencyList {
     }
 
     fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
-        self.ensure(node.index());
-        self.tick[node.index()] = meta.last_access;
-        self.generation[node.index()] = node.generation;
-        self.insert_sorted(node.idx, meta.last_access);
+        self.lists.insert(node, meta.last_access, 0);
         LeafToken(meta.last_access, 0)
     }
 
     fn remove(&mut self, node: NodeId, _token: LeafToken) {
-        self.unlink(node.idx);
+        self.lists.unlink(node.idx);
     }
 
     fn touch(&mut self, node: NodeId, token: LeafToken, meta: &NodeMeta) -> LeafToken {
         if token.0 == meta.last_access {
             return token;
         }
-        self.unlink(node.idx);
-        self.tick[node.index()] = meta.last_access;
-        self.insert_sorted(node.idx, meta.last_access);
-        LeafToken(meta.last_access, 0)
+        self.lists.unlink(node.idx);
+        self.insert(node, meta)
     }
 
     fn pop(&mut self) -> Option<NodeId> {
-        let i = if self.most_recent_first {
-            self.tail
-        } else {
-            self.head
-        };
+        let i = self.end();
         if i == NO {
             return None;
         }
-        self.unlink(i);
-        Some(NodeId {
-            idx: i,
-            generation: self.generation[i as usize],
-        })
+        self.lists.unlink(i);
+        Some(self.lists.id(i))
     }
 
     fn peek(&self) -> Option<NodeId> {
-        let i = if self.most_recent_first {
-            self.tail
-        } else {
-            self.head
-        };
-        (i != NO).then(|| NodeId {
-            idx: i,
-            generation: self.generation[i as usize],
-        })
+        let i = self.end();
+        (i != NO).then(|| self.lists.id(i))
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.lists.len
     }
 
     fn clear(&mut self) {
-        self.head = NO;
-        self.tail = NO;
-        self.len = 0;
+        self.lists.clear();
+    }
+}
+
+/// Reuse-credit LRU: recency order in which every past reuse of a leaf buys it extra time in
+/// the cache, measured in units of the cache's own current residence time.
+///
+/// A leaf's eviction score is `last_access + ALPHA × R × min(hit_count, MAX_CREDITS)`, where
+/// `R` is a running average of the "effective age" (`now − score`) of recent victims — about
+/// how long an unreused leaf survives in this cache. The credit therefore scales with the
+/// cache's size and load by itself: a leaf reused three times outlives an unreused one of the
+/// same age by about three residence times, whether the tier holds 1M or 100M tokens. Credits
+/// are capped so that a once-hot prefix still ages out (unbounded frequency, as in LFU or
+/// SLRU's protected segment, fills a big tier with stale history).
+///
+/// Leaves sit in one tick-ordered list per credit count, so insert, remove and touch are
+/// `O(1)` and a pop compares `MAX_CREDITS + 1` list heads. Until the first eviction `R` is 0
+/// and the order is plain LRU.
+///
+/// Why: on chat traffic most new prefixes are never reused (the conversation ends), while a
+/// prefix that was reused belongs to a conversation that already continued, and those continue
+/// again more often; the shared prefixes (system prompts, documents) are reused many times.
+#[derive(Debug)]
+pub struct ReuseCreditPolicy {
+    lists: TickLists,
+    now: u64,
+    residence: f64,
+}
+
+impl ReuseCreditPolicy {
+    /// Reuses beyond this many earn no more credit.
+    pub const MAX_CREDITS: u32 = 5;
+    /// Credit per reuse, in residence times.
+    pub const ALPHA: f64 = 1.0;
+    /// Weight of one victim in the running residence average.
+    const RESIDENCE_WEIGHT: f64 = 1.0 / 256.0;
+
+    /// An empty policy.
+    pub fn new() -> Self {
+        ReuseCreditPolicy {
+            lists: TickLists::new(Self::MAX_CREDITS as usize + 1),
+            now: 0,
+            residence: 0.0,
+        }
+    }
+
+    /// The current residence estimate `R`, in ticks.
+    pub fn residence(&self) -> f64 {
+        self.residence
+    }
+
+    fn class(meta: &NodeMeta) -> usize {
+        meta.hit_count.min(Self::MAX_CREDITS) as usize
+    }
+
+    /// The head with the smallest score, ties to the fewest credits.
+    fn victim(&self) -> Option<(u32, f64)> {
+        let credit = Self::ALPHA * self.residence;
+        let mut best: Option<(u32, f64)> = None;
+        for (c, (&h, &t)) in self
+            .lists
+            .head
+            .iter()
+            .zip(&self.lists.head_tick)
+            .enumerate()
+        {
+            if h == NO {
+                continue;
+            }
+            let score = t as f64 + credit * c as f64;
+            if best.is_none_or(|(_, s)| score < s) {
+                best = Some((h, score));
+            }
+        }
+        best
+    }
+}
+
+impl Default for ReuseCreditPolicy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EvictionPolicy for ReuseCreditPolicy {
+    fn name(&self) -> &'static str {
+        "reuse"
+    }
+
+    fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
+        self.now = self.now.max(meta.last_access);
+        let c = Self::class(meta);
+        self.lists.insert(node, meta.last_access, c);
+        LeafToken(meta.last_access, c as u64)
+    }
+
+    fn remove(&mut self, node: NodeId, _token: LeafToken) {
+        self.lists.unlink(node.idx);
+    }
+
+    fn touch(&mut self, node: NodeId, token: LeafToken, meta: &NodeMeta) -> LeafToken {
+        if token == LeafToken(meta.last_access, Self::class(meta) as u64) {
+            return token;
+        }
+        self.lists.unlink(node.idx);
+        self.insert(node, meta)
+    }
+
+    fn pop(&mut self) -> Option<NodeId> {
+        let (i, score) = self.victim()?;
+        self.lists.unlink(i);
+        let age = (self.now as f64 - score).max(0.0);
+        self.residence += Self::RESIDENCE_WEIGHT * (age - self.residence);
+        Some(self.lists.id(i))
+    }
+
+    fn peek(&self) -> Option<NodeId> {
+        self.victim().map(|(i, _)| self.lists.id(i))
+    }
+
+    fn len(&self) -> usize {
+        self.lists.len
+    }
+
+    fn clear(&mut self) {
+        self.lists.clear();
     }
 }
 
@@ -566,6 +736,79 @@ mod tests {
         p.insert(nid(0), &meta(0, 0, 3, 0));
         p.insert(nid(1), &meta(0, 0, 0, 0));
         assert_eq!(p.pop(), Some(nid(1)));
+    }
+
+    #[test]
+    fn reuse_credit_is_lru_until_it_has_evicted() {
+        let m = [meta(5, 1, 3, 0), meta(2, 3, 0, 0), meta(9, 2, 1, 0)];
+        assert_eq!(order(PolicyKind::Reuse, &m), vec![1, 0, 2]);
+    }
+
+    #[test]
+    fn reuse_credit_keeps_reused_leaves_longer_than_residence() {
+        let mut p = ReuseCreditPolicy::new();
+        // Unreused leaves, one per tick, evicted as they age: residence settles near 100 ticks.
+        let mut next = 0u32;
+        for t in 0..2_000u64 {
+            p.insert(nid(next), &meta(t, t, 0, 0));
+            next += 1;
+            if t >= 100 {
+                p.pop();
+            }
+        }
+        let r = p.residence();
+        assert!((80.0..=120.0).contains(&r), "residence {r}");
+        // A leaf reused twice, last accessed 150 ticks ago, scores 1850 + 2R ≈ 2050: later
+        // than every unreused leaf held (ticks ≤ 1999), so it goes last.
+        let reused = nid(next);
+        p.insert(reused, &meta(1_850, 0, 2, 0));
+        let before = p.len();
+        let mut popped = Vec::new();
+        for _ in 0..before - 1 {
+            popped.push(p.pop().unwrap());
+            assert_eq!(p.peek().is_some(), p.len() > 0);
+        }
+        assert!(!popped.contains(&reused));
+        assert_eq!(p.pop(), Some(reused));
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn reuse_credit_is_capped() {
+        let mut p = ReuseCreditPolicy::new();
+        for t in 0..1_000u64 {
+            p.insert(nid(t as u32), &meta(t, t, 0, 0));
+            if t >= 10 {
+                p.pop();
+            }
+        }
+        let r = p.residence();
+        // A leaf with a huge reuse count but older than MAX_CREDITS residence times loses to
+        // an unreused leaf of this instant.
+        let old = nid(5_000);
+        let stale_tick = 999 - (r * 7.0) as u64;
+        p.insert(old, &meta(stale_tick, 0, 1_000, 0));
+        p.insert(nid(5_001), &meta(999, 999, 0, 0));
+        assert_eq!(p.pop(), Some(old));
+    }
+
+    #[test]
+    fn reuse_credit_touch_moves_between_classes() {
+        let mut p = ReuseCreditPolicy::new();
+        let a = p.insert(nid(0), &meta(1, 1, 0, 0));
+        p.insert(nid(1), &meta(2, 2, 0, 0));
+        // Same tick, one more reuse: the token changes, the leaf moves to the next class.
+        let a2 = p.touch(nid(0), a, &meta(1, 1, 1, 0));
+        assert_ne!(a, a2);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.touch(nid(0), a2, &meta(1, 1, 1, 0)), a2);
+        // R is still 0: order is by tick alone.
+        assert_eq!(p.pop(), Some(nid(0)));
+        assert_eq!(p.pop(), Some(nid(1)));
+        assert_eq!(p.pop(), None);
+        p.insert(nid(2), &meta(3, 3, 4, 0));
+        p.clear();
+        assert!(p.is_empty() && p.pop().is_none());
     }
 
     #[test]

@@ -470,6 +470,8 @@ fn each_policy_evicts_in_its_order() {
         (PolicyKind::Slru, "BCA"),
         // A and C were visited: the hand spares each once.
         (PolicyKind::Sieve, "BAC"),
+        // Nothing evicted yet, so no residence time to credit: LRU order.
+        (PolicyKind::Reuse, "BAC"),
     ];
     assert_eq!(expected.len(), PolicyKind::ALL.len());
     for (policy, order) in expected {

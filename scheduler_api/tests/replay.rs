@@ -221,7 +221,13 @@ fn every_compare_configuration_runs() {
             CompareOutcome::Skipped { config, reason } => panic!("{config} skipped: {reason}"),
         }
     }
-    assert!(configs.len() > PolicyKind::ALL.len() + 5);
+    assert!(configs.len() > 2 * PolicyKind::ALL.len() + 4);
+    let labels: std::collections::HashSet<String> = configs.iter().map(|c| c.label()).collect();
+    assert_eq!(
+        labels.len(),
+        configs.len(),
+        "labels must tell configurations apart"
+    );
 }
 
 fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {

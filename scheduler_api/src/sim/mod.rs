@@ -19,7 +19,7 @@ use crate::trace::Trace;
 
 /// The configurations `--compare` runs: no cache, the radix cache under every eviction
 /// policy, radix (base policy) + sessions, HiCache with a host tier 4× the device pool under
-/// each write policy, and HiCache + sessions. Kinds this build cannot construct are reported
+/// each write policy, HiCache write-back under every other policy, and HiCache + sessions. Kinds this build cannot construct are reported
 /// as skipped by [`compare`], not dropped silently.
 pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
     let sessions = Some(SessionBudget {
@@ -54,6 +54,19 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
     ] {
         out.push(ManagerConfig {
             cache: host(w),
+            sessions: None,
+            ..base.clone()
+        });
+    }
+    // The host tier is ordered by the same policy family, so every policy is compared with
+    // the host tier too (write-back: the variant that holds the most distinct tokens).
+    for p in PolicyKind::ALL
+        .into_iter()
+        .filter(|&p| p != base.eviction.0)
+    {
+        out.push(ManagerConfig {
+            cache: host(WritePolicy::WriteBack),
+            eviction: Eviction(p),
             sessions: None,
             ..base.clone()
         });
