@@ -51,6 +51,7 @@ impl PageAllocator {
     }
 
     /// Pages currently free.
+    #[inline]
     pub fn available(&self) -> usize {
         self.free.len()
     }
@@ -89,10 +90,11 @@ impl PageAllocator {
         }
         let start = self.free.len() - n;
         // The free list is a stack; take its top in pop order so fresh pools hand out ascending ids.
-        for &p in self.free[start..].iter().rev() {
+        let taken = &self.free[start..];
+        for &p in taken {
             self.state[p.index()] = PageState::Owned;
-            out.push(p);
         }
+        out.extend(taken.iter().rev());
         self.free.truncate(start);
         Ok(())
     }
@@ -272,6 +274,7 @@ impl RowPool {
     }
 
     /// Rows still available.
+    #[inline]
     pub fn available(&self) -> usize {
         self.capacity - self.live
     }
@@ -311,6 +314,7 @@ impl RowPool {
         })
     }
 
+    #[inline]
     fn slot(&self, id: RowId) -> Result<&RowSlot> {
         match self.rows.get(id.index()) {
             Some(s) if s.live && s.generation == id.generation => Ok(s),
@@ -318,6 +322,7 @@ impl RowPool {
         }
     }
 
+    #[inline]
     fn slot_mut(&mut self, id: RowId) -> Result<&mut RowSlot> {
         match self.rows.get_mut(id.index()) {
             Some(s) if s.live && s.generation == id.generation => Ok(s),
@@ -329,6 +334,7 @@ impl RowPool {
     ///
     /// # Errors
     /// [`CacheError::StaleRow`].
+    #[inline]
     pub fn pages(&self, row: RowId) -> Result<&[PageId]> {
         Ok(&self.slot(row)?.pages)
     }
@@ -351,6 +357,7 @@ impl RowPool {
 
     /// Mutable access to the page table and its protected count (crate-internal: callers must
     /// keep page states consistent).
+    #[inline]
     pub(crate) fn parts_mut(&mut self, row: RowId) -> Result<(&mut Vec<PageId>, &mut usize)> {
         let s = self.slot_mut(row)?;
         Ok((&mut s.pages, &mut s.protected))

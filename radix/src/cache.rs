@@ -149,6 +149,7 @@ impl RequestKv {
     }
 
     /// Appends generated tokens to the key.
+    #[inline]
     pub fn append_tokens(&mut self, tokens: &[TokenId]) {
         self.key.tokens.extend_from_slice(tokens);
     }
@@ -157,6 +158,7 @@ impl RequestKv {
     ///
     /// # Errors
     /// [`CacheError::InvalidRequestState`] if that passes the allocated slots or the key.
+    #[inline]
     pub fn commit(&mut self, n: usize) -> Result<()> {
         let c = self.committed_len + n;
         if c > self.allocated_len || c > self.key.len() {

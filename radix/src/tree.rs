@@ -154,15 +154,24 @@ impl BufferPool {
     }
 
     fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {
-        let mut v = self.tokens.pop().unwrap_or_default();
-        v.extend_from_slice(src);
-        v
+        Self::take(&mut self.tokens, src)
     }
 
     fn pages(&mut self, src: &[PageId]) -> Vec<PageId> {
-        let mut v = self.pages.pop().unwrap_or_default();
-        v.extend_from_slice(src);
-        v
+        Self::take(&mut self.pages, src)
+    }
+
+    /// A buffer holding a copy of `src`. A recycled buffer too small for it stays in the pool:
+    /// growing it would reallocate, copying its whole old capacity for nothing (it is empty).
+    fn take<T: Copy>(pool: &mut Vec<Vec<T>>, src: &[T]) -> Vec<T> {
+        match pool.last() {
+            Some(v) if v.capacity() >= src.len() => {
+                let mut v = pool.pop().unwrap_or_default();
+                v.extend_from_slice(src);
+                v
+            }
+            _ => src.to_vec(),
+        }
     }
 }
 

@@ -432,7 +432,19 @@ impl KvCacheManager {
                 what: "decode before the prompt is allocated",
             });
         }
-        t.kv.append_tokens(&[token]);
+        let pos = t.kv.allocated_len;
+        // Most decode tokens land in a page the row already has (see `alloc`): a push and a few
+        // counters, kept here so the common case has no call and no `Result` to move around.
+        if self.page_granular && pos < t.row_capacity {
+            t.kv.key.tokens.push(token);
+            t.kv.allocated_len = pos + 1;
+            let used = usize::from(t.reserved > 0);
+            t.reserved -= used;
+            self.reserved_total -= used;
+            self.metrics.counters.decode_tokens += 1;
+            return Ok(pos);
+        }
+        t.kv.key.tokens.push(token);
         let r = alloc(
             self.cache.as_mut(),
             self.cfg.model.page_size,
@@ -687,9 +699,11 @@ fn inv(msg: String) -> ManagerError {
 }
 
 fn running_mut(reqs: &mut Table<Tracked>, id: ReqId) -> Result<&mut Tracked> {
-    let t = reqs
-        .get_mut(id.0)
-        .ok_or(ManagerError::UnknownRequest(id.0))?;
+    // Not `ok_or`: its eagerly built error is dropped on every call, and this runs per decode
+    // token.
+    let Some(t) = reqs.get_mut(id.0) else {
+        return Err(ManagerError::UnknownRequest(id.0));
+    };
     if t.phase != Phase::Running {
         return Err(ManagerError::Lifecycle {
             id: id.0,

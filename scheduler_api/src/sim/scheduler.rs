@@ -81,6 +81,14 @@ impl CpuClock {
     fn add(&mut self, phase: Phase, since: Instant) {
         self.0[phase as usize] += since.elapsed();
     }
+
+    /// Charges `since..now` to `phase` and returns `now`, so that back-to-back manager calls of
+    /// different phases share one clock read at their boundary.
+    fn lap(&mut self, phase: Phase, since: Instant) -> Instant {
+        let now = Instant::now();
+        self.0[phase as usize] += now - since;
+        now
+    }
 }
 
 /// Observes replay progress (a progress bar, or nothing).
@@ -261,11 +269,16 @@ impl Sim<'_> {
         let mut budget = self.cfg.prefill_budget;
         let mut prefill_tokens = 0;
 
-        // Chunks of requests already prefilling, oldest first.
-        let t0 = Instant::now();
+        // Chunks of requests already prefilling, oldest first. The clock starts at the first
+        // manager call: most steps have no chunk to continue.
+        let mut t0 = None;
         for job in self.running.iter_mut().filter(|j| j.prefill_left > 0) {
             let take = job.prefill_left.min(budget);
-            if take == 0 || kv.extend(job.id, take).is_err() {
+            if take == 0 {
+                break;
+            }
+            t0.get_or_insert_with(Instant::now);
+            if kv.extend(job.id, take).is_err() {
                 break;
             }
             job.prefill_left -= take;
@@ -273,7 +286,9 @@ impl Sim<'_> {
             budget -= take;
             prefill_tokens += take;
         }
-        self.cpu.add(Phase::Extend, t0);
+        if let Some(t0) = t0 {
+            self.cpu.add(Phase::Extend, t0);
+        }
 
         // Admission, FCFS: the head of the queue blocks the rest.
         let mut admitted = Vec::new();
@@ -281,12 +296,19 @@ impl Sim<'_> {
             let Some(job) = self.waiting.front_mut() else {
                 break;
             };
+            let id = job.id;
             let t0 = Instant::now();
-            let adm = kv.admit(job.id)?;
-            self.cpu.add(Phase::Admit, t0);
+            let adm = kv.admit(id)?;
             let Admission::Ready(a) = adm else {
+                self.cpu.add(Phase::Admit, t0);
                 break;
             };
+            // The first chunk is allocated right away: the admission's closing clock read
+            // opens the extend's.
+            let take = a.extend_tokens.min(budget);
+            let t1 = self.cpu.lap(Phase::Admit, t0);
+            let ok = take > 0 && kv.extend(id, take).is_ok();
+            self.cpu.add(Phase::Extend, t1);
             let Some(mut job) = self.waiting.pop_front() else {
                 break;
             };
@@ -295,10 +317,6 @@ impl Sim<'_> {
                 admitted.push((job.index, a));
             }
             job.prefill_left = a.extend_tokens;
-            let take = job.prefill_left.min(budget);
-            let t0 = Instant::now();
-            let ok = take > 0 && kv.extend(job.id, take).is_ok();
-            self.cpu.add(Phase::Extend, t0);
             if ok {
                 job.prefill_left -= take;
                 job.role = Role::Prefill;
@@ -321,19 +339,21 @@ impl Sim<'_> {
                     batch.push((j, job.id, job.output[job.generated as usize - 1]));
                 }
             }
-            let t0 = Instant::now();
             let mut failed = None;
-            for (k, &(_, id, token)) in batch.iter().enumerate() {
-                match kv.decode(id, token) {
-                    Ok(_) => {}
-                    Err(ManagerError::OutOfMemory { .. }) => {
-                        failed = Some(k);
-                        break;
+            if !batch.is_empty() {
+                let t0 = Instant::now();
+                for (k, &(_, id, token)) in batch.iter().enumerate() {
+                    match kv.decode(id, token) {
+                        Ok(_) => {}
+                        Err(ManagerError::OutOfMemory { .. }) => {
+                            failed = Some(k);
+                            break;
+                        }
+                        Err(e) => return Err(e),
                     }
-                    Err(e) => return Err(e),
                 }
+                self.cpu.add(Phase::Decode, t0);
             }
-            self.cpu.add(Phase::Decode, t0);
             let ok = failed.unwrap_or(batch.len());
             for &(j, _, _) in &batch[..ok] {
                 self.running[j].role = Role::Decode;
