@@ -25,8 +25,8 @@
 //! - **Tiers.** Node states: device only → writing (locked until the ack) → both → host only
 //!   → gone. [`WritePolicy`] decides when to back up; device eviction of a backed-up node frees
 //!   only its device pages; host eviction removes host-only leaves in the order of the
-//!   configured eviction policy family (the device tier's [`PolicyKind`](radixkv_radix::PolicyKind),
-//!   a second instance); an exhausted host degrades to device-only (counted in
+//!   host tier's eviction policy (`HiCacheConfig::host_policy`, by default a second instance
+//!   of the device tier's [`PolicyKind`](radixkv_radix::PolicyKind)); an exhausted host degrades to device-only (counted in
 //!   [`HiCacheStats`]), never to an error. A host `BlockStored` event is emitted when the
 //!   backup is acknowledged, not when it is queued. A failed backup leaves the node
 //!   device-only; a failed load is reported to the forward pass as an error and repaired (or

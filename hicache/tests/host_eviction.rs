@@ -14,7 +14,11 @@ use radixkv_radix::{
     FinishKind, KvEvent, Medium, PolicyKind, PrefixCache, RadixConfig, RadixKey, RequestKv,
 };
 
-fn cache_with(policy: PolicyKind, sim: HostSimConfig) -> HiRadixCache<HostSim> {
+fn cache_with(
+    policy: PolicyKind,
+    host_policy: Option<PolicyKind>,
+    sim: HostSimConfig,
+) -> HiRadixCache<HostSim> {
     let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
     let backend = Arc::new(HostSim::new(g, 16, sim).unwrap());
     let cfg = HiCacheConfig {
@@ -29,6 +33,7 @@ fn cache_with(policy: PolicyKind, sim: HostSimConfig) -> HiRadixCache<HostSim> {
         host_size: HostSize::Ratio(2.0),
         host_layout: HostLayout::PageFirst,
         write_policy: WritePolicy::WriteThrough,
+        host_policy,
         load_back_min_tokens: 1,
         ..Default::default()
     };
@@ -62,8 +67,12 @@ fn on_host(c: &mut HiRadixCache<HostSim>, t: &[u32]) -> bool {
 
 /// Three host-only prefixes: A reused most but accessed first, B used once, C reused once
 /// and accessed last. Evicts one prefix's worth from the host and returns which survive.
-fn survivors_after_one_host_eviction(policy: PolicyKind, prio: [i32; 3]) -> [bool; 3] {
-    let mut c = cache_with(policy, HostSimConfig::default());
+fn survivors_after_one_host_eviction(
+    policy: PolicyKind,
+    host_policy: Option<PolicyKind>,
+    prio: [i32; 3],
+) -> [bool; 3] {
+    let mut c = cache_with(policy, host_policy, HostSimConfig::default());
     let (a, b, cc) = (toks(1), toks(2), toks(3));
     for _ in 0..3 {
         serve_prio(&mut c, &a, prio[0]);
@@ -76,7 +85,7 @@ fn survivors_after_one_host_eviction(policy: PolicyKind, prio: [i32; 3]) -> [boo
     assert_eq!(c.host_tokens(), 12);
     assert_eq!(c.evict_host(4), 4, "exactly one prefix leaves the host");
     c.check_invariants().unwrap();
-    assert_eq!(c.host_policy(), policy);
+    assert_eq!(c.host_policy(), host_policy.unwrap_or(policy));
     [
         on_host(&mut c, &a),
         on_host(&mut c, &b),
@@ -88,22 +97,28 @@ fn survivors_after_one_host_eviction(policy: PolicyKind, prio: [i32; 3]) -> [boo
 fn host_eviction_uses_the_configured_policy_family() {
     // LRU: A was accessed least recently.
     assert_eq!(
-        survivors_after_one_host_eviction(PolicyKind::Lru, [0; 3]),
+        survivors_after_one_host_eviction(PolicyKind::Lru, None, [0; 3]),
         [false, true, true]
     );
     // LFU: B was reused least, although A is older.
     assert_eq!(
-        survivors_after_one_host_eviction(PolicyKind::Lfu, [0; 3]),
+        survivors_after_one_host_eviction(PolicyKind::Lfu, None, [0; 3]),
         [true, false, true]
     );
     // Priority: the lowest priority goes first, whatever its recency or reuse.
     assert_eq!(
-        survivors_after_one_host_eviction(PolicyKind::Priority, [5, 3, 0]),
+        survivors_after_one_host_eviction(PolicyKind::Priority, None, [5, 3, 0]),
         [true, true, false]
+    );
+    // The host tier's own policy wins over the device tier's: LFU on the host under an LRU
+    // device evicts B, as LFU alone does.
+    assert_eq!(
+        survivors_after_one_host_eviction(PolicyKind::Lru, Some(PolicyKind::Lfu), [0; 3]),
+        [true, false, true]
     );
     // MRU: the most recently used goes first.
     assert_eq!(
-        survivors_after_one_host_eviction(PolicyKind::Mru, [0; 3]),
+        survivors_after_one_host_eviction(PolicyKind::Mru, None, [0; 3]),
         [true, true, false]
     );
 }
@@ -125,7 +140,7 @@ fn host_stored_event_waits_for_the_backup_ack() {
         gated: true,
         ..Default::default()
     };
-    let mut c = cache_with(PolicyKind::Lru, sim);
+    let mut c = cache_with(PolicyKind::Lru, None, sim);
     serve_prio(&mut c, &toks(1), 0);
     // The backup is queued and submitted, but its copy is held: no host event yet.
     assert_eq!(host_events(&mut c), vec![("stored", Medium::Device)]);

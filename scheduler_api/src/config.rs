@@ -103,6 +103,9 @@ pub struct HostTier {
     /// When device pages are written to the host.
     #[serde(default)]
     pub write_policy: WritePolicy,
+    /// Eviction policy of the host tier (absent: the device tier's `eviction`).
+    #[serde(default)]
+    pub eviction: Option<Eviction>,
     /// Optional storage tier (L3).
     #[serde(default)]
     pub storage: Option<StorageTier>,
@@ -114,6 +117,7 @@ impl HostTier {
         HostTier {
             host_tokens: (device_tokens as f64 * ratio.max(0.0)) as usize,
             write_policy: WritePolicy::default(),
+            eviction: None,
             storage: None,
         }
     }
@@ -121,6 +125,12 @@ impl HostTier {
     /// The same tier with another write policy.
     pub fn write_policy(mut self, p: WritePolicy) -> Self {
         self.write_policy = p;
+        self
+    }
+
+    /// The same tier with its own eviction policy.
+    pub fn eviction(mut self, p: PolicyKind) -> Self {
+        self.eviction = Some(Eviction(p));
         self
     }
 }
@@ -453,12 +463,19 @@ impl ManagerConfig {
         let mut s = match &self.cache {
             CacheKind::Disabled => return "disabled".into(),
             CacheKind::Radix => format!("radix-{}", self.eviction.0.name()),
-            CacheKind::HiCache(h) => format!(
-                "hicache-{}-{}+host{}",
-                self.eviction.0.name(),
-                h.write_policy.short_name(),
-                human_tokens(h.host_tokens)
-            ),
+            CacheKind::HiCache(h) => {
+                let policies = match h.eviction {
+                    Some(Eviction(p)) if p != self.eviction.0 => {
+                        format!("{}/{}", self.eviction.0.name(), p.name())
+                    }
+                    _ => self.eviction.0.name().to_string(),
+                };
+                format!(
+                    "hicache-{policies}-{}+host{}",
+                    h.write_policy.short_name(),
+                    human_tokens(h.host_tokens)
+                )
+            }
         };
         if self.sessions.is_some() {
             s.push_str("+sessions");
@@ -500,6 +517,31 @@ mod tests {
         assert!(matches!(c.cache, CacheKind::HiCache(ref h) if h.host_tokens == 262144));
         let json = serde_json::to_string(&c).unwrap();
         assert_eq!(ManagerConfig::from_json_str(&json).unwrap(), c);
+    }
+
+    #[test]
+    fn host_tier_takes_its_own_eviction_policy() {
+        let text = r#"
+            eviction = "lru"
+            [cache]
+            kind = "hi_cache"
+            host_tokens = 262144
+            write_policy = { policy = "write_back" }
+            eviction = "reuse"
+        "#;
+        let c = ManagerConfig::from_toml_str(text).unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("not a hicache config: {c:?}");
+        };
+        assert_eq!(h.eviction, Some(Eviction(PolicyKind::Reuse)));
+        assert_eq!(c.label(), "hicache-lru/reuse-wb+host256K");
+        let same = ManagerConfig {
+            cache: CacheKind::HiCache(h.clone().eviction(PolicyKind::Lru)),
+            ..c.clone()
+        };
+        assert_eq!(same.label(), "hicache-lru-wb+host256K");
+        let bad = text.replace("\"reuse\"", "\"nope\"");
+        assert!(ManagerConfig::from_toml_str(&bad).is_err());
     }
 
     #[test]

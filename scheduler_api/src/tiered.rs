@@ -71,6 +71,7 @@ impl Tiered {
             radix,
             host_size: HostSize::Pages(host.host_tokens / page_size),
             write_policy,
+            host_policy: host.eviction.map(|e| e.0),
             ..Default::default()
         };
         Ok(Tiered {

@@ -235,6 +235,7 @@ fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {
     cfg.manager.cache = CacheKind::HiCache(HostTier {
         host_tokens: host,
         write_policy: w,
+        eviction: None,
         storage: None,
     });
     cfg

@@ -42,8 +42,8 @@ use std::sync::Arc;
 
 use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
-    KvEvent, LockReceipt, NodeId, PageId, PrefixCache, RadixCache, RadixConfig, RequestKv,
-    RequestMatch, TierWalk, TreeMatch, align_down,
+    KvEvent, LockReceipt, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
+    RequestKv, RequestMatch, TierWalk, TreeMatch, align_down,
 };
 
 use crate::backend::DeviceBackend;
@@ -85,6 +85,11 @@ pub struct HiCacheConfig {
     pub host_layout: HostLayout,
     /// Backup policy.
     pub write_policy: WritePolicy,
+    /// Eviction policy of the host tier (`None`: the device tier's, `radix.policy`). Keeping
+    /// plain LRU on the device and [`PolicyKind::Reuse`] on the host tier lets the large tier
+    /// carry reuse history while the device, which also holds host-backed copies, turns over
+    /// by recency alone.
+    pub host_policy: Option<PolicyKind>,
     /// Host hits shorter than this many tokens (rounded up to whole pages) are not loaded
     /// back; recomputing them is cheaper than a transfer.
     pub load_back_min_tokens: usize,
@@ -105,6 +110,7 @@ impl Default for HiCacheConfig {
             host_size: HostSize::Ratio(2.0),
             host_layout: HostLayout::PageFirst,
             write_policy: WritePolicy::default(),
+            host_policy: None,
             load_back_min_tokens: 10,
             load_back_quota_tokens: None,
             load_back_on_begin: true,
@@ -230,7 +236,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         let host_pages = cfg.host_size.pages(&g, backend.device_pages())?;
         let host = HostPool::new(g, host_pages, cfg.host_layout)?;
-        let host_leaves = HostLeaves::new(cfg.radix.policy);
+        let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
         let ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
         Ok(HiRadixCache {
             inner: RadixCache::new(cfg.radix)?,
@@ -280,7 +286,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     }
 
     /// The eviction policy family ordering both tiers (the device tier's, from the config).
-    pub fn host_policy(&self) -> radixkv_radix::PolicyKind {
+    pub fn host_policy(&self) -> PolicyKind {
         self.host_leaves.kind()
     }
 

@@ -58,8 +58,19 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
             ..base.clone()
         });
     }
-    // The host tier is ordered by the same policy family, so every policy is compared with
-    // the host tier too (write-back: the variant that holds the most distinct tokens).
+    // Every policy on both tiers, and the base policy on the device with Reuse on the host
+    // (write-back: the variant that holds the most distinct tokens).
+    if base.eviction.0 != PolicyKind::Reuse {
+        out.push(ManagerConfig {
+            cache: CacheKind::HiCache(
+                HostTier::ratio(base.device_tokens, 4.0)
+                    .write_policy(WritePolicy::WriteBack)
+                    .eviction(PolicyKind::Reuse),
+            ),
+            sessions: None,
+            ..base.clone()
+        });
+    }
     for p in PolicyKind::ALL
         .into_iter()
         .filter(|&p| p != base.eviction.0)
