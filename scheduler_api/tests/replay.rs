@@ -275,6 +275,30 @@ fn hicache_slices_respect_the_invariants_under_every_write_policy() {
 }
 
 #[test]
+fn hicache_replays_are_deterministic() {
+    // HostSim copies run on worker threads; the replay completes them within their step, so
+    // two runs agree on every counter and simulated time, not only on the hit ratio.
+    let chat = SyntheticChat {
+        conversations: 8,
+        ..Default::default()
+    }
+    .generate();
+    for w in [WritePolicy::WriteThrough, WritePolicy::WriteBack] {
+        let cfg = hicache(32 << 10, 128 << 10, w);
+        let a = replay(&chat, &cfg, &mut ()).unwrap();
+        let b = replay(&chat, &cfg, &mut ()).unwrap();
+        assert!(a.counters.transfers.pages_written > 0);
+        assert_eq!(a.counters, b.counters);
+        assert_eq!(
+            (a.hit_tokens_device, a.hit_tokens_host, a.recomputed_tokens),
+            (b.hit_tokens_device, b.hit_tokens_host, b.recomputed_tokens)
+        );
+        assert_eq!(a.ttft_p99_ms, b.ttft_p99_ms);
+        assert_eq!(a.sim_duration_s, b.sim_duration_s);
+    }
+}
+
+#[test]
 fn sessions_over_radix_and_hicache_replay_multi_turn_chat() {
     let t = SyntheticChat {
         conversations: 6,

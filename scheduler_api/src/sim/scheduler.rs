@@ -124,7 +124,6 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
     }
     let mut sim = Sim {
         turns_left,
-        stall_drained: false,
         decode_batch: Vec::new(),
         trace,
         cfg,
@@ -210,8 +209,6 @@ fn check_fits(trace: &Trace, m: &ManagerConfig) -> Result<()> {
 
 struct Sim<'a> {
     turns_left: HashMap<u64, u32>,
-    /// The current stall (a step where nothing could run) already waited for the transfers.
-    stall_drained: bool,
     decode_batch: Vec<(usize, ReqId, TokenId)>,
     trace: &'a Trace,
     cfg: &'a SimConfig,
@@ -382,16 +379,10 @@ impl Sim<'_> {
         let span = step.span().clone();
         let _entered = span.enter();
 
-        let mut drain_now = false;
         let tiered = matches!(self.cfg.manager.cache, CacheKind::HiCache(_));
-        if prefill_tokens > 0 || decode_seqs > 0 {
-            self.stall_drained = false;
-        } else if tiered && !self.stall_drained {
-            // Nothing could run, but transfers in flight lock their pages until their acks:
-            // wait for them (as time would pass) before retracting anything.
-            self.stall_drained = true;
-            drain_now = true;
-        } else {
+        // Transfers never outlive a step (see the end of the step), so when nothing could run
+        // no copy holds pages any more.
+        if prefill_tokens == 0 && decode_seqs == 0 {
             // Nothing could run: free memory by retracting the youngest, or give up.
             if self.running.len() > 1 {
                 let victim = self.running.len() - 1;
@@ -476,10 +467,14 @@ impl Sim<'_> {
         }
         drop(_entered);
         kv.end_step(step)?;
-        if drain_now {
+        self.cpu.add(Phase::Complete, t0);
+        if tiered {
+            // Every copy of a step completes within it (the cost model charged its time), so
+            // the replay waits for them here: acks then land at the same simulated instant
+            // in every run, whatever the host threads' speed, and the replay is deterministic.
+            // Waiting is not manager CPU: the copies run on the backend's streams.
             kv.drain()?;
         }
-        self.cpu.add(Phase::Complete, t0);
         let finished = done.len() as u64;
         if finished > 0 {
             self.last_finish_us = self.now_us;
