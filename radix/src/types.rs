@@ -60,6 +60,14 @@ impl NodeId {
     pub fn index(self) -> usize {
         self.idx as usize
     }
+
+    /// A handle for arena index `idx` (generation 0) that no tree issued, so an
+    /// [`crate::EvictionPolicy`] can be driven directly over one's own nodes (offline
+    /// simulations of the shipped policies). Handing one to a tree is harmless: the tree checks
+    /// index and generation and refuses a handle that names no live node.
+    pub fn detached(idx: u32) -> NodeId {
+        NodeId { idx, generation: 0 }
+    }
 }
 
 /// The isolation domain of a key: tenant, LoRA adapter or cache salt.

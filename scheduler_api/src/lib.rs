@@ -59,6 +59,7 @@
 
 #![warn(missing_docs)]
 
+pub mod analysis;
 mod builder;
 pub mod config;
 pub mod error;

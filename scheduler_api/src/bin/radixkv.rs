@@ -2,7 +2,9 @@
 //! reports hit ratios, recomputation, transfers and simulated latency.
 //!
 //! `radixkv` (or `radixkv demo`) runs the built-in synthetic multi-turn chat workload;
-//! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file.
+//! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file;
+//! `radixkv analyze --trace FILE --format ... [--capacity-tokens N ...] [--json]` analyses one
+//! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -15,7 +17,8 @@ use radixkv_scheduler_api::config::{Eviction, policy_names};
 use radixkv_scheduler_api::sim::{self, CompareOutcome, Progress, Report, SimConfig};
 use radixkv_scheduler_api::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_scheduler_api::{
-    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy, plot,
+    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy, analysis,
+    plot,
 };
 
 #[derive(Parser, Debug)]
@@ -60,6 +63,29 @@ enum Cmd {
         conversation_gap_s: f64,
         #[command(flatten)]
         run: RunArgs,
+    },
+    /// Analyse a trace offline for capacity planning: the infinite-cache ideal, block reuse,
+    /// conversation structure, and LRU / Belady / oracle / shipped-policy hit ratios per
+    /// capacity. Print as JSON with --json.
+    Analyze {
+        /// The trace file (`.gz` is decompressed).
+        #[arg(long)]
+        trace: PathBuf,
+        /// mooncake | weka (agentic multi-turn) | azure.
+        #[arg(long)]
+        format: String,
+        /// Cache capacity to simulate, in tokens (repeatable; default 1048576 and 5242880).
+        #[arg(long = "capacity-tokens")]
+        capacity_tokens: Vec<u64>,
+        /// Read at most this many requests (conversations for weka).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Keep only the first this many requests (by arrival).
+        #[arg(long)]
+        max_requests: Option<usize>,
+        /// Mean gap between conversation starts for weka traces (seconds).
+        #[arg(long, default_value_t = 2.0)]
+        conversation_gap_s: f64,
     },
 }
 
@@ -137,6 +163,22 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     let (trace, run, cfg) = match cli.cmd {
+        Some(Cmd::Analyze {
+            trace,
+            format,
+            capacity_tokens,
+            limit,
+            max_requests,
+            conversation_gap_s,
+        }) => {
+            let opts = ReadOptions {
+                limit,
+                max_requests,
+                seed: cli.run.seed.unwrap_or(7),
+                conversation_gap_s: gap(conversation_gap_s)?,
+            };
+            return analyze(&trace, &format, &capacity_tokens, &opts, &cli.run);
+        }
         None => {
             let cfg = sim_config(&cli.run)?;
             let t = demo_trace(SyntheticChat::default().conversations, &cli.run);
@@ -158,16 +200,11 @@ fn run(cli: Cli) -> Result<()> {
             let run = merge(cli.run, run);
             let cfg = sim_config(&run)?;
             let format = TraceFormat::from_name(&format)?;
-            if !conversation_gap_s.is_finite() || conversation_gap_s < 0.0 {
-                return Err(ManagerError::Config(
-                    "--conversation-gap-s must be a non-negative number".into(),
-                ));
-            }
             let opts = ReadOptions {
                 limit,
                 max_requests,
                 seed: run.seed.unwrap_or(7),
-                conversation_gap_s,
+                conversation_gap_s: gap(conversation_gap_s)?,
             };
             (trace::read_trace(&trace, format, &opts)?, run, cfg)
         }
@@ -194,6 +231,61 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(dir) = &run.out {
         write_out(dir, &reports)?;
         eprintln!("radixkv: wrote report.json and plots to {}", dir.display());
+    }
+    Ok(())
+}
+
+fn gap(conversation_gap_s: f64) -> Result<f64> {
+    if !conversation_gap_s.is_finite() || conversation_gap_s < 0.0 {
+        return Err(ManagerError::Config(
+            "--conversation-gap-s must be a non-negative number".into(),
+        ));
+    }
+    Ok(conversation_gap_s)
+}
+
+/// `radixkv analyze`: reads the trace, analyses it, prints text or JSON.
+fn analyze(
+    path: &Path,
+    format: &str,
+    capacities: &[u64],
+    opts: &ReadOptions,
+    run: &RunArgs,
+) -> Result<()> {
+    // The replay flags are global to every subcommand; none of them means anything here, so
+    // refuse them rather than ignore them silently.
+    let replay_only = [
+        ("--config", run.config.is_some()),
+        ("--device-tokens", run.device_tokens.is_some()),
+        ("--page-size", run.page_size.is_some()),
+        ("--policy", run.policy.is_some()),
+        ("--cache", run.cache.is_some()),
+        ("--host-tokens", run.host_tokens.is_some()),
+        ("--write-policy", run.write_policy.is_some()),
+        ("--session-tokens", run.session_tokens.is_some()),
+        ("--max-running", run.max_running.is_some()),
+        ("--prefill-budget", run.prefill_budget.is_some()),
+        ("--bandwidth-gbps", run.bandwidth_gbps.is_some()),
+        ("--compare", run.compare),
+        ("--out", run.out.is_some()),
+    ];
+    if let Some((flag, _)) = replay_only.iter().find(|(_, set)| *set) {
+        return Err(ManagerError::Config(format!(
+            "{flag} applies to replays, not to analyze (analyze takes --capacity-tokens)"
+        )));
+    }
+    let format = TraceFormat::from_name(format)?;
+    let capacities = if capacities.is_empty() {
+        &analysis::DEFAULT_CAPACITIES[..]
+    } else {
+        capacities
+    };
+    let trace = trace::read_trace(path, format, opts)?;
+    let a = analysis::analyze(&trace, capacities)?;
+    if run.json {
+        println!("{}", to_json(&a)?);
+    } else {
+        print!("{a}");
     }
     Ok(())
 }
