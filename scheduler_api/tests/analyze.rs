@@ -181,7 +181,7 @@ fn cli_prints_text_and_json() {
     let caps = v["prefix"]["capacities"].as_array().unwrap();
     assert_eq!(caps.len(), 1);
     assert_eq!(caps[0]["capacity_blocks"], 3);
-    assert_eq!(caps[0]["policies"].as_array().unwrap().len(), 4);
+    assert_eq!(caps[0]["policies"].as_array().unwrap().len(), 8);
 }
 
 #[test]

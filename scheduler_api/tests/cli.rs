@@ -200,6 +200,10 @@ fn unknown_format_policy_and_cache_kind_are_rejected() {
     fails_with(&o, "unknown eviction policy");
     let o = radixkv(&["demo", "--cache", "magic"]);
     fails_with(&o, "unknown cache kind");
+    let o = radixkv(&["demo", "--cache", "hicache", "--host-policy", "best"]);
+    fails_with(&o, "unknown host eviction policy");
+    let o = radixkv(&["demo", "--host-policy", "reuse"]);
+    fails_with(&o, "--host-policy needs a host tier");
 }
 
 #[test]
@@ -244,6 +248,26 @@ fn hicache_and_sessions_run_and_cuda_names_its_crate() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stdout(&o).contains("hicache-lru-wb+host128K+sessions"),
+        "{}",
+        stdout(&o)
+    );
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--device-tokens",
+        "32768",
+        "--cache",
+        "hicache",
+        "--write-policy",
+        "write_back",
+        "--host-policy",
+        "reuse",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("hicache-lru/reuse-wb+host128K"),
         "{}",
         stdout(&o)
     );

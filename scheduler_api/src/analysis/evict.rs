@@ -22,6 +22,14 @@ pub(super) enum Victims {
     Belady,
     /// Leaves never used again first, then least recently used.
     OracleLru,
+    /// As [`Victims::OracleLru`], but the reuse bit comes from a predictor that is right with
+    /// probability `permille / 1000`. Its errors are per request (every block a request
+    /// touches gets the same wrong answer), as a per-conversation predictor's would be, and
+    /// seeded, so the figure is reproducible.
+    PredictedLru {
+        /// Accuracy in thousandths.
+        permille: u16,
+    },
     /// A policy shipped in `radixkv-radix`, driven through its `EvictionPolicy` trait.
     Shipped(PolicyKind),
 }
@@ -42,6 +50,8 @@ struct NodeState {
     hit_count: u32,
     /// Next request that accesses the node, [`NONE`] for never.
     next_use: u32,
+    /// What the predictor of [`Victims::PredictedLru`] said at the last access.
+    predicted_reuse: bool,
 }
 
 /// The evictable leaves in some order.
@@ -148,6 +158,7 @@ fn leaves(victims: Victims, nodes: usize) -> Box<dyn Leaves> {
         // Never used again maps to 0; a later next use to a smaller key.
         Victims::Belady => keyed(|s| (u64::from(NONE - s.next_use), s.last_access)),
         Victims::OracleLru => keyed(|s| (u64::from(s.next_use != NONE), s.last_access)),
+        Victims::PredictedLru { .. } => keyed(|s| (u64::from(s.predicted_reuse), s.last_access)),
         Victims::Shipped(kind) => Box::new(ShippedLeaves {
             policy: kind.build(),
             held: vec![None; nodes],
@@ -171,10 +182,16 @@ pub(super) fn simulate(
     let mut count = 0usize;
     let mut out = SimOutcome::default();
     let block = u64::from(b.block_tokens);
+    let wrong_if_above = match victims {
+        Victims::PredictedLru { permille } => u64::from(permille.min(1000)),
+        _ => 1000,
+    };
     for (i, &len) in prompt_lens.iter().enumerate() {
         let tick = i as u64 + 1;
         let chain = b.chain(i);
         let next = b.next_of(i);
+        let wrong = splitmix64(i as u64) % 1000 >= wrong_if_above;
+        let predict = |nx: u32| (nx != NONE) != wrong;
         let hit = chain.iter().take_while(|&&x| cached[x as usize]).count();
         out.hit_blocks += hit as u64;
         out.hit_tokens += (hit as u64 * block).min(len);
@@ -183,6 +200,7 @@ pub(super) fn simulate(
             s.last_access = tick;
             s.hit_count = s.hit_count.saturating_add(1);
             s.next_use = nx;
+            s.predicted_reuse = predict(nx);
             if set.holds(x) {
                 set.touch(x, s);
             }
@@ -218,6 +236,7 @@ pub(super) fn simulate(
                 created: tick,
                 hit_count: 0,
                 next_use: nx,
+                predicted_reuse: predict(nx),
             };
             cached[x as usize] = true;
             count += 1;
@@ -229,4 +248,12 @@ pub(super) fn simulate(
         }
     }
     out
+}
+
+/// A fixed pseudo-random function of `x` (SplitMix64's finaliser).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

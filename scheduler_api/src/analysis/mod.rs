@@ -37,6 +37,10 @@
 //!     optimum: no policy beats it);
 //!   - `oracle+lru`: leaves never used again first, then LRU — an LRU that is told, for free,
 //!     the one bit "will this block ever be reused";
+//!   - `predictedNN+lru`: as `oracle+lru` with the bit from a predictor that is right NN% of
+//!     the time, wrong for whole requests at once (seeded) — how good a reuse predictor must
+//!     be to close the gap. On chat traces the trivial predictor "never reused" is already
+//!     right for about 70% of requests, so only accuracies well above that mean anything;
 //!   - `reuse`: the shipped [`radixkv_radix::ReuseCreditPolicy`] itself, driven through its
 //!     [`radixkv_radix::EvictionPolicy`] trait (`hit_count` counts the requests that hit the
 //!     block while it was cached).
@@ -242,10 +246,14 @@ pub struct PolicyResult {
 }
 
 /// The simulated policies, in report order.
-const POLICIES: [(&str, Victims); 4] = [
+const POLICIES: [(&str, Victims); 8] = [
     ("lru", Victims::Lru),
     ("belady", Victims::Belady),
     ("oracle+lru", Victims::OracleLru),
+    ("predicted95+lru", Victims::PredictedLru { permille: 950 }),
+    ("predicted90+lru", Victims::PredictedLru { permille: 900 }),
+    ("predicted80+lru", Victims::PredictedLru { permille: 800 }),
+    ("predicted70+lru", Victims::PredictedLru { permille: 700 }),
     ("reuse", Victims::Shipped(PolicyKind::Reuse)),
 ];
 

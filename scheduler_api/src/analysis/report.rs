@@ -120,13 +120,13 @@ impl fmt::Display for PrefixAnalysis {
             )?;
             writeln!(
                 f,
-                "{:<12} {:>10} {:>10} {:>9} {:>10}",
+                "{:<16} {:>10} {:>10} {:>9} {:>10}",
                 "policy", "token hit", "block hit", "of ideal", "evictions"
             )?;
             for p in &c.policies {
                 writeln!(
                     f,
-                    "{:<12} {:>10.4} {:>10.4} {:>9.3} {:>10}",
+                    "{:<16} {:>10.4} {:>10.4} {:>9.3} {:>10}",
                     p.policy, p.token_hit_ratio, p.block_hit_ratio, p.of_ideal, p.evictions
                 )?;
             }

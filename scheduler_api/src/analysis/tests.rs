@@ -67,6 +67,7 @@ fn keyed_lru_equals_the_shipped_lru_and_belady_bounds_every_policy() {
             belady_total += belady.hit_blocks;
             for v in [
                 Victims::OracleLru,
+                Victims::PredictedLru { permille: 700 },
                 Victims::Shipped(PolicyKind::Reuse),
                 Victims::Shipped(PolicyKind::Sieve),
             ] {
@@ -76,6 +77,11 @@ fn keyed_lru_equals_the_shipped_lru_and_belady_bounds_every_policy() {
                     "{v:?} beats Belady: seed {seed} cap {cap}"
                 );
             }
+            // A predictor that is always right is the oracle.
+            assert_eq!(
+                simulate(&b, &lens, cap, Victims::PredictedLru { permille: 1000 }),
+                simulate(&b, &lens, cap, Victims::OracleLru)
+            );
             if cap == b.unique() {
                 assert_eq!(belady.hit_blocks, ideal);
                 assert_eq!(lru.hit_blocks, ideal);

@@ -113,6 +113,9 @@ struct RunArgs {
     /// write_through | write_through_selective[:N] | write_back.
     #[arg(long, global = true)]
     write_policy: Option<String>,
+    /// Eviction policy of the host tier (default: the device tier's --policy).
+    #[arg(long, global = true)]
+    host_policy: Option<String>,
     /// Enable sessions holding at most this many tokens.
     #[arg(long, global = true)]
     session_tokens: Option<usize>,
@@ -262,6 +265,7 @@ fn analyze(
         ("--cache", run.cache.is_some()),
         ("--host-tokens", run.host_tokens.is_some()),
         ("--write-policy", run.write_policy.is_some()),
+        ("--host-policy", run.host_policy.is_some()),
         ("--session-tokens", run.session_tokens.is_some()),
         ("--max-running", run.max_running.is_some()),
         ("--prefill-budget", run.prefill_budget.is_some()),
@@ -309,6 +313,7 @@ fn merge(top: RunArgs, sub: RunArgs) -> RunArgs {
         cache: sub.cache.or(top.cache),
         host_tokens: sub.host_tokens.or(top.host_tokens),
         write_policy: sub.write_policy.or(top.write_policy),
+        host_policy: sub.host_policy.or(top.host_policy),
         session_tokens: sub.session_tokens.or(top.session_tokens),
         max_running: sub.max_running.or(top.max_running),
         prefill_budget: sub.prefill_budget.or(top.prefill_budget),
@@ -371,6 +376,22 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
     }
     if let (Some(w), CacheKind::HiCache(t)) = (write_policy, &mut m.cache) {
         t.write_policy = w;
+    }
+    if let Some(name) = &run.host_policy {
+        let p = PolicyKind::from_name(name).ok_or_else(|| {
+            ManagerError::Config(format!(
+                "unknown host eviction policy {name:?}; known: {}",
+                policy_names()
+            ))
+        })?;
+        match &mut m.cache {
+            CacheKind::HiCache(t) => t.eviction = Some(Eviction(p)),
+            _ => {
+                return Err(ManagerError::Config(
+                    "--host-policy needs a host tier (--cache hicache or --host-tokens)".into(),
+                ));
+            }
+        }
     }
     if let Some(s) = run.session_tokens {
         m.sessions = Some(SessionBudget {
