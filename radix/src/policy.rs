@@ -352,8 +352,8 @@ impl TickLists {
 }
 
 /// LRU (or MRU) as one intrusive list ordered by `last_access`: insert, remove, touch and pop
-/// are `O(1)` and allocation-free in the common cases (see [`TickLists`] for the placement of
-/// leaves that enter with an old tick).
+/// are `O(1)` and allocation-free in the common cases. A leaf that enters with an old tick (a
+/// parent whose last child was evicted) is placed exactly by a search from both ends at once.
 #[derive(Debug)]
 pub struct RecencyList {
     most_recent_first: bool,

@@ -74,7 +74,7 @@ impl ManagerBuilder {
     /// Builds the manager.
     ///
     /// # Errors
-    /// [`ManagerError::Config`] or [`ManagerError::NotWired`].
+    /// [`ManagerError::Config`](crate::ManagerError::Config) or [`ManagerError::NotWired`](crate::ManagerError::NotWired).
     pub fn build(self) -> Result<KvCacheManager> {
         KvCacheManager::new(self.cfg)
     }

@@ -64,7 +64,7 @@ impl ReqId {
     }
 }
 
-/// Outcome of [`KvCacheManager::admit`].
+/// Outcome of [`KvCacheManager::admit`](crate::KvCacheManager::admit).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
     /// Admitted: locked, row allocated, reservation taken.
@@ -107,7 +107,7 @@ pub enum WaitReason {
     NoRow,
 }
 
-/// One scheduler step, from [`KvCacheManager::begin_step`] to [`KvCacheManager::end_step`].
+/// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).
 #[derive(Debug)]
 pub struct StepHandle {
     pub(crate) index: u64,
@@ -139,7 +139,7 @@ impl StepHandle {
     /// backend's real per-layer completion events). Returns at once when nothing was loaded.
     ///
     /// # Errors
-    /// [`ManagerError::Tier`] when the layer's copy failed: the batch must not read it;
+    /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the layer's copy failed: the batch must not read it;
     /// `end_step` repairs the KV (or reports that it could not).
     pub fn wait_layer(&self, layer: u32) -> Result<()> {
         self.wait.as_ref().map_or(Ok(()), |w| w.wait_layer(layer))

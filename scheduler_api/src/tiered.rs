@@ -46,7 +46,7 @@ impl Tiered {
     /// A HiCache for `cfg` with host tier `host` and device tier `radix`.
     ///
     /// # Errors
-    /// [`ManagerError::Tier`] when the simulated pools cannot be built.
+    /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the simulated pools cannot be built.
     pub fn new(cfg: &ManagerConfig, host: &HostTier, radix: RadixConfig) -> Result<Self> {
         let sim = &cfg.sim_geometry;
         let geometry = KvGeometry::new(

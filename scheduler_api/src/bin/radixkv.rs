@@ -110,7 +110,7 @@ struct RunArgs {
     /// device pool). HostSim copies a tiny simulated geometry; reported bytes are modeled.
     #[arg(long, global = true)]
     host_tokens: Option<usize>,
-    /// write_through | write_through_selective[:N] | write_back.
+    /// `write_through` | `write_through_selective[:N]` | `write_back`.
     #[arg(long, global = true)]
     write_policy: Option<String>,
     /// Eviction policy of the host tier (default: the device tier's --policy).
