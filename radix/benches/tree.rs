@@ -149,6 +149,25 @@ fn bench_insert(cr: &mut Criterion) {
     g.finish();
 }
 
+/// Evicts `k` single-page leaves per iteration (timed) and refills them with `refill`
+/// (untimed), so every iteration sees the same leaf count.
+fn time_evictions(
+    iters: u64,
+    c: &mut RadixCache,
+    k: usize,
+    mut refill: impl FnMut(&mut RadixCache, usize),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let start = Instant::now();
+        let freed = c.evict(k * P);
+        total += start.elapsed();
+        assert_eq!(freed, k * P);
+        refill(c, k);
+    }
+    total
+}
+
 fn bench_evict(cr: &mut Criterion) {
     const K: usize = 1000;
     let mut g = cr.benchmark_group("evict");
@@ -162,18 +181,11 @@ fn bench_evict(cr: &mut Criterion) {
         }
         g.bench_function(BenchmarkId::from_parameter(label), |b| {
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let start = Instant::now();
-                    let freed = c.evict(K * P);
-                    total += start.elapsed();
-                    assert_eq!(freed, K * P);
-                    // Refill untimed so every iteration sees the same leaf count.
-                    for _ in 0..K {
-                        insert(&mut c, &rng.tokens(P));
+                time_evictions(iters, &mut c, K, |c, n| {
+                    for _ in 0..n {
+                        insert(c, &rng.tokens(P));
                     }
-                }
-                total
+                })
             })
         });
     }
@@ -195,7 +207,7 @@ fn bench_evict_policies(cr: &mut Criterion) {
     ] {
         let mut rng = Rng(5);
         let mut c = cache(100_000 + K, policy);
-        let fill = |c: &mut RadixCache, rng: &mut Rng, n: usize| {
+        let mut fill = move |c: &mut RadixCache, n: usize| {
             for i in 0..n {
                 let t = rng.tokens(P);
                 insert(c, &t);
@@ -204,19 +216,9 @@ fn bench_evict_policies(cr: &mut Criterion) {
                 }
             }
         };
-        fill(&mut c, &mut rng, 100_000);
+        fill(&mut c, 100_000);
         g.bench_function(BenchmarkId::from_parameter(policy.name()), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let start = Instant::now();
-                    let freed = c.evict(K * P);
-                    total += start.elapsed();
-                    assert_eq!(freed, K * P);
-                    fill(&mut c, &mut rng, K);
-                }
-                total
-            })
+            b.iter_custom(|iters| time_evictions(iters, &mut c, K, &mut fill))
         });
     }
     g.finish();
