@@ -164,13 +164,12 @@ impl BufferPool {
     /// A buffer holding a copy of `src`. A recycled buffer too small for it stays in the pool:
     /// growing it would reallocate, copying its whole old capacity for nothing (it is empty).
     fn take<T: Copy>(pool: &mut Vec<Vec<T>>, src: &[T]) -> Vec<T> {
-        match pool.last() {
-            Some(v) if v.capacity() >= src.len() => {
-                let mut v = pool.pop().unwrap_or_default();
+        match pool.pop_if(|v| v.capacity() >= src.len()) {
+            Some(mut v) => {
                 v.extend_from_slice(src);
                 v
             }
-            _ => src.to_vec(),
+            None => src.to_vec(),
         }
     }
 }

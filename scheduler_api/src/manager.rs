@@ -433,18 +433,12 @@ impl KvCacheManager {
             });
         }
         let pos = t.kv.allocated_len;
-        // Most decode tokens land in a page the row already has (see `alloc`): a push and a few
-        // counters, kept here so the common case has no call and no `Result` to move around.
-        if self.page_granular && pos < t.row_capacity {
-            t.kv.key.tokens.push(token);
-            t.kv.allocated_len = pos + 1;
-            let used = usize::from(t.reserved > 0);
-            t.reserved -= used;
-            self.reserved_total -= used;
+        t.kv.key.tokens.push(token);
+        // The common case, checked here so that it makes no call and moves no `Result`.
+        if self.page_granular && alloc_in_place(&mut self.reserved_total, t, 1) {
             self.metrics.counters.decode_tokens += 1;
             return Ok(pos);
         }
-        t.kv.key.tokens.push(token);
         let r = alloc(
             self.cache.as_mut(),
             self.cfg.model.page_size,
@@ -720,6 +714,21 @@ fn commit_pending(kv: &mut RequestKv) -> Result<()> {
 }
 
 /// Allocates `n` slots for `t`, counting evictions and consuming its reservation.
+/// Allocates `n` slots inside the pages the row already has, if they fit: most decode tokens
+/// do, and with a page-granular cache that is bookkeeping only, no cache call. Returns false
+/// (changing nothing) when new pages are needed.
+#[inline]
+fn alloc_in_place(reserved_total: &mut usize, t: &mut Tracked, n: usize) -> bool {
+    if t.kv.allocated_len + n > t.row_capacity {
+        return false;
+    }
+    t.kv.allocated_len += n;
+    let used = n.min(t.reserved);
+    t.reserved -= used;
+    *reserved_total -= used;
+    true
+}
+
 fn alloc(
     cache: &mut dyn ManagedCache,
     page_size: usize,
@@ -729,13 +738,7 @@ fn alloc(
     t: &mut Tracked,
     n: usize,
 ) -> Result<()> {
-    // Most decode tokens land in a page the row already has: with a page-granular cache that
-    // is bookkeeping only, no cache call.
-    if in_place && t.kv.allocated_len + n <= t.row_capacity {
-        t.kv.allocated_len += n;
-        let used = n.min(t.reserved);
-        t.reserved -= used;
-        *reserved_total -= used;
+    if in_place && alloc_in_place(reserved_total, t, n) {
         return Ok(());
     }
     // Eviction is only possible when the allocation needs new pages and the free ones may not

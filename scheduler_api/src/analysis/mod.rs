@@ -143,10 +143,7 @@ impl Quantiles {
             return Quantiles::default();
         }
         values.sort_by(f64::total_cmp);
-        let q = |p: f64| {
-            let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
-            values[rank - 1]
-        };
+        let q = |p: f64| crate::sim::quantile(values, p);
         Quantiles {
             count: values.len() as u64,
             mean: values.iter().sum::<f64>() / values.len() as f64,

@@ -8,6 +8,7 @@ mod scheduler;
 
 pub use cost::CostModel;
 pub use ideal::IdealCache;
+pub(crate) use report::quantile;
 pub use report::{CpuBreakdown, OccupancySample, Report, TierRatios};
 pub use scheduler::{Progress, SimConfig, replay};
 
@@ -26,9 +27,8 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
         max_held_tokens: base.device_tokens / 4,
         ..Default::default()
     });
-    let host = |w: WritePolicy| {
-        CacheKind::HiCache(HostTier::ratio(base.device_tokens, 4.0).write_policy(w))
-    };
+    let tier = |w: WritePolicy| HostTier::ratio(base.device_tokens, 4.0).write_policy(w);
+    let host = |w: WritePolicy| CacheKind::HiCache(tier(w));
     let mut out = vec![ManagerConfig {
         cache: CacheKind::Disabled,
         sessions: None,
@@ -62,11 +62,7 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
     // (write-back: the variant that holds the most distinct tokens).
     if base.eviction.0 != PolicyKind::Reuse {
         out.push(ManagerConfig {
-            cache: CacheKind::HiCache(
-                HostTier::ratio(base.device_tokens, 4.0)
-                    .write_policy(WritePolicy::WriteBack)
-                    .eviction(PolicyKind::Reuse),
-            ),
+            cache: CacheKind::HiCache(tier(WritePolicy::WriteBack).eviction(PolicyKind::Reuse)),
             sessions: None,
             ..base.clone()
         });
