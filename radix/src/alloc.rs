@@ -8,6 +8,26 @@
 use crate::error::{CacheError, Result};
 use crate::types::{PageId, RowId};
 
+/// An empty vector with room for exactly `capacity` elements, or [`CacheError::Config`] naming
+/// `what` when the allocator refuses the memory.
+///
+/// Pools and tables sized from configuration are allocated through this: an infallible
+/// allocation of a size the machine cannot provide aborts the whole process, which an engine
+/// embedding the cache cannot catch. Other crates of the workspace use it for their pools too.
+///
+/// # Errors
+/// [`CacheError::Config`] when `capacity` elements cannot be allocated.
+pub fn try_with_capacity<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(capacity).map_err(|e| {
+        CacheError::Config(format!(
+            "cannot allocate {what}: {capacity} entries of {} bytes ({e})",
+            size_of::<T>()
+        ))
+    })?;
+    Ok(v)
+}
+
 /// Ownership state of one device page.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 #[repr(u8)]
@@ -32,15 +52,23 @@ pub struct PageAllocator {
 
 impl PageAllocator {
     /// A pool of `total` pages, all free. Pages are handed out in ascending order at first.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for a size outside `1..=u32::MAX` or one whose tables cannot be
+    /// allocated.
     pub fn new(total: usize) -> Result<Self> {
         if total == 0 || total > u32::MAX as usize {
             return Err(CacheError::Config(format!(
                 "page pool size {total} must be in 1..=u32::MAX"
             )));
         }
+        let mut free = try_with_capacity(total, "the page pool's free list")?;
+        free.extend((0..total as u32).rev().map(PageId));
+        let mut state = try_with_capacity(total, "the page pool's state table")?;
+        state.resize(total, PageState::Free);
         Ok(PageAllocator {
-            free: (0..total as u32).rev().map(PageId).collect(),
-            state: vec![PageState::Free; total],
+            free,
+            state,
             tree_pages: 0,
         })
     }
@@ -104,6 +132,13 @@ impl PageAllocator {
     /// # Errors
     /// See [`PageAllocator::alloc_into`].
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>> {
+        // Checked before reserving: `n` is the caller's and may be anything.
+        if n > self.free.len() {
+            return Err(CacheError::OutOfPages {
+                needed: n,
+                available: self.free.len(),
+            });
+        }
         let mut v = Vec::with_capacity(n);
         self.alloc_into(n, &mut v)?;
         Ok(v)
@@ -248,7 +283,10 @@ pub struct RowPool {
 }
 
 impl RowPool {
-    /// A pool of at most `capacity` rows.
+    /// A pool of at most `capacity` rows. Rows are allocated as they are first used.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for a capacity outside `1..=u32::MAX`.
     pub fn new(capacity: usize) -> Result<Self> {
         if capacity == 0 || capacity > u32::MAX as usize {
             return Err(CacheError::Config(format!(
@@ -413,9 +451,20 @@ pub struct DevicePools {
 
 impl DevicePools {
     /// Pools of `total_pages` pages of `page_size` tokens and `max_rows` request rows.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for a zero size, a pool whose token count overflows `usize`, or
+    /// one that cannot be allocated.
     pub fn new(page_size: usize, total_pages: usize, max_rows: usize) -> Result<Self> {
         if page_size == 0 {
             return Err(CacheError::Config("page size must be at least 1".into()));
+        }
+        // Every token count of the pool (accounting, available tokens) is derived from this
+        // product, so it must fit once for all of them to fit.
+        if total_pages.checked_mul(page_size).is_none() {
+            return Err(CacheError::Config(format!(
+                "a pool of {total_pages} pages of {page_size} tokens overflows the token count"
+            )));
         }
         Ok(DevicePools {
             page_size,

@@ -15,6 +15,7 @@
 //!    release the row), or with [`FinishKind::Aborted`] on abort and retract (no insert).
 
 use crate::alloc::DevicePools;
+use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
@@ -160,14 +161,16 @@ impl RequestKv {
     /// [`CacheError::InvalidRequestState`] if that passes the allocated slots or the key.
     #[inline]
     pub fn commit(&mut self, n: usize) -> Result<()> {
-        let c = self.committed_len + n;
-        if c > self.allocated_len || c > self.key.len() {
-            return Err(CacheError::InvalidRequestState(
+        match self.committed_len.checked_add(n) {
+            Some(c) if c <= self.allocated_len && c <= self.key.len() => {
+                self.committed_len = c;
+                Ok(())
+            }
+            // An `n` that overflows is past the allocated slots too.
+            _ => Err(CacheError::InvalidRequestState(
                 "commit past the allocated slots or the key",
-            ));
+            )),
         }
-        self.committed_len = c;
-        Ok(())
     }
 
     /// Forgets everything but the key and request attributes (after finish, abort or retract).
@@ -247,11 +250,47 @@ pub trait PrefixCache {
     /// # Errors
     /// [`CacheError::Busy`] while locks or request rows are outstanding.
     fn reset(&mut self) -> Result<()>;
-    /// Audits every invariant of the cache and its pools.
+    /// Audits every invariant of the cache and its pools. The cache does not know the
+    /// requests it serves: their state is audited by [`PrefixCache::check_request`].
     ///
     /// # Errors
     /// The first violated invariant.
     fn check_invariants(&self) -> std::result::Result<(), InvariantViolation>;
+    /// Audits one request's KV state against the pools: its row is live, and
+    /// `committed_len <= allocated_len <=` the tokens its row's pages can hold. Whoever tracks
+    /// the running requests (the scheduler) calls it next to [`PrefixCache::check_invariants`].
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
+        let Some(row) = req.row else {
+            ensure_inv!(
+                req.allocated_len == 0 && req.committed_len == 0 && req.lock.is_none(),
+                "a request without a row holds KV (allocated {}, committed {})",
+                req.allocated_len,
+                req.committed_len
+            );
+            return Ok(());
+        };
+        let pools = self.pools();
+        let pages = pools.rows.pages(row).map_err(|e| {
+            InvariantViolation(format!("request row {row:?} is not a live row: {e}"))
+        })?;
+        let capacity = pages.len() * pools.page_size;
+        ensure_inv!(
+            req.committed_len <= req.allocated_len,
+            "request row {row:?}: committed {} > allocated {}",
+            req.committed_len,
+            req.allocated_len
+        );
+        ensure_inv!(
+            req.allocated_len <= capacity,
+            "request row {row:?}: allocated {} tokens but its {} pages hold {capacity}",
+            req.allocated_len,
+            pages.len()
+        );
+        Ok(())
+    }
 
     // ----- request level -----
 
@@ -269,14 +308,21 @@ pub trait PrefixCache {
     /// Allocates slots for `n` more tokens, evicting if needed.
     ///
     /// # Errors
-    /// [`CacheError::OutOfPages`] (the request is unchanged), or a request without a row.
+    /// [`CacheError::OutOfPages`] (the request is unchanged), [`CacheError::SizeOverflow`] when
+    /// `allocated_len + n` overflows, or a request without a row.
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
         let row = req.row.ok_or(CacheError::InvalidRequestState(
             "alloc_tokens before begin_request",
         ))?;
         let p = self.page_size();
         let have = self.pools().rows.pages(row)?.len();
-        let need = pages_for(req.allocated_len + n, p).saturating_sub(have);
+        let total = req
+            .allocated_len
+            .checked_add(n)
+            .ok_or(CacheError::SizeOverflow(
+                "alloc_tokens: allocated_len + n overflows usize",
+            ))?;
+        let need = pages_for(total, p).saturating_sub(have);
         if need > 0 {
             self.make_room(need)?;
             // Straight into the row's page table: no temporary page list on this hot path.
@@ -284,7 +330,7 @@ pub trait PrefixCache {
             let (pages, _) = pools.rows.parts_mut(row)?;
             pools.pages.alloc_into(need, pages)?;
         }
-        req.allocated_len += n;
+        req.allocated_len = total;
         Ok(())
     }
     /// Inserts the computed, page-aligned part of a running request (after a prefill chunk).

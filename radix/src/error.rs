@@ -76,6 +76,20 @@ pub enum CacheError {
     /// A configuration value is impossible.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A size or count the caller passed would overflow the arithmetic of the request or pool
+    /// it applies to (no pool can satisfy it).
+    #[error("size overflow: {0}")]
+    SizeOverflow(&'static str),
+    /// An [`crate::EvictionPolicy`] answered with a node that is not an evictable leaf (a stale
+    /// handle, a locked or inner node, one already given). The tree rebuilt the policy's
+    /// contents from its own leaf set, so it stays consistent; the policy has a bug.
+    #[error("eviction policy `{policy}` returned {node:?}, which is not an evictable leaf")]
+    PolicyFault {
+        /// The policy's name.
+        policy: &'static str,
+        /// What it returned.
+        node: NodeId,
+    },
 }
 
 /// Shorthand result type.

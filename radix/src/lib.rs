@@ -52,7 +52,7 @@ mod radix_cache;
 mod tree;
 mod types;
 
-pub use alloc::{DevicePools, PageAllocator, PageState, RowHolder, RowPool};
+pub use alloc::{DevicePools, PageAllocator, PageState, RowHolder, RowPool, try_with_capacity};
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
 };

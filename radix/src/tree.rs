@@ -123,6 +123,8 @@ pub struct RadixTree {
     tree_id: u64,
     outstanding_locks: usize,
     bufs: BufferPool,
+    /// The first bad answer of the policy not yet taken (see [`RadixTree::pop_victim`]).
+    policy_fault: Option<CacheError>,
 }
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
@@ -219,6 +221,7 @@ impl RadixTree {
             tree_id: NEXT_TREE_ID.fetch_add(1, Ordering::Relaxed),
             outstanding_locks: 0,
             bufs: BufferPool::default(),
+            policy_fault: None,
         };
         t.root = t.alloc_node(Node {
             parent: NIL,

@@ -2,8 +2,9 @@
 //! unchanged: same accounting, same match results, invariants intact.
 
 use radixkv_radix::{
-    CacheError, DevicePools, FinishKind, InsertOptions, KeyRef, Namespace, PageAllocator, PageId,
-    PageState, PoolAccounting, PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv, RowPool,
+    CacheError, DevicePools, EvictionPolicy, FinishKind, InsertOptions, KeyRef, LeafToken,
+    Namespace, NodeId, NodeMeta, PageAllocator, PageId, PageState, PolicyKind, PoolAccounting,
+    PrefixCache, RadixCache, RadixConfig, RadixKey, RadixTree, RequestKv, RowPool,
 };
 
 const P: usize = 4;
@@ -530,4 +531,233 @@ fn failed_allocation_evicts_nothing() {
     assert_eq!(c.evictable_tokens(), 0);
     c.pools_mut().pages.free(&pages).unwrap();
     c.check_invariants().unwrap();
+}
+
+#[test]
+fn overflowing_sizes_are_errors_and_change_nothing() {
+    let (mut c, mut req) = populated();
+    let lengths = |r: &RequestKv| (r.committed_len, r.allocated_len, r.key.len());
+    let before = lengths(&req);
+    // 10 committed + (MAX - 3) wraps to 6 in release and overflows in debug: refused as what it
+    // is, a commit past the allocated slots.
+    assert_eq!(
+        req.commit(usize::MAX - 3),
+        Err(CacheError::InvalidRequestState(
+            "commit past the allocated slots or the key"
+        ))
+    );
+    assert_eq!(lengths(&req), before);
+    unchanged(
+        &mut c,
+        CacheError::SizeOverflow("alloc_tokens: allocated_len + n overflows usize"),
+        |c| c.alloc_tokens(&mut req, usize::MAX - 5),
+    );
+    assert_eq!(lengths(&req), before);
+    c.check_request(&req).unwrap();
+    // Counts that cannot overflow but can never be met.
+    let free = c.pools().pages.available();
+    let out_of_pages = CacheError::OutOfPages {
+        needed: usize::MAX,
+        available: free,
+    };
+    unchanged(&mut c, out_of_pages.clone(), |c| c.alloc_pages(usize::MAX));
+    unchanged(&mut c, out_of_pages.clone(), |c| c.make_room(usize::MAX));
+    unchanged(&mut c, out_of_pages.clone(), |c| {
+        c.pools_mut().pages.alloc(usize::MAX)
+    });
+    let row_pages = c.pools().rows.pages(req.row.unwrap()).unwrap().len();
+    let huge = CacheError::OutOfPages {
+        needed: (req.allocated_len + usize::MAX / 2).div_ceil(P) - row_pages,
+        available: free,
+    };
+    unchanged(&mut c, huge, |c| c.alloc_tokens(&mut req, usize::MAX / 2));
+    unchanged(&mut c, out_of_pages, |c| {
+        c.pools_mut().pages.alloc_into(usize::MAX, &mut Vec::new())
+    });
+    // Truncating past the end of a row frees nothing.
+    unchanged(&mut c, CacheError::EmptyKey, |c| {
+        c.pools_mut().truncate_row(req.row.unwrap(), usize::MAX)?;
+        Err::<(), _>(CacheError::EmptyKey)
+    });
+    assert_eq!(lengths(&req), before);
+    c.cache_finished_req(&mut req, FinishKind::Finished)
+        .unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_sizes_that_overflow_or_cannot_be_allocated() {
+    // The token count of the pool overflows.
+    assert!(matches!(
+        DevicePools::new(usize::MAX / 2, 4, 1),
+        Err(CacheError::Config(m)) if m.contains("overflows")
+    ));
+    for (pages, rows) in [(u32::MAX as usize + 1, 1), (1, u32::MAX as usize + 1)] {
+        assert!(matches!(
+            DevicePools::new(1, pages, rows),
+            Err(CacheError::Config(_))
+        ));
+    }
+    // Fallible allocation: a size no allocator grants is an error, not an abort.
+    let e = radixkv_radix::try_with_capacity::<u64>(usize::MAX / 4, "a test table").unwrap_err();
+    assert!(
+        matches!(&e, CacheError::Config(m) if m.contains("cannot allocate a test table")),
+        "{e}"
+    );
+    assert_eq!(
+        radixkv_radix::try_with_capacity::<u8>(16, "x")
+            .unwrap()
+            .capacity(),
+        16
+    );
+}
+
+#[test]
+fn request_lengths_past_the_row_fail_the_audit() {
+    let (c, mut req) = populated();
+    c.check_request(&req).unwrap();
+    // What a wrapped `allocated_len` looked like: past what the row's pages hold.
+    let row_tokens = c.pools().rows.pages(req.row.unwrap()).unwrap().len() * P;
+    req.allocated_len = row_tokens + 1;
+    let e = c.check_request(&req).unwrap_err().to_string();
+    assert!(e.contains("allocated"), "{e}");
+    // And a committed length past the allocation (a wrapped allocation going back to 0).
+    req.allocated_len = 0;
+    let e = c.check_request(&req).unwrap_err().to_string();
+    assert!(e.contains("committed"), "{e}");
+    // A request that never began holds nothing.
+    let mut fresh = RequestKv::new(RadixKey::new(SHARED.to_vec()));
+    c.check_request(&fresh).unwrap();
+    fresh.allocated_len = 4;
+    assert!(c.check_request(&fresh).is_err());
+}
+
+/// Answers a policy must never give, shared between a test and the [`Liar`] the tree owns.
+#[derive(Debug, Default)]
+struct Lies {
+    /// Returned by the next pops, before any true answer.
+    queue: std::collections::VecDeque<NodeId>,
+    /// Returned by every pop once the queue is empty.
+    forever: Option<NodeId>,
+}
+
+/// An LRU policy that answers `pop` with the lies it is told to tell.
+#[derive(Debug)]
+struct Liar {
+    inner: Box<dyn EvictionPolicy>,
+    lies: std::sync::Arc<std::sync::Mutex<Lies>>,
+}
+
+impl EvictionPolicy for Liar {
+    fn name(&self) -> &'static str {
+        "liar"
+    }
+    fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
+        self.inner.insert(node, meta)
+    }
+    fn remove(&mut self, node: NodeId, token: LeafToken) {
+        self.inner.remove(node, token);
+    }
+    fn pop(&mut self) -> Option<NodeId> {
+        let mut lies = self.lies.lock().unwrap();
+        lies.queue
+            .pop_front()
+            .or(lies.forever)
+            .or_else(|| self.inner.pop())
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+}
+
+#[test]
+fn a_lying_eviction_policy_is_a_typed_error_and_corrupts_nothing() {
+    let lies = std::sync::Arc::new(std::sync::Mutex::new(Lies::default()));
+    let liar = Liar {
+        inner: PolicyKind::Lru.build(),
+        lies: lies.clone(),
+    };
+    let mut t = RadixTree::with_policy(P, Box::new(liar), false).unwrap();
+    let put = |t: &mut RadixTree, key: &[u32], first: u32| {
+        let mut pages: Vec<PageId> = (first..first + (key.len() / P) as u32)
+            .map(PageId)
+            .collect();
+        t.insert(
+            KeyRef::new(key),
+            &mut pages,
+            &mut Vec::new(),
+            InsertOptions::default(),
+        )
+        .unwrap()
+        .last_node
+    };
+    // An inner node [1;4] with leaves [2;4] and [3;4]; a locked leaf [7;4]; a leaf [8;4] that
+    // is evicted, leaving a stale handle.
+    let a = put(&mut t, &[1, 1, 1, 1, 2, 2, 2, 2], 0);
+    put(&mut t, &[1, 1, 1, 1, 3, 3, 3, 3], 2);
+    let locked = put(&mut t, &[7; 4], 4);
+    let receipt = t.inc_lock_ref(locked).unwrap();
+    let gone = put(&mut t, &[8; 4], 5);
+    t.evict_device(gone, &mut Vec::new()).unwrap();
+    let mut out = Vec::new();
+    let inner = t.match_prefix(KeyRef::new(&[1; 4]), &mut out).last_device;
+    assert_ne!(inner, a);
+    t.check().unwrap();
+    let evictable = t.evictable_tokens();
+    assert_eq!((evictable, t.evictable_leaves()), (12, 2));
+
+    let bad = [gone, NodeId::detached(10_000), t.root(), inner, locked];
+    for lie in bad {
+        lies.lock().unwrap().queue.push_back(lie);
+        assert_eq!(
+            t.try_pop_victim(),
+            Err(CacheError::PolicyFault {
+                policy: "liar",
+                node: lie
+            })
+        );
+        // The policy was rebuilt from the tree: nothing lost, nothing evicted.
+        t.check().unwrap();
+        assert_eq!((t.evictable_tokens(), t.evictable_leaves()), (12, 2));
+    }
+    // A victim handed out twice: the second answer is a lie too.
+    let v = t.try_pop_victim().unwrap().unwrap();
+    lies.lock().unwrap().queue.push_back(v);
+    assert_eq!(
+        t.try_pop_victim(),
+        Err(CacheError::PolicyFault {
+            policy: "liar",
+            node: v
+        })
+    );
+    t.check().unwrap();
+    // `pop_victim` skips one lie (the rebuilt policy answers truly) and keeps the fault.
+    lies.lock().unwrap().queue.push_back(gone);
+    let v = t.pop_victim().unwrap();
+    assert_eq!(t.evict_device(v, &mut Vec::new()), Ok(4));
+    assert_eq!(
+        t.take_policy_fault(),
+        Some(CacheError::PolicyFault {
+            policy: "liar",
+            node: gone
+        })
+    );
+    assert_eq!(t.take_policy_fault(), None);
+    t.check().unwrap();
+    // A policy that always lies stops eviction: nothing is released, the fault is kept.
+    lies.lock().unwrap().forever = Some(inner);
+    let mut out = Vec::new();
+    assert_eq!(t.evict(usize::MAX, &mut out), 0);
+    assert!(out.is_empty());
+    assert!(t.take_policy_fault().is_some());
+    t.check().unwrap();
+    // Told the truth again, eviction frees exactly what is unlocked.
+    lies.lock().unwrap().forever = None;
+    assert_eq!(t.evict(usize::MAX, &mut out), 8);
+    assert_eq!((out.len(), t.evictable_tokens()), (2, 0));
+    t.dec_lock_ref(receipt).unwrap();
+    t.check().unwrap();
 }

@@ -74,10 +74,64 @@ impl RadixTree {
 
     /// Takes the next victim out of the evictable-leaf set (policy order). The node is still
     /// in the tree: pass it to [`RadixTree::evict_device`].
+    ///
+    /// A custom policy is not trusted: a bad answer (see [`RadixTree::try_pop_victim`]) is
+    /// kept for [`RadixTree::take_policy_fault`], the policy is rebuilt from the tree's leaf
+    /// set and asked once more; a second bad answer ends the eviction (`None`).
     pub fn pop_victim(&mut self) -> Option<NodeId> {
-        let id = self.policy.pop()?;
-        self.nodes[id.index()].leaf = None;
-        Some(id)
+        match self.try_pop_victim() {
+            Ok(v) => v,
+            Err(e) => {
+                self.policy_fault.get_or_insert(e);
+                self.try_pop_victim().unwrap_or_else(|e| {
+                    self.policy_fault.get_or_insert(e);
+                    None
+                })
+            }
+        }
+    }
+
+    /// Like [`RadixTree::pop_victim`], with a bad answer of the policy as an error.
+    ///
+    /// # Errors
+    /// [`CacheError::PolicyFault`] when the policy returned a node that is not in the
+    /// evictable-leaf set (a stale handle, a locked or inner node, one it already gave). The
+    /// policy's contents have been rebuilt from the tree's leaf set by then, so the tree stays
+    /// consistent and a later call may succeed.
+    pub fn try_pop_victim(&mut self) -> Result<Option<NodeId>> {
+        let Some(id) = self.policy.pop() else {
+            return Ok(None);
+        };
+        match self.resolve(id) {
+            Ok(idx) if self.nodes[idx as usize].leaf.is_some() => {
+                self.nodes[idx as usize].leaf = None;
+                Ok(Some(id))
+            }
+            _ => {
+                self.rebuild_policy();
+                Err(CacheError::PolicyFault {
+                    policy: self.policy.name(),
+                    node: id,
+                })
+            }
+        }
+    }
+
+    /// The first bad answer of the eviction policy since the last call (see
+    /// [`RadixTree::pop_victim`]), if any.
+    pub fn take_policy_fault(&mut self) -> Option<CacheError> {
+        self.policy_fault.take()
+    }
+
+    /// Refills the policy with exactly the tree's evictable leaves, after it lost track of
+    /// them. `O(nodes)`; only a misbehaving policy gets here.
+    fn rebuild_policy(&mut self) {
+        self.policy.clear();
+        let all: Vec<u32> = self.nodes.iter().map(|(k, _)| k as u32).collect();
+        for idx in all {
+            self.nodes[idx as usize].leaf = None;
+            self.update_leaf(idx);
+        }
     }
 
     /// Releases the device pages of `id` (appended to `out`); returns the tokens released.
