@@ -169,7 +169,7 @@ impl HostMemory {
     /// A zeroed host buffer of `pages` pages.
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for zero pages or a size that overflows.
+    /// [`HiCacheError::Config`] for zero pages or a size that overflows or cannot be allocated.
     pub fn new(geometry: KvGeometry, pages: usize, layout: HostLayout) -> Result<Self> {
         geometry.validate()?;
         if pages == 0 || pages > u32::MAX as usize {
@@ -182,7 +182,7 @@ impl HostMemory {
             geometry,
             pages,
             layout,
-            bytes: RwLock::new(vec![0u8; n].into_boxed_slice()),
+            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "the host pool")?),
         })
     }
 
@@ -271,7 +271,7 @@ impl SlotMemory {
     /// A zeroed buffer of `slots` items of `item_bytes` bytes.
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for zero sizes or an overflowing size.
+    /// [`HiCacheError::Config`] for zero sizes or a size that overflows or cannot be allocated.
     pub fn new(pool: PoolName, slots: u32, item_bytes: usize) -> Result<Self> {
         let n = (slots as usize)
             .checked_mul(item_bytes)
@@ -285,7 +285,7 @@ impl SlotMemory {
             pool,
             slots: slots as usize,
             item_bytes,
-            bytes: RwLock::new(vec![0u8; n].into_boxed_slice()),
+            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "an extra pool")?),
         })
     }
 

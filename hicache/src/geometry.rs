@@ -46,7 +46,8 @@ impl KvGeometry {
         KvGeometry::new(self.layers, self.page_size, self.bytes_per_token_layer).map(|_| ())
     }
 
-    /// Bytes of one page in one layer.
+    /// Bytes of one page in one layer (of a validated geometry: [`KvGeometry::new`] checks that
+    /// this and [`KvGeometry::page_bytes`] fit).
     #[inline]
     pub fn page_bytes_per_layer(&self) -> usize {
         self.page_size * self.bytes_per_token_layer
@@ -58,13 +59,16 @@ impl KvGeometry {
         self.page_bytes_per_layer() * self.layers
     }
 
-    /// Bytes of a pool of `pages` pages.
+    /// Bytes of a pool of `pages` pages. Every product is checked, so a geometry built field
+    /// by field that [`KvGeometry::validate`] would refuse is an error here too, not a wrap.
     ///
     /// # Errors
     /// [`HiCacheError::Config`] on overflow.
     pub fn pool_bytes(&self, pages: usize) -> Result<usize> {
-        self.page_bytes()
-            .checked_mul(pages)
+        self.page_size
+            .checked_mul(self.bytes_per_token_layer)
+            .and_then(|b| b.checked_mul(self.layers))
+            .and_then(|b| b.checked_mul(pages))
             .ok_or_else(|| HiCacheError::Config(format!("a pool of {pages} pages overflows")))
     }
 
@@ -125,5 +129,23 @@ mod tests {
             assert!(seen.iter().all(|b| *b));
         }
         assert!(KvGeometry::new(0, 1, 1).is_err());
+    }
+
+    #[test]
+    fn overflowing_geometries_and_pools_are_errors() {
+        let big = usize::MAX / 2 + 1;
+        assert!(KvGeometry::new(2, 1, big).is_err());
+        assert!(KvGeometry::new(big, 2, 1).is_err());
+        // Fields set directly, bypassing `new`: `pool_bytes` checks every product itself.
+        let g = KvGeometry {
+            layers: 2,
+            page_size: 1,
+            bytes_per_token_layer: big,
+        };
+        assert!(g.validate().is_err());
+        assert!(g.pool_bytes(1).is_err());
+        let g = KvGeometry::new(2, 4, 8).unwrap();
+        assert_eq!(g.pool_bytes(3), Ok(192));
+        assert!(g.pool_bytes(usize::MAX / 32).is_err());
     }
 }

@@ -7,6 +7,17 @@ use crate::backend::HostMemory;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::{HostLayout, KvGeometry};
 
+/// A zeroed buffer of `len` bytes for a pool sized from configuration, or
+/// [`HiCacheError::Config`] when the allocator refuses it (an infallible allocation would abort
+/// the process instead).
+pub(crate) fn zeroed_bytes(len: usize, what: &str) -> Result<Box<[u8]>> {
+    match radixkv_radix::try_filled(len, 0u8, what) {
+        Ok(v) => Ok(v.into_boxed_slice()),
+        Err(radixkv_radix::CacheError::Config(m)) => Err(HiCacheError::Config(m)),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// How large the host pool is.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub enum HostSize {
@@ -49,10 +60,20 @@ impl HostSize {
 
 /// A slot allocator with a LIFO free list and a used bitmap: `alloc` and `free` are all or
 /// nothing, and a double free or a foreign slot is an error instead of corruption.
+///
+/// Slots never handed out are not listed: they are the range `fresh..total`, handed out in
+/// ascending order after every freed slot (the order an eagerly filled LIFO list would give).
+/// So the bookkeeping grows with the slots in use, and a pool sized from configuration costs
+/// nothing to set up however large it is.
 #[derive(Debug, Clone)]
 pub struct SlotAllocator {
+    /// Freed slots, reused first (LIFO).
     free: Vec<u32>,
+    /// Per slot below `fresh`: allocated or not.
     used: Vec<bool>,
+    /// Slots `fresh..total` have never been handed out.
+    fresh: u32,
+    total: u32,
 }
 
 impl SlotAllocator {
@@ -60,24 +81,26 @@ impl SlotAllocator {
     /// consecutive allocations are contiguous.
     pub fn new(total: u32) -> Self {
         SlotAllocator {
-            free: (0..total).rev().collect(),
-            used: vec![false; total as usize],
+            free: Vec::new(),
+            used: Vec::new(),
+            fresh: 0,
+            total,
         }
     }
 
     /// Total slots.
     pub fn total(&self) -> usize {
-        self.used.len()
+        self.total as usize
     }
 
     /// Free slots.
     pub fn available(&self) -> usize {
-        self.free.len()
+        self.free.len() + (self.total - self.fresh) as usize
     }
 
     /// Allocated slots.
     pub fn used(&self) -> usize {
-        self.total() - self.free.len()
+        self.total() - self.available()
     }
 
     /// True when `slot` is allocated.
@@ -87,16 +110,33 @@ impl SlotAllocator {
 
     /// Allocates `n` slots, or none when fewer are free (`None`).
     pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free.len() {
+        if n > self.available() {
             return None;
         }
-        let start = self.free.len() - n;
-        let out: Vec<u32> = self.free[start..].iter().rev().copied().collect();
+        let reused = n.min(self.free.len());
+        let start = self.free.len() - reused;
+        let mut out: Vec<u32> = self.free[start..].iter().rev().copied().collect();
+        self.free.truncate(start);
+        // `n - reused <= total - fresh`, checked above, so this stays within `total`.
+        let fresh_end = self.fresh + (n - reused) as u32;
+        out.extend(self.fresh..fresh_end);
+        self.used.resize(fresh_end as usize, false);
+        self.fresh = fresh_end;
         for &s in &out {
             self.used[s as usize] = true;
         }
-        self.free.truncate(start);
         Some(out)
+    }
+
+    /// What freeing `s` would be: `None` when it is allocated.
+    fn free_error(&self, s: u32) -> Option<HiCacheError> {
+        if s >= self.total {
+            Some(HiCacheError::HostPageOutOfRange(s))
+        } else if !self.is_used(s) {
+            Some(HiCacheError::DoubleFree(s))
+        } else {
+            None
+        }
     }
 
     /// Frees `slots`.
@@ -106,12 +146,7 @@ impl SlotAllocator {
     /// listed twice); nothing is freed then.
     pub fn free(&mut self, slots: &[u32]) -> Result<()> {
         for (i, &s) in slots.iter().enumerate() {
-            let err = match self.used.get(s as usize) {
-                None => Some(HiCacheError::HostPageOutOfRange(s)),
-                Some(false) => Some(HiCacheError::DoubleFree(s)),
-                Some(true) => None,
-            };
-            if let Some(e) = err {
+            if let Some(e) = self.free_error(s) {
                 for &q in &slots[..i] {
                     self.used[q as usize] = true;
                 }
@@ -131,13 +166,11 @@ impl SlotAllocator {
         let mut sorted = slots.to_vec();
         sorted.sort_unstable();
         for (i, &s) in sorted.iter().enumerate() {
-            match self.used.get(s as usize) {
-                None => return Err(HiCacheError::HostPageOutOfRange(s)),
-                Some(false) => return Err(HiCacheError::DoubleFree(s)),
-                Some(true) if i > 0 && sorted[i - 1] == s => {
-                    return Err(HiCacheError::DoubleFree(s));
-                }
-                Some(true) => {}
+            if let Some(e) = self.free_error(s) {
+                return Err(e);
+            }
+            if i > 0 && sorted[i - 1] == s {
+                return Err(HiCacheError::DoubleFree(s));
             }
         }
         Ok(())
@@ -145,9 +178,9 @@ impl SlotAllocator {
 
     /// Frees every slot.
     pub fn reset(&mut self) {
-        let total = self.used.len() as u32;
-        self.free = (0..total).rev().collect();
-        self.used.iter_mut().for_each(|u| *u = false);
+        self.free.clear();
+        self.used.clear();
+        self.fresh = 0;
     }
 }
 
@@ -254,6 +287,51 @@ mod tests {
         assert_eq!(p.used(), 2);
         p.free(&a[1..]).unwrap();
         assert_eq!(p.available(), 8);
+    }
+
+    #[test]
+    fn slots_come_out_freed_first_then_fresh_ascending() {
+        let mut a = SlotAllocator::new(6);
+        assert_eq!(a.alloc(3), Some(vec![0, 1, 2]));
+        a.free(&[1, 0]).unwrap();
+        // Freed slots in LIFO order, then the never-used ones in ascending order.
+        assert_eq!(a.alloc(4), Some(vec![1, 0, 3, 4]));
+        assert_eq!((a.available(), a.used()), (1, 5));
+        assert_eq!(a.alloc(2), None);
+        assert_eq!(a.free(&[5]), Err(HiCacheError::DoubleFree(5)));
+        assert_eq!(a.free(&[6]), Err(HiCacheError::HostPageOutOfRange(6)));
+        assert_eq!(a.check_free(&[2, 2]), Err(HiCacheError::DoubleFree(2)));
+        assert_eq!(a.check_free(&[5]), Err(HiCacheError::DoubleFree(5)));
+        a.check_free(&[2, 3]).unwrap();
+        a.reset();
+        assert_eq!(a.alloc(6), Some((0..6).collect()));
+        // The largest pool costs nothing until used.
+        let mut huge = SlotAllocator::new(u32::MAX);
+        assert_eq!(huge.available(), u32::MAX as usize);
+        assert_eq!(huge.alloc(2), Some(vec![0, 1]));
+        assert!(!huge.is_used(u32::MAX - 1));
+    }
+
+    #[test]
+    fn pools_the_allocator_refuses_are_config_errors_not_aborts() {
+        // 2^20 pages of 2^40 bytes: the size fits in usize, no allocator grants it.
+        let g = KvGeometry::new(1, 1, 1 << 40).unwrap();
+        let refused = |r: Result<()>, what: &str| match r {
+            Err(HiCacheError::Config(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{other:?}"),
+        };
+        refused(
+            HostPool::new(g, 1 << 20, HostLayout::LayerFirst).map(|_| ()),
+            "cannot allocate the host pool",
+        );
+        refused(
+            crate::HostSim::new(g, 1 << 20, crate::HostSimConfig::default()).map(|_| ()),
+            "cannot allocate the simulated device pool",
+        );
+        refused(
+            crate::backend::SlotMemory::new(crate::PoolName::Mamba, 1 << 20, 1 << 40).map(|_| ()),
+            "cannot allocate an extra pool",
+        );
     }
 
     #[test]

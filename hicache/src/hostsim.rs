@@ -277,7 +277,8 @@ impl HostSim {
     /// A simulated device with a zeroed pool of `pages` pages and two stream workers.
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for zero pages or an overflowing size; thread spawn failure.
+    /// [`HiCacheError::Config`] for zero pages or a size that overflows or cannot be
+    /// allocated; thread spawn failure.
     pub fn new(geometry: KvGeometry, pages: usize, cfg: HostSimConfig) -> Result<Self> {
         geometry.validate()?;
         if pages == 0 || pages > u32::MAX as usize {
@@ -291,8 +292,11 @@ impl HostSim {
             geometry,
             pages,
             layers: (0..geometry.layers)
-                .map(|_| RwLock::new(vec![0u8; layer_bytes].into_boxed_slice()))
-                .collect(),
+                .map(|_| {
+                    crate::host_pool::zeroed_bytes(layer_bytes, "the simulated device pool")
+                        .map(RwLock::new)
+                })
+                .collect::<Result<_>>()?,
         });
         let gate = cfg.gated.then(CopyGate::new);
         let spawn = |name: &str| -> Result<Stream> {

@@ -413,7 +413,7 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
         match self.inner.alloc_tokens(req, n) {
             Err(CacheError::OutOfPages { needed, .. })
-                if self.reclaim_for(needed * self.inner.page_size())? =>
+                if self.reclaim_for(needed.saturating_mul(self.inner.page_size()))? =>
             {
                 self.inner.alloc_tokens(req, n)
             }
@@ -443,7 +443,7 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
     fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
         match self.inner.alloc_pages(n) {
             Err(CacheError::OutOfPages { .. })
-                if self.reclaim_for(n * self.inner.page_size())? =>
+                if self.reclaim_for(n.saturating_mul(self.inner.page_size()))? =>
             {
                 self.inner.alloc_pages(n)
             }

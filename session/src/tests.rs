@@ -569,3 +569,36 @@ fn the_invariant_check_sees_session_rows() {
     c.close(1).unwrap();
     assert_drained(&c);
 }
+
+#[test]
+fn overflowing_counts_are_errors_with_an_idle_session_present() {
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101, 102]);
+    let before = (c.accounting(), c.session_held_tokens());
+    // The retry path multiplies the missing pages by the page size: it must not overflow.
+    assert!(matches!(
+        c.alloc_pages(usize::MAX),
+        Err(CacheError::OutOfPages { .. })
+    ));
+    let mut r = req(None, (50..60).collect());
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    // usize::MAX tokens are 2^62 pages, and 2^62 pages of 4 tokens overflow.
+    assert!(matches!(
+        c.alloc_tokens(&mut r, usize::MAX),
+        Err(CacheError::OutOfPages { .. })
+    ));
+    c.alloc_tokens(&mut r, 10).unwrap();
+    assert_eq!(
+        c.alloc_tokens(&mut r, usize::MAX),
+        Err(CacheError::SizeOverflow(
+            "alloc_tokens: allocated_len + n overflows usize"
+        ))
+    );
+    assert_eq!(r.allocated_len, 10);
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    assert_eq!((c.accounting(), c.session_held_tokens()), before);
+    ok(&c);
+}
