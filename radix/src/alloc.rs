@@ -28,6 +28,17 @@ pub fn try_with_capacity<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// `len` copies of `value`, allocated fallibly like [`try_with_capacity`] (the memory is
+/// written, so it is committed at once rather than on first use).
+///
+/// # Errors
+/// [`CacheError::Config`] when `len` elements cannot be allocated.
+pub fn try_filled<T: Clone>(len: usize, value: T, what: &str) -> Result<Vec<T>> {
+    let mut v = try_with_capacity(len, what)?;
+    v.resize(len, value);
+    Ok(v)
+}
+
 /// Ownership state of one device page.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 #[repr(u8)]
@@ -64,11 +75,9 @@ impl PageAllocator {
         }
         let mut free = try_with_capacity(total, "the page pool's free list")?;
         free.extend((0..total as u32).rev().map(PageId));
-        let mut state = try_with_capacity(total, "the page pool's state table")?;
-        state.resize(total, PageState::Free);
         Ok(PageAllocator {
             free,
-            state,
+            state: try_filled(total, PageState::Free, "the page pool's state table")?,
             tree_pages: 0,
         })
     }

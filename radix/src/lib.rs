@@ -52,7 +52,9 @@ mod radix_cache;
 mod tree;
 mod types;
 
-pub use alloc::{DevicePools, PageAllocator, PageState, RowHolder, RowPool, try_with_capacity};
+pub use alloc::{
+    DevicePools, PageAllocator, PageState, RowHolder, RowPool, try_filled, try_with_capacity,
+};
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
 };

@@ -302,9 +302,8 @@ impl PrefixCache for RadixCache {
             pages.tree_pages()
         );
         // Every page is in exactly one place.
-        let mut seen = crate::alloc::try_with_capacity(pages.total(), "the audit's page map")
+        let mut seen = crate::alloc::try_filled(pages.total(), 0u8, "the audit's page map")
             .map_err(|e| InvariantViolation(format!("cannot audit the pool: {e}")))?;
-        seen.resize(pages.total(), 0u8);
         let mut err = None;
         self.tree.for_each_device_page(|pg| {
             let s = &mut seen[pg.index()];

@@ -3,7 +3,9 @@
 //!
 //! Every kind the product has is describable here, even the ones not wired into
 //! [`crate::factory::build_cache`] yet (the CUDA backend, hybrid pools): the factory, not the
-//! config, decides what can be built, and says which crate is missing.
+//! config, decides what can be built, and says which crate is missing. The storage tier (L3)
+//! does not exist yet in any crate: a config that names one is refused by
+//! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
 //!
 //! Two geometries: [`ModelGeometry`] is the real model's (the *modeled* bytes every report
 //! and the cost model use); [`SimGeometry`] is what the HostSim backend really allocates and
@@ -50,14 +52,25 @@ impl Default for ModelGeometry {
 }
 
 impl ModelGeometry {
-    /// KV bytes of one token across all layers.
+    /// KV bytes of one token across all layers. Saturates at `u64::MAX` for a geometry that
+    /// [`ManagerConfig::validate`] refuses (it checks that this and [`Self::page_bytes`] fit).
     pub fn kv_bytes_per_token(&self) -> u64 {
-        self.kv_bytes_per_token_per_layer * u64::from(self.layers)
+        self.kv_bytes_per_token_per_layer
+            .saturating_mul(u64::from(self.layers))
     }
 
-    /// KV bytes of one page across all layers.
+    /// KV bytes of one page across all layers (saturating, like [`Self::kv_bytes_per_token`]).
     pub fn page_bytes(&self) -> u64 {
-        self.kv_bytes_per_token() * self.page_size as u64
+        self.kv_bytes_per_token()
+            .saturating_mul(self.page_size as u64)
+    }
+
+    /// KV bytes of `pages` pages, or `None` when that overflows `u64`.
+    pub fn checked_pool_bytes(&self, pages: usize) -> Option<u64> {
+        self.kv_bytes_per_token_per_layer
+            .checked_mul(u64::from(self.layers))?
+            .checked_mul(u64::try_from(self.page_size).ok()?)?
+            .checked_mul(u64::try_from(pages).ok()?)
     }
 }
 
@@ -90,7 +103,7 @@ pub enum CacheKind {
     /// Device-only radix cache.
     #[default]
     Radix,
-    /// Device + host (+ optional storage) tiers.
+    /// Device + host tiers.
     HiCache(HostTier),
 }
 
@@ -106,8 +119,9 @@ pub struct HostTier {
     /// Eviction policy of the host tier (absent: the device tier's `eviction`).
     #[serde(default)]
     pub eviction: Option<Eviction>,
-    /// Optional storage tier (L3).
-    #[serde(default)]
+    /// Must stay `None`: the storage tier (L3) is not implemented yet, and
+    /// [`ManagerConfig::validate`] refuses any value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<StorageTier>,
 }
 
@@ -175,52 +189,19 @@ impl WritePolicy {
     }
 }
 
-/// The storage tier (L3) below the host pool.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StorageTier {
-    /// Where pages are stored.
-    pub backend: StorageBackendKind,
-    /// When a waiting request stops waiting for its prefetch.
-    #[serde(default)]
-    pub prefetch: PrefetchPolicy,
-}
+/// A storage tier (L3) below the host pool, as a config names one. **Not implemented yet**:
+/// radixkv has no storage backend, and [`ManagerConfig::validate`] refuses a configured storage
+/// tier with [`ManagerError::NotImplemented`]. A `storage` section is accepted by the parser
+/// whatever it holds (and its contents dropped) only so that the answer is that refusal, not
+/// an unknown-field error.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize)]
+pub struct StorageTier {}
 
-/// A storage backend.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum StorageBackendKind {
-    /// Files under a directory.
-    File {
-        /// The directory.
-        dir: String,
-    },
-    /// A Redis server or cluster (shared between servers).
-    Redis {
-        /// Connection URL.
-        url: String,
-    },
-    /// An in-process store (tests, simulation).
-    Memory {
-        /// Capacity in tokens.
-        capacity_tokens: usize,
-    },
-}
-
-/// When a prefetch from storage stops.
-#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(tag = "stop", rename_all = "snake_case", deny_unknown_fields)]
-pub enum PrefetchPolicy {
-    /// Use whatever arrived when the request is scheduled.
-    #[default]
-    BestEffort,
-    /// Wait until the whole prefetch completed.
-    WaitComplete,
-    /// Wait at most this long.
-    Timeout {
-        /// Milliseconds.
-        ms: u64,
-    },
+impl<'de> Deserialize<'de> for StorageTier {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(d)?;
+        Ok(StorageTier {})
+    }
 }
 
 /// Bounds on the KV that streaming sessions may hold between turns.
@@ -403,10 +384,13 @@ impl ManagerConfig {
             .unwrap_or(0)
     }
 
-    /// Checks that the configuration is possible.
+    /// Checks that the configuration is possible: non-zero sizes, pool page counts the
+    /// allocators can address, and every byte count the manager derives (modeled page and pool
+    /// bytes, simulated pool bytes) representable without wrapping.
     ///
     /// # Errors
-    /// [`ManagerError::Config`] with the first impossible value.
+    /// [`ManagerError::NotImplemented`] for a storage tier; [`ManagerError::Config`] with the
+    /// first impossible value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ManagerError::Config(m));
         let p = self.model.page_size;
@@ -419,30 +403,48 @@ impl ManagerConfig {
         if self.model.kv_bytes_per_token_per_layer == 0 {
             return bad("KV bytes per token per layer must be positive".into());
         }
+        if self.model.checked_pool_bytes(1).is_none() {
+            return bad(format!(
+                "a page of the model ({} bytes per token per layer × {} layers × {p} tokens) \
+                 overflows a 64-bit byte count",
+                self.model.kv_bytes_per_token_per_layer, self.model.layers
+            ));
+        }
         if self.device_tokens < p {
             return bad(format!(
                 "device pool of {} tokens is smaller than one page of {p} tokens",
                 self.device_tokens
             ));
         }
-        if self.max_rows == 0 {
-            return bad("max_rows must be at least 1".into());
+        self.check_pool("device", self.device_pages())?;
+        if self.max_rows == 0 || self.max_rows > u32::MAX as usize {
+            return bad(format!(
+                "max_rows must be in 1..={} (got {})",
+                u32::MAX,
+                self.max_rows
+            ));
+        }
+        if self.sim_geometry.layers == 0 || self.sim_geometry.bytes_per_token_per_layer == 0 {
+            return bad(
+                "the simulated geometry needs at least 1 layer and 1 byte per token".into(),
+            );
         }
         if let CacheKind::HiCache(h) = &self.cache {
+            if h.storage.is_some() {
+                return Err(ManagerError::NotImplemented {
+                    what: "the storage tier (L3)",
+                });
+            }
             if h.host_tokens < p {
                 return bad(format!(
                     "host pool of {} tokens is smaller than one page of {p} tokens",
                     h.host_tokens
                 ));
             }
+            self.check_pool("host", h.host_tokens / p)?;
             if let WritePolicy::WriteThroughSelective { hits: 0 } = h.write_policy {
                 return bad("write_through_selective needs a hit threshold of at least 1".into());
             }
-        }
-        if self.sim_geometry.layers == 0 || self.sim_geometry.bytes_per_token_per_layer == 0 {
-            return bad(
-                "the simulated geometry needs at least 1 layer and 1 byte per token".into(),
-            );
         }
         if let Some(s) = &self.sessions {
             if s.max_held_tokens > self.device_tokens {
@@ -454,6 +456,36 @@ impl ManagerConfig {
             if s.per_session_cap_tokens == 0 {
                 return bad("per-session cap must be positive".into());
             }
+        }
+        Ok(())
+    }
+
+    /// Checks a pool of `pages` pages: addressable by the page allocators (32-bit page ids),
+    /// its modeled bytes (every transfer count is at most a pool's worth per step) and, for
+    /// HiCache, its simulated bytes fit.
+    fn check_pool(&self, tier: &str, pages: usize) -> Result<()> {
+        let bad = |m: String| Err(ManagerError::Config(m));
+        if pages > u32::MAX as usize {
+            return bad(format!(
+                "the {tier} pool of {pages} pages is more than the {} pages a pool can address",
+                u32::MAX
+            ));
+        }
+        if self.model.checked_pool_bytes(pages).is_none() {
+            return bad(format!(
+                "the {tier} pool of {pages} pages of {} modeled bytes overflows a 64-bit byte count",
+                self.model.page_bytes()
+            ));
+        }
+        let sim = &self.sim_geometry;
+        let sim_bytes = (sim.layers as usize)
+            .checked_mul(sim.bytes_per_token_per_layer as usize)
+            .and_then(|b| b.checked_mul(self.model.page_size))
+            .and_then(|b| b.checked_mul(pages));
+        if matches!(self.cache, CacheKind::HiCache(_)) && sim_bytes.is_none() {
+            return bad(format!(
+                "the simulated {tier} pool of {pages} pages overflows the address space"
+            ));
         }
         Ok(())
     }
@@ -556,6 +588,95 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("host pool"));
         assert!(ManagerConfig::from_toml_str("eviction = \"nope\"").is_err());
         assert!(ManagerConfig::from_toml_str("bogus_field = 1").is_err());
+    }
+
+    #[test]
+    fn geometry_products_that_overflow_are_refused() {
+        // The review's case: each factor is valid, their product wraps.
+        let mut c = ManagerConfig::default();
+        c.model.kv_bytes_per_token_per_layer = u64::MAX;
+        c.model.layers = u32::MAX;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("overflows a 64-bit byte count"), "{e}");
+        assert_eq!(c.model.page_bytes(), u64::MAX, "saturates, never wraps");
+        // A page fits, the device pool of such pages does not.
+        let mut c = ManagerConfig::default();
+        c.model.kv_bytes_per_token_per_layer = 1 << 40;
+        c.model.layers = 1;
+        c.model.page_size = 1 << 10;
+        c.device_tokens = 1 << 24;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("device pool") && e.contains("overflows"), "{e}");
+        // The same for the host tier.
+        let mut c = ManagerConfig::default();
+        c.model.kv_bytes_per_token_per_layer = 1 << 30;
+        c.device_tokens = 1 << 10;
+        c.cache = CacheKind::HiCache(HostTier::ratio(1 << 30, 1.0));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("host pool") && e.contains("overflows"), "{e}");
+        // Page counts past what a pool can address, and row counts.
+        let c = ManagerConfig {
+            device_tokens: usize::MAX,
+            ..Default::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("can address"), "{e}");
+        let c = ManagerConfig {
+            max_rows: u32::MAX as usize + 1,
+            ..Default::default()
+        };
+        assert!(c.validate().unwrap_err().to_string().contains("max_rows"));
+        // A simulated pool that overflows the address space.
+        let mut c = ManagerConfig {
+            cache: CacheKind::HiCache(HostTier::ratio(1 << 20, 4.0)),
+            ..Default::default()
+        };
+        c.sim_geometry.bytes_per_token_per_layer = u32::MAX;
+        c.sim_geometry.layers = u32::MAX;
+        c.model.page_size = 1 << 16;
+        c.model.kv_bytes_per_token_per_layer = 1;
+        c.model.layers = 1;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("simulated"), "{e}");
+        ManagerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn a_storage_tier_is_refused_on_every_path() {
+        let refused = |r: Result<ManagerConfig>| match r {
+            Err(e @ ManagerError::NotImplemented { .. }) => {
+                assert_eq!(
+                    e.to_string(),
+                    "the storage tier (L3) is not implemented yet"
+                );
+            }
+            other => panic!("{other:?}"),
+        };
+        let toml = r#"
+            [cache]
+            kind = "hi_cache"
+            host_tokens = 262144
+            [cache.storage]
+            backend = { type = "redis", url = "redis://localhost" }
+        "#;
+        refused(ManagerConfig::from_toml_str(toml));
+        let json = r#"{"cache": {"kind": "hi_cache", "host_tokens": 262144,
+            "storage": {"backend": {"type": "file", "dir": "/tmp/kv"}}}}"#;
+        refused(ManagerConfig::from_json_str(json));
+        let mut tier = HostTier::ratio(1 << 20, 4.0);
+        tier.storage = Some(StorageTier::default());
+        let c = ManagerConfig {
+            cache: CacheKind::HiCache(tier),
+            ..Default::default()
+        };
+        refused(c.validate().map(|()| c.clone()));
+        // Without one, the same host tier is fine and serializes without a storage key.
+        let c = ManagerConfig {
+            cache: CacheKind::HiCache(HostTier::ratio(1 << 20, 4.0)),
+            ..Default::default()
+        };
+        c.validate().unwrap();
+        assert!(!serde_json::to_string(&c).unwrap().contains("storage"));
     }
 
     #[test]

@@ -17,6 +17,12 @@ pub enum ManagerError {
         /// The crate that implements it.
         needs: &'static str,
     },
+    /// A feature a configuration asked for that radixkv does not have yet, in any build.
+    #[error("{what} is not implemented yet")]
+    NotImplemented {
+        /// The feature.
+        what: &'static str,
+    },
     /// An error of the underlying cache.
     #[error(transparent)]
     Cache(#[from] CacheError),

@@ -13,11 +13,12 @@
 //! | `hi_cache`                      | [`Tiered`]: `HiRadixCache<HostSim>`                |
 //! | `hi_cache` + sessions           | `SessionAwareCache<Tiered, SimClock>`              |
 //!
-//! The CUDA backend and the hybrid (Mamba / SWA) pools are still [`ManagerError::NotWired`].
+//! The CUDA backend and the hybrid (Mamba / SWA) pools are still [`ManagerError::NotWired`];
+//! the storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
 
-use radixkv_radix::{PrefixCache, RadixCache, RadixConfig, RequestKv};
+use radixkv_radix::{CacheError, PrefixCache, RadixCache, RadixConfig, RequestKv};
 use radixkv_session::{SessionAwareCache, SessionConfig};
 
 use crate::config::{CacheKind, DeviceBackend, ManagerConfig};
@@ -37,21 +38,16 @@ pub struct StepTransfers {
     pub pages_written: u64,
     /// Modeled bytes written device → host.
     pub bytes_written: u64,
-    /// Pages fetched storage → host.
-    pub pages_prefetched: u64,
-    /// Modeled bytes fetched storage → host.
-    pub bytes_prefetched: u64,
 }
 
 impl StepTransfers {
-    /// Adds another step's traffic.
+    /// Adds another step's traffic. Saturates rather than wraps: `validate` bounds one step's
+    /// bytes by a pool's, but a long enough run could still sum past `u64::MAX`.
     pub fn add(&mut self, o: &StepTransfers) {
-        self.pages_loaded += o.pages_loaded;
-        self.bytes_loaded += o.bytes_loaded;
-        self.pages_written += o.pages_written;
-        self.bytes_written += o.bytes_written;
-        self.pages_prefetched += o.pages_prefetched;
-        self.bytes_prefetched += o.bytes_prefetched;
+        self.pages_loaded = self.pages_loaded.saturating_add(o.pages_loaded);
+        self.bytes_loaded = self.bytes_loaded.saturating_add(o.bytes_loaded);
+        self.pages_written = self.pages_written.saturating_add(o.pages_written);
+        self.bytes_written = self.bytes_written.saturating_add(o.bytes_written);
     }
 }
 
@@ -184,9 +180,10 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// (milliseconds).
 ///
 /// # Errors
-/// [`ManagerError::Config`] for an impossible configuration, [`ManagerError::NotWired`] for
-/// the CUDA backend and hybrid pools, [`ManagerError::Tier`] when the simulated backend cannot
-/// be allocated.
+/// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
+/// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier;
+/// [`ManagerError::NotWired`] for the CUDA backend and hybrid pools; [`ManagerError::Tier`]
+/// when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
     clock: SimClock,
@@ -217,11 +214,18 @@ pub fn build_cache_with_clock(
         max_session_tokens: b.per_session_cap_tokens,
         idle_ttl: Some(b.idle_ttl_ms),
     });
+    // The radix pools' only failure is an impossible size: say so as a config error.
+    let device = |radix| {
+        RadixCache::new(radix).map_err(|e| match e {
+            CacheError::Config(m) => ManagerError::Config(m),
+            e => e.into(),
+        })
+    };
     Ok(match (&cfg.cache, sessions) {
-        (CacheKind::Disabled | CacheKind::Radix, None) => Box::new(RadixCache::new(radix)?),
-        (CacheKind::Disabled | CacheKind::Radix, Some(s)) => Box::new(
-            SessionAwareCache::with_clock(RadixCache::new(radix)?, s, clock),
-        ),
+        (CacheKind::Disabled | CacheKind::Radix, None) => Box::new(device(radix)?),
+        (CacheKind::Disabled | CacheKind::Radix, Some(s)) => {
+            Box::new(SessionAwareCache::with_clock(device(radix)?, s, clock))
+        }
         (CacheKind::HiCache(h), None) => Box::new(Tiered::new(cfg, h, radix)?),
         (CacheKind::HiCache(h), Some(s)) => Box::new(SessionAwareCache::with_clock(
             Tiered::new(cfg, h, radix)?,

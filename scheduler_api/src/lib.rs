@@ -6,8 +6,9 @@
 //! ## The model
 //! - **Configuration** ([`ManagerConfig`], from a builder, TOML or JSON): model geometry
 //!   (layers, KV bytes per token, page size, optional hybrid pools), the device pool, the cache
-//!   kind (disabled / radix / HiCache with a host tier, a write policy and an optional storage
-//!   tier), the eviction policy, sessions and their budget, the device backend.
+//!   kind (disabled / radix / HiCache with a host tier and a write policy), the eviction
+//!   policy, sessions and their budget, the device backend. A storage tier (L3) is refused
+//!   ([`ManagerError::NotImplemented`]): it is not implemented yet.
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the

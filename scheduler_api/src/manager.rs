@@ -216,6 +216,9 @@ impl KvCacheManager {
                 self.reserved_total
             )));
         }
+        for t in self.requests.values() {
+            self.cache.check_request(&t.kv)?;
+        }
         let running = self
             .requests
             .values()
@@ -248,8 +251,9 @@ impl KvCacheManager {
         let prompt_len = req.tokens.len();
         let mut tokens = req.tokens;
         // Decoded tokens are appended one by one on the hot path: make room once, here (free
-        // when the caller already left room).
-        tokens.reserve(req.max_new_tokens);
+        // when the caller already left room). Only a hint: a request never holds more tokens
+        // than the device pool, and a reservation the allocator refuses is just skipped.
+        let _ = tokens.try_reserve(req.max_new_tokens.min(self.cfg.device_tokens));
         let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
@@ -314,7 +318,11 @@ impl KvCacheManager {
         let len = t.kv.key.len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);
-        let mut needed = len - m.prefix_len + output_left + page;
+        // Saturating: `output_left` comes from the caller and the config, and a sum past
+        // `usize::MAX` can only wait.
+        let mut needed = (len - m.prefix_len)
+            .saturating_add(output_left)
+            .saturating_add(page);
         let mut available = admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
         if needed > available && self.running == 0 && !self.sessions_open.is_empty() {
             // Nothing runs, so nothing will free memory by finishing: idle sessions are all
@@ -341,7 +349,9 @@ impl KvCacheManager {
             }
             // Demotion inserted into the tree: match again so the handles are current.
             m = self.cache.match_request(&mut t.kv)?;
-            needed = len - m.prefix_len + output_left + page;
+            needed = (len - m.prefix_len)
+                .saturating_add(output_left)
+                .saturating_add(page);
             available = admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
         }
         if needed > available {
@@ -371,7 +381,6 @@ impl KvCacheManager {
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
             host_tokens: host,
-            storage_tokens: 0,
             extend_tokens: extend,
         }))
     }
@@ -385,7 +394,7 @@ impl KvCacheManager {
     pub fn extend(&mut self, id: ReqId, n: usize) -> Result<Range<usize>> {
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
-        if start + n > t.kv.key.len() {
+        if n > t.kv.key.len().saturating_sub(start) {
             return Err(ManagerError::Lifecycle {
                 id: id.0,
                 what: "extend past the prompt",

@@ -28,8 +28,6 @@ pub struct Counters {
     pub hit_tokens_device: u64,
     /// Prompt tokens reused from the host tier (loaded back).
     pub hit_tokens_host: u64,
-    /// Prompt tokens reused from the storage tier.
-    pub hit_tokens_storage: u64,
     /// Tokens allocated for prefill (recomputed).
     pub extend_tokens: u64,
     /// Tokens allocated for decode.
@@ -100,10 +98,7 @@ impl Metrics {
     /// Token hit ratio over admitted prompts, all tiers.
     pub fn hit_ratio(&self) -> f64 {
         let c = &self.counters;
-        ratio(
-            c.hit_tokens_device + c.hit_tokens_host + c.hit_tokens_storage,
-            c.prompt_tokens,
-        )
+        ratio(c.hit_tokens_device + c.hit_tokens_host, c.prompt_tokens)
     }
 
     /// The metrics in the Prometheus text exposition format (version 0.0.4), every name
@@ -149,7 +144,6 @@ impl Metrics {
             &[
                 ("tier=\"device\"", c.hit_tokens_device),
                 ("tier=\"host\"", c.hit_tokens_host),
-                ("tier=\"storage\"", c.hit_tokens_storage),
             ],
         );
         family(
@@ -180,7 +174,6 @@ impl Metrics {
             &[
                 ("direction=\"load\"", c.transfers.pages_loaded),
                 ("direction=\"write\"", c.transfers.pages_written),
-                ("direction=\"prefetch\"", c.transfers.pages_prefetched),
             ],
         );
         family(
@@ -190,7 +183,6 @@ impl Metrics {
             &[
                 ("direction=\"load\"", c.transfers.bytes_loaded),
                 ("direction=\"write\"", c.transfers.bytes_written),
-                ("direction=\"prefetch\"", c.transfers.bytes_prefetched),
             ],
         );
         family(

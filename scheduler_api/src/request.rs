@@ -80,8 +80,6 @@ pub struct Admitted {
     pub device_tokens: usize,
     /// Tokens reused from the host tier (loaded back this step).
     pub host_tokens: usize,
-    /// Tokens reused from the storage tier.
-    pub storage_tokens: usize,
     /// Tokens that must be computed (prefill).
     pub extend_tokens: usize,
 }
@@ -89,7 +87,7 @@ pub struct Admitted {
 impl Admitted {
     /// Tokens reused from any tier.
     pub fn cached_tokens(&self) -> usize {
-        self.device_tokens + self.host_tokens + self.storage_tokens
+        self.device_tokens + self.host_tokens
     }
 }
 

@@ -98,10 +98,9 @@ impl Tiered {
         self.seen = now;
         StepTransfers {
             pages_loaded: loaded,
-            bytes_loaded: loaded * self.modeled_page_bytes,
+            bytes_loaded: loaded.saturating_mul(self.modeled_page_bytes),
             pages_written: written,
-            bytes_written: written * self.modeled_page_bytes,
-            ..Default::default()
+            bytes_written: written.saturating_mul(self.modeled_page_bytes),
         }
     }
 }
@@ -150,7 +149,7 @@ impl ManagedCache for Tiered {
         let pages = step.stats.pages as u64;
         Ok(StepLoads {
             pages,
-            bytes: pages * self.modeled_page_bytes,
+            bytes: pages.saturating_mul(self.modeled_page_bytes),
             wait: Some(Arc::new(ProducerWait {
                 counter: self.cache.layer_counter().clone(),
                 producer: step.producer,

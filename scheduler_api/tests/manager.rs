@@ -163,6 +163,50 @@ fn lifecycle_misuse_is_a_typed_error() {
 }
 
 #[test]
+fn overflowing_counts_are_typed_errors_and_change_nothing() {
+    let cfg = radixkv_scheduler_api::ManagerConfig {
+        device_tokens: 1024,
+        reserve_clip_tokens: usize::MAX,
+        ..Default::default()
+    };
+    let mut kv = KvCacheManager::builder().config(cfg).build().unwrap();
+    // An output budget no pool can hold: it arrives (the token buffer's room is only a hint)
+    // and waits, with the needed tokens saturated instead of wrapped.
+    let greedy = kv
+        .arrive(Request::new((0..20).collect()).max_new_tokens(usize::MAX))
+        .unwrap();
+    match kv.admit(greedy).unwrap() {
+        Admission::Wait(WaitReason::NoRoom { needed, .. }) => assert_eq!(needed, usize::MAX),
+        other => panic!("{other:?}"),
+    }
+    let a = kv
+        .arrive(Request::new((100..120).collect()).max_new_tokens(4))
+        .unwrap();
+    let ext = ready(&mut kv, a);
+    kv.extend(a, ext - 4).unwrap();
+    let before = (kv.accounting(), kv.reserved_tokens());
+    for n in [usize::MAX, usize::MAX - 5, 5] {
+        assert!(
+            matches!(
+                kv.extend(a, n),
+                Err(ManagerError::Lifecycle {
+                    what: "extend past the prompt",
+                    ..
+                })
+            ),
+            "{n}"
+        );
+        assert_eq!((kv.accounting(), kv.reserved_tokens()), before);
+    }
+    kv.check_invariants().unwrap();
+    kv.extend(a, 4).unwrap();
+    kv.abort(a).unwrap();
+    kv.abort(greedy).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.accounting().request_owned, 0);
+}
+
+#[test]
 fn metrics_export_as_prometheus_text() {
     let mut kv = manager(4096, 4);
     run_to_end(&mut kv, (0..40).collect(), 3);

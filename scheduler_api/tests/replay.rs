@@ -36,14 +36,14 @@ fn check(r: &Report, trace: &Trace) {
     assert_eq!(r.requests, n);
     assert_eq!(r.counters.finished, n, "every request finishes");
     assert_eq!(r.prompt_tokens, trace.prompt_tokens());
-    let hits = r.hit_tokens_device + r.hit_tokens_host + r.hit_tokens_storage;
+    let hits = r.hit_tokens_device + r.hit_tokens_host;
     assert!(
         hits <= r.ideal_hit_tokens,
         "hit {hits} exceeds the infinite-cache ideal {}",
         r.ideal_hit_tokens
     );
     assert!(r.hit_ratio.overall <= r.ideal_hit_ratio + 1e-12);
-    let tiers = r.hit_ratio.device + r.hit_ratio.host + r.hit_ratio.storage;
+    let tiers = r.hit_ratio.device + r.hit_ratio.host;
     assert!(
         (tiers - r.hit_ratio.overall).abs() < 1e-9,
         "tiers sum to overall"

@@ -13,8 +13,6 @@ pub struct TierRatios {
     pub device: f64,
     /// Host tier.
     pub host: f64,
-    /// Storage tier.
-    pub storage: f64,
     /// All tiers.
     pub overall: f64,
 }
@@ -60,8 +58,6 @@ pub struct Report {
     pub hit_tokens_device: u64,
     /// See `hit_tokens_device`.
     pub hit_tokens_host: u64,
-    /// See `hit_tokens_device`.
-    pub hit_tokens_storage: u64,
     /// Token hit ratios.
     pub hit_ratio: TierRatios,
     /// Tokens an infinite cache would have reused.
@@ -115,18 +111,16 @@ impl Report {
         let p = self.prompt_tokens;
         let d = self.hit_tokens_device;
         let h = self.hit_tokens_host;
-        let s = self.hit_tokens_storage;
         self.hit_ratio = TierRatios {
             device: ratio(d, p),
             host: ratio(h, p),
-            storage: ratio(s, p),
-            overall: ratio(d + h + s, p),
+            overall: ratio(d + h, p),
         };
         self.ideal_hit_ratio = ratio(self.ideal_hit_tokens, p);
         self.achieved_over_ideal = if self.ideal_hit_tokens == 0 {
             1.0
         } else {
-            ratio(d + h + s, self.ideal_hit_tokens)
+            ratio(d + h, self.ideal_hit_tokens)
         };
     }
 
@@ -184,8 +178,8 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "token hit ratio  {:.4} overall (device {:.4}, host {:.4}, storage {:.4})",
-            r.overall, r.device, r.host, r.storage
+            "token hit ratio  {:.4} overall (device {:.4}, host {:.4})",
+            r.overall, r.device, r.host
         )?;
         writeln!(
             f,

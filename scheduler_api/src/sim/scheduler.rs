@@ -412,7 +412,6 @@ impl Sim<'_> {
             self.report.ideal_hit_tokens += self.ideal_hits[index];
             self.report.hit_tokens_device += a.device_tokens as u64;
             self.report.hit_tokens_host += a.host_tokens as u64;
-            self.report.hit_tokens_storage += a.storage_tokens as u64;
             self.report.prompt_tokens += r.prompt_len;
             if let Some(job) = self.running.iter_mut().find(|j| j.index == index) {
                 job.output = output;
