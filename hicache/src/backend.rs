@@ -238,7 +238,7 @@ impl HostMemory {
         Ok(())
     }
 
-    /// Writes one page of one layer (storage tiers fill host pages this way).
+    /// Writes one page of one layer (fills a host page from outside the controller).
     ///
     /// # Errors
     /// Out-of-range layer or page, wrong buffer size.

@@ -344,7 +344,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         });
     }
 
-    /// The host-side buffer of an extra pool (tests, storage tiers).
+    /// The host-side buffer of an extra pool (for tests and inspection).
     ///
     /// # Errors
     /// [`HiCacheError::UnknownPool`].

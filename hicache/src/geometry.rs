@@ -86,8 +86,8 @@ pub enum HostLayout {
     /// contiguous copy. Best for per-layer loads.
     #[default]
     LayerFirst,
-    /// `[page][layer][page bytes]`: all layers of a page are contiguous, so a page is one
-    /// object for storage I/O; per-layer copies touch one strided chunk per page.
+    /// `[page][layer][page bytes]`: all layers of a page are contiguous, so a whole page is
+    /// one contiguous object; per-layer copies touch one strided chunk per page.
     PageFirst,
 }
 

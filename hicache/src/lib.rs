@@ -9,7 +9,7 @@
 //! - **Geometry.** A pool is `layers × pages × page_size × bytes_per_token_layer` bytes
 //!   ([`KvGeometry`]); the device pool is layer-major, the host pool is
 //!   [`HostLayout::LayerFirst`] (same as the device) or [`HostLayout::PageFirst`] (all layers
-//!   of a page contiguous, one object for storage I/O).
+//!   of a page contiguous, so a whole page is one contiguous object).
 //! - **Backends.** [`DeviceBackend`] has CUDA semantics: `enqueue_copy` returns at once, an
 //!   event recorded after it completes when the copy is done. [`HostSim`] implements it with
 //!   ordinary memory and one worker thread per stream; it can delay or gate copies so tests

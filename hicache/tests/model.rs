@@ -109,7 +109,6 @@ impl Model {
         match m {
             Medium::Device => &mut self.device,
             Medium::Host => &mut self.host,
-            Medium::Storage => unreachable!("no storage tier in this test"),
         }
     }
 

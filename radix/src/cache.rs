@@ -194,7 +194,7 @@ impl RequestKv {
 /// A prefix cache over a paged device KV pool.
 ///
 /// Implemented by `RadixCache` (device only), `SessionAwareCache` (a decorator that keeps
-/// streaming sessions' KV between turns) and `HiRadixCache` (device + host + storage tiers).
+/// streaming sessions' KV between turns) and `HiRadixCache` (device + host tiers).
 /// No method panics on bad input: every misuse returns a [`CacheError`] and leaves the cache
 /// unchanged.
 pub trait PrefixCache {

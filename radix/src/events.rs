@@ -3,9 +3,8 @@
 //! cleared. Each event names the medium the KV lives on.
 //!
 //! Page hashes here are a deterministic 64-bit chain (the same tokens in the same namespace
-//! always give the same hashes, across processes), meant for routing hints. They are not
-//! collision-resistant against crafted prompts; the storage tier keys pages with a
-//! cryptographic chain instead.
+//! always give the same hashes, across processes), meant for routing hints only. They are not
+//! collision-resistant against crafted prompts, so nothing may key stored KV by them.
 
 use crate::types::{Medium, Namespace, TokenId};
 

@@ -204,15 +204,14 @@ impl<'a> KeyRef<'a> {
     }
 }
 
-/// Where a copy of some KV lives. Used by events and by tiered caches.
+/// Where a copy of some KV lives. Used by events and by tiered caches. (There is no storage
+/// tier yet, so no storage medium either.)
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
 pub enum Medium {
     /// The device KV pool (L1).
     Device,
     /// The host pool (L2).
     Host,
-    /// An external storage tier (L3).
-    Storage,
 }
 
 /// Rounds `n` down to a multiple of `page_size`.

@@ -661,7 +661,7 @@ mod tests {
         "#;
         refused(ManagerConfig::from_toml_str(toml));
         let json = r#"{"cache": {"kind": "hi_cache", "host_tokens": 262144,
-            "storage": {"backend": {"type": "file", "dir": "/tmp/kv"}}}}"#;
+            "storage": {"backend": {"type": "file", "dir": "kv-store"}}}}"#;
         refused(ManagerConfig::from_json_str(json));
         let mut tier = HostTier::ratio(1 << 20, 4.0);
         tier.storage = Some(StorageTier::default());
