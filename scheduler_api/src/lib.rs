@@ -44,7 +44,7 @@
 //! use radixkv_scheduler_api::sim::{SimConfig, replay};
 //! use radixkv_scheduler_api::trace::SyntheticChat;
 //!
-//! let trace = SyntheticChat { conversations: 3, ..Default::default() }.generate();
+//! let trace = SyntheticChat { conversations: 3, ..Default::default() }.generate()?;
 //! let mut cfg = SimConfig::default();
 //! cfg.manager.device_tokens = 64 << 10;
 //! let report = replay(&trace, &cfg, &mut ())?;

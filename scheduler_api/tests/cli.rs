@@ -290,3 +290,150 @@ fn config_file_errors_name_the_file_or_field() {
     fails_with(&o, "/nonexistent/kv.toml");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Runs the binary with its address space capped at 4 GiB, so that a pool this machine could
+/// grant is refused as one a smaller machine would refuse: the outcome does not depend on the
+/// machine's memory.
+#[cfg(target_os = "linux")]
+fn radixkv_in_4_gib(args: &[&str]) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_radixkv"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+/// A clean failure: exit status 1 (not a signal such as the allocator's abort) with `needle`.
+fn exits_cleanly_with(o: &Output, needle: &str) {
+    fails_with(o, needle);
+    assert_eq!(o.status.code(), Some(1), "{:?}: {}", o.status, stderr(o));
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn huge_pools_are_a_clean_error_not_an_abort() {
+    let huge = "34359738368"; // 2^35 tokens
+    let o = radixkv_in_4_gib(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--quiet",
+        "--device-tokens",
+        huge,
+    ]);
+    exits_cleanly_with(&o, "cannot allocate the page pool");
+    let o = radixkv_in_4_gib(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--quiet",
+        "--host-tokens",
+        huge,
+    ]);
+    exits_cleanly_with(&o, "cannot allocate the host pool");
+    let o = radixkv_in_4_gib(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--quiet",
+        "--host-tokens",
+        "65536",
+        "--device-tokens",
+        huge,
+    ]);
+    exits_cleanly_with(&o, "cannot allocate the simulated device pool");
+    // The same through `replay`, on a trace of two requests.
+    let dir = temp_dir();
+    let f = dir.join("two.jsonl");
+    std::fs::write(
+        &f,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n\
+         {\"timestamp\": 5, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 2]}\n",
+    )
+    .unwrap();
+    let trace = f.to_str().unwrap();
+    for (flag, needle) in [
+        ("--device-tokens", "cannot allocate the page pool"),
+        ("--host-tokens", "cannot allocate the host pool"),
+    ] {
+        let o = radixkv_in_4_gib(&[
+            "replay", "--trace", trace, "--format", "mooncake", "--quiet", flag, huge,
+        ]);
+        exits_cleanly_with(&o, needle);
+    }
+    // Within the cap, the same trace replays.
+    let o = radixkv_in_4_gib(&[
+        "replay", "--trace", trace, "--format", "mooncake", "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn synthetic_workloads_are_bounded_and_never_empty() {
+    // Refused before anything is generated: no request count is printed.
+    let o = radixkv(&["demo", "--conversations", "4294967295", "--quiet"]);
+    exits_cleanly_with(&o, "MiB cap");
+    assert!(!stderr(&o).contains("prompt tokens from"), "{}", stderr(&o));
+    // No conversations is no workload: an error, as an empty trace file is.
+    let o = radixkv(&["demo", "--conversations", "0", "--quiet"]);
+    exits_cleanly_with(&o, "at least one conversation");
+    let dir = temp_dir();
+    let f = dir.join("empty.jsonl");
+    std::fs::write(&f, "\n").unwrap();
+    let o = radixkv(&[
+        "replay",
+        "--trace",
+        f.to_str().unwrap(),
+        "--format",
+        "mooncake",
+    ]);
+    exits_cleanly_with(&o, "no requests");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn an_unwritable_out_dir_fails_before_the_replay() {
+    let dir = temp_dir();
+    let file = dir.join("a-file");
+    std::fs::write(&file, "").unwrap();
+    // A directory cannot be created under a regular file.
+    let out = file.join("reports");
+    // The default demo (600 conversations) would replay for a while: the error comes first,
+    // before the workload is even generated.
+    let o = radixkv(&["demo", "--quiet", "--out", out.to_str().unwrap()]);
+    exits_cleanly_with(&o, "--out is not a writable directory");
+    assert!(!stderr(&o).contains("prompt tokens from"), "{}", stderr(&o));
+    let o = radixkv(&[
+        "replay",
+        "--trace",
+        "/nonexistent/trace.jsonl",
+        "--format",
+        "mooncake",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    exits_cleanly_with(&o, "--out is not a writable directory");
+    // A writable one is created and left without the probe file.
+    let fine = dir.join("new").join("reports");
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "1",
+        "--quiet",
+        "--device-tokens",
+        "65536",
+        "--out",
+        fine.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names: Vec<String> = std::fs::read_dir(&fine)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().any(|n| n == "report.json"), "{names:?}");
+    assert!(!names.iter().any(|n| n.starts_with('.')), "{names:?}");
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -183,7 +183,8 @@ fn synthetic_chat_reuses_system_prompts_and_history() {
         conversations: 25,
         ..Default::default()
     }
-    .generate();
+    .generate()
+    .unwrap();
     let r = replay(&t, &sim(64 << 10, 16), &mut ()).unwrap();
     check(&r, &t);
     assert!(r.hit_ratio.overall > 0.3, "{}", r.hit_ratio.overall);
@@ -205,12 +206,29 @@ fn a_request_larger_than_the_pool_is_a_typed_error() {
 }
 
 #[test]
+fn an_empty_workload_is_an_error_like_an_empty_trace_file() {
+    let empty = Trace {
+        name: "empty".into(),
+        requests: Vec::new(),
+    };
+    let e = replay(&empty, &sim(4096, 16), &mut ()).unwrap_err();
+    assert!(e.to_string().contains("the trace has no requests"), "{e}");
+    let none = SyntheticChat {
+        conversations: 0,
+        ..Default::default()
+    };
+    let e = none.generate().unwrap_err();
+    assert!(e.to_string().contains("at least one conversation"), "{e}");
+}
+
+#[test]
 fn every_compare_configuration_runs() {
     let t = SyntheticChat {
         conversations: 3,
         ..Default::default()
     }
-    .generate();
+    .generate()
+    .unwrap();
     let base = sim(32 << 10, 16);
     let configs = compare_configs(&base.manager);
     let outcomes = compare(&t, &base, &configs, &mut |_| Box::new(()), &mut |_| {}).unwrap();
@@ -254,7 +272,8 @@ fn hicache_slices_respect_the_invariants_under_every_write_policy() {
         conversations: 8,
         ..Default::default()
     }
-    .generate();
+    .generate()
+    .unwrap();
     for w in [
         WritePolicy::WriteThrough,
         WritePolicy::WriteThroughSelective { hits: 2 },
@@ -282,7 +301,8 @@ fn hicache_replays_are_deterministic() {
         conversations: 8,
         ..Default::default()
     }
-    .generate();
+    .generate()
+    .unwrap();
     for w in [WritePolicy::WriteThrough, WritePolicy::WriteBack] {
         let cfg = hicache(32 << 10, 128 << 10, w);
         let a = replay(&chat, &cfg, &mut ()).unwrap();
@@ -304,7 +324,8 @@ fn sessions_over_radix_and_hicache_replay_multi_turn_chat() {
         conversations: 6,
         ..Default::default()
     }
-    .generate();
+    .generate()
+    .unwrap();
     let budget = SessionBudget {
         max_held_tokens: 16 << 10,
         ..Default::default()

@@ -38,7 +38,8 @@ struct Cli {
 enum Cmd {
     /// Run the built-in synthetic multi-turn chat workload (the default).
     Demo {
-        /// Conversations to generate.
+        /// Conversations to generate (at least 1; a workload that could take more than
+        /// 256 MiB is refused).
         #[arg(long, default_value_t = SyntheticChat::default().conversations)]
         conversations: u32,
         #[command(flatten)]
@@ -164,8 +165,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// Where a replay's requests come from, checked before anything runs.
+enum Workload {
+    /// The built-in synthetic chat.
+    Synthetic(SyntheticChat),
+    /// A trace file.
+    File {
+        path: PathBuf,
+        format: TraceFormat,
+        opts: ReadOptions,
+    },
+}
+
+impl Workload {
+    fn load(self) -> Result<Trace> {
+        match self {
+            Workload::Synthetic(s) => s.generate(),
+            Workload::File { path, format, opts } => trace::read_trace(&path, format, &opts),
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
-    let (trace, run, cfg) = match cli.cmd {
+    let (workload, run) = match cli.cmd {
         Some(Cmd::Analyze {
             trace,
             format,
@@ -183,14 +205,12 @@ fn run(cli: Cli) -> Result<()> {
             return analyze(&trace, &format, &capacity_tokens, &opts, &cli.run);
         }
         None => {
-            let cfg = sim_config(&cli.run)?;
-            let t = demo_trace(SyntheticChat::default().conversations, &cli.run);
-            (t, cli.run, cfg)
+            let w = demo(SyntheticChat::default().conversations, &cli.run)?;
+            (w, cli.run)
         }
         Some(Cmd::Demo { conversations, run }) => {
             let run = merge(cli.run, run);
-            let cfg = sim_config(&run)?;
-            (demo_trace(conversations, &run), run, cfg)
+            (demo(conversations, &run)?, run)
         }
         Some(Cmd::Replay {
             trace,
@@ -201,7 +221,6 @@ fn run(cli: Cli) -> Result<()> {
             run,
         }) => {
             let run = merge(cli.run, run);
-            let cfg = sim_config(&run)?;
             let format = TraceFormat::from_name(&format)?;
             let opts = ReadOptions {
                 limit,
@@ -209,9 +228,21 @@ fn run(cli: Cli) -> Result<()> {
                 seed: run.seed.unwrap_or(7),
                 conversation_gap_s: gap(conversation_gap_s)?,
             };
-            (trace::read_trace(&trace, format, &opts)?, run, cfg)
+            let w = Workload::File {
+                path: trace,
+                format,
+                opts,
+            };
+            (w, run)
         }
     };
+    let cfg = sim_config(&run)?;
+    // Everything that can be checked is checked before the workload is read and replayed: a
+    // long replay must not end in an error about its output directory.
+    if let Some(dir) = &run.out {
+        prepare_out(dir)?;
+    }
+    let trace = workload.load()?;
     eprintln!(
         "radixkv: {} requests, {} prompt tokens from {}",
         trace.requests.len(),
@@ -294,13 +325,20 @@ fn analyze(
     Ok(())
 }
 
-fn demo_trace(conversations: u32, run: &RunArgs) -> Trace {
-    SyntheticChat {
+/// The synthetic chat workload of `radixkv demo`, checked (not generated yet).
+fn demo(conversations: u32, run: &RunArgs) -> Result<Workload> {
+    let chat = SyntheticChat {
         conversations,
         seed: run.seed.unwrap_or(42),
         ..Default::default()
-    }
-    .generate()
+    };
+    chat.validate().map_err(|e| match e {
+        ManagerError::Config(m) => {
+            ManagerError::Config(format!("--conversations {conversations}: {m}"))
+        }
+        e => e,
+    })?;
+    Ok(Workload::Synthetic(chat))
 }
 
 /// Subcommand flags win over the same flags given before the subcommand.
@@ -467,6 +505,18 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
     serde_json::to_string_pretty(v).map_err(|e| ManagerError::Config(format!("JSON: {e}")))
+}
+
+/// Creates `dir` and checks that a file can be written into it.
+fn prepare_out(dir: &Path) -> Result<()> {
+    let io = |e: std::io::Error| ManagerError::Io {
+        path: dir.display().to_string(),
+        message: format!("--out is not a writable directory: {e}"),
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let probe = dir.join(".radixkv-write-check");
+    std::fs::write(&probe, b"").map_err(io)?;
+    std::fs::remove_file(&probe).map_err(io)
 }
 
 fn write_out(dir: &Path, reports: &[Report]) -> Result<()> {

@@ -104,10 +104,18 @@ impl Progress for () {
 /// Replays `trace` under `cfg` and reports.
 ///
 /// # Errors
+/// [`ManagerError::Trace`] for a trace without requests (as the trace readers refuse one),
 /// [`ManagerError::PoolTooSmall`] when some request can never fit, configuration errors, and
 /// any error of the manager (which would be a bug).
 pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
     let started = Instant::now();
+    if trace.requests.is_empty() {
+        return Err(ManagerError::Trace {
+            path: trace.name.clone(),
+            line: 0,
+            message: "the trace has no requests".into(),
+        });
+    }
     check_fits(trace, &cfg.manager)?;
     if cfg.prefill_budget == 0 || cfg.max_running == 0 {
         return Err(ManagerError::Config(
