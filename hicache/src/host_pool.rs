@@ -198,9 +198,14 @@ impl HostPool {
     /// [`HiCacheError::Config`] for an impossible size.
     pub fn new(geometry: KvGeometry, pages: usize, layout: HostLayout) -> Result<Self> {
         let mem = Arc::new(HostMemory::new(geometry, pages, layout)?);
+        // `HostMemory::new` refuses more pages than 32-bit page ids address; say so here too
+        // rather than truncate.
+        let total = u32::try_from(pages).map_err(|_| {
+            HiCacheError::Config(format!("host pool of {pages} pages is too large"))
+        })?;
         Ok(HostPool {
             mem,
-            alloc: SlotAllocator::new(pages as u32),
+            alloc: SlotAllocator::new(total),
         })
     }
 

@@ -305,13 +305,13 @@ impl PrefixCache for RadixCache {
         let mut seen = crate::alloc::try_filled(pages.total(), 0u8, "the audit's page map")
             .map_err(|e| InvariantViolation(format!("cannot audit the pool: {e}")))?;
         let mut err = None;
-        self.tree.for_each_device_page(|pg| {
-            let s = &mut seen[pg.index()];
-            if *s != 0 || pages.state(pg) != Ok(PageState::Tree) {
-                err.get_or_insert(pg);
-            }
-            *s = 1;
-        });
+        self.tree
+            .for_each_device_page(|pg| match seen.get_mut(pg.index()) {
+                Some(s) if *s == 0 && pages.state(pg) == Ok(PageState::Tree) => *s = 1,
+                _ => {
+                    err.get_or_insert(pg);
+                }
+            });
         ensure_inv!(
             err.is_none(),
             "tree page {err:?} is listed twice or not tree-owned"

@@ -391,6 +391,26 @@ fn synthetic_workloads_are_bounded_and_never_empty() {
         "mooncake",
     ]);
     exits_cleanly_with(&o, "no requests");
+    // Keeping the first 0 requests is no workload either (it used to keep one).
+    std::fs::write(
+        &f,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n",
+    )
+    .unwrap();
+    for cmd in ["replay", "analyze"] {
+        let o = radixkv(&[
+            cmd,
+            "--trace",
+            f.to_str().unwrap(),
+            "--format",
+            "mooncake",
+            "--max-requests",
+            "0",
+        ]);
+        exits_cleanly_with(&o, "--max-requests must be at least 1");
+    }
+    let o = radixkv(&["demo", "--max-running", "18446744073709551615"]);
+    exits_cleanly_with(&o, "--max-running must be at most");
     std::fs::remove_dir_all(dir).ok();
 }
 

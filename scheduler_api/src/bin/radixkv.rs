@@ -198,7 +198,7 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             let opts = ReadOptions {
                 limit,
-                max_requests,
+                max_requests: at_least_one("--max-requests", max_requests)?,
                 seed: cli.run.seed.unwrap_or(7),
                 conversation_gap_s: gap(conversation_gap_s)?,
             };
@@ -224,7 +224,7 @@ fn run(cli: Cli) -> Result<()> {
             let format = TraceFormat::from_name(&format)?;
             let opts = ReadOptions {
                 limit,
-                max_requests,
+                max_requests: at_least_one("--max-requests", max_requests)?,
                 seed: run.seed.unwrap_or(7),
                 conversation_gap_s: gap(conversation_gap_s)?,
             };
@@ -267,6 +267,17 @@ fn run(cli: Cli) -> Result<()> {
         eprintln!("radixkv: wrote report.json and plots to {}", dir.display());
     }
     Ok(())
+}
+
+/// Refuses a count of 0 where it would mean an empty workload (the readers would otherwise keep
+/// one request, silently).
+fn at_least_one(flag: &str, n: Option<usize>) -> Result<Option<usize>> {
+    if n == Some(0) {
+        return Err(ManagerError::Config(format!(
+            "{flag} must be at least 1: an empty workload has nothing to replay"
+        )));
+    }
+    Ok(n)
 }
 
 fn gap(conversation_gap_s: f64) -> Result<f64> {
@@ -444,6 +455,12 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
     };
     cfg.cost.layers = cfg.manager.model.layers;
     if let Some(n) = run.max_running {
+        if n > u32::MAX as usize {
+            return Err(ManagerError::Config(format!(
+                "--max-running must be at most {} (one request-pool row each)",
+                u32::MAX
+            )));
+        }
         cfg.max_running = n;
         cfg.manager.max_rows = cfg.manager.max_rows.max(n);
     }
