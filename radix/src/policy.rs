@@ -32,6 +32,9 @@ pub struct LeafToken(pub u64, pub u64);
 /// An ordering of evictable leaves.
 ///
 /// Implementations must hold each inserted leaf exactly once until it is removed or popped.
+/// The tree does not trust `pop`: an answer that is not one of its evictable leaves is a
+/// [`crate::CacheError::PolicyFault`] (see [`crate::RadixTree::try_pop_victim`]), never a
+/// panic or a corrupted tree.
 pub trait EvictionPolicy: Debug + Send {
     /// Short name (`"lru"`, ...).
     fn name(&self) -> &'static str;

@@ -11,10 +11,11 @@ pub type TokenId = u32;
 pub struct PageId(pub u32);
 
 impl PageId {
-    /// The first KV slot of this page for a pool with `page_size` tokens per page.
+    /// The first KV slot of this page for a pool with `page_size` tokens per page (saturating
+    /// for a page and page size that no pool has: a pool's token count fits `usize`).
     #[inline]
     pub fn first_slot(self, page_size: usize) -> u64 {
-        self.0 as u64 * page_size as u64
+        u64::from(self.0).saturating_mul(page_size as u64)
     }
 
     /// The page index as a `usize`.
