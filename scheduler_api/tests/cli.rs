@@ -291,6 +291,18 @@ fn config_file_errors_name_the_file_or_field() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A Mooncake trace of two requests sharing their first block, written into `dir`.
+fn two_request_trace(dir: &std::path::Path) -> PathBuf {
+    let f = dir.join("two.jsonl");
+    std::fs::write(
+        &f,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n\
+         {\"timestamp\": 5, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 2]}\n",
+    )
+    .unwrap();
+    f
+}
+
 /// Runs the binary with its address space capped at 4 GiB, so that a pool this machine could
 /// grant is refused as one a smaller machine would refuse: the outcome does not depend on the
 /// machine's memory.
@@ -346,13 +358,7 @@ fn huge_pools_are_a_clean_error_not_an_abort() {
     exits_cleanly_with(&o, "cannot allocate the simulated device pool");
     // The same through `replay`, on a trace of two requests.
     let dir = temp_dir();
-    let f = dir.join("two.jsonl");
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n\
-         {\"timestamp\": 5, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 2]}\n",
-    )
-    .unwrap();
+    let f = two_request_trace(&dir);
     let trace = f.to_str().unwrap();
     for (flag, needle) in [
         ("--device-tokens", "cannot allocate the page pool"),
@@ -377,26 +383,13 @@ fn synthetic_workloads_are_bounded_and_never_empty() {
     let o = radixkv(&["demo", "--conversations", "4294967295", "--quiet"]);
     exits_cleanly_with(&o, "MiB cap");
     assert!(!stderr(&o).contains("prompt tokens from"), "{}", stderr(&o));
-    // No conversations is no workload: an error, as an empty trace file is.
+    // No conversations is no workload: an error, as an empty trace file is
+    // (`malformed_line_names_the_line`), and so is keeping the first 0 requests of a trace
+    // (it used to keep one).
     let o = radixkv(&["demo", "--conversations", "0", "--quiet"]);
     exits_cleanly_with(&o, "at least one conversation");
     let dir = temp_dir();
-    let f = dir.join("empty.jsonl");
-    std::fs::write(&f, "\n").unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "mooncake",
-    ]);
-    exits_cleanly_with(&o, "no requests");
-    // Keeping the first 0 requests is no workload either (it used to keep one).
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n",
-    )
-    .unwrap();
+    let f = two_request_trace(&dir);
     for cmd in ["replay", "analyze"] {
         let o = radixkv(&[
             cmd,
