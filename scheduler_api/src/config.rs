@@ -670,6 +670,12 @@ mod tests {
             ..Default::default()
         };
         refused(c.validate().map(|()| c.clone()));
+        refused(
+            crate::KvCacheManager::builder()
+                .config(c.clone())
+                .build()
+                .map(|_| c.clone()),
+        );
         // Without one, the same host tier is fine and serializes without a storage key.
         let c = ManagerConfig {
             cache: CacheKind::HiCache(HostTier::ratio(1 << 20, 4.0)),
