@@ -282,36 +282,29 @@ fn hicache_and_sessions_run_and_cuda_names_its_crate() {
 #[test]
 fn config_files_with_a_storage_tier_or_an_overflowing_geometry_are_refused() {
     let dir = temp_dir();
-    let f = dir.join("l3.toml");
-    std::fs::write(
-        &f,
-        "[cache]\nkind = \"hi_cache\"\nhost_tokens = 65536\n\
-         [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
-    )
-    .unwrap();
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "1",
-        "--config",
-        f.to_str().unwrap(),
-    ]);
-    exits_cleanly_with(&o, "the storage tier (L3) is not implemented yet");
-    // The review's geometry: each value is valid, the page's byte count would wrap.
-    let f = dir.join("huge-model.toml");
-    std::fs::write(
-        &f,
-        "[model]\nkv_bytes_per_token_per_layer = 18446744073709551615\nlayers = 4294967295\n",
-    )
-    .unwrap();
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "1",
-        "--config",
-        f.to_str().unwrap(),
-    ]);
-    exits_cleanly_with(&o, "overflows a 64-bit byte count");
+    let f = dir.join("kv.toml");
+    for (config, error) in [
+        (
+            "[cache]\nkind = \"hi_cache\"\nhost_tokens = 65536\n\
+             [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
+            "the storage tier (L3) is not implemented yet",
+        ),
+        // The review's geometry: each value is valid, the page's byte count would wrap.
+        (
+            "[model]\nkv_bytes_per_token_per_layer = 18446744073709551615\nlayers = 4294967295\n",
+            "overflows a 64-bit byte count",
+        ),
+    ] {
+        std::fs::write(&f, config).unwrap();
+        let o = radixkv(&[
+            "demo",
+            "--conversations",
+            "1",
+            "--config",
+            f.to_str().unwrap(),
+        ]);
+        exits_cleanly_with(&o, error);
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
