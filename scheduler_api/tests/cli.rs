@@ -1,5 +1,7 @@
 //! The `radixkv` binary: the demo, outputs, and clear errors with a non-zero exit on bad input.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -30,9 +32,9 @@ fn temp_dir() -> PathBuf {
     d
 }
 
+/// A generated Mooncake-format trace of 60 requests.
 fn mooncake() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/mooncake/conversation_trace.jsonl")
+    common::write_temp("cli", "moon.jsonl", &common::mooncake_jsonl(60, 300))
         .display()
         .to_string()
 }
