@@ -292,3 +292,59 @@ fn config_file_errors_name_the_file_or_field() {
     fails_with(&o, "/nonexistent/kv.toml");
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn soak_flags_audit_check_leaks_and_read_memory() {
+    let trace = mooncake();
+    let base = [
+        "replay",
+        "--trace",
+        trace.as_str(),
+        "--format",
+        "mooncake",
+        "--limit",
+        "30",
+        "--device-tokens",
+        "131072",
+        "--check-invariants-every",
+        "1",
+    ];
+    let o = radixkv(&[&base[..], &["--max-rss-growth-mib", "100000", "--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    // One audit per step plus the final one.
+    assert_eq!(
+        v["invariant_checks"].as_u64().unwrap(),
+        v["steps"].as_u64().unwrap() + 1
+    );
+    assert_eq!(v["leaked_tokens"], 0);
+    if cfg!(target_os = "linux") {
+        let m = &v["memory"];
+        assert!(!m["samples"].as_array().unwrap().is_empty(), "{m}");
+        assert!(m["peak_kib"].as_u64().unwrap() >= m["end_kib"].as_u64().unwrap());
+        assert_eq!(m["requests"], 30);
+    }
+    let o = radixkv(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("leak check       0 tokens still held"),
+        "{}",
+        stdout(&o)
+    );
+    fails_with(
+        &radixkv(&[&base[..9], &["--check-invariants-every", "0"]].concat()),
+        "--check-invariants-every must be positive",
+    );
+    fails_with(
+        &radixkv(&[
+            "analyze",
+            "--trace",
+            &trace,
+            "--format",
+            "mooncake",
+            "--max-rss-growth-mib",
+            "5",
+        ]),
+        "--max-rss-growth-mib applies to replays",
+    );
+}
