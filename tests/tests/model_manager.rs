@@ -36,15 +36,14 @@ struct Setup {
 
 #[derive(Clone, Debug)]
 enum Op {
-    /// A new request in `slot` (if it is free): `len` new tokens after `share` tokens of an
+    /// A new request in `slot` (if it is free): `tokens` after `share` tokens of an
     /// earlier request's or of a session's history, optionally a turn of `session`.
     Arrive {
         slot: usize,
-        len: usize,
+        tokens: Vec<TokenId>,
         share: Option<(usize, usize)>,
         session: Option<u64>,
         max_new: usize,
-        seed: u64,
     },
     Admit {
         slot: usize,
@@ -109,19 +108,17 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (
             slot.clone(),
-            1..40usize,
+            prop::collection::vec(0..5 as TokenId, 1..40),
             prop::option::weighted(0.8, (0..SLOTS + SESSIONS as usize, 0..64usize)),
             prop::option::weighted(0.5, 0..SESSIONS),
             1..12usize,
-            any::<u64>()
         )
-            .prop_map(|(slot, len, share, session, max_new, seed)| Op::Arrive {
+            .prop_map(|(slot, tokens, share, session, max_new)| Op::Arrive {
                 slot,
-                len,
+                tokens,
                 share,
                 session,
                 max_new,
-                seed
             }),
         24 => (any::<usize>(), 1..48usize, 0..7u32)
             .prop_map(|(pick, n, token)| Op::Advance { pick, n, token }),
@@ -195,18 +192,6 @@ struct Harness {
     stats: BTreeMap<&'static str, usize>,
 }
 
-fn tokens(seed: u64, n: usize) -> Vec<TokenId> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 33) % 5) as TokenId
-        })
-        .collect()
-}
-
 impl Harness {
     fn new(setup: Setup) -> Self {
         let mut b = KvCacheManager::builder()
@@ -253,12 +238,11 @@ impl Harness {
         match *op {
             Op::Arrive {
                 slot,
-                len,
+                ref tokens,
                 share,
                 session,
                 max_new,
-                seed,
-            } => self.arrive(slot, len, share, session, max_new, seed),
+            } => self.arrive(slot, tokens, share, session, max_new),
             Op::Advance { pick, n, token } => self.advance(pick, n, token),
             Op::Admit { slot } => self.admit(slot),
             Op::Extend { slot, n, fit } => self.extend(slot, n, fit),
@@ -331,11 +315,10 @@ impl Harness {
     fn arrive(
         &mut self,
         slot: usize,
-        len: usize,
+        own: &[TokenId],
         share: Option<(usize, usize)>,
         session: Option<u64>,
         max_new: usize,
-        seed: u64,
     ) {
         if self.slots[slot].is_some() {
             return;
@@ -355,7 +338,7 @@ impl Harness {
                 None => Vec::new(),
             },
         };
-        t.extend(tokens(seed, len));
+        t.extend_from_slice(own);
         // A turn of a session whose close waits for a running turn is sent untagged: the
         // manager would count that session as open after the cache has closed it (reported
         // with issue 9; `close_all_sessions` then fails with an unknown session).
@@ -398,6 +381,24 @@ impl Harness {
             return None;
         }
         self.slots[slot].as_mut()
+    }
+
+    /// The handle of the running request in `slot`. For a waiting one, `call` is made and must
+    /// be refused as out of order (`None` then, as for an empty slot).
+    fn running<T: std::fmt::Debug>(
+        &mut self,
+        slot: usize,
+        what: &str,
+        call: impl FnOnce(&mut KvCacheManager, ReqId) -> Result<T, ManagerError>,
+    ) -> Option<ReqId> {
+        let h = self.held(slot)?;
+        let (id, state) = (h.id, h.state);
+        if state == State::Waiting {
+            let r = call(&mut self.kv, id);
+            self.refused(r, what);
+            return None;
+        }
+        Some(id)
     }
 
     /// A call that must fail as out of order and change nothing.
@@ -470,13 +471,12 @@ impl Harness {
     }
 
     fn extend(&mut self, slot: usize, n: usize, fit: bool) {
-        let Some(h) = self.held(slot) else { return };
-        let id = h.id;
-        if h.state == State::Waiting {
-            let r = self.kv.extend(id, n);
-            self.refused(r, "extend of a waiting request");
+        let Some(id) = self.running(slot, "extend of a waiting request", |kv, id| {
+            kv.extend(id, n)
+        }) else {
             return;
-        }
+        };
+        let h = self.slots[slot].as_ref().unwrap();
         let left = h.tokens.len() - h.allocated;
         let n = if fit { n.min(left) } else { n };
         if n > left {
@@ -502,13 +502,11 @@ impl Harness {
 
     fn chunk_done(&mut self, slot: usize) {
         let sessions = self.setup.sessions;
-        let Some(h) = self.held(slot) else { return };
-        let id = h.id;
-        if h.state == State::Waiting {
-            let r = self.kv.chunk_done(id);
-            self.refused(r, "chunk_done of a waiting request");
+        let Some(id) = self.running(slot, "chunk_done of a waiting request", |kv, id| {
+            kv.chunk_done(id)
+        }) else {
             return;
-        }
+        };
         self.kv.chunk_done(id).unwrap();
         let h = self.slots[slot].as_mut().unwrap();
         h.committed = h.allocated.min(h.tokens.len());
@@ -519,15 +517,12 @@ impl Harness {
 
     /// Returns false when the decode ran out of memory.
     fn decode(&mut self, slot: usize, token: TokenId) -> bool {
-        let Some(h) = self.held(slot) else {
+        let Some(id) = self.running(slot, "decode of a waiting request", |kv, id| {
+            kv.decode(id, token)
+        }) else {
             return true;
         };
-        let id = h.id;
-        if h.state == State::Waiting {
-            let r = self.kv.decode(id, token);
-            self.refused(r, "decode of a waiting request");
-            return true;
-        }
+        let h = self.slots[slot].as_ref().unwrap();
         if h.allocated < h.tokens.len() {
             let r = self.kv.decode(id, token);
             self.refused(r, "decode before the prompt is allocated");
@@ -582,13 +577,10 @@ impl Harness {
     }
 
     fn finish(&mut self, slot: usize) {
-        let Some(h) = self.held(slot) else { return };
-        let id = h.id;
-        if h.state == State::Waiting {
-            let r = self.kv.finish(id);
-            self.refused(r, "finish of a waiting request");
+        let Some(id) = self.running(slot, "finish of a waiting request", |kv, id| kv.finish(id))
+        else {
             return;
-        }
+        };
         self.kv.finish(id).unwrap();
         self.counts.finished += 1;
         self.bump("finished");
@@ -607,13 +599,11 @@ impl Harness {
     }
 
     fn retract(&mut self, slot: usize) {
-        let Some(h) = self.held(slot) else { return };
-        let id = h.id;
-        if h.state == State::Waiting {
-            let r = self.kv.retract(id);
-            self.refused(r, "retract of a waiting request");
+        let Some(id) = self.running(slot, "retract of a waiting request", |kv, id| {
+            kv.retract(id)
+        }) else {
             return;
-        }
+        };
         self.kv.retract(id).unwrap();
         self.counts.retracted += 1;
         self.bump("retracted");

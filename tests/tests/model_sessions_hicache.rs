@@ -48,23 +48,23 @@ enum Op {
         id: u64,
         streaming: bool,
     },
-    /// A session turn: the history plus `new` tokens, then `generated` tokens of decode.
+    /// A session turn: the history plus `new` tokens, then `generated` tokens of decode; or,
+    /// with `diverge`, a prompt that rewrites that position of the history (refused).
     Turn {
         id: u64,
-        new: usize,
-        generated: usize,
-        diverge: bool,
+        new: Vec<TokenId>,
+        generated: Vec<TokenId>,
+        diverge: Option<usize>,
         publish: bool,
-        seed: u64,
     },
     /// An ordinary request, optionally opening with `share.1` tokens of a session's history
     /// (`share.0` < [`SESSIONS`]) or of an earlier finished request's tokens.
     Plain {
         id: u64,
-        len: usize,
+        tokens: Vec<TokenId>,
         share: Option<(usize, usize)>,
         publish: bool,
-        seed: u64,
+        generated: Vec<TokenId>,
     },
     Finish {
         id: u64,
@@ -179,19 +179,17 @@ impl ReferenceStateMachine for Reference {
                 8,
                 (
                     pick(idle.clone()),
-                    1..24usize,
-                    1..5usize,
-                    prop::bool::weighted(0.1),
+                    token_run(1..24),
+                    token_run(1..5),
+                    prop::option::weighted(0.1, any::<usize>()),
                     prop::bool::weighted(0.3),
-                    any::<u64>(),
                 )
-                    .prop_map(|(id, new, generated, diverge, publish, seed)| Op::Turn {
+                    .prop_map(|(id, new, generated, diverge, publish)| Op::Turn {
                         id,
                         new,
                         generated,
                         diverge,
                         publish,
-                        seed,
                     })
                     .boxed(),
             ));
@@ -201,13 +199,18 @@ impl ReferenceStateMachine for Reference {
             // A past request asked again with a few more tokens: after pressure, the host hits.
             ops.push((
                 5,
-                (pick(free_plain.clone()), 1..6usize, 0..PAST, any::<u64>())
-                    .prop_map(|(id, len, k, seed)| Op::Plain {
+                (
+                    pick(free_plain.clone()),
+                    token_run(1..6),
+                    0..PAST,
+                    token_run(1..4),
+                )
+                    .prop_map(|(id, tokens, k, generated)| Op::Plain {
                         id,
-                        len,
+                        tokens,
                         share: Some((SESSIONS as usize + k, usize::MAX)),
                         publish: false,
-                        seed,
+                        generated,
                     })
                     .boxed(),
             ));
@@ -215,7 +218,7 @@ impl ReferenceStateMachine for Reference {
                 4,
                 (
                     pick(free_plain),
-                    1..40usize,
+                    token_run(1..40),
                     prop::option::weighted(
                         0.8,
                         (
@@ -224,14 +227,14 @@ impl ReferenceStateMachine for Reference {
                         ),
                     ),
                     any::<bool>(),
-                    any::<u64>(),
+                    token_run(1..4),
                 )
-                    .prop_map(|(id, len, share, publish, seed)| Op::Plain {
+                    .prop_map(|(id, tokens, share, publish, generated)| Op::Plain {
                         id,
-                        len,
+                        tokens,
                         share,
                         publish,
-                        seed,
+                        generated,
                     })
                     .boxed(),
             ));
@@ -295,22 +298,9 @@ impl ReferenceStateMachine for Reference {
     }
 }
 
-/// Deterministic token source (the op carries the seed, so a failing case replays exactly).
-struct Tokens(u64);
-
-impl Tokens {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A small alphabet, so unrelated requests still share short prefixes.
-    fn take(&mut self, n: usize) -> Vec<TokenId> {
-        (0..n).map(|_| (self.next() % 5) as TokenId).collect()
-    }
+/// Tokens from a small alphabet, so unrelated requests still share short prefixes.
+fn token_run(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<TokenId>> {
+    prop::collection::vec(0..5 as TokenId, len)
 }
 
 /// The model KV of every position of `tokens`: a hash of the prefix up to it.
@@ -544,28 +534,23 @@ impl Sut {
         true
     }
 
-    fn turn(&mut self, op: &Op) {
-        let Op::Turn {
-            id,
-            new,
-            generated,
-            diverge,
-            publish,
-            seed,
-        } = *op
-        else {
-            return;
-        };
-        let mut rng = Tokens(seed);
+    fn turn(
+        &mut self,
+        id: u64,
+        new: &[TokenId],
+        generated: &[TokenId],
+        diverge: Option<usize>,
+        publish: bool,
+    ) {
         let s = &self.sessions[&id];
         let mut tokens = s.history.clone();
         let tag = Some(SessionTag {
             id,
             streaming: true,
         });
-        if diverge && s.streaming && !s.history.is_empty() {
-            tokens[seed as usize % s.history.len()] = 9;
-            tokens.extend(rng.take(new));
+        if let Some(at) = diverge.filter(|_| s.streaming && !s.history.is_empty()) {
+            tokens[at % s.history.len()] = 9;
+            tokens.extend_from_slice(new);
             let mut bad = RequestKv::new(RadixKey::new(tokens));
             bad.session = tag;
             assert!(matches!(
@@ -576,14 +561,14 @@ impl Sut {
             self.bump("diverged");
             return;
         }
-        tokens.extend(rng.take(new));
+        tokens.extend_from_slice(new);
         let mut f = Flight {
             req: RequestKv::new(RadixKey::new(tokens)),
             computed: 0,
         };
         f.req.session = tag;
         let expect = self.expectation(id);
-        if self.admit(&mut f, expect) && self.run(&mut f, publish, &rng.take(generated)) {
+        if self.admit(&mut f, expect) && self.run(&mut f, publish, generated) {
             self.flights.insert(id, f);
         }
     }
@@ -591,10 +576,10 @@ impl Sut {
     fn plain(
         &mut self,
         id: u64,
-        len: usize,
+        own: &[TokenId],
         share: Option<(usize, usize)>,
         publish: bool,
-        seed: u64,
+        generated: &[TokenId],
     ) {
         let mut tokens = Vec::new();
         if let Some((source, n)) = share {
@@ -606,13 +591,12 @@ impl Sut {
                 tokens.extend_from_slice(&from[..n.min(from.len())]);
             }
         }
-        let mut rng = Tokens(seed);
-        tokens.extend(rng.take(len));
+        tokens.extend_from_slice(own);
         let mut f = Flight {
             req: RequestKv::new(RadixKey::new(tokens)),
             computed: 0,
         };
-        if self.admit(&mut f, None) && self.run(&mut f, publish, &rng.take(1 + len % 3)) {
+        if self.admit(&mut f, None) && self.run(&mut f, publish, generated) {
             self.flights.insert(id, f);
         }
     }
@@ -779,14 +763,20 @@ impl StateMachineTest for Machine {
                     },
                 );
             }
-            Op::Turn { .. } => sut.turn(&op),
+            Op::Turn {
+                id,
+                ref new,
+                ref generated,
+                diverge,
+                publish,
+            } => sut.turn(id, new, generated, diverge, publish),
             Op::Plain {
                 id,
-                len,
+                ref tokens,
                 share,
                 publish,
-                seed,
-            } => sut.plain(id, len, share, publish, seed),
+                ref generated,
+            } => sut.plain(id, tokens, share, publish, generated),
             Op::Finish {
                 id,
                 abort,
