@@ -711,7 +711,11 @@ impl Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    // More cases in release builds (what CI runs), where they take a few seconds.
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(debug_assertions) { 128 } else { 1024 },
+        ..ProptestConfig::default()
+    })]
     #[test]
     fn manager_lifecycle_matches_the_model(
         setup in setup(),

@@ -879,7 +879,11 @@ impl StateMachineTest for Machine {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+    // More cases in release builds (what CI runs), where they take a few seconds.
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(debug_assertions) { 192 } else { 1024 },
+        ..ProptestConfig::default()
+    })]
     #[test]
     fn sessions_over_hicache_match_the_model(sequential 10..80 => Machine);
 }
