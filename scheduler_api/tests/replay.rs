@@ -323,25 +323,26 @@ fn agentic_slice_with_sessions() {
 #[test]
 fn real_traces_present_or_skipped() {
     let dir = common::traces_dir();
+    // Each real trace and what needs it.
     let users: [(&str, TraceFormat, &str); 3] = [
         (
             common::MOONCAKE,
             TraceFormat::Mooncake,
-            "replay::full_mooncake_conversation_trace[_with_hicache] (release builds), \
-             analyze::mooncake_matches_the_offline_reference",
+            "the tests replay::full_mooncake_conversation_trace[_with_hicache] (release \
+             builds), analyze::mooncake_matches_the_offline_reference and the soak",
         ),
         (
             common::WEKA,
             TraceFormat::Weka,
-            "no test (`.ci/run --soak`)",
+            "the soak (.ci/run --soak) only",
         ),
-        (common::AZURE, TraceFormat::Azure, "no test"),
+        (common::AZURE, TraceFormat::Azure, "nothing in CI"),
     ];
-    for (rel, format, tests) in users {
+    for (rel, format, users) in users {
         let path = dir.join(rel);
         if !path.is_file() {
             eprintln!(
-                "real trace {rel}: MISSING at {}; SKIPPED: {tests} \
+                "real trace {rel}: MISSING at {}; SKIPPED what needs it: {users} \
                  (set RADIXKV_TRACES to the traces directory)",
                 path.display()
             );
@@ -353,7 +354,7 @@ fn real_traces_present_or_skipped() {
         };
         let t = read(&path, format, &opts);
         assert!(t.prompt_tokens() > 0, "{rel}: an empty first record");
-        eprintln!("real trace {rel}: present; used by {tests}");
+        eprintln!("real trace {rel}: present; needed by {users}");
     }
 }
 
