@@ -20,19 +20,18 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_hicache::{
-    DeviceBackend, HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize,
-    KvGeometry, StreamKind, WritePolicy,
+    HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
+    StreamKind, WritePolicy,
 };
 use radixkv_radix::{
     CacheError, FinishKind, PageId, PolicyKind, PrefixCache, RadixConfig, RadixKey, RequestKv,
     SessionTag, TokenId, pages_for,
 };
 use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfig};
+use radixkv_tests::model_kv::{ModelDevice, TOKEN_BYTES};
 
 const P: usize = 4;
 const LAYERS: usize = 2;
-/// Bytes of one token's KV in one layer: the model value (a u64).
-const TOKEN_BYTES: usize = 8;
 const DEVICE_PAGES: usize = 40;
 const SESSIONS: u64 = 5;
 /// Ids of ordinary (non-session) requests that stay in flight across operations.
@@ -303,25 +302,6 @@ fn token_run(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<TokenId>>
     prop::collection::vec(0..5 as TokenId, len)
 }
 
-/// The model KV of every position of `tokens`: a hash of the prefix up to it.
-fn prefix_values(tokens: &[TokenId]) -> Vec<u64> {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    tokens
-        .iter()
-        .map(|&t| {
-            h = (h ^ u64::from(t) ^ 0x100)
-                .wrapping_mul(0x0100_0000_01b3)
-                .rotate_left(7);
-            h
-        })
-        .collect()
-}
-
-/// The bytes position `value` holds in `layer`.
-fn slot_bytes(value: u64, layer: usize) -> [u8; TOKEN_BYTES] {
-    (value ^ (layer as u64).wrapping_mul(0xff51_afd7_ed55_8ccd)).to_le_bytes()
-}
-
 /// One request in flight, as the model sees it.
 struct Flight {
     req: RequestKv,
@@ -355,47 +335,23 @@ impl Sut {
         self.c.inner().backend()
     }
 
+    fn device(&self) -> ModelDevice<'_, HostSim> {
+        ModelDevice {
+            backend: self.backend(),
+            page_size: P,
+            layers: LAYERS,
+        }
+    }
+
     /// Writes the model KV of positions `from..tokens.len()` into `pages`.
     fn write_kv(&self, pages: &[PageId], from: usize, tokens: &[TokenId]) {
-        let values = prefix_values(tokens);
-        let mut buf = vec![0u8; P * TOKEN_BYTES];
-        for (i, (chunk, &page)) in values.chunks(P).zip(pages).enumerate().skip(from / P) {
-            for layer in 0..LAYERS {
-                self.backend()
-                    .read_device_page(layer, page, &mut buf)
-                    .unwrap();
-                for (k, &v) in chunk.iter().enumerate() {
-                    if i * P + k >= from {
-                        buf[k * TOKEN_BYTES..(k + 1) * TOKEN_BYTES]
-                            .copy_from_slice(&slot_bytes(v, layer));
-                    }
-                }
-                self.backend().write_device_page(layer, page, &buf).unwrap();
-            }
-        }
+        self.device().write(pages, from, tokens);
     }
 
     /// Checks that `pages` hold the model KV of the first `len` positions of `tokens`.
     fn verify(&self, pages: &[PageId], len: usize, tokens: &[TokenId], what: &str) {
-        assert!(pages.len() >= pages_for(len, P), "{what}: too few pages");
-        let values = prefix_values(&tokens[..len]);
-        let mut buf = vec![0u8; P * TOKEN_BYTES];
-        for (i, (chunk, &page)) in values.chunks(P).zip(pages).enumerate() {
-            for layer in 0..LAYERS {
-                self.backend()
-                    .read_device_page(layer, page, &mut buf)
-                    .unwrap();
-                for (k, &v) in chunk.iter().enumerate() {
-                    assert_eq!(
-                        buf[k * TOKEN_BYTES..(k + 1) * TOKEN_BYTES],
-                        slot_bytes(v, layer),
-                        "{what}: position {} (page {page:?}, layer {layer}) holds foreign KV \
-                         (stats {:?})",
-                        i * P + k,
-                        self.stats
-                    );
-                }
-            }
+        if let Err(e) = self.device().verify(pages, len, tokens, what) {
+            panic!("{e} (stats {:?})", self.stats);
         }
     }
 
