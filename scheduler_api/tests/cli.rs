@@ -1,5 +1,7 @@
 //! The `radixkv` binary: the demo, outputs, and clear errors with a non-zero exit on bad input.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -30,9 +32,9 @@ fn temp_dir() -> PathBuf {
     d
 }
 
+/// A generated Mooncake-format trace of 60 requests.
 fn mooncake() -> String {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/mooncake/conversation_trace.jsonl")
+    common::write_temp("cli", "moon.jsonl", &common::mooncake_jsonl(60, 300))
         .display()
         .to_string()
 }
@@ -478,4 +480,60 @@ fn an_unwritable_out_dir_fails_before_the_replay() {
     assert!(names.iter().any(|n| n == "report.json"), "{names:?}");
     assert!(!names.iter().any(|n| n.starts_with('.')), "{names:?}");
     std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn soak_flags_audit_check_leaks_and_read_memory() {
+    let trace = mooncake();
+    let base = [
+        "replay",
+        "--trace",
+        trace.as_str(),
+        "--format",
+        "mooncake",
+        "--limit",
+        "30",
+        "--device-tokens",
+        "131072",
+        "--check-invariants-every",
+        "1",
+    ];
+    let o = radixkv(&[&base[..], &["--max-rss-growth-mib", "100000", "--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    // One audit per step plus the final one.
+    assert_eq!(
+        v["invariant_checks"].as_u64().unwrap(),
+        v["steps"].as_u64().unwrap() + 1
+    );
+    assert_eq!(v["leaked_tokens"], 0);
+    if cfg!(target_os = "linux") {
+        let m = &v["memory"];
+        assert!(!m["samples"].as_array().unwrap().is_empty(), "{m}");
+        assert!(m["peak_kib"].as_u64().unwrap() >= m["end_kib"].as_u64().unwrap());
+        assert_eq!(m["requests"], 30);
+    }
+    let o = radixkv(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("leak check       0 tokens still held"),
+        "{}",
+        stdout(&o)
+    );
+    fails_with(
+        &radixkv(&[&base[..9], &["--check-invariants-every", "0"]].concat()),
+        "--check-invariants-every must be positive",
+    );
+    fails_with(
+        &radixkv(&[
+            "analyze",
+            "--trace",
+            &trace,
+            "--format",
+            "mooncake",
+            "--max-rss-growth-mib",
+            "5",
+        ]),
+        "--max-rss-growth-mib applies to replays",
+    );
 }

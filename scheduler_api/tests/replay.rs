@@ -1,7 +1,11 @@
-//! End-to-end replays of small slices of every trace format through the reference scheduler,
-//! checking the report's invariants.
+//! End-to-end replays of small traces in every file format through the reference scheduler,
+//! checking the report's invariants. The traces are generated in the real formats (see
+//! `common`); only the tests of the real traces' own figures read them, and skip visibly
+//! without them.
 
-use std::path::PathBuf;
+mod common;
+
+use std::path::Path;
 
 use radixkv_radix::PolicyKind;
 use radixkv_scheduler_api::config::Eviction;
@@ -11,16 +15,30 @@ use radixkv_scheduler_api::sim::{
 use radixkv_scheduler_api::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::{CacheKind, HostTier, SessionBudget, WritePolicy};
 
-fn traces() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces")
+fn read(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Trace {
+    read_trace(path, format, opts).expect("the trace reads")
 }
 
-fn slice(rel: &str, format: TraceFormat, limit: usize) -> Trace {
+/// The first `limit` requests of a generated Mooncake trace (300 ms apart).
+fn mooncake(limit: usize) -> Trace {
+    let path = common::write_temp("replay", "moon.jsonl", &common::mooncake_jsonl(120, 300));
     let opts = ReadOptions {
         limit: Some(limit),
         ..Default::default()
     };
-    read_trace(&traces().join(rel), format, &opts).expect("trace slice reads")
+    read(&path, TraceFormat::Mooncake, &opts)
+}
+
+/// The first conversation of a generated agentic trace, cut to `requests` requests.
+fn agentic(requests: usize) -> Trace {
+    let path = common::temp_dir("replay").join("weka.jsonl.gz");
+    common::write_weka_gz(&path, 3, 10, 4000);
+    let opts = ReadOptions {
+        limit: Some(1),
+        max_requests: Some(requests),
+        ..Default::default()
+    };
+    read(&path, TraceFormat::Weka, &opts)
 }
 
 fn sim(device_tokens: usize, page_size: usize) -> SimConfig {
@@ -74,11 +92,7 @@ fn check(r: &Report, trace: &Trace) {
 
 #[test]
 fn mooncake_slice_respects_the_report_invariants() {
-    let t = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        80,
-    );
+    let t = mooncake(80);
     let r = replay(&t, &sim(128 << 10, 16), &mut ()).unwrap();
     check(&r, &t);
     // Every Mooncake conversation request starts with the shared block 0.
@@ -87,11 +101,7 @@ fn mooncake_slice_respects_the_report_invariants() {
 
 #[test]
 fn mooncake_slice_under_memory_pressure_evicts_and_stays_consistent() {
-    let t = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        60,
-    );
+    let t = mooncake(60);
     let max_req = t
         .requests
         .iter()
@@ -107,11 +117,7 @@ fn mooncake_slice_under_memory_pressure_evicts_and_stays_consistent() {
 
 #[test]
 fn every_eviction_policy_replays_a_slice() {
-    let t = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        40,
-    );
+    let t = mooncake(40);
     for p in PolicyKind::ALL {
         let mut cfg = sim(96 << 10, 16);
         cfg.manager.eviction = Eviction(p);
@@ -123,11 +129,7 @@ fn every_eviction_policy_replays_a_slice() {
 
 #[test]
 fn disabled_cache_recomputes_everything() {
-    let t = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        40,
-    );
+    let t = mooncake(40);
     let mut cfg = sim(96 << 10, 16);
     cfg.manager.cache = CacheKind::Disabled;
     let r = replay(&t, &cfg, &mut ()).unwrap();
@@ -139,18 +141,9 @@ fn disabled_cache_recomputes_everything() {
 
 #[test]
 fn agentic_slice_reuses_within_conversations() {
-    // The first conversation, cut to its first 8 requests (each of them is 70K-100K tokens).
-    let opts = ReadOptions {
-        limit: Some(1),
-        max_requests: Some(8),
-        ..Default::default()
-    };
-    let t = read_trace(
-        &traces().join("weka_claude_code/weka_claude_code_traces.jsonl.gz"),
-        TraceFormat::Weka,
-        &opts,
-    )
-    .unwrap();
+    // The first conversation, cut to its first 8 requests (3K-31K tokens, one of them a
+    // sub-agent's).
+    let t = agentic(8);
     assert_eq!(t.requests.len(), 8);
     assert!(t.requests.iter().all(|q| q.session.is_some()));
     let r = replay(&t, &sim(256 << 10, 64), &mut ()).unwrap();
@@ -164,11 +157,9 @@ fn agentic_slice_reuses_within_conversations() {
 
 #[test]
 fn azure_slice_has_no_reuse_and_no_ideal() {
-    let t = slice(
-        "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-        TraceFormat::Azure,
-        150,
-    );
+    let path = common::write_temp("replay", "azure.csv", &common::azure_csv(150, 100));
+    let t = read(&path, TraceFormat::Azure, &ReadOptions::default());
+    assert_eq!(t.requests.len(), 150);
     let r = replay(&t, &sim(64 << 10, 16), &mut ()).unwrap();
     check(&r, &t);
     assert_eq!(r.ideal_hit_tokens, 0);
@@ -196,11 +187,7 @@ fn synthetic_chat_reuses_system_prompts_and_history() {
 
 #[test]
 fn a_request_larger_than_the_pool_is_a_typed_error() {
-    let t = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        5,
-    );
+    let t = mooncake(5);
     let e = replay(&t, &sim(4096, 16), &mut ()).unwrap_err();
     assert!(e.to_string().contains("device pool holds only"), "{e}");
 }
@@ -263,11 +250,7 @@ fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {
 fn hicache_slices_respect_the_invariants_under_every_write_policy() {
     // A Mooncake slice (little reuse this early in the trace) and a synthetic chat whose
     // history outgrows a small device pool, so that the host tier serves hits.
-    let moon = slice(
-        "mooncake/conversation_trace.jsonl",
-        TraceFormat::Mooncake,
-        60,
-    );
+    let moon = mooncake(60);
     let chat = SyntheticChat {
         conversations: 8,
         ..Default::default()
@@ -344,17 +327,7 @@ fn sessions_over_radix_and_hicache_replay_multi_turn_chat() {
 
 #[test]
 fn agentic_slice_with_sessions() {
-    let opts = ReadOptions {
-        limit: Some(1),
-        max_requests: Some(6),
-        ..Default::default()
-    };
-    let t = read_trace(
-        &traces().join("weka_claude_code/weka_claude_code_traces.jsonl.gz"),
-        TraceFormat::Weka,
-        &opts,
-    )
-    .unwrap();
+    let t = agentic(6);
     let mut cfg = sim(256 << 10, 64);
     cfg.manager.sessions = Some(SessionBudget {
         max_held_tokens: 128 << 10,
@@ -365,18 +338,64 @@ fn agentic_slice_with_sessions() {
     assert!(r.hit_ratio.overall > 0.5, "{}", r.hit_ratio.overall);
 }
 
-/// The whole Mooncake conversation trace (12,031 requests). Release builds only: in debug
-/// builds the per-step invariant audit makes it take minutes.
+/// Says, in the test output, which real traces the tests found. The tests that check a
+/// documented figure of a real trace skip without it; CI runs this test with `--nocapture` so
+/// that a skip is visible there. Where a trace is present, its first record must read.
+#[test]
+fn real_traces_present_or_skipped() {
+    let dir = common::traces_dir();
+    // Each real trace and what needs it.
+    let users: [(&str, TraceFormat, &str); 3] = [
+        (
+            common::MOONCAKE,
+            TraceFormat::Mooncake,
+            "the tests replay::full_mooncake_conversation_trace[_with_hicache] (release \
+             builds), analyze::mooncake_matches_the_offline_reference and the soak",
+        ),
+        (
+            common::WEKA,
+            TraceFormat::Weka,
+            "the soak (.ci/run --soak) only",
+        ),
+        (common::AZURE, TraceFormat::Azure, "nothing in CI"),
+    ];
+    for (rel, format, users) in users {
+        let path = dir.join(rel);
+        if !path.is_file() {
+            eprintln!(
+                "real trace {rel}: MISSING at {}; SKIPPED what needs it: {users} \
+                 (set RADIXKV_TRACES to the traces directory)",
+                path.display()
+            );
+            continue;
+        }
+        let opts = ReadOptions {
+            limit: Some(1),
+            ..Default::default()
+        };
+        let t = read(&path, format, &opts);
+        assert!(t.prompt_tokens() > 0, "{rel}: an empty first record");
+        eprintln!("real trace {rel}: present; needed by {users}");
+    }
+}
+
+#[cfg(not(debug_assertions))]
+fn full_mooncake(test: &str) -> Option<Trace> {
+    let path = common::real_trace(common::MOONCAKE, test)?;
+    let t = read(&path, TraceFormat::Mooncake, &ReadOptions::default());
+    assert_eq!(t.requests.len(), 12_031);
+    Some(t)
+}
+
+/// The whole Mooncake conversation trace (12,031 requests) and its documented ideal hit
+/// ratio. Release builds only: in debug builds the per-step invariant audit makes it take
+/// minutes.
 #[cfg(not(debug_assertions))]
 #[test]
 fn full_mooncake_conversation_trace() {
-    let t = read_trace(
-        &traces().join("mooncake/conversation_trace.jsonl"),
-        TraceFormat::Mooncake,
-        &ReadOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(t.requests.len(), 12_031);
+    let Some(t) = full_mooncake("full_mooncake_conversation_trace") else {
+        return;
+    };
     let r = replay(&t, &sim(1 << 20, 16), &mut ()).unwrap();
     check(&r, &t);
     assert!(
@@ -393,12 +412,9 @@ fn full_mooncake_conversation_trace() {
 #[cfg(not(debug_assertions))]
 #[test]
 fn full_mooncake_conversation_trace_with_hicache() {
-    let t = read_trace(
-        &traces().join("mooncake/conversation_trace.jsonl"),
-        TraceFormat::Mooncake,
-        &ReadOptions::default(),
-    )
-    .unwrap();
+    let Some(t) = full_mooncake("full_mooncake_conversation_trace_with_hicache") else {
+        return;
+    };
     let cfg = hicache(1 << 20, 4 << 20, WritePolicy::WriteBack);
     let r = replay(&t, &cfg, &mut ()).unwrap();
     check(&r, &t);

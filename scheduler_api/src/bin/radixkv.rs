@@ -145,6 +145,14 @@ struct RunArgs {
     /// No progress bar.
     #[arg(long, global = true)]
     quiet: bool,
+    /// Audit every invariant of the manager and its cache every N scheduler steps; a violation
+    /// fails the run.
+    #[arg(long, global = true, value_name = "N")]
+    check_invariants_every: Option<u64>,
+    /// Fail the run as soon as the resident memory has grown by more than this many MiB since
+    /// warm-up (a quarter of the requests done), or by the end of the replay.
+    #[arg(long, global = true, value_name = "MIB")]
+    max_rss_growth_mib: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -266,7 +274,28 @@ fn run(cli: Cli) -> Result<()> {
         write_out(dir, &reports)?;
         eprintln!("radixkv: wrote report.json and plots to {}", dir.display());
     }
-    Ok(())
+    reports.iter().try_for_each(leak_check)
+}
+
+/// Fails a run that leaked: pages still held after the drain, sessions still open, or
+/// accounting that does not balance.
+fn leak_check(r: &Report) -> Result<()> {
+    if r.leaked_tokens == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
+        return Ok(());
+    }
+    Err(ManagerError::Invariant(radixkv_radix::InvariantViolation(
+        format!(
+            "{}: leak check failed: {} tokens still held, {} sessions open, accounting {}",
+            r.config,
+            r.leaked_tokens,
+            r.open_sessions_at_end,
+            if r.accounting_balanced {
+                "balanced"
+            } else {
+                "unbalanced"
+            }
+        ),
+    )))
 }
 
 /// Refuses a count of 0 where it would mean an empty workload (the readers would otherwise keep
@@ -314,6 +343,11 @@ fn analyze(
         ("--bandwidth-gbps", run.bandwidth_gbps.is_some()),
         ("--compare", run.compare),
         ("--out", run.out.is_some()),
+        (
+            "--check-invariants-every",
+            run.check_invariants_every.is_some(),
+        ),
+        ("--max-rss-growth-mib", run.max_rss_growth_mib.is_some()),
     ];
     if let Some((flag, _)) = replay_only.iter().find(|(_, set)| *set) {
         return Err(ManagerError::Config(format!(
@@ -372,6 +406,8 @@ fn merge(top: RunArgs, sub: RunArgs) -> RunArgs {
         out: sub.out.or(top.out),
         json: sub.json || top.json,
         quiet: sub.quiet || top.quiet,
+        check_invariants_every: sub.check_invariants_every.or(top.check_invariants_every),
+        max_rss_growth_mib: sub.max_rss_growth_mib.or(top.max_rss_growth_mib),
     }
 }
 
@@ -475,6 +511,15 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         }
         cfg.cost.transfer_gbps = b;
     }
+    if let Some(n) = run.check_invariants_every {
+        if n == 0 {
+            return Err(ManagerError::Config(
+                "--check-invariants-every must be positive".into(),
+            ));
+        }
+        cfg.check_invariants_every = n;
+    }
+    cfg.max_rss_growth_mib = run.max_rss_growth_mib;
     if cfg.max_running == 0 || cfg.prefill_budget == 0 {
         return Err(ManagerError::Config(
             "--max-running and --prefill-budget must be positive".into(),

@@ -3,11 +3,13 @@
 
 mod cost;
 mod ideal;
+mod memory;
 mod report;
 mod scheduler;
 
 pub use cost::CostModel;
 pub use ideal::IdealCache;
+pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{CpuBreakdown, OccupancySample, Report, TierRatios};
 pub use scheduler::{Progress, SimConfig, replay};

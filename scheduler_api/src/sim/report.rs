@@ -4,6 +4,7 @@ use std::fmt;
 
 use serde::Serialize;
 
+use super::memory::MemoryUse;
 use crate::metrics::{Counters, ratio};
 
 /// Token hit ratios per tier.
@@ -99,6 +100,12 @@ pub struct Report {
     pub open_sessions_at_end: u64,
     /// The pool accounting balanced at the end.
     pub accounting_balanced: bool,
+    /// Invariant audits the replay ran, the final one included (see
+    /// `SimConfig::check_invariants_every`).
+    pub invariant_checks: u64,
+    /// Resident memory of the process during the replay (`None` where the platform does not
+    /// report it).
+    pub memory: Option<MemoryUse>,
     /// Device pool occupancy over time.
     pub occupancy: Vec<OccupancySample>,
     /// Manager counters at the end.
@@ -219,7 +226,34 @@ impl fmt::Display for Report {
             b.decode_us,
             b.complete_us,
             self.wall_s
-        )
+        )?;
+        write!(
+            f,
+            "\nleak check       {} tokens still held after the drain, {} sessions open, \
+             accounting {}; {} invariant audits",
+            self.leaked_tokens,
+            self.open_sessions_at_end,
+            if self.accounting_balanced {
+                "balanced"
+            } else {
+                "NOT BALANCED"
+            },
+            self.invariant_checks
+        )?;
+        if let Some(m) = &self.memory {
+            let mib = |kib: u64| kib as f64 / 1024.0;
+            write!(
+                f,
+                "\nmemory (RSS)     start {:.1} MiB, after warm-up {:.1}, end {:.1}, process peak \
+                 {:.1}; growth after warm-up {:+.1} MiB",
+                mib(m.start_kib),
+                mib(m.warm_kib()),
+                mib(m.end_kib),
+                mib(m.peak_kib),
+                m.growth_after_warmup_kib() as f64 / 1024.0
+            )?;
+        }
+        Ok(())
     }
 }
 

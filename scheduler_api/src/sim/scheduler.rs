@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::cost::CostModel;
 use super::ideal::IdealCache;
+use super::memory::MemoryUse;
 use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
 use crate::config::{CacheKind, ManagerConfig};
 use crate::error::{ManagerError, Result};
@@ -30,6 +31,14 @@ pub struct SimConfig {
     pub prefill_budget: usize,
     /// Maximum running requests (the decode batch).
     pub max_running: usize,
+    /// Audit every invariant of the manager and its cache every this many steps (0: only the
+    /// final audit, plus the manager's own per-step audit in debug builds). A violation ends
+    /// the replay with [`ManagerError::Invariant`].
+    pub check_invariants_every: u64,
+    /// Fail the replay with [`ManagerError::Invariant`] as soon as the resident memory has
+    /// grown by more than this many MiB since warm-up (see [`super::MemoryUse::warm_kib`]),
+    /// or by the end. Where the platform does not report memory, asking for it is an error.
+    pub max_rss_growth_mib: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -39,6 +48,8 @@ impl Default for SimConfig {
             cost: CostModel::default(),
             prefill_budget: 8192,
             max_running: 256,
+            check_invariants_every: 0,
+            max_rss_growth_mib: None,
         }
     }
 }
@@ -122,6 +133,12 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
             "prefill budget and max running requests must be positive".into(),
         ));
     }
+    let memory = MemoryUse::start(trace.requests.len() as u64);
+    if cfg.max_rss_growth_mib.is_some() && memory.is_none() {
+        return Err(ManagerError::Config(
+            "a resident-memory limit needs a platform that reports resident memory".into(),
+        ));
+    }
     let mut kv = KvCacheManager::new(cfg.manager.clone())?;
     // Requests left per session: the last one's finish closes the session.
     let mut turns_left: HashMap<u64, u32> = HashMap::default();
@@ -149,6 +166,8 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
         },
         sample_every: 1,
         last_finish_us: 0.0,
+        memory,
+        finished: 0,
     };
     sim.run(&mut kv, progress)?;
     // Nothing runs any more: let every transfer land and every session go.
@@ -156,6 +175,10 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
     kv.drain()?;
     kv.close_all_sessions()?;
     sim.cpu.add(Phase::Complete, t0);
+    if let Some(m) = &mut sim.memory {
+        m.finish();
+        m.check_growth(cfg.max_rss_growth_mib, &cfg.manager.label())?;
+    }
     sim.finish(&kv, started)
 }
 
@@ -230,6 +253,10 @@ struct Sim<'a> {
     report: Report,
     sample_every: u64,
     last_finish_us: f64,
+    /// Resident memory readings (`None` where the platform gives none).
+    memory: Option<MemoryUse>,
+    /// Requests finished so far.
+    finished: u64,
 }
 
 impl Sim<'_> {
@@ -265,6 +292,13 @@ impl Sim<'_> {
             }
             let finished = self.step(kv)?;
             progress.advance(finished);
+            if finished > 0 {
+                self.finished += finished;
+                if let Some(m) = &mut self.memory {
+                    m.on_progress(self.finished);
+                    m.check_growth(self.cfg.max_rss_growth_mib, &self.report.config)?;
+                }
+            }
         }
     }
 
@@ -488,6 +522,11 @@ impl Sim<'_> {
             self.running.retain(|j| !done.iter().any(|d| d.0 == j.id));
         }
         self.sample(kv);
+        let every = self.cfg.check_invariants_every;
+        if every > 0 && self.report.steps.is_multiple_of(every) {
+            kv.check_invariants()?;
+            self.report.invariant_checks += 1;
+        }
         Ok(finished)
     }
 
@@ -556,7 +595,9 @@ impl Sim<'_> {
         };
         r.wall_s = started.elapsed().as_secs_f64();
         r.derive_ratios();
+        r.memory = self.memory;
         kv.check_invariants()?;
+        r.invariant_checks += 1;
         Ok(self.report)
     }
 }
