@@ -17,23 +17,24 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use radixkv_radix::{
     InsertOptions, KeyRef, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
 };
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
 const P: usize = 16;
 const CHAINS: usize = 1024;
 const ROOT_LEN: usize = 1024;
 const CHAIN_LEN: usize = 2048;
 
-struct Rng(u64);
+/// Token ids below 32,000 (a typical vocabulary) from a seeded SplitMix64 stream.
+struct Rng(SplitMix64);
 impl Rng {
-    fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) % 32_000) as u32
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
     }
     fn tokens(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| self.next()).collect()
+        (0..n)
+            .map(|_| (self.0.next_u64() % 32_000) as u32)
+            .collect()
     }
 }
 
@@ -76,7 +77,7 @@ fn chains(rng: &mut Rng) -> (RadixCache, Vec<u32>, Vec<Vec<u32>>) {
 }
 
 fn bench_match(cr: &mut Criterion) {
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let (mut c, _, all) = chains(&mut rng);
     let mut out: Vec<PageId> = Vec::with_capacity(CHAIN_LEN / P);
     let mut g = cr.benchmark_group("match");
@@ -96,7 +97,7 @@ fn bench_match(cr: &mut Criterion) {
 
 fn bench_insert(cr: &mut Criterion) {
     const BATCH: u64 = 256;
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     let new_pages = (CHAIN_LEN - ROOT_LEN) / P;
     // MRU, so the untimed clean-up after each batch evicts exactly the chains the batch added
     // and the tree returns to its 1024-chain shape: every batch measures inserts into the same
@@ -174,7 +175,7 @@ fn bench_evict(cr: &mut Criterion) {
     g.throughput(Throughput::Elements(K as u64));
     g.sample_size(20);
     for (label, leaves) in [("1K", 1_000usize), ("100K", 100_000), ("1M", 1_000_000)] {
-        let mut rng = Rng(3);
+        let mut rng = Rng::new(3);
         let mut c = cache(leaves + K, PolicyKind::Lru);
         for _ in 0..leaves {
             insert(&mut c, &rng.tokens(P));
@@ -205,7 +206,7 @@ fn bench_evict_policies(cr: &mut Criterion) {
         PolicyKind::Slru,
         PolicyKind::Sieve,
     ] {
-        let mut rng = Rng(5);
+        let mut rng = Rng::new(5);
         let mut c = cache(100_000 + K, policy);
         let mut fill = move |c: &mut RadixCache, n: usize| {
             for i in 0..n {
