@@ -5,9 +5,13 @@
 //! - `insert/2048`: insert a new 2048-token chain sharing that root (per new page: 64 pages),
 //!   measured in the steady state of a full cache (see `bench_insert`);
 //! - `evict/{1K,100K,1M}`: evict 1,000 leaves from a root with that many single-page evictable
-//!   leaves (per evicted leaf).
+//!   leaves (per evicted leaf);
+//! - `match_fanout/{3,6,12}`: match a random root-to-leaf path in a tree whose every inner node
+//!   has that many single-page children (tens of thousands of leaves; per matched page): the
+//!   child lookup below the root, inline list or table, is the whole cost.
 //!
-//! Criterion reports time per iteration; the per-page/per-leaf figures are that time divided by
+//! Each group builds its tree the first time it runs, so a filtered run (`-- evict/1M`) builds
+//! only what it measures. Criterion reports time per iteration; the per-page/per-leaf figures are that time divided by
 //! the element count, which criterion prints as throughput (elements/s).
 
 use std::hint::black_box;
@@ -17,23 +21,24 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use radixkv_radix::{
     InsertOptions, KeyRef, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
 };
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
 const P: usize = 16;
 const CHAINS: usize = 1024;
 const ROOT_LEN: usize = 1024;
 const CHAIN_LEN: usize = 2048;
 
-struct Rng(u64);
+/// Token ids below 32,000 (a typical vocabulary) from a seeded SplitMix64 stream.
+struct Rng(SplitMix64);
 impl Rng {
-    fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) % 32_000) as u32
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
     }
     fn tokens(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| self.next()).collect()
+        (0..n)
+            .map(|_| (self.0.next_u64() % 32_000) as u32)
+            .collect()
     }
 }
 
@@ -76,13 +81,13 @@ fn chains(rng: &mut Rng) -> (RadixCache, Vec<u32>, Vec<Vec<u32>>) {
 }
 
 fn bench_match(cr: &mut Criterion) {
-    let mut rng = Rng(1);
-    let (mut c, _, all) = chains(&mut rng);
+    let mut tree = None;
     let mut out: Vec<PageId> = Vec::with_capacity(CHAIN_LEN / P);
     let mut g = cr.benchmark_group("match");
     g.throughput(Throughput::Elements((CHAIN_LEN / P) as u64));
     let mut i = 0usize;
     g.bench_function("2048", |b| {
+        let (c, _, all) = tree.get_or_insert_with(|| chains(&mut Rng::new(1)));
         b.iter(|| {
             out.clear();
             i = (i + 7919) % CHAINS;
@@ -96,24 +101,29 @@ fn bench_match(cr: &mut Criterion) {
 
 fn bench_insert(cr: &mut Criterion) {
     const BATCH: u64 = 256;
-    let mut rng = Rng(2);
     let new_pages = (CHAIN_LEN - ROOT_LEN) / P;
     // MRU, so the untimed clean-up after each batch evicts exactly the chains the batch added
     // and the tree returns to its 1024-chain shape: every batch measures inserts into the same
     // tree, in the steady state of a full cache (edge buffers recycled by eviction).
-    let root = rng.tokens(ROOT_LEN);
-    let mut c = cache(
-        2 * ROOT_LEN / P + (CHAINS + BATCH as usize) * CHAIN_LEN / P,
-        PolicyKind::Mru,
-    );
-    for _ in 0..CHAINS {
-        let mut t = root.clone();
-        t.extend(rng.tokens(CHAIN_LEN - ROOT_LEN));
-        insert(&mut c, &t);
-    }
+    let setup = || {
+        let mut rng = Rng::new(2);
+        let root = rng.tokens(ROOT_LEN);
+        let mut c = cache(
+            2 * ROOT_LEN / P + (CHAINS + BATCH as usize) * CHAIN_LEN / P,
+            PolicyKind::Mru,
+        );
+        for _ in 0..CHAINS {
+            let mut t = root.clone();
+            t.extend(rng.tokens(CHAIN_LEN - ROOT_LEN));
+            insert(&mut c, &t);
+        }
+        (rng, root, c)
+    };
+    let mut tree = None;
     let mut g = cr.benchmark_group("insert");
     g.throughput(Throughput::Elements(new_pages as u64));
     g.bench_function("2048", |b| {
+        let (rng, root, c) = tree.get_or_insert_with(setup);
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             let mut left = iters;
@@ -149,6 +159,51 @@ fn bench_insert(cr: &mut Criterion) {
     g.finish();
 }
 
+/// Matches a random leaf path in a complete tree of fan-out `k` with single-page edges, about
+/// 2^16 leaves deep enough to not fit in cache.
+fn bench_match_fanout(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("match_fanout");
+    for k in [3usize, 6, 12] {
+        let depth = (65_536f64.ln() / (k as f64).ln()).floor() as usize;
+        let leaves = k.pow(depth as u32);
+        // The page of child `c` at level `l`, the same under every parent of that level.
+        let mut rng = Rng::new(7);
+        let pages: Vec<Vec<Vec<u32>>> = (0..depth)
+            .map(|_| (0..k).map(|_| rng.tokens(P)).collect())
+            .collect();
+        let path = |mut leaf: usize| {
+            let mut t = Vec::with_capacity(depth * P);
+            for level in &pages {
+                t.extend_from_slice(&level[leaf % k]);
+                leaf /= k;
+            }
+            t
+        };
+        let mut tree = None;
+        let mut out: Vec<PageId> = Vec::with_capacity(depth);
+        let mut i = 0usize;
+        g.throughput(Throughput::Elements(depth as u64));
+        g.bench_function(BenchmarkId::from_parameter(k), |b| {
+            let (c, probes) = tree.get_or_insert_with(|| {
+                let mut c = cache(depth * (leaves + 1), PolicyKind::Lru);
+                for leaf in 0..leaves {
+                    insert(&mut c, &path(leaf));
+                }
+                let probes: Vec<Vec<u32>> = (0..4096).map(|i| path((i * 7919) % leaves)).collect();
+                (c, probes)
+            });
+            b.iter(|| {
+                out.clear();
+                i = (i + 1) % probes.len();
+                let m = c.match_prefix_into(KeyRef::new(black_box(&probes[i])), &mut out);
+                debug_assert_eq!(m.device_len, depth * P);
+                black_box(m);
+            })
+        });
+    }
+    g.finish();
+}
+
 /// Evicts `k` single-page leaves per iteration (timed) and refills them with `refill`
 /// (untimed), so every iteration sees the same leaf count.
 fn time_evictions(
@@ -174,14 +229,18 @@ fn bench_evict(cr: &mut Criterion) {
     g.throughput(Throughput::Elements(K as u64));
     g.sample_size(20);
     for (label, leaves) in [("1K", 1_000usize), ("100K", 100_000), ("1M", 1_000_000)] {
-        let mut rng = Rng(3);
-        let mut c = cache(leaves + K, PolicyKind::Lru);
-        for _ in 0..leaves {
-            insert(&mut c, &rng.tokens(P));
-        }
+        let mut tree = None;
         g.bench_function(BenchmarkId::from_parameter(label), |b| {
+            let (rng, c) = tree.get_or_insert_with(|| {
+                let mut rng = Rng::new(3);
+                let mut c = cache(leaves + K, PolicyKind::Lru);
+                for _ in 0..leaves {
+                    insert(&mut c, &rng.tokens(P));
+                }
+                (rng, c)
+            });
             b.iter_custom(|iters| {
-                time_evictions(iters, &mut c, K, |c, n| {
+                time_evictions(iters, c, K, |c, n| {
                     for _ in 0..n {
                         insert(c, &rng.tokens(P));
                     }
@@ -205,8 +264,7 @@ fn bench_evict_policies(cr: &mut Criterion) {
         PolicyKind::Slru,
         PolicyKind::Sieve,
     ] {
-        let mut rng = Rng(5);
-        let mut c = cache(100_000 + K, policy);
+        let mut rng = Rng::new(5);
         let mut fill = move |c: &mut RadixCache, n: usize| {
             for i in 0..n {
                 let t = rng.tokens(P);
@@ -216,9 +274,14 @@ fn bench_evict_policies(cr: &mut Criterion) {
                 }
             }
         };
-        fill(&mut c, 100_000);
+        let mut tree = None;
         g.bench_function(BenchmarkId::from_parameter(policy.name()), |b| {
-            b.iter_custom(|iters| time_evictions(iters, &mut c, K, &mut fill))
+            let c = tree.get_or_insert_with(|| {
+                let mut c = cache(100_000 + K, policy);
+                fill(&mut c, 100_000);
+                c
+            });
+            b.iter_custom(|iters| time_evictions(iters, c, K, &mut fill))
         });
     }
     g.finish();
@@ -227,6 +290,6 @@ fn bench_evict_policies(cr: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
-    targets = bench_match, bench_insert, bench_evict, bench_evict_policies
+    targets = bench_match, bench_insert, bench_evict, bench_evict_policies, bench_match_fanout
 }
 criterion_main!(benches);

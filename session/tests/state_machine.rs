@@ -17,6 +17,8 @@ use radixkv_radix::{
     SessionTag, TokenId, pages_for,
 };
 use radixkv_session::{ManualClock, SessionAwareCache, SessionConfig};
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
 const P: usize = 4;
 const PAGES: usize = 64;
@@ -218,18 +220,14 @@ impl ReferenceStateMachine for Reference {
     }
 }
 
-struct Rng(u64);
+struct Rng(SplitMix64);
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::seed_from_u64(seed))
     }
     /// Tokens from a small alphabet so unrelated requests still share short prefixes.
     fn tokens(&mut self, n: usize) -> Vec<TokenId> {
-        (0..n).map(|_| (self.next() % 6) as TokenId).collect()
+        (0..n).map(|_| (self.0.next_u64() % 6) as TokenId).collect()
     }
 }
 
@@ -367,7 +365,7 @@ impl Sut {
         else {
             return;
         };
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let s = &self.sessions[&id];
         let mut tokens = s.history.clone();
         if tokens.is_empty() && system {
@@ -476,7 +474,7 @@ impl Sut {
         {
             tokens.extend_from_slice(&s.history[..n.min(s.history.len())]);
         }
-        tokens.extend(Rng(seed).tokens(len));
+        tokens.extend(Rng::new(seed).tokens(len));
         let mut req = RequestKv::new(RadixKey::new(tokens));
         let held = self.c.held_rows();
         let ok = self.admit(&mut req, None, false);

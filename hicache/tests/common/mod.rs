@@ -10,27 +10,23 @@ use radixkv_hicache::{
 };
 use radixkv_radix::events::{chain_hashes, namespace_seed};
 use radixkv_radix::{FinishKind, PageId, PrefixCache, RadixConfig, RadixKey, RequestKv};
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
 
 pub const LAYERS: usize = 3;
 pub const BYTES_PER_TOKEN: usize = 8;
 
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+/// A fixed pseudo-random function of `z`: the first draw of a SplitMix64 stream seeded by `z`.
+pub fn mix(z: u64) -> u64 {
+    SplitMix64::seed_from_u64(z).next_u64()
 }
 
 /// The KV bytes of one page in one layer: a function of the page's chain hash (so the same
 /// prefix always has the same KV, as in a real model) and the layer.
 pub fn page_bytes(g: &KvGeometry, hash: u64, layer: usize) -> Vec<u8> {
-    let n = g.page_bytes_per_layer();
-    let mut out = Vec::with_capacity(n);
-    let mut s = mix(hash ^ (layer as u64).wrapping_mul(0x1234_5678_9abc_def1));
-    while out.len() < n {
-        s = mix(s);
-        out.extend_from_slice(&s.to_le_bytes()[..(n - out.len()).min(8)]);
-    }
+    let mut out = vec![0; g.page_bytes_per_layer()];
+    SplitMix64::seed_from_u64(hash ^ (layer as u64).wrapping_mul(0x1234_5678_9abc_def1))
+        .fill_bytes(&mut out);
     out
 }
 

@@ -10,6 +10,8 @@
 use std::collections::BTreeSet;
 
 use radixkv_radix::{EvictionPolicy, LeafToken, NodeId, NodeMeta, PolicyKind};
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
 
 use super::blocks::{Blocks, NONE};
 
@@ -250,10 +252,7 @@ pub(super) fn simulate(
     out
 }
 
-/// A fixed pseudo-random function of `x` (SplitMix64's finaliser).
+/// A fixed pseudo-random function of `x`: the first draw of a SplitMix64 stream seeded by `x`.
 fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    SplitMix64::seed_from_u64(x).next_u64()
 }
