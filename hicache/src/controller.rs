@@ -18,6 +18,16 @@
 //!
 //! A failed copy is reported in [`Acks::failed_writes`] / [`Acks::failed_loads`], never as a
 //! completed operation; its pages stay allocated and the owner decides what to do with them.
+//!
+//! # Back-pressure and refused submissions
+//! At most [`HybridCacheController::max_pending_ops`] operations per direction are pending
+//! (queued, or started and not yet returned by `poll_acks`); `write`/`load` beyond that return
+//! [`HiCacheError::QueueFull`] and allocate nothing, so a slow or stuck stream bounds the
+//! controller's memory instead of growing it. When the backend refuses a submission
+//! ([`HiCacheError::Transfer`] from `enqueue_copy`/`record_event`), the operations go back to
+//! the queue and the next `start_*` retries them. When the stream is closed
+//! ([`HiCacheError::StreamClosed`]: its worker exited), a retry can never succeed, so the
+//! operations are reported as failed at the next `poll_acks` instead of waiting forever.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -30,6 +40,10 @@ use crate::backend::{
 use crate::error::{HiCacheError, Result};
 use crate::host_pool::{HostPool, SlotAllocator};
 use crate::layer_counter::LayerDoneCounter;
+
+/// Default of [`HybridCacheController::max_pending_ops`]: operations per direction queued or
+/// in flight before `write`/`load` refuse more.
+pub const DEFAULT_MAX_PENDING_OPS: usize = 4096;
 
 /// Name of a pool an operation moves.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -172,6 +186,16 @@ impl<E: CopyEvent> InFlight<E> {
         }
     }
 
+    /// Operations whose (possibly partial) submission can never complete: reported as failed
+    /// once the events of the submitted part are done.
+    fn failed(events: Vec<E>, ops: &[CacheOperation]) -> Self {
+        InFlight {
+            events,
+            ids: ops.iter().map(|o| o.id).collect(),
+            failed: true,
+        }
+    }
+
     /// Events complete in stream order, so the last one decides completion.
     fn is_complete(&self) -> bool {
         self.events.last().is_none_or(CopyEvent::is_complete)
@@ -206,6 +230,9 @@ pub struct HybridCacheController<B: DeviceBackend> {
     /// Host pages to free once every load issued up to the given op id has completed.
     deferred_host: Vec<(OpId, Vec<u32>)>,
     last_load: OpId,
+    max_pending: usize,
+    /// Operations queued or in flight, not yet returned by `poll_acks`: (writes, loads).
+    pending: (usize, usize),
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
@@ -275,7 +302,55 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             pairs: Vec::new(),
             deferred_host: Vec::new(),
             last_load: 0,
+            max_pending: DEFAULT_MAX_PENDING_OPS,
+            pending: (0, 0),
         })
+    }
+
+    /// Sets the limit on pending operations per direction (see the module docs). Operations
+    /// already pending are kept even above a lower limit; new ones wait until it is met.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for 0.
+    pub fn set_max_pending_ops(&mut self, limit: usize) -> Result<()> {
+        if limit == 0 {
+            return Err(HiCacheError::Config(
+                "the controller must allow at least one pending operation".into(),
+            ));
+        }
+        self.max_pending = limit;
+        Ok(())
+    }
+
+    /// Operations per direction that may be queued or in flight at once.
+    pub fn max_pending_ops(&self) -> usize {
+        self.max_pending
+    }
+
+    /// Operations queued or in flight and not yet acknowledged: (writes, loads).
+    pub fn pending(&self) -> (usize, usize) {
+        self.pending
+    }
+
+    /// True when a `write` (for [`StreamKind::Write`]) or `load` (for [`StreamKind::Load`])
+    /// would be accepted by the pending-operations limit now.
+    pub fn has_room(&self, stream: StreamKind) -> bool {
+        let n = match stream {
+            StreamKind::Write => self.pending.0,
+            StreamKind::Load => self.pending.1,
+        };
+        n < self.max_pending
+    }
+
+    fn check_room(&self, stream: StreamKind) -> Result<()> {
+        if self.has_room(stream) {
+            Ok(())
+        } else {
+            Err(HiCacheError::QueueFull {
+                stream,
+                limit: self.max_pending,
+            })
+        }
     }
 
     /// The device backend.
@@ -390,6 +465,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.write_acks.clear();
         self.load_acks.clear();
         self.deferred_host.clear();
+        self.pending = (0, 0);
         self.host.reset();
         for p in &mut self.extra {
             p.host.reset();
@@ -441,14 +517,15 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// fills). Allocation is atomic: if any pool is full, everything rolls back.
     ///
     /// # Errors
-    /// [`HiCacheError::HostFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, out-of-range
-    /// device pages; nothing is allocated or queued then.
+    /// [`HiCacheError::QueueFull`], [`HiCacheError::HostFull`], [`HiCacheError::ExtraPoolFull`],
+    /// unknown pools, out-of-range device pages; nothing is allocated or queued then.
     pub fn write(
         &mut self,
         device_pages: &[PageId],
         priority: i32,
         mut extra: Vec<PoolTransfer>,
     ) -> Result<&CacheOperation> {
+        self.check_room(StreamKind::Write)?;
         let n = self.backend.device_pages();
         if let Some(&p) = device_pages.iter().find(|p| p.index() >= n) {
             return Err(HiCacheError::DevicePageOutOfRange(p));
@@ -459,6 +536,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             return Err(e);
         }
         let id = self.fresh_id();
+        self.pending.0 += 1;
         self.write_queue.push(CacheOperation {
             id,
             device_pages: device_pages.to_vec(),
@@ -475,14 +553,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// caller evicts before calling if the device is short; this never evicts.
     ///
     /// # Errors
-    /// [`HiCacheError::DeviceFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, host pages
-    /// that are not allocated; nothing is allocated or queued then.
+    /// [`HiCacheError::QueueFull`], [`HiCacheError::DeviceFull`],
+    /// [`HiCacheError::ExtraPoolFull`], unknown pools, host pages that are not allocated;
+    /// nothing is allocated or queued then.
     pub fn load(
         &mut self,
         host_pages: &[u32],
         device: &mut PageAllocator,
         mut extra: Vec<PoolTransfer>,
     ) -> Result<&CacheOperation> {
+        self.check_room(StreamKind::Load)?;
         if let Some(&h) = host_pages.iter().find(|&&h| !self.host.is_used(h)) {
             return Err(HiCacheError::HostPageOutOfRange(h));
         }
@@ -502,6 +582,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             return Err(e);
         }
         let id = self.fresh_id();
+        self.pending.1 += 1;
         self.last_load = id;
         self.load_queue.push(CacheOperation {
             id,
@@ -646,7 +727,9 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// pool the operations move) on the write stream. Returns `None` when nothing was queued.
     ///
     /// # Errors
-    /// The backend refused the copy; the operations stay queued then.
+    /// The backend refused the copy: the operations stay queued for the next call. A closed
+    /// stream ([`HiCacheError::StreamClosed`]): the operations are reported as failed by the
+    /// next [`HybridCacheController::poll_acks`].
     pub fn start_writing(&mut self) -> Result<Option<TransferStats>> {
         if self.write_queue.is_empty() {
             return Ok(None);
@@ -673,6 +756,11 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             .and_then(|()| self.backend.record_event(StreamKind::Write));
         let ev = match submitted {
             Ok(ev) => ev,
+            Err(e @ HiCacheError::StreamClosed(_)) => {
+                self.write_acks
+                    .push_back(InFlight::failed(Vec::new(), &ops));
+                return Err(e);
+            }
             Err(e) => {
                 // Copies already submitted only rewrite the same host pages; a retry redoes them.
                 self.write_queue = ops;
@@ -684,6 +772,17 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         Ok(Some(stats))
     }
 
+    /// Reports every queued (not started) backup as failed at the next
+    /// [`HybridCacheController::poll_acks`], for a caller that cannot wait for a retry of a
+    /// refused submission (write-back eviction frees the source pages right after).
+    pub fn fail_queued_writes(&mut self) {
+        if !self.write_queue.is_empty() {
+            let ops = std::mem::take(&mut self.write_queue);
+            self.write_acks
+                .push_back(InFlight::failed(Vec::new(), &ops));
+        }
+    }
+
     /// Merges every queued load into one host→device transfer, submitted layer by layer on the
     /// load stream with one event per layer in a fresh producer slot of the layer counter.
     /// Extra pools the operations move are copied first, so every layer's event also covers
@@ -691,7 +790,10 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     ///
     /// # Errors
     /// The backend refused a copy, or the producer slot's previous batch failed. The operations
-    /// stay queued when nothing was submitted.
+    /// stay queued when nothing was submitted (the batch that needs them must not run: their
+    /// device pages hold no KV yet); they are reported as failed by the next
+    /// [`HybridCacheController::poll_acks`] when part of them was submitted or the stream is
+    /// closed.
     pub fn start_loading(&mut self) -> Result<Option<LoadStep>> {
         if self.load_queue.is_empty() {
             return Ok(None);
@@ -712,8 +814,12 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             .into_iter()
             .try_for_each(|c| self.backend.enqueue_slot_copy(StreamKind::Load, c))
         {
-            // Only extra slots the operations own were written; nothing is reported yet.
-            self.load_queue = ops;
+            if matches!(e, HiCacheError::StreamClosed(_)) {
+                self.load_acks.push_back(InFlight::failed(Vec::new(), &ops));
+            } else {
+                // Only extra slots the operations own were written; nothing is reported yet.
+                self.load_queue = ops;
+            }
             return Err(e);
         }
         let layers = self.backend.geometry().layers;
@@ -734,17 +840,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                     self.layers.set_event(producer, layer, ev.clone());
                     events.push(ev);
                 }
-                Err(e) if layer == 0 => {
+                Err(e) if layer == 0 && !matches!(e, HiCacheError::StreamClosed(_)) => {
                     self.load_queue = ops;
                     return Err(e);
                 }
                 Err(e) => {
-                    // Part of the transfer is in flight and the rest never will be: report the
-                    // loads as failed (once the submitted part is done) rather than as loaded.
+                    // Part of the transfer is in flight and the rest never will be (or the
+                    // stream is gone): report the loads as failed once the submitted part is
+                    // done, never as loaded.
                     tracing::error!(error = %e, "pipelined load submission failed mid-way");
-                    let mut t = InFlight::new(events, ops.iter().map(|o| o.id).collect());
-                    t.failed = true;
-                    self.load_acks.push_back(t);
+                    self.load_acks.push_back(InFlight::failed(events, &ops));
                     return Err(e);
                 }
             }
@@ -764,6 +869,8 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             &mut acks.failed_writes,
         );
         drain_done(&mut self.load_acks, &mut acks.loads, &mut acks.failed_loads);
+        self.pending.0 -= acks.writes.len() + acks.failed_writes.len();
+        self.pending.1 -= acks.loads.len() + acks.failed_loads.len();
         self.release_deferred();
         acks
     }

@@ -90,12 +90,14 @@ pub use backend::{
     StreamKind, validate_copy,
 };
 pub use controller::{
-    Acks, CacheOperation, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
-    PoolTransfer, TransferStats, merge_runs,
+    Acks, CacheOperation, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep,
+    OpId, PoolName, PoolTransfer, TransferStats, merge_runs,
 };
 pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};
-pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, WritePolicy};
+pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, TestMutations, WritePolicy};
 pub use host_pool::{HostPool, HostSize, SlotAllocator};
-pub use hostsim::{CopyGate, HostSim, HostSimConfig, POISON_BYTE, SimEvent};
+pub use hostsim::{
+    CopyGate, DEFAULT_STREAM_CAPACITY, HostSim, HostSimConfig, POISON_BYTE, SimEvent,
+};
 pub use layer_counter::{LayerDoneCounter, PRODUCER_RING};

@@ -152,3 +152,38 @@ pub fn serve<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) -> Optio
         loaded,
     })
 }
+
+/// Runs `f` on its own thread and returns its result, failing the test if it has not returned
+/// within `secs` seconds. A hang detector, not a performance assertion: the operations it
+/// guards take microseconds, and the limit is there only so a hang fails instead of blocking
+/// the test run forever.
+pub fn within<T: Send + 'static>(
+    what: &str,
+    secs: u64,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    match run_within(secs, f) {
+        Some(v) => v,
+        None => panic!("hang: {what} did not return within {secs} s"),
+    }
+}
+
+/// Like [`within`], but returns `None` on a hang (the stuck thread is left behind).
+pub fn run_within<T: Send + 'static>(
+    secs: u64,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(v) => Some(v),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+        // The guarded call panicked: fail with its message.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => match h.join() {
+            Err(payload) => std::panic::resume_unwind(payload),
+            Ok(()) => unreachable!("the thread sends before it returns"),
+        },
+    }
+}
