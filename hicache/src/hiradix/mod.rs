@@ -496,6 +496,10 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         self.inner.take_events()
     }
 
+    fn events_dropped(&self) -> u64 {
+        self.inner.events_dropped()
+    }
+
     fn reset(&mut self) -> radixkv_radix::Result<()> {
         self.flush()?;
         self.inner.reset()?;
