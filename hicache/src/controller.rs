@@ -786,17 +786,36 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// Merges every queued load into one host→device transfer, submitted layer by layer on the
     /// load stream with one event per layer in a fresh producer slot of the layer counter.
     /// Extra pools the operations move are copied first, so every layer's event also covers
-    /// them. Returns `None` when nothing was queued.
+    /// them.
+    ///
+    /// The batch also waits for loads of earlier batches that are not acknowledged yet: their
+    /// pages are in the tree already, so a request of this batch may have matched them. Call it
+    /// once per batch, before its forward, even when the batch queued no load. Returns `None`
+    /// when nothing was queued and no load is in flight.
     ///
     /// # Errors
     /// The backend refused a copy, or the producer slot's previous batch failed. The operations
     /// stay queued when nothing was submitted (the batch that needs them must not run: their
     /// device pages hold no KV yet); they are reported as failed by the next
     /// [`HybridCacheController::poll_acks`] when part of them was submitted or the stream is
-    /// closed.
+    /// closed. A load of an earlier batch known to have failed that way also fails this batch
+    /// (its pages are garbage until the next step boundary repairs them).
     pub fn start_loading(&mut self) -> Result<Option<LoadStep>> {
+        if self.load_acks.iter().any(|t| t.failed) {
+            return Err(HiCacheError::Transfer(
+                "a load of an earlier batch failed to submit; repaired at the next step".into(),
+            ));
+        }
         if self.load_queue.is_empty() {
-            return Ok(None);
+            if self.load_acks.iter().all(InFlight::is_complete) {
+                return Ok(None);
+            }
+            let producer = self.layers.update_producer()?;
+            self.wait_for_earlier_loads(producer);
+            return Ok(Some(LoadStep {
+                producer,
+                stats: TransferStats::default(),
+            }));
         }
         let ops = std::mem::take(&mut self.load_queue);
         let (runs, stats) = self.merge(&ops);
@@ -810,6 +829,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 return Err(e);
             }
         };
+        self.wait_for_earlier_loads(producer);
         if let Err(e) = extra
             .into_iter()
             .try_for_each(|c| self.backend.enqueue_slot_copy(StreamKind::Load, c))
@@ -837,7 +857,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 .and_then(|()| self.backend.record_event(StreamKind::Load));
             match ev {
                 Ok(ev) => {
-                    self.layers.set_event(producer, layer, ev.clone());
+                    self.layers.add_event(producer, layer, ev.clone());
                     events.push(ev);
                 }
                 Err(e) if layer == 0 && !matches!(e, HiCacheError::StreamClosed(_)) => {
@@ -857,6 +877,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.load_acks
             .push_back(InFlight::new(events, ops.iter().map(|o| o.id).collect()));
         Ok(Some(LoadStep { producer, stats }))
+    }
+
+    /// Makes `producer`'s layers wait for every unacknowledged load as well (its events report
+    /// its own failure, which a later transfer's events would not).
+    fn wait_for_earlier_loads(&self, producer: usize) {
+        for t in &self.load_acks {
+            for (layer, ev) in t.events.iter().enumerate() {
+                self.layers.add_event(producer, layer, ev.clone());
+            }
+        }
     }
 
     /// Pops the completed transfers, oldest first (a transfer completes only after every older

@@ -168,6 +168,11 @@ impl HostSim {
         self.stream(stream).is_closed()
     }
 
+    /// True when the worker of `stream` holds a copy that waits for a gate permit.
+    pub fn is_held(&self, stream: StreamKind) -> bool {
+        self.sync.is_held(stream)
+    }
+
     /// Submissions to `stream` that found its queue full and waited for room.
     pub fn blocked_submissions(&self, stream: StreamKind) -> u64 {
         self.stream(stream).blocked_submissions()

@@ -36,8 +36,10 @@ struct Progress {
     done: u64,
     /// The worker holds a copy and waits for a gate permit.
     parked: bool,
-    /// The worker has exited; nothing submitted will run.
+    /// The worker is exiting; nothing submitted will run, and submissions are refused.
     closed: bool,
+    /// The worker has exited and its exit guard has completed what it left behind.
+    exited: bool,
     /// Submissions that found the channel full and waited for room.
     blocked: u64,
 }
@@ -129,11 +131,18 @@ impl SimSync {
         let mut g = self.lock();
         loop {
             let p = g.streams[s];
-            if p.closed || p.done == p.submitted || (p.parked && !g.can_pass(s)) {
+            if p.exited || p.done == p.submitted || (p.parked && !g.can_pass(s)) {
                 return;
             }
             g = self.wait(g);
         }
+    }
+
+    /// True when the worker of `kind` holds a copy that waits for a gate permit.
+    pub(super) fn is_held(&self, kind: StreamKind) -> bool {
+        let s = index(kind);
+        let g = self.lock();
+        g.streams[s].parked && !g.can_pass(s)
     }
 
     fn blocked(&self, kind: StreamKind) -> u64 {
@@ -168,6 +177,11 @@ impl CopyGate {
     pub fn open(&self) {
         self.0.lock().open = true;
         self.0.cv.notify_all();
+    }
+
+    /// Holds copies again after [`CopyGate::open`] (permits released before are kept).
+    pub fn close(&self) {
+        self.0.lock().open = false;
     }
 }
 
@@ -395,20 +409,24 @@ struct ExitGuard {
 impl Drop for ExitGuard {
     fn drop(&mut self) {
         let Some(rx) = self.rx.take() else { return };
-        if !self.guarded {
-            return;
-        }
         // Closed first: a submission racing with this drain then fails instead of queueing.
         self.sync.update(self.stream, |p| p.closed = true);
+        // Without the guard (the test hook) the queued commands were built unarmed: dropping
+        // them leaves their events pending.
         let mut dropped = 0;
-        while let Ok(cmd) = rx.try_recv() {
+        while self.guarded
+            && let Ok(cmd) = rx.try_recv()
+        {
             drop(cmd);
             dropped += 1;
         }
         // Commands that slip in before `rx` is gone are dropped with it, completing their
         // events the same way.
         drop(rx);
-        self.sync.update(self.stream, |p| p.done += dropped);
+        self.sync.update(self.stream, |p| {
+            p.done += dropped;
+            p.exited = true;
+        });
     }
 }
 
