@@ -8,44 +8,10 @@ use std::sync::Arc;
 
 use common::*;
 use radixkv_hicache::{
-    HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostPool, HostSim, HostSimConfig,
-    HybridCacheController, KvGeometry, StreamKind, WritePolicy,
+    HiCacheError, HostLayout, HostPool, HostSim, HostSimConfig, HybridCacheController, KvGeometry,
+    StreamKind,
 };
-use radixkv_radix::{
-    CacheError, FinishKind, PageAllocator, PageId, PrefixCache, RadixConfig, RadixKey, RequestKv,
-};
-
-fn toks(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| seed * 1000 + i).collect()
-}
-
-/// A write-through cache whose controller holds at most one pending operation per direction,
-/// over a gated backend (copies run only when released).
-fn cache_with_limit() -> HiRadixCache<HostSim> {
-    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
-    let sim = HostSimConfig {
-        gated: true,
-        ..Default::default()
-    };
-    let backend = Arc::new(HostSim::new(g, 32, sim).unwrap());
-    HiRadixCache::new(
-        HiCacheConfig {
-            radix: RadixConfig {
-                page_size: 2,
-                total_pages: 32,
-                max_rows: 8,
-                events: true,
-                ..Default::default()
-            },
-            write_policy: WritePolicy::WriteThrough,
-            load_back_min_tokens: 1,
-            max_pending_ops: 1,
-            ..Default::default()
-        },
-        backend,
-    )
-    .unwrap()
-}
+use radixkv_radix::{CacheError, PageAllocator, PageId, PrefixCache, RadixKey, RequestKv};
 
 #[test]
 fn controller_refuses_past_its_limit_and_allocates_nothing() {
@@ -95,8 +61,8 @@ fn controller_refuses_past_its_limit_and_allocates_nothing() {
 
 #[test]
 fn a_backup_that_cannot_be_queued_is_skipped_and_counted() {
-    let mut c = cache_with_limit();
-    let (a, b) = (toks(1, 9), toks(2, 9));
+    let mut c = gated_cache(32, 1);
+    let (a, b) = (tokens(1, 9), tokens(2, 9));
     serve(&mut c, &a).unwrap(); // A's backup is held in flight by the gate
     serve(&mut c, &b).unwrap(); // B's finds the write side full
     assert_eq!(c.stats().backups_skipped_queue_full, 1);
@@ -116,17 +82,12 @@ fn a_backup_that_cannot_be_queued_is_skipped_and_counted() {
 
 #[test]
 fn a_load_that_cannot_be_queued_is_busy_and_changes_nothing() {
-    let mut c = cache_with_limit();
+    let mut c = gated_cache(32, 1);
     c.backend().gate().unwrap().open();
-    let (a, b) = (toks(1, 9), toks(2, 9));
-    for t in [&a, &b] {
-        serve(&mut c, t).unwrap();
-        c.flush().unwrap();
-    }
-    c.evict(100);
-    let mut ra = RequestKv::new(RadixKey::new(a.clone()));
-    c.match_request(&mut ra).unwrap();
-    c.begin_request(&mut ra).unwrap();
+    let (a, b) = (tokens(1, 9), tokens(2, 9));
+    demote_to_host(&mut c, &a);
+    demote_to_host(&mut c, &b);
+    let mut ra = begin(&mut c, &a);
     assert_eq!(ra.prefix_len, 8, "A's load is queued");
     let mut rb = RequestKv::new(RadixKey::new(b.clone()));
     assert_eq!(c.match_request(&mut rb).unwrap().host_hit_len, 8);
@@ -154,17 +115,9 @@ fn a_load_that_cannot_be_queued_is_busy_and_changes_nothing() {
     c.begin_request(&mut rb).unwrap();
     assert_eq!(rb.prefix_len, 8);
     let step = c.start_loading().unwrap().unwrap();
-    c.layer_counter().set_consumer(step.producer);
-    for l in 0..LAYERS {
-        c.layer_counter().wait_until(l).unwrap();
-    }
-    check_pages(&**c.backend(), &ra.prefix_pages, &hashes(&a, 2)[..4]);
-    check_pages(&**c.backend(), &rb.prefix_pages, &hashes(&b, 2)[..4]);
-    for (r, t) in [(&mut ra, &a), (&mut rb, &b)] {
-        c.alloc_tokens(r, t.len() - r.prefix_len).unwrap();
-        r.commit(t.len() - r.prefix_len).unwrap();
-        c.cache_finished_req(r, FinishKind::Finished).unwrap();
-    }
+    wait_layers(&c, step.producer);
+    finish_loaded(&mut c, &mut ra, &a);
+    finish_loaded(&mut c, &mut rb, &b);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);

@@ -4,48 +4,20 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::*;
-use radixkv_hicache::{
-    HiCacheConfig, HiRadixCache, HostSim, HostSimConfig, KvGeometry, StreamKind, WritePolicy,
-};
-use radixkv_radix::{FinishKind, PrefixCache, RadixConfig, RadixKey, RequestKv};
+use radixkv_hicache::{DEFAULT_MAX_PENDING_OPS, StreamKind};
+use radixkv_radix::{FinishKind, PrefixCache, RadixKey, RequestKv};
 
 #[test]
 fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
-    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
-    let sim = HostSimConfig {
-        gated: true,
-        ..Default::default()
-    };
-    let backend = Arc::new(HostSim::new(g, 16, sim).unwrap());
-    let mut c = HiRadixCache::new(
-        HiCacheConfig {
-            radix: RadixConfig {
-                page_size: 2,
-                total_pages: 16,
-                max_rows: 8,
-                ..Default::default()
-            },
-            write_policy: WritePolicy::WriteThrough,
-            load_back_min_tokens: 1,
-            ..Default::default()
-        },
-        backend,
-    )
-    .unwrap();
+    let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
     let gate = c.backend().gate().unwrap().clone();
     let a: Vec<u32> = (100..109).collect();
     gate.open();
-    serve(&mut c, &a).unwrap();
-    c.flush().unwrap();
-    c.evict(100);
+    demote_to_host(&mut c, &a);
     gate.close();
     // Batch 1 loads A back, then drops the request before its forward ran.
-    let mut r1 = RequestKv::new(RadixKey::new(a.clone()));
-    c.match_request(&mut r1).unwrap();
-    c.begin_request(&mut r1).unwrap();
+    let mut r1 = begin(&mut c, &a);
     c.start_loading().unwrap().expect("batch 1 loads A");
     c.cache_finished_req(&mut r1, FinishKind::Aborted).unwrap();
     // Batch 2 finds A on the device while its copy is still held.
@@ -61,13 +33,8 @@ fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
     counter.set_consumer(step.producer);
     assert!(!counter.is_layer_done(step.producer, 0));
     gate.release_on(StreamKind::Load, LAYERS as u64);
-    for l in 0..LAYERS {
-        counter.wait_until(l).unwrap();
-    }
-    check_pages(&**c.backend(), &r2.prefix_pages, &hashes(&a, 2)[..4]);
-    c.alloc_tokens(&mut r2, 1).unwrap();
-    r2.commit(1).unwrap();
-    c.cache_finished_req(&mut r2, FinishKind::Finished).unwrap();
+    wait_layers(&c, step.producer);
+    finish_loaded(&mut c, &mut r2, &a);
     gate.open();
     c.flush().unwrap();
     c.check_invariants().unwrap();

@@ -11,11 +11,7 @@ use radixkv_hicache::{
     HiCacheError, HiRadixCache, HostLayout, HostPool, HostSim, HostSimConfig, HostSize,
     HybridCacheController, KvGeometry, StreamKind, WritePolicy,
 };
-use radixkv_radix::{FinishKind, PageAllocator, PageId, PrefixCache, RadixKey, RequestKv};
-
-fn toks(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| seed * 1000 + i).collect()
-}
+use radixkv_radix::{FinishKind, PageAllocator, PageId, PrefixCache};
 
 fn controller() -> (Arc<HostSim>, HybridCacheController<HostSim>, KvGeometry) {
     let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
@@ -114,7 +110,7 @@ fn settled(c: &mut HiRadixCache<HostSim>) {
 #[test]
 fn refused_backup_is_retried_at_the_next_step() {
     let mut c = hi(WritePolicy::WriteThrough);
-    let a = toks(1, 9);
+    let a = tokens(1, 9);
     c.backend().refuse_next_submissions(StreamKind::Write, 1);
     // The refusal is not the request's failure: it finishes normally.
     serve(&mut c, &a).unwrap();
@@ -134,11 +130,11 @@ fn refused_backup_is_retried_at_the_next_step() {
 #[test]
 fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
     let mut c = hi(WritePolicy::WriteBack);
-    let a = toks(1, 9);
+    let a = tokens(1, 9);
     serve(&mut c, &a).unwrap();
     // B needs A's pages: evicting A backs it up first, and that submission is refused.
     c.backend().refuse_next_submissions(StreamKind::Write, 1);
-    let b = toks(2, 29);
+    let b = tokens(2, 29);
     serve(&mut c, &b).unwrap();
     let s = c.stats();
     assert_eq!(s.refused_submissions, 1);
@@ -155,13 +151,9 @@ fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
 #[test]
 fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     let mut c = hi(WritePolicy::WriteThrough);
-    let a = toks(1, 9);
-    serve(&mut c, &a).unwrap();
-    c.flush().unwrap();
-    c.evict(100);
-    let mut r = RequestKv::new(RadixKey::new(a.clone()));
-    c.match_request(&mut r).unwrap();
-    c.begin_request(&mut r).unwrap();
+    let a = tokens(1, 9);
+    demote_to_host(&mut c, &a);
+    let mut r = begin(&mut c, &a);
     assert_eq!(r.prefix_len, 8);
     c.backend().refuse_next_submissions(StreamKind::Load, 1);
     assert!(matches!(c.start_loading(), Err(HiCacheError::Transfer(_))));

@@ -16,7 +16,7 @@ use radixkv_hicache::{
 };
 use radixkv_radix::{FinishKind, PrefixCache, RadixConfig};
 use radixkv_session::{ManualClock, SessionAwareCache, SessionConfig};
-use radixkv_tests::interleave::{Events, Explore, Probe, Report, Scenario, explore};
+use radixkv_tests::interleave::{Events, Explore, Gaps, Probe, Report, Scenario, explore};
 use radixkv_tests::kv::{Tiered, begin, finish, serve, settle_and_audit, start, wait_layers};
 
 const PAGE: usize = 2;
@@ -80,6 +80,13 @@ impl Checks {
     }
 }
 
+/// The end of an operation: audit, then let the explorer complete held copies.
+fn pause(k: Checks, c: &impl PrefixCache, gaps: &mut Gaps) -> Result<(), String> {
+    k.audit(c)?;
+    gaps.gap();
+    Ok(())
+}
+
 fn run(events: Events, kills: bool, scenario: Arc<Scenario>) -> Report {
     let opts = Explore {
         events,
@@ -87,6 +94,12 @@ fn run(events: Events, kills: bool, scenario: Arc<Scenario>) -> Report {
         ..Explore::new(geometry(), DEVICE_PAGES)
     };
     explore(&opts, scenario)
+}
+
+/// Explores the correct cache (honest events, no kills) and asserts that every interleaving
+/// passed.
+fn clean(scenario: Arc<Scenario>, min_runs: usize) {
+    assert_clean(&run(Events::Honest, false, scenario), min_runs);
 }
 
 fn assert_clean(r: &Report, min_runs: usize) {
@@ -99,6 +112,11 @@ fn assert_clean(r: &Report, min_runs: usize) {
         r.runs,
         &r.failures[..r.failures.len().min(5)]
     );
+}
+
+/// Explores a broken variant and asserts that `what` (a failure message) caught it.
+fn caught(events: Events, scenario: Arc<Scenario>, what: &str) {
+    assert_caught(&run(events, false, scenario), what);
 }
 
 fn assert_caught(r: &Report, what: &str) {
@@ -118,24 +136,18 @@ fn ack_during_eviction(m: TestMutations, k: Checks) -> Arc<Scenario> {
         let mut c = hicache(probe, WritePolicy::WriteThrough, m);
         let (a, b) = (toks(1, 9), toks(2, 17));
         serve(&mut c, &a, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.evict(ALL);
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &b, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.step().map_err(|e| format!("step: {e}"))?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.evict(ALL);
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         // Both come back (from the device or the host) with their own KV.
         serve(&mut c, &a, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &b, None)?;
         settle_and_audit(&mut c)
     })
@@ -143,12 +155,10 @@ fn ack_during_eviction(m: TestMutations, k: Checks) -> Arc<Scenario> {
 
 #[test]
 fn ack_during_eviction_every_interleaving() {
-    let r = run(
-        Events::Honest,
-        false,
+    clean(
         ack_during_eviction(TestMutations::default(), ALL_CHECKS),
+        10,
     );
-    assert_clean(&r, 10);
 }
 
 #[test]
@@ -157,18 +167,20 @@ fn ack_during_eviction_check_catches_an_unpinned_backup() {
         unpinned_backups: true,
         ..Default::default()
     };
-    let r = run(Events::Honest, false, ack_during_eviction(m, BYTES_ONLY));
-    assert_caught(&r, "wrong KV served");
+    caught(
+        Events::Honest,
+        ack_during_eviction(m, BYTES_ONLY),
+        "wrong KV served",
+    );
 }
 
 #[test]
 fn ack_during_eviction_check_catches_events_that_complete_before_the_copy() {
-    let r = run(
+    caught(
         Events::Eager,
-        false,
         ack_during_eviction(TestMutations::default(), ALL_CHECKS),
+        "wrong KV served",
     );
-    assert_caught(&r, "wrong KV served");
 }
 
 /// Write-back: B's allocation evicts A, whose backup is written during the eviction; A's pages
@@ -178,8 +190,7 @@ fn write_back_victim(k: Checks) -> Arc<Scenario> {
         let mut c = hicache(probe, WritePolicy::WriteBack, TestMutations::default());
         let (a, b) = (toks(1, 9), toks(2, 29));
         serve(&mut c, &a, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &b, None)?;
         k.audit(&c)?;
         if c.stats().demoted_tokens == 0 {
@@ -187,11 +198,9 @@ fn write_back_victim(k: Checks) -> Arc<Scenario> {
         }
         gaps.gap();
         c.step().map_err(|e| format!("step: {e}"))?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &a, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &b, None)?;
         settle_and_audit(&mut c)
     })
@@ -206,8 +215,11 @@ fn write_back_victim_every_interleaving() {
 
 #[test]
 fn write_back_victim_check_catches_events_that_complete_before_the_copy() {
-    let r = run(Events::Eager, false, write_back_victim(ALL_CHECKS));
-    assert_caught(&r, "wrong KV served");
+    caught(
+        Events::Eager,
+        write_back_victim(ALL_CHECKS),
+        "wrong KV served",
+    );
 }
 
 // ----- (b) a session closed during load-back -----
@@ -244,23 +256,18 @@ fn session_closed_during_load_back(m: TestMutations, k: Checks) -> Arc<Scenario>
             ));
         }
         c.hi().start_loading().map_err(|e| e.to_string())?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.close(1).map_err(|e| e.to_string())?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.cache_finished_req(&mut turn.req, FinishKind::Aborted)
             .map_err(|e| format!("abort: {e}"))?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.hi().evict(ALL);
         let x = toks(4, 21);
         serve(&mut c, &x, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         c.hi().step().map_err(|e| format!("step: {e}"))?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &x, None)?;
         serve(&mut c, &t2, None)?;
         k.audit(&c)?;
@@ -274,12 +281,10 @@ fn session_closed_during_load_back(m: TestMutations, k: Checks) -> Arc<Scenario>
 
 #[test]
 fn session_closed_during_load_back_every_interleaving() {
-    let r = run(
-        Events::Honest,
-        false,
+    clean(
         session_closed_during_load_back(TestMutations::default(), ALL_CHECKS),
+        10,
     );
-    assert_clean(&r, 10);
 }
 
 #[test]
@@ -289,23 +294,21 @@ fn session_closed_during_load_back_check_catches_an_unpinned_load() {
         ..Default::default()
     };
     // The per-operation audit sees a pending load without its lock at once...
-    let r = run(
+    caught(
         Events::Honest,
-        false,
         session_closed_during_load_back(m, ALL_CHECKS),
+        "transfers pending but only",
     );
-    assert_caught(&r, "transfers pending but only");
 }
 
 #[test]
 fn session_closed_during_load_back_check_catches_events_that_complete_before_the_copy() {
     // The load's ack arrives before its bytes: the prefix is served while the copy is held.
-    let r = run(
+    caught(
         Events::Eager,
-        false,
         session_closed_during_load_back(TestMutations::default(), BYTES_ONLY),
+        "wrong KV served",
     );
-    assert_caught(&r, "wrong KV served");
 }
 
 // ----- (c) a worker exiting with events pending -----
@@ -320,29 +323,23 @@ fn worker_exit(k: Checks) -> Arc<Scenario> {
         let mut a2 = a.clone();
         a2.extend([1, 2]);
         serve(&mut c, &a, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         // Failed copies come back as acks at a step; a failed repair is an error the
         // scheduler answers by aborting, which the requests here do by themselves.
         let _ = c.step();
         c.evict(ALL);
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         serve(&mut c, &b, None)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         // A's continuation loads A back (if its backup made it); the load is left in flight.
         let begun = begin(&mut c, &a2, None)?;
         let step = start(&mut c);
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         let _ = c.step();
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         let ok = wait_layers(&mut c, step);
         finish(&mut c, begun, ok)?;
-        k.audit(&c)?;
-        gaps.gap();
+        pause(k, &c, gaps)?;
         let _ = c.step();
         serve(&mut c, &b, None)?;
         serve(&mut c, &a2, None)?;

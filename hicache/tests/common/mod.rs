@@ -100,6 +100,75 @@ pub fn cache(
     .unwrap()
 }
 
+/// `n` tokens no other seed shares.
+pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 1000 + i).collect()
+}
+
+/// A write-through cache (page size 2, events on, load-back from one token) over a gated
+/// backend: copies run only when released through the gate.
+pub fn gated_cache(device_pages: usize, max_pending_ops: usize) -> HiRadixCache<HostSim> {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let sim = HostSimConfig {
+        gated: true,
+        ..Default::default()
+    };
+    let backend = Arc::new(HostSim::new(g, device_pages, sim).unwrap());
+    HiRadixCache::new(
+        HiCacheConfig {
+            radix: RadixConfig {
+                page_size: 2,
+                total_pages: device_pages,
+                max_rows: 8,
+                events: true,
+                ..Default::default()
+            },
+            write_policy: WritePolicy::WriteThrough,
+            load_back_min_tokens: 1,
+            max_pending_ops,
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap()
+}
+
+/// Serves `tokens`, waits for its backup and evicts it from the device: it is host-only then.
+pub fn demote_to_host<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) {
+    serve(c, tokens).unwrap();
+    c.flush().unwrap();
+    c.evict(usize::MAX / 2);
+}
+
+/// Matches and begins a request for `tokens` (a host hit is queued for load-back).
+pub fn begin<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) -> RequestKv {
+    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    r
+}
+
+/// The forward of a begun request whose loads are done: checks the bytes of its whole
+/// prefix, computes the rest and finishes it.
+pub fn finish_loaded<B: DeviceBackend>(c: &mut HiRadixCache<B>, r: &mut RequestKv, tokens: &[u32]) {
+    let p = c.page_size();
+    let h = hashes(tokens, p);
+    check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
+    let rest = tokens.len() - r.prefix_len;
+    c.alloc_tokens(r, rest).unwrap();
+    r.commit(rest).unwrap();
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+}
+
+/// Waits for every layer of a started load step, as a forward pass does.
+pub fn wait_layers<B: DeviceBackend>(c: &HiRadixCache<B>, producer: usize) {
+    let counter = c.layer_counter();
+    counter.set_consumer(producer);
+    for l in 0..counter.layers() {
+        counter.wait_until(l).unwrap();
+    }
+}
+
 /// What one request saw.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Served {
