@@ -352,8 +352,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     }
 
     /// Starts every queued load as one merged, layer-pipelined transfer (call once the batch
-    /// is formed, before its forward). Hand the returned producer to
-    /// [`LayerDoneCounter::set_consumer`].
+    /// is formed, before its forward — also when the batch loaded nothing: it may have matched
+    /// pages of an earlier batch's load still in flight, which the returned step covers too).
+    /// Hand the returned producer to [`LayerDoneCounter::set_consumer`]; `None` means there is
+    /// nothing to wait for.
     ///
     /// # Errors
     /// The backend refused the copy or its stream is closed. The batch that needs the queued
