@@ -20,6 +20,7 @@ fuzz_target!(|data: &[u8]| {
         max_rows: 4,
         policy,
         events: head & 0x80 != 0,
+        event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
     }) else {
         return;

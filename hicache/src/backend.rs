@@ -77,10 +77,12 @@ pub struct SlotCopy {
 pub trait CopyEvent: Clone + Send + Sync + 'static {
     /// True once the copies before the event are done (successfully or not).
     fn is_complete(&self) -> bool;
-    /// Blocks until the event completes.
+    /// Blocks until the event completes. Every event completes, even when the stream dies
+    /// before reaching it, so this never blocks forever.
     ///
     /// # Errors
-    /// [`HiCacheError::Transfer`] when a copy before the event failed.
+    /// [`HiCacheError::Transfer`] when a copy before the event failed;
+    /// [`HiCacheError::StreamClosed`] when the stream's worker exited before reaching it.
     fn wait(&self) -> Result<()>;
 }
 
@@ -104,15 +106,18 @@ pub trait DeviceBackend: Send + Sync + 'static {
     /// # Errors
     /// [`HiCacheError::Config`] when its geometry differs from the device's.
     fn register_host(&self, host: &Arc<HostMemory>) -> Result<()>;
-    /// Submits a copy to `stream`; returns without waiting for it.
+    /// Submits a copy to `stream`; returns without waiting for it (it may block while the
+    /// stream's queue is full).
     ///
     /// # Errors
-    /// Out-of-range pages or layers (nothing is submitted then) or a dead stream.
+    /// Out-of-range pages or layers, a refused submission ([`HiCacheError::Transfer`]: nothing
+    /// is submitted, a retry may succeed) or a dead stream ([`HiCacheError::StreamClosed`]).
     fn enqueue_copy(&self, stream: StreamKind, copy: PageCopy) -> Result<()>;
     /// Records an event on `stream` after everything submitted so far.
     ///
     /// # Errors
-    /// [`HiCacheError::Transfer`] for a dead stream.
+    /// A refused submission ([`HiCacheError::Transfer`]) or a dead stream
+    /// ([`HiCacheError::StreamClosed`]).
     fn record_event(&self, stream: StreamKind) -> Result<Self::Event>;
     /// Allocates the device-side buffer of an extra pool: `slots` items of `item_bytes` bytes.
     /// Idempotent for the same sizes.
@@ -169,7 +174,8 @@ impl HostMemory {
     /// A zeroed host buffer of `pages` pages.
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for zero pages or a size that overflows or cannot be allocated.
+    /// [`HiCacheError::Config`] for zero pages or a size that overflows;
+    /// [`HiCacheError::AllocFailed`] when the allocator refuses the pool.
     pub fn new(geometry: KvGeometry, pages: usize, layout: HostLayout) -> Result<Self> {
         geometry.validate()?;
         if pages == 0 || pages > u32::MAX as usize {
@@ -182,7 +188,7 @@ impl HostMemory {
             geometry,
             pages,
             layout,
-            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "the host pool")?),
+            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "host pool")?),
         })
     }
 
@@ -271,7 +277,8 @@ impl SlotMemory {
     /// A zeroed buffer of `slots` items of `item_bytes` bytes.
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for zero sizes or a size that overflows or cannot be allocated.
+    /// [`HiCacheError::Config`] for zero sizes or a size that overflows;
+    /// [`HiCacheError::AllocFailed`] when the allocator refuses the pool.
     pub fn new(pool: PoolName, slots: u32, item_bytes: usize) -> Result<Self> {
         let n = (slots as usize)
             .checked_mul(item_bytes)
@@ -285,7 +292,7 @@ impl SlotMemory {
             pool,
             slots: slots as usize,
             item_bytes,
-            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "an extra pool")?),
+            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "extra pool")?),
         })
     }
 

@@ -2,6 +2,7 @@
 
 use radixkv_radix::{CacheError, PageId};
 
+use crate::backend::StreamKind;
 use crate::controller::PoolName;
 
 /// Errors of the host pool, the device backends and the controller.
@@ -64,9 +65,30 @@ pub enum HiCacheError {
     /// Impossible configuration (zero sizes, mismatched geometry, ...).
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// The backend failed a copy or its streams are gone.
+    /// The backend failed or refused a copy.
     #[error("transfer failed: {0}")]
     Transfer(String),
+    /// The stream's worker has exited: nothing submitted to it will run, and every event
+    /// still pending on it completed with this error. Retrying cannot succeed.
+    #[error("the {0:?} stream is closed (its worker exited)")]
+    StreamClosed(StreamKind),
+    /// The controller already holds its limit of pending operations (queued or in flight, not
+    /// yet acknowledged) in this direction; nothing was allocated or queued.
+    #[error("{stream:?} queue full: {limit} operations pending")]
+    QueueFull {
+        /// The direction (its stream).
+        stream: StreamKind,
+        /// The limit ([`HiCacheConfig::max_pending_ops`](crate::HiCacheConfig::max_pending_ops)).
+        limit: usize,
+    },
+    /// The allocator refused a buffer (a pool larger than the machine's memory).
+    #[error("could not allocate {bytes} bytes for the {what}")]
+    AllocFailed {
+        /// What the buffer was for.
+        what: &'static str,
+        /// Its size.
+        bytes: usize,
+    },
     /// An error of the radix layer.
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -83,6 +105,9 @@ impl From<HiCacheError> for CacheError {
                 CacheError::OutOfPages { needed, available }
             }
             HiCacheError::Config(s) => CacheError::Config(s),
+            e @ HiCacheError::AllocFailed { .. } => CacheError::Config(e.to_string()),
+            // Transient: the pending transfers complete and are acknowledged at the next step.
+            HiCacheError::QueueFull { .. } => CacheError::Busy("host tier transfer queue is full"),
             other => {
                 // The radix error type has no transfer variant; keep the detail in the log.
                 tracing::warn!(error = %other, "host tier operation failed");

@@ -7,15 +7,14 @@ use crate::backend::HostMemory;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::{HostLayout, KvGeometry};
 
-/// A zeroed buffer of `len` bytes for a pool sized from configuration, or
-/// [`HiCacheError::Config`] when the allocator refuses it (an infallible allocation would abort
-/// the process instead).
-pub(crate) fn zeroed_bytes(len: usize, what: &str) -> Result<Box<[u8]>> {
-    match radixkv_radix::try_filled(len, 0u8, what) {
-        Ok(v) => Ok(v.into_boxed_slice()),
-        Err(radixkv_radix::CacheError::Config(m)) => Err(HiCacheError::Config(m)),
-        Err(e) => Err(e.into()),
-    }
+/// A zeroed buffer of `bytes` bytes, or [`HiCacheError::AllocFailed`] when the allocator
+/// refuses it: a pool larger than the machine must not abort the process.
+pub(crate) fn zeroed_bytes(bytes: usize, what: &'static str) -> Result<Box<[u8]>> {
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(bytes)
+        .map_err(|_| HiCacheError::AllocFailed { what, bytes })?;
+    v.resize(bytes, 0);
+    Ok(v.into_boxed_slice())
 }
 
 /// How large the host pool is.
@@ -318,24 +317,27 @@ mod tests {
     }
 
     #[test]
-    fn pools_the_allocator_refuses_are_config_errors_not_aborts() {
+    fn pools_the_allocator_refuses_are_typed_errors_not_aborts() {
         // 2^20 pages of 2^40 bytes: the size fits in usize, no allocator grants it.
         let g = KvGeometry::new(1, 1, 1 << 40).unwrap();
-        let refused = |r: Result<()>, what: &str| match r {
-            Err(HiCacheError::Config(m)) => assert!(m.contains(what), "{m}"),
+        let refused = |r: Result<()>, pool: &str| match r {
+            Err(HiCacheError::AllocFailed { what, bytes }) => {
+                assert_eq!(what, pool);
+                assert_eq!(bytes, 1 << 60);
+            }
             other => panic!("{other:?}"),
         };
         refused(
             HostPool::new(g, 1 << 20, HostLayout::LayerFirst).map(|_| ()),
-            "cannot allocate the host pool",
+            "host pool",
         );
         refused(
             crate::HostSim::new(g, 1 << 20, crate::HostSimConfig::default()).map(|_| ()),
-            "cannot allocate the simulated device pool",
+            "device pool layer",
         );
         refused(
             crate::backend::SlotMemory::new(crate::PoolName::Mamba, 1 << 20, 1 << 40).map(|_| ()),
-            "cannot allocate an extra pool",
+            "extra pool",
         );
     }
 

@@ -3,6 +3,8 @@
 //! A pipelined load records one event per layer. The counter keeps a small ring of producers
 //! (one per load batch) so the next batch's loads can be prepared while one is in flight; the
 //! forward pass names the batch it runs (`set_consumer`) and waits per layer (`wait_until`).
+//! A batch may also wait for loads started by earlier batches that are still in flight (a
+//! prefix they load can be matched by this batch's requests), so a layer holds several events.
 
 use std::sync::Mutex;
 
@@ -14,7 +16,7 @@ pub const PRODUCER_RING: usize = 3;
 
 #[derive(Debug)]
 struct Ring<E> {
-    slots: Vec<Vec<Option<E>>>,
+    slots: Vec<Vec<Vec<E>>>,
     next: usize,
     consumer: Option<usize>,
 }
@@ -33,7 +35,9 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
         LayerDoneCounter {
             layers,
             ring: Mutex::new(Ring {
-                slots: (0..PRODUCER_RING).map(|_| vec![None; layers]).collect(),
+                slots: (0..PRODUCER_RING)
+                    .map(|_| (0..layers).map(|_| Vec::new()).collect())
+                    .collect(),
                 next: 0,
                 consumer: None,
             }),
@@ -61,7 +65,7 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
             let mut r = self.lock();
             let idx = r.next;
             r.next = (idx + 1) % PRODUCER_RING;
-            let old: Vec<E> = r.slots[idx].iter_mut().filter_map(Option::take).collect();
+            let old: Vec<E> = r.slots[idx].iter_mut().flat_map(std::mem::take).collect();
             (idx, old)
         };
         for e in old {
@@ -71,12 +75,21 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
         Ok(idx)
     }
 
-    /// Records the completion event of `layer` for `producer`.
-    pub(crate) fn set_event(&self, producer: usize, layer: usize, ev: E) {
+    /// Adds an event that must complete before `producer`'s `layer` may be read.
+    pub(crate) fn add_event(&self, producer: usize, layer: usize, ev: E) {
         let mut r = self.lock();
         if let Some(slot) = r.slots.get_mut(producer).and_then(|s| s.get_mut(layer)) {
-            *slot = Some(ev);
+            slot.push(ev);
         }
+    }
+
+    fn events(&self, producer: Option<usize>, layer: usize) -> Vec<E> {
+        let r = self.lock();
+        producer
+            .and_then(|p| r.slots.get(p))
+            .and_then(|s| s.get(layer))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Selects the batch the forward pass runs (the index `update_producer` returned).
@@ -90,12 +103,8 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
     /// # Errors
     /// A failed copy.
     pub fn wait_until(&self, layer: usize) -> Result<()> {
-        let ev = {
-            let r = self.lock();
-            r.consumer
-                .and_then(|c| r.slots[c].get(layer).cloned().flatten())
-        };
-        ev.map_or(Ok(()), |e| e.wait())
+        let consumer = self.lock().consumer;
+        wait_all(&self.events(consumer, layer))
     }
 
     /// Blocks until `producer`'s load of `layer` is complete.
@@ -103,12 +112,7 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
     /// # Errors
     /// A failed copy.
     pub fn wait_layer(&self, producer: usize, layer: usize) -> Result<()> {
-        let ev = self
-            .lock()
-            .slots
-            .get(producer)
-            .and_then(|s| s.get(layer).cloned().flatten());
-        ev.map_or(Ok(()), |e| e.wait())
+        wait_all(&self.events(Some(producer), layer))
     }
 
     /// True when `producer`'s load of `layer` is complete (or there is none).
@@ -117,6 +121,15 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
             .slots
             .get(producer)
             .and_then(|s| s.get(layer))
-            .is_none_or(|e| e.as_ref().is_none_or(CopyEvent::is_complete))
+            .is_none_or(|evs| evs.iter().all(CopyEvent::is_complete))
     }
+}
+
+/// Waits for every event (all of them, even after a failure); the first failure is the result.
+fn wait_all<E: CopyEvent>(evs: &[E]) -> Result<()> {
+    let mut res = Ok(());
+    for e in evs {
+        res = res.and(e.wait());
+    }
+    res
 }

@@ -35,7 +35,31 @@
 //!   prefix; the scheduler starts the loads with [`HiRadixCache::start_loading`] and waits per
 //!   layer before reading them.
 //! - **Threads.** Only the streams run on other threads; the tree changes on the caller's
-//!   thread, when [`HiRadixCache::step`] applies acks at a step boundary.
+//!   thread, when [`HiRadixCache::step`] applies acks at a step boundary. Pages whose load is
+//!   in flight are in the tree already, so every batch starts its loads with
+//!   [`HiRadixCache::start_loading`] (even a batch that loads nothing) and its forward waits
+//!   on the returned step, which also covers earlier batches' loads still in flight.
+//!
+//! ## Limits and failures
+//! - **Bounded queues.** A [`HostSim`] stream queues at most
+//!   [`HostSimConfig::stream_capacity`] commands; a submission beyond that blocks until the
+//!   worker makes room (a GPU's launch queue does the same). The controller holds at most
+//!   [`HiCacheConfig::max_pending_ops`] operations per direction, queued or in flight until
+//!   acknowledged: past it a backup is skipped and counted
+//!   ([`HiCacheStats::backups_skipped_queue_full`]; the prefix stays device-only) and a
+//!   load-back makes `begin_request` return `CacheError::Busy` with nothing changed (the request
+//!   waits for the next step; loads are never dropped silently).
+//! - **Refused submissions.** When the backend refuses a copy or an event
+//!   ([`HostSim::refuse_next_submissions`] injects it), the operations are re-queued and
+//!   retried: backups at the next insert or step, loads at the next `start_loading`, whose
+//!   error tells that batch not to run. A write-back eviction cannot wait for a retry, so its
+//!   refused backup is undone and the victims are evicted without one.
+//! - **Dead streams.** If a stream's worker exits (panics), every event pending on it
+//!   completes with [`HiCacheError::StreamClosed`] and every later submission is refused with
+//!   it; the operations on that stream are reported as failed copies and handled as above, so
+//!   no `wait` blocks forever.
+//! - **Sizes.** Pool sizes are checked; a pool that overflows is [`HiCacheError::Config`], one
+//!   the allocator refuses is [`HiCacheError::AllocFailed`] (never an abort).
 //!
 //! ## Example
 //! ```
@@ -90,12 +114,14 @@ pub use backend::{
     StreamKind, validate_copy,
 };
 pub use controller::{
-    Acks, CacheOperation, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
-    PoolTransfer, TransferStats, merge_runs,
+    Acks, CacheOperation, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep,
+    OpId, PoolName, PoolTransfer, TransferStats, merge_runs,
 };
 pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};
-pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, WritePolicy};
+pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, TestMutations, WritePolicy};
 pub use host_pool::{HostPool, HostSize, SlotAllocator};
-pub use hostsim::{CopyGate, HostSim, HostSimConfig, POISON_BYTE, SimEvent};
+pub use hostsim::{
+    CopyGate, DEFAULT_STREAM_CAPACITY, HostSim, HostSimConfig, POISON_BYTE, SimEvent,
+};
 pub use layer_counter::{LayerDoneCounter, PRODUCER_RING};

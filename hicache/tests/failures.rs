@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use radixkv_hicache::{
-    DeviceBackend, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize,
-    KvGeometry, POISON_BYTE, StreamKind, WritePolicy,
+    DEFAULT_MAX_PENDING_OPS, DeviceBackend, HiCacheError, HiRadixCache, HostLayout, HostSim,
+    HostSize, POISON_BYTE, StreamKind, WritePolicy,
 };
 use radixkv_radix::{FinishKind, KvEvent, Medium, PrefixCache, RadixKey, RequestKv};
 
@@ -72,28 +72,7 @@ fn failed_backup_leaves_the_node_device_only() {
 
 #[test]
 fn failed_backup_drops_backups_below_it() {
-    let sim = HostSimConfig {
-        gated: true,
-        ..Default::default()
-    };
-    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
-    let backend = std::sync::Arc::new(HostSim::new(g, 32, sim).unwrap());
-    let mut c = HiRadixCache::new(
-        radixkv_hicache::HiCacheConfig {
-            radix: radixkv_radix::RadixConfig {
-                page_size: 2,
-                total_pages: 32,
-                max_rows: 8,
-                events: true,
-                ..Default::default()
-            },
-            write_policy: WritePolicy::WriteThrough,
-            load_back_min_tokens: 1,
-            ..Default::default()
-        },
-        backend,
-    )
-    .unwrap();
+    let mut c = gated_cache(32, DEFAULT_MAX_PENDING_OPS);
     let a = toks(1, 9);
     let ab = toks(1, 17);
     // A's backup is held in flight; AB's backup of the tail queues behind it.

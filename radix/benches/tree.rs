@@ -49,6 +49,7 @@ fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
         max_rows: 16,
         policy,
         events: false,
+        event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
     })
     .unwrap()

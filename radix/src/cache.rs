@@ -245,6 +245,12 @@ pub trait PrefixCache {
     }
     /// Drains KV events.
     fn take_events(&mut self) -> Vec<KvEvent>;
+    /// KV events dropped since the cache was built because its bounded event buffer was full
+    /// (nobody drained it in time). When it moves between two drains, the events have a gap
+    /// and a consumer must resync (see [`EventBuffer`](crate::events::EventBuffer)).
+    fn events_dropped(&self) -> u64 {
+        0
+    }
     /// Drops every cached entry.
     ///
     /// # Errors

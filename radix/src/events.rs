@@ -37,6 +37,108 @@ pub enum KvEvent {
     AllCleared,
 }
 
+/// A bounded buffer of KV events, for whoever holds events until a consumer drains them (the
+/// tree, the scheduler facade).
+///
+/// At capacity a new event is dropped and counted ([`EventBuffer::dropped`]), so a cache whose
+/// events nobody drains stays at a bounded size instead of growing with the traffic. A drop
+/// leaves a gap in the stream: a consumer that sees the counter move since its last drain must
+/// stop trusting its view of this cache and resync — forget what it learned from these events
+/// and rebuild from the ones that follow (its view then under-reports cached blocks, which
+/// costs routing quality, never correctness). [`KvEvent::AllCleared`] is never dropped: it
+/// supersedes every event buffered before it, which it replaces.
+#[derive(Clone, Debug)]
+pub struct EventBuffer {
+    events: Vec<KvEvent>,
+    capacity: usize,
+    dropped: u64,
+}
+
+impl EventBuffer {
+    /// Events held by default before new ones are dropped: 16,384 (a few tens of MB at most for
+    /// long prompts; a consumer that drains every scheduler step never comes near it).
+    pub const DEFAULT_CAPACITY: usize = 16_384;
+
+    /// An empty buffer holding at most `capacity` events.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`](crate::CacheError::Config) for a capacity of 0.
+    pub fn new(capacity: usize) -> crate::Result<Self> {
+        if capacity == 0 {
+            return Err(crate::CacheError::Config(
+                "the KV event buffer must hold at least one event".into(),
+            ));
+        }
+        Ok(EventBuffer {
+            events: Vec::new(),
+            capacity,
+            dropped: 0,
+        })
+    }
+
+    /// Changes the capacity; events already buffered are kept even above it.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`](crate::CacheError::Config) for 0.
+    pub fn set_capacity(&mut self, capacity: usize) -> crate::Result<()> {
+        self.capacity = Self::new(capacity)?.capacity;
+        Ok(())
+    }
+
+    /// Records `ev`, or counts it as dropped when the buffer is full.
+    pub fn push(&mut self, ev: KvEvent) {
+        if ev == KvEvent::AllCleared {
+            self.events.clear();
+        } else if self.events.len() >= self.capacity {
+            self.dropped += 1;
+            return;
+        }
+        self.events.push(ev);
+    }
+
+    /// Records every event of `evs` in order, as [`EventBuffer::push`] does.
+    pub fn extend(&mut self, evs: impl IntoIterator<Item = KvEvent>) {
+        for ev in evs {
+            self.push(ev);
+        }
+    }
+
+    /// Drains the buffered events, oldest first.
+    pub fn take(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Events buffered now.
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// True when no event is buffered.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// The most events held at once.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Events dropped because the buffer was full, since it was built (never reset).
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+impl Default for EventBuffer {
+    fn default() -> Self {
+        EventBuffer {
+            events: Vec::new(),
+            capacity: Self::DEFAULT_CAPACITY,
+            dropped: 0,
+        }
+    }
+}
+
 const K0: u64 = 0x9e37_79b9_7f4a_7c15;
 const K1: u64 = 0xbf58_476d_1ce4_e5b9;
 const K2: u64 = 0x94d0_49bb_1331_11eb;
@@ -99,6 +201,34 @@ mod tests {
         assert_ne!(a[1], c[1]);
         // The second page depends on the first.
         assert_ne!(page_hash(seed, &[3, 4]), a[1]);
+    }
+
+    fn removed(h: u64) -> KvEvent {
+        KvEvent::BlockRemoved {
+            page_hashes: vec![h],
+            medium: Medium::Device,
+        }
+    }
+
+    #[test]
+    fn buffer_drops_and_counts_past_capacity_and_keeps_all_cleared() {
+        assert!(EventBuffer::new(0).is_err());
+        let mut b = EventBuffer::new(2).unwrap();
+        b.extend((0..5).map(removed));
+        assert_eq!((b.len(), b.dropped()), (2, 3));
+        assert_eq!(
+            b.take(),
+            vec![removed(0), removed(1)],
+            "the oldest are kept"
+        );
+        b.push(removed(7));
+        assert_eq!(b.take(), vec![removed(7)], "room again after a drain");
+        // A full buffer still takes AllCleared, which supersedes what it held.
+        b.extend([removed(8), removed(9)]);
+        b.push(KvEvent::AllCleared);
+        b.push(removed(10));
+        assert_eq!(b.take(), vec![KvEvent::AllCleared, removed(10)]);
+        assert_eq!(b.dropped(), 3, "never reset");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use crate::alloc::{DevicePools, PageState, RowHolder};
 use crate::cache::{FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch};
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
-use crate::events::KvEvent;
+use crate::events::{EventBuffer, KvEvent};
 use crate::policy::PolicyKind;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, align_down};
@@ -22,6 +22,11 @@ pub struct RadixConfig {
     pub policy: PolicyKind,
     /// Record KV events.
     pub events: bool,
+    /// KV events held until [`PrefixCache::take_events`] drains them; past that, new events
+    /// are dropped and counted ([`PrefixCache::events_dropped`]), and a consumer must resync
+    /// (see [`EventBuffer`](crate::events::EventBuffer)). At least 1; default
+    /// [`EventBuffer::DEFAULT_CAPACITY`](crate::events::EventBuffer::DEFAULT_CAPACITY).
+    pub event_capacity: usize,
     /// Disabled mode: nothing is shared or cached (a baseline for comparison).
     pub disabled: bool,
 }
@@ -34,6 +39,7 @@ impl Default for RadixConfig {
             max_rows: 256,
             policy: PolicyKind::Lru,
             events: false,
+            event_capacity: EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
         }
     }
@@ -76,8 +82,10 @@ impl RadixCache {
     /// [`CacheError::Config`] for a zero page size, pool or row count.
     pub fn new(cfg: RadixConfig) -> Result<Self> {
         let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
+        let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
+        tree.set_event_capacity(cfg.event_capacity)?;
         Ok(RadixCache {
-            tree: RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?,
+            tree,
             pools,
             disabled: cfg.disabled,
             scratch: Vec::new(),
@@ -274,6 +282,10 @@ impl PrefixCache for RadixCache {
 
     fn protected_tokens(&self) -> usize {
         self.tree.protected_tokens()
+    }
+
+    fn events_dropped(&self) -> u64 {
+        self.tree.events_dropped()
     }
 
     fn take_events(&mut self) -> Vec<KvEvent> {

@@ -23,7 +23,7 @@ use slab::Slab;
 
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
-use crate::events::{KvEvent, chain_hashes, namespace_seed};
+use crate::events::{EventBuffer, KvEvent, chain_hashes, namespace_seed};
 use crate::policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
 use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId, TokenId};
 
@@ -119,7 +119,7 @@ pub struct RadixTree {
     protected: usize,
     policy: Box<dyn EvictionPolicy>,
     hasher: RandomState,
-    events: Option<Vec<KvEvent>>,
+    events: Option<EventBuffer>,
     tree_id: u64,
     outstanding_locks: usize,
     bufs: BufferPool,
@@ -217,7 +217,7 @@ impl RadixTree {
             protected: 0,
             policy,
             hasher: RandomState::new(),
-            events: events.then(Vec::new),
+            events: events.then(EventBuffer::default),
             tree_id: NEXT_TREE_ID.fetch_add(1, Ordering::Relaxed),
             outstanding_locks: 0,
             bufs: BufferPool::default(),
@@ -294,16 +294,35 @@ impl RadixTree {
     /// Drains recorded KV events.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         match &mut self.events {
-            Some(v) => std::mem::take(v),
+            Some(b) => b.take(),
             None => Vec::new(),
         }
     }
 
-    /// Records an event (tiered caches report host-side stores and removals through this).
+    /// Records an event (tiered caches report host-side stores and removals through this). A
+    /// full buffer drops it and counts the drop (see [`EventBuffer`]).
     pub fn push_event(&mut self, ev: KvEvent) {
-        if let Some(v) = &mut self.events {
-            v.push(ev);
+        if let Some(b) = &mut self.events {
+            b.push(ev);
         }
+    }
+
+    /// Sets how many events are held until drained (default
+    /// [`EventBuffer::DEFAULT_CAPACITY`]); without events, nothing changes.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for 0.
+    pub fn set_event_capacity(&mut self, capacity: usize) -> Result<()> {
+        match &mut self.events {
+            Some(b) => b.set_capacity(capacity),
+            None => EventBuffer::new(capacity).map(|_| ()),
+        }
+    }
+
+    /// KV events dropped because nobody drained them in time (see [`EventBuffer`]); 0 without
+    /// events.
+    pub fn events_dropped(&self) -> u64 {
+        self.events.as_ref().map_or(0, EventBuffer::dropped)
     }
 
     fn id_of(&self, idx: u32) -> NodeId {

@@ -15,6 +15,7 @@ fn cache_with(page_size: usize, total_pages: usize, policy: PolicyKind) -> Radix
         max_rows: 8,
         policy,
         events: true,
+        event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
     })
     .unwrap()

@@ -578,6 +578,7 @@ impl StateMachineTest for Sut {
             max_rows: c.max_rows,
             policy: c.policy,
             events: true,
+            event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
         })
         .expect("config");

@@ -71,6 +71,12 @@ impl ManagerBuilder {
         self
     }
 
+    /// KV events held until drained (see [`ManagerConfig::event_capacity`]).
+    pub fn event_capacity(mut self, n: usize) -> Self {
+        self.cfg.event_capacity = n;
+        self
+    }
+
     /// Builds the manager.
     ///
     /// # Errors

@@ -113,6 +113,11 @@ pub enum CacheKind {
 pub struct HostTier {
     /// Host pool capacity in tokens (at least one page).
     pub host_tokens: usize,
+    /// Backups and loads, per direction, the tier holds queued or in flight (at least 1).
+    /// Past it a backup is skipped (the prefix stays device-only) and an admission that needs
+    /// a load waits ([`WaitReason::TransfersBusy`](crate::WaitReason::TransfersBusy)).
+    #[serde(default = "default_max_pending_ops")]
+    pub max_pending_ops: usize,
     /// When device pages are written to the host.
     #[serde(default)]
     pub write_policy: WritePolicy,
@@ -130,6 +135,7 @@ impl HostTier {
     pub fn ratio(device_tokens: usize, ratio: f64) -> Self {
         HostTier {
             host_tokens: (device_tokens as f64 * ratio.max(0.0)) as usize,
+            max_pending_ops: default_max_pending_ops(),
             write_policy: WritePolicy::default(),
             eviction: None,
             storage: None,
@@ -147,6 +153,10 @@ impl HostTier {
         self.eviction = Some(Eviction(p));
         self
     }
+}
+
+fn default_max_pending_ops() -> usize {
+    radixkv_hicache::DEFAULT_MAX_PENDING_OPS
 }
 
 /// When device KV is backed up to the host tier.
@@ -316,6 +326,11 @@ pub struct ManagerConfig {
     pub sim_geometry: SimGeometry,
     /// Record KV events for a router.
     pub events: bool,
+    /// KV events held until [`crate::KvCacheManager::take_events`] drains them (at least 1);
+    /// past that, new events are dropped and counted in
+    /// [`Counters::kv_events_dropped`](crate::metrics::Counters::kv_events_dropped), and the
+    /// router must resync (see [`EventBuffer`](radixkv_radix::EventBuffer)).
+    pub event_capacity: usize,
     /// Output tokens reserved per request at admission are clipped to this (SGLang's
     /// `CLIP_MAX_NEW_TOKENS`): reserving a request's whole `max_new_tokens` starves admission.
     pub reserve_clip_tokens: usize,
@@ -333,6 +348,7 @@ impl Default for ManagerConfig {
             backend: DeviceBackend::HostSim,
             sim_geometry: SimGeometry::default(),
             events: false,
+            event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             reserve_clip_tokens: 4096,
         }
     }
@@ -445,6 +461,14 @@ impl ManagerConfig {
             if let WritePolicy::WriteThroughSelective { hits: 0 } = h.write_policy {
                 return bad("write_through_selective needs a hit threshold of at least 1".into());
             }
+        }
+        if let CacheKind::HiCache(h) = &self.cache
+            && h.max_pending_ops == 0
+        {
+            return bad("the host tier must allow at least one pending transfer".into());
+        }
+        if self.event_capacity == 0 {
+            return bad("the KV event buffer must hold at least one event (event_capacity)".into());
         }
         if let Some(s) = &self.sessions {
             if s.max_held_tokens > self.device_tokens {

@@ -207,6 +207,7 @@ pub fn build_cache_with_clock(
         max_rows: cfg.max_rows,
         policy: cfg.eviction.0,
         events: cfg.events,
+        event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {

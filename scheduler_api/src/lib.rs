@@ -29,7 +29,13 @@
 //! - **Budgets**: admission sees `free + evictable − reserved` tokens, where every admitted
 //!   request reserves its remaining prompt plus a clipped output budget until it allocates them.
 //! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), a `tracing`
-//!   span per step, KV events for routers.
+//!   span per step, KV events for routers. Events wait in a bounded buffer
+//!   ([`ManagerConfig::event_capacity`]) until [`KvCacheManager::take_events`] drains them;
+//!   past it they are dropped and counted (`kv_events_dropped`), and a router that sees the
+//!   count move must resync its view of the cache.
+//! - **Back-pressure**: an admission that needs a host-tier load while the tier already holds
+//!   its limit of pending loads ([`HostTier::max_pending_ops`]) waits
+//!   ([`WaitReason::TransfersBusy`]).
 //!
 //! ## The reference scheduler and the `radixkv` binary
 //! [`sim`] holds a continuous-batching scheduler (FCFS admission, chunked prefill under a

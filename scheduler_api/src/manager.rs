@@ -18,16 +18,18 @@
 //! transfer counts; in debug builds, audits every invariant).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use ahash::HashSet;
 use radixkv_radix::{
-    FinishKind, KvEvent, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
+    CacheError, EventBuffer, FinishKind, KvEvent, PageId, PoolAccounting, RadixKey, RequestKv,
+    SessionTag, TokenId,
 };
 
 use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
-use crate::factory::{ManagedCache, StepTransfers, build_cache_with_clock};
+use crate::factory::{LayerWait, ManagedCache, StepLoads, StepTransfers, build_cache_with_clock};
 use crate::metrics::Metrics;
 pub use crate::request::{
     Admission, Admitted, ReqId, Request, StepHandle, StepSummary, WaitReason,
@@ -80,7 +82,8 @@ pub struct KvCacheManager {
     waiting: usize,
     running: usize,
     metrics: Metrics,
-    events: Vec<KvEvent>,
+    /// Events drained from the cache at step ends, held (bounded) until `take_events`.
+    events: EventBuffer,
     step: u64,
     check_every_step: bool,
     clock: SimClock,
@@ -119,6 +122,7 @@ impl KvCacheManager {
         let clock = SimClock::default();
         let cache = build_cache_with_clock(&cfg, clock.clone())?;
         let page_granular = cache.page_granular();
+        let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
             cache,
             cfg,
@@ -127,7 +131,7 @@ impl KvCacheManager {
             waiting: 0,
             running: 0,
             metrics: Metrics::default(),
-            events: Vec::new(),
+            events,
             step: 0,
             check_every_step: cfg!(debug_assertions),
             clock,
@@ -187,16 +191,30 @@ impl KvCacheManager {
         m.gauges.waiting_requests = self.waiting;
         m.gauges.running_requests = self.running;
         m.gauges.held_sessions = self.cache.held_sessions();
+        m.counters.kv_events_dropped = self.events_dropped();
         m
     }
 
     /// Drains the KV events collected at step ends (empty unless events are enabled).
+    ///
+    /// Events wait here, at most [`ManagerConfig::event_capacity`] of them, until drained;
+    /// drain them every step. Past the capacity new events are dropped and counted
+    /// ([`KvCacheManager::events_dropped`], `radixkv_kv_events_dropped_total`): when that count
+    /// moved since the last drain, the stream has a gap and the router must resync its view of
+    /// this cache (see [`EventBuffer`]).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
-        let mut e = std::mem::take(&mut self.events);
-        let mut late = self.cache.take_events();
+        let mut out = self.events.take();
+        // Events since the last step end are handed over now, not held: no bound applies.
+        let late = self.cache.take_events();
         self.metrics.counters.kv_events += late.len() as u64;
-        e.append(&mut late);
-        e
+        out.extend(late);
+        out
+    }
+
+    /// KV events dropped since the manager was built, by its own buffer or the cache's,
+    /// because nobody drained them in time.
+    pub fn events_dropped(&self) -> u64 {
+        self.events.dropped() + self.cache.events_dropped()
     }
 
     /// Audits the cache, its pools and the manager's own bookkeeping.
@@ -358,7 +376,16 @@ impl KvCacheManager {
             self.metrics.counters.admission_waits += 1;
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
-        self.cache.begin_request(&mut t.kv)?;
+        match self.cache.begin_request(&mut t.kv) {
+            Ok(()) => {}
+            // The host tier's load queue is full: nothing was held or changed, and the loads
+            // in flight are acknowledged at the next step.
+            Err(CacheError::Busy(_)) => {
+                self.metrics.counters.admission_waits += 1;
+                return Ok(Admission::Wait(WaitReason::TransfersBusy));
+            }
+            Err(e) => return Err(e.into()),
+        }
         let device = m.prefix_len.min(t.kv.prefix_len);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
         let extend = len - t.kv.prefix_len;
@@ -614,13 +641,22 @@ impl KvCacheManager {
 
     /// Starts a step, once its batch is formed and before its forward: queued loads (host
     /// hits of this step's admissions) start; the handle says what the forward waits for.
+    ///
+    /// If the loads cannot be started (the backend refused them), every
+    /// [`StepHandle::wait_layer`] of this step returns the error, so the forward never reads
+    /// device pages the loads did not fill; the loads stay queued and start with a later step,
+    /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
         let loads = match self.cache.on_begin_step() {
             Ok(l) => l,
             Err(e) => {
+                let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
                 self.step_error.get_or_insert(e);
-                Default::default()
+                StepLoads {
+                    wait: Some(wait),
+                    ..Default::default()
+                }
             }
         };
         StepHandle {
@@ -644,20 +680,26 @@ impl KvCacheManager {
     /// [`ManagerError::Invariant`] when the audit fails.
     pub fn end_step(&mut self, step: StepHandle) -> Result<StepSummary> {
         let _g = step.span.enter();
-        if let Some(e) = self.step_error.take() {
-            return Err(e);
-        }
-        let transfers = self.cache.on_end_step()?;
+        // Acks are applied even after a failed `begin_step`: the transfers that did start
+        // still complete, and their locks must be released.
+        let step_error = self.step_error.take();
+        let transfers = match self.cache.on_end_step() {
+            Ok(t) => t,
+            Err(e) => return Err(step_error.unwrap_or(e)),
+        };
         self.count_transfers(&transfers);
         let c = &mut self.metrics.counters;
         c.steps += 1;
         if self.cfg.events {
-            let mut ev = self.cache.take_events();
+            let ev = self.cache.take_events();
             c.kv_events += ev.len() as u64;
-            self.events.append(&mut ev);
+            self.events.extend(ev);
         }
         if self.check_every_step {
             self.check_invariants()?;
+        }
+        if let Some(e) = step_error {
+            return Err(e);
         }
         Ok(StepSummary { transfers })
     }
@@ -675,6 +717,22 @@ impl KvCacheManager {
             Phase::Running => self.running -= 1,
             Phase::Waiting => self.waiting -= 1,
         }
+    }
+}
+
+/// The per-layer wait of a step whose loads could not be started: every layer fails, so the
+/// forward never reads the pages those loads were to fill.
+#[derive(Debug)]
+struct LoadsNotStarted(ManagerError);
+
+impl LayerWait for LoadsNotStarted {
+    fn wait_layer(&self, _layer: u32) -> Result<()> {
+        Err(self.0.clone())
+    }
+
+    fn is_layer_done(&self, _layer: u32) -> bool {
+        // Complete, unsuccessfully: `wait_layer` says how.
+        true
     }
 }
 

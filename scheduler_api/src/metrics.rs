@@ -40,8 +40,11 @@ pub struct Counters {
     pub transfers: StepTransfers,
     /// Scheduler steps.
     pub steps: u64,
-    /// KV events drained for routers.
+    /// KV events collected from the cache for routers.
     pub kv_events: u64,
+    /// KV events dropped because the bounded event buffer was full (nobody drained it in
+    /// time). A router that sees this move must resync its view of the cache.
+    pub kv_events_dropped: u64,
     /// Idle sessions demoted by the manager to admit a request nothing else could make room
     /// for.
     pub session_demotions: u64,
@@ -200,8 +203,14 @@ impl Metrics {
         family(
             "kv_events_total",
             "counter",
-            "KV events drained for routers.",
+            "KV events collected from the cache for routers.",
             &[("", c.kv_events)],
+        );
+        family(
+            "kv_events_dropped_total",
+            "counter",
+            "KV events dropped because the event buffer was full; a router that sees this grow must resync.",
+            &[("", c.kv_events_dropped)],
         );
         family(
             "pool_tokens",

@@ -103,6 +103,9 @@ pub enum WaitReason {
     },
     /// Every request-pool row is in use.
     NoRow,
+    /// The request needs a load from the host tier, and the tier already holds its limit of
+    /// pending loads (`HiCacheConfig::max_pending_ops`); they complete by the next step.
+    TransfersBusy,
 }
 
 /// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).

@@ -72,6 +72,7 @@ impl Tiered {
             host_size: HostSize::Pages(host.host_tokens / page_size),
             write_policy,
             host_policy: host.eviction.map(|e| e.0),
+            max_pending_ops: host.max_pending_ops,
             ..Default::default()
         };
         Ok(Tiered {
@@ -221,6 +222,9 @@ impl PrefixCache for Tiered {
     }
     fn take_events(&mut self) -> Vec<KvEvent> {
         self.cache.take_events()
+    }
+    fn events_dropped(&self) -> u64 {
+        self.cache.events_dropped()
     }
     fn reset(&mut self) -> radixkv_radix::Result<()> {
         self.cache.reset()?;

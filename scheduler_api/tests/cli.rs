@@ -375,7 +375,10 @@ fn huge_pools_are_a_clean_error_not_an_abort() {
         "--host-tokens",
         huge,
     ]);
-    exits_cleanly_with(&o, "cannot allocate the host pool");
+    exits_cleanly_with(
+        &o,
+        "could not allocate 274877906944 bytes for the host pool",
+    );
     let o = radixkv_in_4_gib(&[
         "demo",
         "--conversations",
@@ -386,14 +389,17 @@ fn huge_pools_are_a_clean_error_not_an_abort() {
         "--device-tokens",
         huge,
     ]);
-    exits_cleanly_with(&o, "cannot allocate the simulated device pool");
+    exits_cleanly_with(&o, "bytes for the device pool layer");
     // The same through `replay`, on a trace of two requests.
     let dir = temp_dir();
     let f = two_request_trace(&dir);
     let trace = f.to_str().unwrap();
     for (flag, needle) in [
         ("--device-tokens", "cannot allocate the page pool"),
-        ("--host-tokens", "cannot allocate the host pool"),
+        (
+            "--host-tokens",
+            "could not allocate 274877906944 bytes for the host pool",
+        ),
     ] {
         let o = radixkv_in_4_gib(&[
             "replay", "--trace", trace, "--format", "mooncake", "--quiet", flag, huge,

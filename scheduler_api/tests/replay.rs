@@ -239,6 +239,7 @@ fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {
     let mut cfg = sim(device, 16);
     cfg.manager.cache = CacheKind::HiCache(HostTier {
         host_tokens: host,
+        max_pending_ops: radixkv_hicache::DEFAULT_MAX_PENDING_OPS,
         write_policy: w,
         eviction: None,
         storage: None,

@@ -267,6 +267,10 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.take_events()
     }
 
+    fn events_dropped(&self) -> u64 {
+        self.inner.events_dropped()
+    }
+
     /// # Errors
     /// [`CacheError::Busy`] while any session holds a slot (close or demote them first).
     fn reset(&mut self) -> Result<()> {

@@ -686,6 +686,7 @@ impl StateMachineTest for Machine {
                     policy: PolicyKind::Lru,
                     events: true,
                     disabled: false,
+                    ..Default::default()
                 },
                 host_size: HostSize::Ratio(2.0),
                 host_layout: m.layout,

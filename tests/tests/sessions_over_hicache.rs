@@ -30,6 +30,7 @@ fn build(layout: HostLayout) -> Cache {
                 max_rows: 8,
                 policy: PolicyKind::Lru,
                 events: true,
+                event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
                 disabled: false,
             },
             host_size: HostSize::Ratio(4.0),

@@ -29,6 +29,19 @@
 //!   the loaded nodes are demoted back to host-only as soon as they are unlocked (retried at
 //!   every step), so their device pages are never served again once demoted.
 //!
+//! # Back-pressure and refused submissions
+//! The controller holds at most [`HiCacheConfig::max_pending_ops`] operations per direction
+//! (queued or in flight until acknowledged at a step). A backup that finds the write side full
+//! is skipped: the prefix stays device-only, as when the host is full, and is counted in
+//! [`HiCacheStats::backups_skipped_queue_full`]. A load-back is never skipped that way: when the
+//! load side is full, `begin_request` returns [`CacheError::Busy`] with nothing changed (the
+//! request waits; the pending loads are acknowledged at the next [`HiRadixCache::step`]). A
+//! submission the backend refuses is retried: backups at the next insert or step (counted in
+//! [`HiCacheStats::refused_submissions`]), loads at the next
+//! [`HiRadixCache::start_loading`] — whose error tells the batch not to run. A closed stream
+//! (its worker died) fails every pending and later transfer, which the failed-copy paths above
+//! handle.
+//!
 //! # Extra pools
 //! The controller moves extra pools (Mamba state, SWA KV) with the KV, but this cache does not
 //! pass any yet: their owners arrive in a later issue.
@@ -47,7 +60,9 @@ use radixkv_radix::{
 };
 
 use crate::backend::DeviceBackend;
-use crate::controller::{Acks, ExtraPoolSpec, HybridCacheController, LoadStep, OpId};
+use crate::controller::{
+    Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId,
+};
 use crate::error::{HiCacheError, Result as HiResult};
 use crate::geometry::HostLayout;
 use crate::host_pool::{HostPool, HostSize};
@@ -101,6 +116,10 @@ pub struct HiCacheConfig {
     /// Extra pools registered with the controller (their buffers are allocated). The cache
     /// itself moves none yet: the Mamba / SWA pools that own them come in a later issue.
     pub extra_pools: Vec<ExtraPoolSpec>,
+    /// Operations per direction (backups, loads) the controller holds queued or in flight
+    /// before it refuses more (default [`DEFAULT_MAX_PENDING_OPS`]; see the module docs for what
+    /// happens then).
+    pub max_pending_ops: usize,
 }
 
 impl Default for HiCacheConfig {
@@ -115,6 +134,7 @@ impl Default for HiCacheConfig {
             load_back_quota_tokens: None,
             load_back_on_begin: true,
             extra_pools: Vec::new(),
+            max_pending_ops: DEFAULT_MAX_PENDING_OPS,
         }
     }
 }
@@ -156,6 +176,27 @@ pub struct HiCacheStats {
     pub demoted_failed_loads: u64,
     /// Tokens whose host copy was dropped because a backup failed (theirs or an ancestor's).
     pub dropped_backup_tokens: u64,
+    /// Backups skipped because the controller's write side held its limit of pending
+    /// operations (the nodes stay device-only).
+    pub backups_skipped_queue_full: u64,
+    /// Load-backs refused with [`CacheError::Busy`] because the load side held its limit of
+    /// pending operations (the request waits and retries).
+    pub load_back_queue_full: u64,
+    /// Backup submissions the backend refused (the operations stay queued and are retried).
+    pub refused_submissions: u64,
+}
+
+/// Deliberately broken variants of the cache, for tests that must show their checks catch
+/// the bug. Not a setting: every field off is the only correct configuration.
+#[doc(hidden)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct TestMutations {
+    /// Backups do not lock their chain until the ack: device eviction may free (and reuse)
+    /// pages a write is still reading.
+    pub unpinned_backups: bool,
+    /// Loads do not lock their nodes until the ack: the nodes may be evicted (and their pages
+    /// reused) while the copy still writes them.
+    pub unpinned_loads: bool,
 }
 
 /// A queued or in-flight backup.
@@ -199,6 +240,7 @@ pub struct HiRadixCache<B: DeviceBackend> {
     stats: HiCacheStats,
     pages: Vec<PageId>,
     host_scratch: Vec<u32>,
+    mutations: TestMutations,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -237,7 +279,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let host_pages = cfg.host_size.pages(&g, backend.device_pages())?;
         let host = HostPool::new(g, host_pages, cfg.host_layout)?;
         let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
-        let ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
+        let mut ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
+        ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
             inner: RadixCache::new(cfg.radix)?,
             ctrl,
@@ -252,7 +295,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             stats: HiCacheStats::default(),
             pages: Vec::new(),
             host_scratch: Vec::new(),
+            mutations: TestMutations::default(),
         })
+    }
+
+    /// Test hook: switches on deliberately broken behaviour (see [`TestMutations`]).
+    #[doc(hidden)]
+    pub fn set_test_mutations(&mut self, m: TestMutations) {
+        self.mutations = m;
     }
 
     /// The device-tier cache (tree and pools), read-only.
@@ -302,23 +352,40 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     }
 
     /// Starts every queued load as one merged, layer-pipelined transfer (call once the batch
-    /// is formed, before its forward). Hand the returned producer to
-    /// [`LayerDoneCounter::set_consumer`].
+    /// is formed, before its forward — also when the batch loaded nothing: it may have matched
+    /// pages of an earlier batch's load still in flight, which the returned step covers too).
+    /// Hand the returned producer to [`LayerDoneCounter::set_consumer`]; `None` means there is
+    /// nothing to wait for.
     ///
     /// # Errors
-    /// The backend refused the copy.
+    /// The backend refused the copy or its stream is closed. The batch that needs the queued
+    /// loads must not run its forward then: their device pages hold no KV yet. A refused load
+    /// stays queued and the next call retries it; a load on a closed stream is reported as
+    /// failed at the next [`HiRadixCache::step`].
     pub fn start_loading(&mut self) -> HiResult<Option<LoadStep>> {
         self.ctrl.start_loading()
+    }
+
+    /// Starts queued backups. A refusal is not the caller's failure: the backups stay queued
+    /// (or, on a closed stream, come back as failed acks) and the next insert or step retries.
+    fn start_writes(&mut self) {
+        match self.ctrl.start_writing() {
+            Ok(_) | Err(HiCacheError::StreamClosed(_)) => {}
+            Err(e) => {
+                self.stats.refused_submissions += 1;
+                tracing::warn!(error = %e, "backup submission refused; retried at the next step");
+            }
+        }
     }
 
     /// Step boundary: starts queued backups and applies every completed transfer (releasing
     /// the locks that protected writing and loading nodes). Returns what completed.
     ///
     /// # Errors
-    /// The backend refused a copy, or a stale lock (a bug).
-    /// A failed load that could not be repaired is an error here (see the module docs).
+    /// A stale lock (a bug), or a failed load that could not be repaired (see the module
+    /// docs). A refused backup submission is not an error: it is retried at the next step.
     pub fn step(&mut self) -> HiResult<Acks> {
-        self.ctrl.start_writing()?;
+        self.start_writes();
         let mut acks = self.ctrl.poll_acks();
         self.apply_acks(&mut acks)?;
         Ok(acks)
@@ -327,13 +394,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// Starts everything queued, waits for every transfer and applies the acks.
     ///
     /// # Errors
-    /// A failed copy or submission.
+    /// A failed copy, or a refused submission (its operations stay queued: flush again).
     pub fn flush(&mut self) -> HiResult<()> {
-        self.ctrl.start_writing()?;
-        self.ctrl.start_loading()?;
+        let started = self
+            .ctrl
+            .start_writing()
+            .map(|_| ())
+            .and(self.ctrl.start_loading().map(|_| ()));
         let waited = self.ctrl.wait_all();
         let mut acks = self.ctrl.poll_acks();
         self.apply_acks(&mut acks)?;
+        match started {
+            // The operations of a closed stream came back as failed acks, handled above.
+            Ok(()) | Err(HiCacheError::StreamClosed(_)) => {}
+            Err(e) => return Err(e),
+        }
         // Failed copies were handled above; what is left to report is a failure that was not.
         waited.or_else(|e| if acks.has_failures() { Ok(()) } else { Err(e) })
     }
@@ -361,7 +436,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
         self.backup_path(&walk.nodes)?;
-        self.ctrl.start_writing()?;
+        self.start_writes();
         Ok(())
     }
 }
@@ -421,6 +496,10 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
 
     fn take_events(&mut self) -> Vec<KvEvent> {
         self.inner.take_events()
+    }
+
+    fn events_dropped(&self) -> u64 {
+        self.inner.events_dropped()
     }
 
     fn reset(&mut self) -> radixkv_radix::Result<()> {

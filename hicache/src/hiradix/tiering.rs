@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use radixkv_radix::{NodeId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
-use crate::backend::DeviceBackend;
+use crate::backend::{DeviceBackend, StreamKind};
 use crate::error::{HiCacheError, Result};
 
 impl<B: DeviceBackend> HiRadixCache<B> {
@@ -54,6 +54,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// `BlockStored` event only at the ack. Returns
     /// `false` (and counts it) when the host cannot make room: the nodes stay device-only.
     pub(super) fn backup_chain(&mut self, chain: &[NodeId], lock: bool) -> Result<bool> {
+        if !self.ctrl.has_room(StreamKind::Write) {
+            self.stats.backups_skipped_queue_full += 1;
+            return Ok(false);
+        }
         let p = self.page_size();
         self.pages.clear();
         for &n in chain {
@@ -87,7 +91,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             at += len;
         }
         let last = *chain.last().expect("chain is not empty");
-        let lock = if lock {
+        let lock = if lock && !self.mutations.unpinned_backups {
             Some(tree.inc_lock_ref(last)?)
         } else {
             None
@@ -186,7 +190,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             return Ok(());
         }
         if self.backup_chain(&chain, false)? {
-            self.ctrl.start_writing()?;
+            if let Err(e) = self.ctrl.start_writing() {
+                // The victims are evicted right after this, so a refused backup cannot wait for
+                // a retry: a copy submitted later would read device pages already reused. Fail
+                // it instead; the acks below undo it and the victims go without a backup.
+                if !matches!(e, HiCacheError::StreamClosed(_)) {
+                    self.stats.refused_submissions += 1;
+                }
+                tracing::warn!(error = %e, "write-back submission refused; evicting without backup");
+                self.ctrl.fail_queued_writes();
+            }
             // A failure is handled by the acks (the chain goes back to device-only and is then
             // evicted without backup), so the wait's own error adds nothing.
             let _ = self.ctrl.wait_all();
@@ -240,7 +253,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// room (the request then proceeds with its device prefix).
     ///
     /// # Errors
-    /// A request that already holds KV; internal errors of the backend.
+    /// [`CacheError::Busy`](radixkv_radix::CacheError::Busy) when the controller already holds
+    /// its limit of pending loads (nothing changed: retry after the next
+    /// [`HiRadixCache::step`]); a request that already holds KV; internal errors of the
+    /// backend.
     pub fn init_load_back(
         &mut self,
         req: &mut RequestKv,
@@ -287,6 +303,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.stats.load_back_over_quota += 1;
             return Ok(0);
         }
+        if !self.ctrl.has_room(StreamKind::Load) {
+            // Checked before anything is locked or evicted, so the refusal changes nothing.
+            self.stats.load_back_queue_full += 1;
+            return Err(radixkv_radix::CacheError::Busy(
+                "host tier load queue is full",
+            ));
+        }
         // Locking the anchor protects the device prefix from eviction and the host chain from
         // host eviction while room is made.
         let lock = self.inner.inc_lock_ref(anchor)?;
@@ -324,10 +347,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             tree.attach_device_pages(c, &dev[at..at + len])?;
             at += len;
         }
+        let lock = if self.mutations.unpinned_loads {
+            tree.dec_lock_ref(lock)?;
+            None
+        } else {
+            Some(lock)
+        };
         self.pending_loads.insert(
             id,
             PendingLoad {
-                lock: Some(lock),
+                lock,
                 last: anchor,
                 host: self.host_scratch.clone(),
                 device: dev.clone(),

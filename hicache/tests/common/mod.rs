@@ -96,6 +96,75 @@ pub fn cache(
     .unwrap()
 }
 
+/// `n` tokens no other seed shares.
+pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 1000 + i).collect()
+}
+
+/// A write-through cache (page size 2, events on, load-back from one token) over a gated
+/// backend: copies run only when released through the gate.
+pub fn gated_cache(device_pages: usize, max_pending_ops: usize) -> HiRadixCache<HostSim> {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let sim = HostSimConfig {
+        gated: true,
+        ..Default::default()
+    };
+    let backend = Arc::new(HostSim::new(g, device_pages, sim).unwrap());
+    HiRadixCache::new(
+        HiCacheConfig {
+            radix: RadixConfig {
+                page_size: 2,
+                total_pages: device_pages,
+                max_rows: 8,
+                events: true,
+                ..Default::default()
+            },
+            write_policy: WritePolicy::WriteThrough,
+            load_back_min_tokens: 1,
+            max_pending_ops,
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap()
+}
+
+/// Serves `tokens`, waits for its backup and evicts it from the device: it is host-only then.
+pub fn demote_to_host<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) {
+    serve(c, tokens).unwrap();
+    c.flush().unwrap();
+    c.evict(usize::MAX / 2);
+}
+
+/// Matches and begins a request for `tokens` (a host hit is queued for load-back).
+pub fn begin<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) -> RequestKv {
+    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    r
+}
+
+/// The forward of a begun request whose loads are done: checks the bytes of its whole
+/// prefix, computes the rest and finishes it.
+pub fn finish_loaded<B: DeviceBackend>(c: &mut HiRadixCache<B>, r: &mut RequestKv, tokens: &[u32]) {
+    let p = c.page_size();
+    let h = hashes(tokens, p);
+    check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
+    let rest = tokens.len() - r.prefix_len;
+    c.alloc_tokens(r, rest).unwrap();
+    r.commit(rest).unwrap();
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+}
+
+/// Waits for every layer of a started load step, as a forward pass does.
+pub fn wait_layers<B: DeviceBackend>(c: &HiRadixCache<B>, producer: usize) {
+    let counter = c.layer_counter();
+    counter.set_consumer(producer);
+    for l in 0..counter.layers() {
+        counter.wait_until(l).unwrap();
+    }
+}
+
 /// What one request saw.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Served {
@@ -147,4 +216,39 @@ pub fn serve<B: DeviceBackend>(c: &mut HiRadixCache<B>, tokens: &[u32]) -> Optio
         host_hit: m.host_hit_len,
         loaded,
     })
+}
+
+/// Runs `f` on its own thread and returns its result, failing the test if it has not returned
+/// within `secs` seconds. A hang detector, not a performance assertion: the operations it
+/// guards take microseconds, and the limit is there only so a hang fails instead of blocking
+/// the test run forever.
+pub fn within<T: Send + 'static>(
+    what: &str,
+    secs: u64,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    match run_within(secs, f) {
+        Some(v) => v,
+        None => panic!("hang: {what} did not return within {secs} s"),
+    }
+}
+
+/// Like [`within`], but returns `None` on a hang (the stuck thread is left behind).
+pub fn run_within<T: Send + 'static>(
+    secs: u64,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(v) => Some(v),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+        // The guarded call panicked: fail with its message.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => match h.join() {
+            Err(payload) => std::panic::resume_unwind(payload),
+            Ok(()) => unreachable!("the thread sends before it returns"),
+        },
+    }
 }

@@ -18,6 +18,16 @@
 //!
 //! A failed copy is reported in [`Acks::failed_writes`] / [`Acks::failed_loads`], never as a
 //! completed operation; its pages stay allocated and the owner decides what to do with them.
+//!
+//! # Back-pressure and refused submissions
+//! At most [`HybridCacheController::max_pending_ops`] operations per direction are pending
+//! (queued, or started and not yet returned by `poll_acks`); `write`/`load` beyond that return
+//! [`HiCacheError::QueueFull`] and allocate nothing, so a slow or stuck stream bounds the
+//! controller's memory instead of growing it. When the backend refuses a submission
+//! ([`HiCacheError::Transfer`] from `enqueue_copy`/`record_event`), the operations go back to
+//! the queue and the next `start_*` retries them. When the stream is closed
+//! ([`HiCacheError::StreamClosed`]: its worker exited), a retry can never succeed, so the
+//! operations are reported as failed at the next `poll_acks` instead of waiting forever.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -31,121 +41,16 @@ use crate::error::{HiCacheError, Result};
 use crate::host_pool::{HostPool, SlotAllocator};
 use crate::layer_counter::LayerDoneCounter;
 
-/// Name of a pool an operation moves.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PoolName {
-    /// The full-attention KV pool (the primary pool; always present).
-    Kv,
-    /// Mamba / SSM state checkpoints (one slot per checkpoint).
-    Mamba,
-    /// Sliding-window KV.
-    Swa,
-    /// A sparse-attention indexer cache.
-    Indexer,
-    /// A draft model's KV (speculative decoding).
-    Draft,
-}
+mod ops;
 
-/// Sizes of an extra pool.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct ExtraPoolSpec {
-    /// Which pool.
-    pub name: PoolName,
-    /// Host slots.
-    pub host_slots: u32,
-    /// Device slots.
-    pub device_slots: u32,
-    /// Bytes of one slot (one Mamba state checkpoint, one SWA page, ...).
-    pub item_bytes: usize,
-}
+pub use ops::{
+    Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer, TransferStats,
+    merge_runs,
+};
 
-/// Indices of one extra pool moved by an operation. For `write` the caller fills
-/// `device_indices` and the controller allocates `host_indices`; for `load` the reverse.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PoolTransfer {
-    /// Which pool.
-    pub name: PoolName,
-    /// Host slots.
-    pub host_indices: Vec<u32>,
-    /// Device slots.
-    pub device_indices: Vec<u32>,
-}
-
-/// Identifier of a queued operation, reported back in [`Acks`].
-pub type OpId = u64;
-
-/// One queued backup or load.
-#[derive(Clone, Debug)]
-pub struct CacheOperation {
-    /// Its id.
-    pub id: OpId,
-    /// Device pages (sources of a backup, targets of a load).
-    pub device_pages: Vec<PageId>,
-    /// Host pages paired with `device_pages`.
-    pub host_pages: Vec<u32>,
-    /// Request priority (informational; merged operations run together).
-    pub priority: i32,
-    /// Extra pools moved with the KV.
-    pub extra: Vec<PoolTransfer>,
-}
-
-/// What one merged transfer moved.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct TransferStats {
-    /// Operations merged.
-    pub ops: usize,
-    /// Pages moved.
-    pub pages: usize,
-    /// Contiguous runs after coalescing.
-    pub runs: usize,
-    /// Bytes moved (all layers).
-    pub bytes: usize,
-}
-
-/// A started pipelined load.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LoadStep {
-    /// Producer index in the [`LayerDoneCounter`] ring (hand it to `set_consumer`).
-    pub producer: usize,
-    /// What was merged.
-    pub stats: TransferStats,
-}
-
-/// Completed operations, in completion order. A failed operation is listed only as failed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Acks {
-    /// Backups whose bytes are on the host.
-    pub writes: Vec<OpId>,
-    /// Loads whose bytes are on the device.
-    pub loads: Vec<OpId>,
-    /// Backups whose copy failed: the host pages hold garbage.
-    pub failed_writes: Vec<OpId>,
-    /// Loads whose copy failed: the device pages hold garbage.
-    pub failed_loads: Vec<OpId>,
-}
-
-impl Acks {
-    /// True when nothing completed.
-    pub fn is_empty(&self) -> bool {
-        self.writes.is_empty()
-            && self.loads.is_empty()
-            && self.failed_writes.is_empty()
-            && self.failed_loads.is_empty()
-    }
-
-    /// True when some copy failed.
-    pub fn has_failures(&self) -> bool {
-        !self.failed_writes.is_empty() || !self.failed_loads.is_empty()
-    }
-
-    /// Appends `other` (a later poll).
-    pub fn extend(&mut self, other: Acks) {
-        self.writes.extend(other.writes);
-        self.loads.extend(other.loads);
-        self.failed_writes.extend(other.failed_writes);
-        self.failed_loads.extend(other.failed_loads);
-    }
-}
+/// Default of [`HybridCacheController::max_pending_ops`]: operations per direction queued or
+/// in flight before `write`/`load` refuse more.
+pub const DEFAULT_MAX_PENDING_OPS: usize = 4096;
 
 #[derive(Debug)]
 struct ExtraPool {
@@ -169,6 +74,16 @@ impl<E: CopyEvent> InFlight<E> {
             events,
             ids,
             failed: false,
+        }
+    }
+
+    /// Operations whose (possibly partial) submission can never complete: reported as failed
+    /// once the events of the submitted part are done.
+    fn failed(events: Vec<E>, ops: &[CacheOperation]) -> Self {
+        InFlight {
+            events,
+            ids: ops.iter().map(|o| o.id).collect(),
+            failed: true,
         }
     }
 
@@ -206,6 +121,9 @@ pub struct HybridCacheController<B: DeviceBackend> {
     /// Host pages to free once every load issued up to the given op id has completed.
     deferred_host: Vec<(OpId, Vec<u32>)>,
     last_load: OpId,
+    max_pending: usize,
+    /// Operations queued or in flight, not yet returned by `poll_acks`: (writes, loads).
+    pending: (usize, usize),
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
@@ -217,24 +135,6 @@ impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
             .field("queued_loads", &self.load_queue.len())
             .finish()
     }
-}
-
-/// Sorts (device, host) pairs by device page and coalesces pairs adjacent on both sides into
-/// runs. Each device page appears once, so this is the minimal number of runs for the pairing.
-pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
-    pairs.sort_unstable();
-    let mut runs: Vec<PageRun> = Vec::new();
-    for &(d, h) in pairs.iter() {
-        match runs.last_mut() {
-            Some(r) if r.device + r.pages == d && r.host + r.pages == h => r.pages += 1,
-            _ => runs.push(PageRun {
-                device: d,
-                host: h,
-                pages: 1,
-            }),
-        }
-    }
-    runs
 }
 
 impl<B: DeviceBackend> HybridCacheController<B> {
@@ -275,7 +175,55 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             pairs: Vec::new(),
             deferred_host: Vec::new(),
             last_load: 0,
+            max_pending: DEFAULT_MAX_PENDING_OPS,
+            pending: (0, 0),
         })
+    }
+
+    /// Sets the limit on pending operations per direction (see the module docs). Operations
+    /// already pending are kept even above a lower limit; new ones wait until it is met.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for 0.
+    pub fn set_max_pending_ops(&mut self, limit: usize) -> Result<()> {
+        if limit == 0 {
+            return Err(HiCacheError::Config(
+                "the controller must allow at least one pending operation".into(),
+            ));
+        }
+        self.max_pending = limit;
+        Ok(())
+    }
+
+    /// Operations per direction that may be queued or in flight at once.
+    pub fn max_pending_ops(&self) -> usize {
+        self.max_pending
+    }
+
+    /// Operations queued or in flight and not yet acknowledged: (writes, loads).
+    pub fn pending(&self) -> (usize, usize) {
+        self.pending
+    }
+
+    /// True when a `write` (for [`StreamKind::Write`]) or `load` (for [`StreamKind::Load`])
+    /// would be accepted by the pending-operations limit now.
+    pub fn has_room(&self, stream: StreamKind) -> bool {
+        let n = match stream {
+            StreamKind::Write => self.pending.0,
+            StreamKind::Load => self.pending.1,
+        };
+        n < self.max_pending
+    }
+
+    fn check_room(&self, stream: StreamKind) -> Result<()> {
+        if self.has_room(stream) {
+            Ok(())
+        } else {
+            Err(HiCacheError::QueueFull {
+                stream,
+                limit: self.max_pending,
+            })
+        }
     }
 
     /// The device backend.
@@ -390,6 +338,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.write_acks.clear();
         self.load_acks.clear();
         self.deferred_host.clear();
+        self.pending = (0, 0);
         self.host.reset();
         for p in &mut self.extra {
             p.host.reset();
@@ -441,14 +390,15 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// fills). Allocation is atomic: if any pool is full, everything rolls back.
     ///
     /// # Errors
-    /// [`HiCacheError::HostFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, out-of-range
-    /// device pages; nothing is allocated or queued then.
+    /// [`HiCacheError::QueueFull`], [`HiCacheError::HostFull`], [`HiCacheError::ExtraPoolFull`],
+    /// unknown pools, out-of-range device pages; nothing is allocated or queued then.
     pub fn write(
         &mut self,
         device_pages: &[PageId],
         priority: i32,
         mut extra: Vec<PoolTransfer>,
     ) -> Result<&CacheOperation> {
+        self.check_room(StreamKind::Write)?;
         let n = self.backend.device_pages();
         if let Some(&p) = device_pages.iter().find(|p| p.index() >= n) {
             return Err(HiCacheError::DevicePageOutOfRange(p));
@@ -459,6 +409,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             return Err(e);
         }
         let id = self.fresh_id();
+        self.pending.0 += 1;
         self.write_queue.push(CacheOperation {
             id,
             device_pages: device_pages.to_vec(),
@@ -475,14 +426,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// caller evicts before calling if the device is short; this never evicts.
     ///
     /// # Errors
-    /// [`HiCacheError::DeviceFull`], [`HiCacheError::ExtraPoolFull`], unknown pools, host pages
-    /// that are not allocated; nothing is allocated or queued then.
+    /// [`HiCacheError::QueueFull`], [`HiCacheError::DeviceFull`],
+    /// [`HiCacheError::ExtraPoolFull`], unknown pools, host pages that are not allocated;
+    /// nothing is allocated or queued then.
     pub fn load(
         &mut self,
         host_pages: &[u32],
         device: &mut PageAllocator,
         mut extra: Vec<PoolTransfer>,
     ) -> Result<&CacheOperation> {
+        self.check_room(StreamKind::Load)?;
         if let Some(&h) = host_pages.iter().find(|&&h| !self.host.is_used(h)) {
             return Err(HiCacheError::HostPageOutOfRange(h));
         }
@@ -502,6 +455,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             return Err(e);
         }
         let id = self.fresh_id();
+        self.pending.1 += 1;
         self.last_load = id;
         self.load_queue.push(CacheOperation {
             id,
@@ -646,7 +600,9 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// pool the operations move) on the write stream. Returns `None` when nothing was queued.
     ///
     /// # Errors
-    /// The backend refused the copy; the operations stay queued then.
+    /// The backend refused the copy: the operations stay queued for the next call. A closed
+    /// stream ([`HiCacheError::StreamClosed`]): the operations are reported as failed by the
+    /// next [`HybridCacheController::poll_acks`].
     pub fn start_writing(&mut self) -> Result<Option<TransferStats>> {
         if self.write_queue.is_empty() {
             return Ok(None);
@@ -673,6 +629,11 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             .and_then(|()| self.backend.record_event(StreamKind::Write));
         let ev = match submitted {
             Ok(ev) => ev,
+            Err(e @ HiCacheError::StreamClosed(_)) => {
+                self.write_acks
+                    .push_back(InFlight::failed(Vec::new(), &ops));
+                return Err(e);
+            }
             Err(e) => {
                 // Copies already submitted only rewrite the same host pages; a retry redoes them.
                 self.write_queue = ops;
@@ -684,17 +645,50 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         Ok(Some(stats))
     }
 
+    /// Reports every queued (not started) backup as failed at the next
+    /// [`HybridCacheController::poll_acks`], for a caller that cannot wait for a retry of a
+    /// refused submission (write-back eviction frees the source pages right after).
+    pub fn fail_queued_writes(&mut self) {
+        if !self.write_queue.is_empty() {
+            let ops = std::mem::take(&mut self.write_queue);
+            self.write_acks
+                .push_back(InFlight::failed(Vec::new(), &ops));
+        }
+    }
+
     /// Merges every queued load into one host→device transfer, submitted layer by layer on the
     /// load stream with one event per layer in a fresh producer slot of the layer counter.
     /// Extra pools the operations move are copied first, so every layer's event also covers
-    /// them. Returns `None` when nothing was queued.
+    /// them.
+    ///
+    /// The batch also waits for loads of earlier batches that are not acknowledged yet: their
+    /// pages are in the tree already, so a request of this batch may have matched them. Call it
+    /// once per batch, before its forward, even when the batch queued no load. Returns `None`
+    /// when nothing was queued and no load is in flight.
     ///
     /// # Errors
     /// The backend refused a copy, or the producer slot's previous batch failed. The operations
-    /// stay queued when nothing was submitted.
+    /// stay queued when nothing was submitted (the batch that needs them must not run: their
+    /// device pages hold no KV yet); they are reported as failed by the next
+    /// [`HybridCacheController::poll_acks`] when part of them was submitted or the stream is
+    /// closed. A load of an earlier batch known to have failed that way also fails this batch
+    /// (its pages are garbage until the next step boundary repairs them).
     pub fn start_loading(&mut self) -> Result<Option<LoadStep>> {
+        if self.load_acks.iter().any(|t| t.failed) {
+            return Err(HiCacheError::Transfer(
+                "a load of an earlier batch failed to submit; repaired at the next step".into(),
+            ));
+        }
         if self.load_queue.is_empty() {
-            return Ok(None);
+            if self.load_acks.iter().all(InFlight::is_complete) {
+                return Ok(None);
+            }
+            let producer = self.layers.update_producer()?;
+            self.wait_for_earlier_loads(producer);
+            return Ok(Some(LoadStep {
+                producer,
+                stats: TransferStats::default(),
+            }));
         }
         let ops = std::mem::take(&mut self.load_queue);
         let (runs, stats) = self.merge(&ops);
@@ -708,12 +702,17 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 return Err(e);
             }
         };
+        self.wait_for_earlier_loads(producer);
         if let Err(e) = extra
             .into_iter()
             .try_for_each(|c| self.backend.enqueue_slot_copy(StreamKind::Load, c))
         {
-            // Only extra slots the operations own were written; nothing is reported yet.
-            self.load_queue = ops;
+            if matches!(e, HiCacheError::StreamClosed(_)) {
+                self.load_acks.push_back(InFlight::failed(Vec::new(), &ops));
+            } else {
+                // Only extra slots the operations own were written; nothing is reported yet.
+                self.load_queue = ops;
+            }
             return Err(e);
         }
         let layers = self.backend.geometry().layers;
@@ -731,20 +730,19 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 .and_then(|()| self.backend.record_event(StreamKind::Load));
             match ev {
                 Ok(ev) => {
-                    self.layers.set_event(producer, layer, ev.clone());
+                    self.layers.add_event(producer, layer, ev.clone());
                     events.push(ev);
                 }
-                Err(e) if layer == 0 => {
+                Err(e) if layer == 0 && !matches!(e, HiCacheError::StreamClosed(_)) => {
                     self.load_queue = ops;
                     return Err(e);
                 }
                 Err(e) => {
-                    // Part of the transfer is in flight and the rest never will be: report the
-                    // loads as failed (once the submitted part is done) rather than as loaded.
+                    // Part of the transfer is in flight and the rest never will be (or the
+                    // stream is gone): report the loads as failed once the submitted part is
+                    // done, never as loaded.
                     tracing::error!(error = %e, "pipelined load submission failed mid-way");
-                    let mut t = InFlight::new(events, ops.iter().map(|o| o.id).collect());
-                    t.failed = true;
-                    self.load_acks.push_back(t);
+                    self.load_acks.push_back(InFlight::failed(events, &ops));
                     return Err(e);
                 }
             }
@@ -752,6 +750,16 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.load_acks
             .push_back(InFlight::new(events, ops.iter().map(|o| o.id).collect()));
         Ok(Some(LoadStep { producer, stats }))
+    }
+
+    /// Makes `producer`'s layers wait for every unacknowledged load as well (its events report
+    /// its own failure, which a later transfer's events would not).
+    fn wait_for_earlier_loads(&self, producer: usize) {
+        for t in &self.load_acks {
+            for (layer, ev) in t.events.iter().enumerate() {
+                self.layers.add_event(producer, layer, ev.clone());
+            }
+        }
     }
 
     /// Pops the completed transfers, oldest first (a transfer completes only after every older
@@ -764,6 +772,8 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             &mut acks.failed_writes,
         );
         drain_done(&mut self.load_acks, &mut acks.loads, &mut acks.failed_loads);
+        self.pending.0 -= acks.writes.len() + acks.failed_writes.len();
+        self.pending.1 -= acks.loads.len() + acks.failed_loads.len();
         self.release_deferred();
         acks
     }

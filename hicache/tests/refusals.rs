@@ -1,0 +1,178 @@
+//! A backend that refuses a submission (`enqueue_copy` / `record_event` return an error) must
+//! not lose the operations: the controller re-queues them and the next start retries, and no
+//! KV is ever served from a copy that did not happen.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use radixkv_hicache::{
+    HiCacheError, HiRadixCache, HostLayout, HostPool, HostSim, HostSimConfig, HostSize,
+    HybridCacheController, KvGeometry, StreamKind, WritePolicy,
+};
+use radixkv_radix::{FinishKind, PageAllocator, PageId, PrefixCache};
+
+fn controller() -> (Arc<HostSim>, HybridCacheController<HostSim>, KvGeometry) {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let dev = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+    let pool = HostPool::new(g, 16, HostLayout::PageFirst).unwrap();
+    let ctrl = HybridCacheController::new(dev.clone(), pool, &[]).unwrap();
+    (dev, ctrl, g)
+}
+
+fn check_host(ctrl: &HybridCacheController<HostSim>, g: &KvGeometry, host: &[u32], hs: &[u64]) {
+    let mut buf = vec![0u8; g.page_bytes_per_layer()];
+    for (&h, &x) in host.iter().zip(hs) {
+        for l in 0..LAYERS {
+            ctrl.host().memory().read_page(l, h, &mut buf).unwrap();
+            assert!(buf == page_bytes(g, x, l), "host page {h} layer {l}");
+        }
+    }
+}
+
+#[test]
+fn controller_requeues_a_refused_backup_and_retries_it() {
+    let (dev, mut ctrl, g) = controller();
+    let src: Vec<PageId> = (0..6).map(PageId).collect();
+    let hs: Vec<u64> = (0..6).map(|i| mix(i + 3)).collect();
+    write_pages(&*dev, &src, &hs);
+    let a = ctrl.write(&src[..3], 0, Vec::new()).unwrap().clone();
+    let b = ctrl.write(&src[3..], 0, Vec::new()).unwrap().clone();
+    dev.refuse_next_submissions(StreamKind::Write, 1);
+    assert!(matches!(
+        ctrl.start_writing(),
+        Err(HiCacheError::Transfer(_))
+    ));
+    assert_eq!(ctrl.queued(), (2, 0), "both backups are queued again");
+    assert_eq!(ctrl.in_flight(), (0, 0));
+    let stats = ctrl
+        .start_writing()
+        .unwrap()
+        .expect("the retry submits them");
+    assert_eq!(stats.ops, 2);
+    ctrl.wait_all().unwrap();
+    let acks = ctrl.poll_acks();
+    assert_eq!(acks.writes, vec![a.id, b.id]);
+    assert!(!acks.has_failures());
+    assert_eq!(ctrl.pending(), (0, 0));
+    let host: Vec<u32> = a.host_pages.iter().chain(&b.host_pages).copied().collect();
+    check_host(&ctrl, &g, &host, &hs);
+}
+
+#[test]
+fn controller_requeues_a_refused_load_and_retries_it() {
+    let (dev, mut ctrl, g) = controller();
+    let src: Vec<PageId> = (0..4).map(PageId).collect();
+    let hs: Vec<u64> = (0..4).map(|i| mix(i + 11)).collect();
+    write_pages(&*dev, &src, &hs);
+    let host = ctrl.write(&src, 0, Vec::new()).unwrap().host_pages.clone();
+    ctrl.start_writing().unwrap();
+    ctrl.wait_all().unwrap();
+    assert_eq!(ctrl.poll_acks().writes.len(), 1);
+    let mut alloc = PageAllocator::new(16).unwrap();
+    alloc.alloc(4).unwrap(); // the sources stay allocated
+    let op = ctrl.load(&host, &mut alloc, Vec::new()).unwrap().clone();
+    dev.refuse_next_submissions(StreamKind::Load, 1);
+    assert!(matches!(
+        ctrl.start_loading(),
+        Err(HiCacheError::Transfer(_))
+    ));
+    assert_eq!(ctrl.queued(), (0, 1), "the load is queued again");
+    let step = ctrl.start_loading().unwrap().expect("the retry submits it");
+    ctrl.layer_counter().set_consumer(step.producer);
+    for l in 0..LAYERS {
+        ctrl.layer_counter().wait_until(l).unwrap();
+    }
+    ctrl.wait_all().unwrap();
+    assert_eq!(ctrl.poll_acks().loads, vec![op.id]);
+    check_pages(&*dev, &op.device_pages, &hs);
+    let _ = g;
+}
+
+fn hi(policy: WritePolicy) -> HiRadixCache<HostSim> {
+    cache(2, 16, HostSize::Ratio(2.0), HostLayout::PageFirst, policy)
+}
+
+/// Everything is settled and nothing leaks: no lock, no unacknowledged backup, no row, every
+/// device page free or in the tree.
+fn settled(c: &mut HiRadixCache<HostSim>) {
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0, "a transfer lock leaked");
+    assert_eq!(c.unacked_backup_pages(), 0);
+    assert_eq!(c.controller().pending(), (0, 0));
+    let p = c.pools();
+    assert_eq!(p.rows.live(), 0);
+    assert_eq!(p.pages.available() + p.pages.tree_pages(), p.pages.total());
+}
+
+#[test]
+fn refused_backup_is_retried_at_the_next_step() {
+    let mut c = hi(WritePolicy::WriteThrough);
+    let a = tokens(1, 9);
+    c.backend().refuse_next_submissions(StreamKind::Write, 1);
+    // The refusal is not the request's failure: it finishes normally.
+    serve(&mut c, &a).unwrap();
+    assert_eq!(c.stats().refused_submissions, 1);
+    assert_eq!(c.controller().queued().0, 1, "the backup waits for a retry");
+    assert!(c.protected_tokens() > 0, "still pinned until its ack");
+    c.step().unwrap();
+    settled(&mut c);
+    assert_eq!(c.stats().writes_acked, 1);
+    assert_eq!(c.host_tokens(), 8);
+    // The retried copy is the real KV: demote A and load it back byte for byte.
+    c.evict(100);
+    assert_eq!(serve(&mut c, &a).unwrap().loaded, 8);
+    settled(&mut c);
+}
+
+#[test]
+fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
+    let mut c = hi(WritePolicy::WriteBack);
+    let a = tokens(1, 9);
+    serve(&mut c, &a).unwrap();
+    // B needs A's pages: evicting A backs it up first, and that submission is refused.
+    c.backend().refuse_next_submissions(StreamKind::Write, 1);
+    let b = tokens(2, 29);
+    serve(&mut c, &b).unwrap();
+    let s = c.stats();
+    assert_eq!(s.refused_submissions, 1);
+    assert_eq!(s.demoted_tokens, 0, "{s:?}");
+    assert!(s.dropped_without_backup >= 8, "{s:?}");
+    c.step().unwrap();
+    settled(&mut c);
+    // A is recomputed, never loaded from a host copy taken after its pages were reused.
+    let served = serve(&mut c, &a).unwrap();
+    assert_eq!((served.host_hit, served.loaded), (0, 0));
+    settled(&mut c);
+}
+
+#[test]
+fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
+    let mut c = hi(WritePolicy::WriteThrough);
+    let a = tokens(1, 9);
+    demote_to_host(&mut c, &a);
+    let mut r = begin(&mut c, &a);
+    assert_eq!(r.prefix_len, 8);
+    c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    assert!(matches!(c.start_loading(), Err(HiCacheError::Transfer(_))));
+    assert_eq!(c.controller().queued().1, 1);
+    // The step boundary does not lose it either.
+    c.step().unwrap();
+    let step = c
+        .start_loading()
+        .unwrap()
+        .expect("the retry starts the load");
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    for l in 0..LAYERS {
+        counter.wait_until(l).unwrap();
+    }
+    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    c.alloc_tokens(&mut r, 1).unwrap();
+    r.commit(1).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    settled(&mut c);
+    assert_eq!(c.stats().loads_acked, 1);
+}
