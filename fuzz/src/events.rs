@@ -15,9 +15,7 @@ use radixkv_radix::{KvEvent, Medium, Namespace, TokenId, align_down};
 #[derive(Debug, Default, Clone)]
 pub struct EventShadow {
     page_size: usize,
-    device: HashMap<u64, Option<u64>>,
-    host: HashMap<u64, Option<u64>>,
-    storage: HashMap<u64, Option<u64>>,
+    stored: HashMap<Medium, HashMap<u64, Option<u64>>>,
     /// Events applied so far.
     pub applied: usize,
 }
@@ -32,20 +30,12 @@ impl EventShadow {
     }
 
     fn medium(&mut self, m: Medium) -> &mut HashMap<u64, Option<u64>> {
-        match m {
-            Medium::Device => &mut self.device,
-            Medium::Host => &mut self.host,
-            Medium::Storage => &mut self.storage,
-        }
+        self.stored.entry(m).or_default()
     }
 
     /// Pages stored on `m`.
     pub fn stored(&self, m: Medium) -> usize {
-        match m {
-            Medium::Device => self.device.len(),
-            Medium::Host => self.host.len(),
-            Medium::Storage => self.storage.len(),
-        }
+        self.stored.get(&m).map_or(0, HashMap::len)
     }
 
     /// Applies drained events.
@@ -106,18 +96,10 @@ impl EventShadow {
                         }
                     }
                 }
-                KvEvent::AllCleared => {
-                    self.device.clear();
-                    self.host.clear();
-                    self.storage.clear();
-                }
+                KvEvent::AllCleared => self.stored.clear(),
             }
         }
-        for (m, map) in [
-            (Medium::Device, &self.device),
-            (Medium::Host, &self.host),
-            (Medium::Storage, &self.storage),
-        ] {
+        for (m, map) in &self.stored {
             if let Some((h, p)) = map
                 .iter()
                 .find(|(_, p)| p.is_some_and(|p| !map.contains_key(&p)))
@@ -150,12 +132,8 @@ impl EventShadow {
             self.page_size,
             &mut hashes,
         );
-        let map = match m {
-            Medium::Device => &self.device,
-            Medium::Host => &self.host,
-            Medium::Storage => &self.storage,
-        };
-        match hashes.iter().position(|h| !map.contains_key(h)) {
+        let stored = |h: &u64| self.stored.get(&m).is_some_and(|map| map.contains_key(h));
+        match hashes.iter().position(|h| !stored(h)) {
             Some(i) => Err(format!(
                 "page {i} of a {len}-token hit on {m:?} was never reported stored there"
             )),
