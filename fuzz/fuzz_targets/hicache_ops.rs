@@ -123,7 +123,7 @@ fn build(s: &Setup) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
         load_back_min_tokens: usize::from(s.load_back_min % 8),
         load_back_quota_tokens: s.quota.map(usize::from),
         load_back_on_begin: s.load_back_on_begin,
-        extra_pools: Vec::new(),
+        ..HiCacheConfig::default()
     };
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
