@@ -262,7 +262,11 @@ impl Harness {
                 Some(v)
             }
             Err(e) => {
-                assert!(matches!(e, CacheError::OutOfPages { .. }), "{e}");
+                // Short of pages, or a size no pool can have (any typed error will do).
+                assert!(
+                    n > usize::MAX / 2 || matches!(e, CacheError::OutOfPages { .. }),
+                    "{e}"
+                );
                 assert_eq!(
                     before,
                     footprint(&self.cache),
@@ -704,7 +708,10 @@ impl Harness {
                     .expect("commit what was allocated");
             }
             Err(e) => {
-                assert!(matches!(e, CacheError::OutOfPages { .. }), "{e}");
+                assert!(
+                    n.is_huge() || matches!(e, CacheError::OutOfPages { .. }),
+                    "{e}"
+                );
                 assert_eq!(
                     req.allocated_len, alloc,
                     "a failed alloc_tokens moved the request"
