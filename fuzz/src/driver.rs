@@ -370,8 +370,8 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 "a non-streaming session refused a request"
             );
         }
-        let concurrent = s.turn.is_some();
-        let expect_slot = s.saved.clone().filter(|_| s.streaming && !concurrent);
+        // An idle slot answers the turn even while another (unlent) turn of the session runs.
+        let expect_slot = s.saved.clone().filter(|_| s.streaming);
         let running = match self.admit(req, rematch) {
             Ok(Some(r)) => r,
             // Out of rows: nothing held.
@@ -393,7 +393,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 req.prefix_pages[..],
                 pages[..pages_for(req.prefix_len, self.p)]
             );
-        } else if s_streaming(&self.sessions, id) && !concurrent {
+        } else if s_streaming(&self.sessions, id) {
             let info = self.cache.session_info(id).expect("open");
             assert!(
                 info.slot_committed_len.is_none(),
