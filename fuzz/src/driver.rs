@@ -563,7 +563,8 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             }
             return;
         };
-        assert!(!info.lent);
+        // Another turn may hold the slot now; this one handed it back if it had it.
+        assert!(!(lent && info.lent), "a finished turn kept its session's slot lent");
         if info.history_len == key.len() {
             s.history = key;
         } else {
