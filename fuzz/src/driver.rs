@@ -564,7 +564,10 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             return;
         };
         // Another turn may hold the slot now; this one handed it back if it had it.
-        assert!(!(lent && info.lent), "a finished turn kept its session's slot lent");
+        assert!(
+            !(lent && info.lent),
+            "a finished turn kept its session's slot lent"
+        );
         if info.history_len == key.len() {
             s.history = key;
         } else {
@@ -721,11 +724,12 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             }
             DriverOp::Close { id } => {
                 let id = u64::from(id % SESSIONS);
+                // The lent turn may be a concurrent one: ask the cache who holds the slot.
+                let lent = self.cache.session_info(id).is_some_and(|i| i.lent);
                 let r = self.cache.close(id);
                 match self.sessions.get_mut(&id).filter(|s| s.open) {
                     None => assert_eq!(r, Err(SessionError::Unknown(id))),
                     Some(s) => {
-                        let lent = s.turn.as_ref().is_some_and(|t| t.req.kv_lent);
                         let out = r.expect("close an open session");
                         assert_eq!(out == CloseOutcome::Deferred, lent);
                         if !lent {
@@ -740,12 +744,12 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             }
             DriverOp::Demote { id } => {
                 let id = u64::from(id % SESSIONS);
+                let lent = self.cache.session_info(id).is_some_and(|i| i.lent);
                 let r = self.cache.demote(id);
                 match self.sessions.get_mut(&id).filter(|s| s.open) {
                     None => assert_eq!(r, Err(SessionError::Unknown(id))),
                     Some(s) => {
                         let demoted = r.expect("demote an open session");
-                        let lent = s.turn.as_ref().is_some_and(|t| t.req.kv_lent);
                         if demoted {
                             assert!(!lent && s.saved.is_some());
                             s.saved = None;
