@@ -568,7 +568,12 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             !(lent && info.lent),
             "a finished turn kept its session's slot lent"
         );
-        if info.history_len == key.len() {
+        // A finished turn becomes the history if it extends it (the cache checked that);
+        // anything else leaves the history alone.
+        if kind == FinishKind::Finished
+            && info.history_len == key.len()
+            && key.starts_with(&s.history)
+        {
             s.history = key;
         } else {
             assert_eq!(
