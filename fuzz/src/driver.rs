@@ -31,6 +31,10 @@ pub trait Backing: PrefixCache {
     fn settle(&mut self) -> bool {
         true
     }
+
+    /// Completes every transfer in flight (teardown), so that none holds a lock; retries
+    /// after failed copies, which are repaired or undone at the next boundary.
+    fn quiesce(&mut self) {}
 }
 
 impl Backing for RadixCache {}
@@ -50,6 +54,16 @@ impl<B: DeviceBackend> Backing for HiRadixCache<B> {
         }
         // A failed load is repaired by the next step boundary, or reported there.
         !failed || self.step().is_ok()
+    }
+
+    fn quiesce(&mut self) {
+        // Each failing flush uses up at least one injected fault, and there are few.
+        for _ in 0..10_000 {
+            if self.flush().is_ok() {
+                return;
+            }
+        }
+        panic!("transfers still fail after the injected faults ran out");
     }
 }
 
@@ -874,6 +888,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             }
         }
         self.sessions.clear();
+        self.cache.inner_mut().quiesce();
         self.audit();
         let a = self.cache.accounting();
         assert_eq!(
