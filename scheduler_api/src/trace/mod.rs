@@ -213,36 +213,71 @@ impl Default for ReadOptions {
     }
 }
 
-/// Reads a trace file.
+/// How the bytes of a trace are compressed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// Plain text.
+    None,
+    /// gzip (the agentic traces ship as `.jsonl.gz`).
+    Gzip,
+}
+
+impl Compression {
+    /// What a file's extension says: `.gz` is gzip, anything else plain text.
+    pub fn from_path(path: &Path) -> Self {
+        if path.extension().is_some_and(|e| e == "gz") {
+            Compression::Gzip
+        } else {
+            Compression::None
+        }
+    }
+}
+
+/// Reads a trace file: [`decode_trace`] over the file, gzip'd when its name ends in `.gz`.
 ///
 /// # Errors
 /// [`ManagerError::Io`] for a missing or unreadable file, [`ManagerError::Trace`] with the
 /// line number for malformed content.
 pub fn read_trace(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Result<Trace> {
     let file = std::fs::File::open(path).map_err(|e| io_err(path, &e))?;
-    let gz = path.extension().is_some_and(|e| e == "gz");
-    let reader: Box<dyn Read> = if gz {
-        Box::new(flate2::read::GzDecoder::new(file))
-    } else {
-        Box::new(file)
+    let source = path.display().to_string();
+    let mut trace = decode_trace(file, Compression::from_path(path), &source, format, opts)?;
+    if let Some(name) = path.file_name() {
+        trace.name = name.to_string_lossy().into_owned();
+    }
+    Ok(trace)
+}
+
+/// Decodes a trace from any byte source (a file, a network stream, bytes in memory). The one
+/// decoding path: [`read_trace`] calls it too. `source` names the input in error messages and
+/// becomes the trace's name.
+///
+/// # Errors
+/// [`ManagerError::Trace`] with the 1-based line number for malformed content (including
+/// corrupt gzip and read errors of `reader`), and with line 0 for a trace without requests.
+pub fn decode_trace(
+    reader: impl Read,
+    compression: Compression,
+    source: &str,
+    format: TraceFormat,
+    opts: &ReadOptions,
+) -> Result<Trace> {
+    let reader: Box<dyn Read + '_> = match compression {
+        Compression::Gzip => Box::new(flate2::read::GzDecoder::new(reader)),
+        Compression::None => Box::new(reader),
     };
     let reader = BufReader::with_capacity(1 << 20, reader);
-    let name = path
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let ctx = Ctx { path, name };
+    let ctx = Ctx {
+        source,
+        name: source.to_string(),
+    };
     let trace = match format {
         TraceFormat::Mooncake => mooncake::read(reader, &ctx, opts),
         TraceFormat::Weka => weka::read(reader, &ctx, opts),
         TraceFormat::Azure => azure::read(reader, &ctx, opts),
     }?;
     if trace.requests.is_empty() {
-        return Err(ManagerError::Trace {
-            path: path.display().to_string(),
-            line: 0,
-            message: "the trace has no requests".into(),
-        });
+        return Err(ctx.err(0, "the trace has no requests"));
     }
     let mut trace = trace.finish();
     if let Some(n) = opts.max_requests {
@@ -252,14 +287,14 @@ pub fn read_trace(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Resul
 }
 
 pub(crate) struct Ctx<'a> {
-    pub path: &'a Path,
+    pub source: &'a str,
     pub name: String,
 }
 
 impl Ctx<'_> {
     pub fn err(&self, line: usize, message: impl Into<String>) -> ManagerError {
         ManagerError::Trace {
-            path: self.path.display().to_string(),
+            path: self.source.to_string(),
             line,
             message: message.into(),
         }
@@ -352,6 +387,64 @@ mod tests {
             block_tokens(id, n, &mut expect);
         }
         assert_eq!(t, expect);
+    }
+
+    #[test]
+    fn decoding_bytes_plain_or_gzip_gives_the_same_trace() {
+        use std::io::Write;
+        let text = concat!(
+            r#"{"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}"#,
+            "\n\n",
+            r#"{"timestamp": 1, "input_length": 20, "output_length": 0, "hash_ids": [0]}"#,
+            "\n",
+        );
+        let opts = ReadOptions::default();
+        let plain = decode_trace(
+            text.as_bytes(),
+            Compression::None,
+            "mem",
+            TraceFormat::Mooncake,
+            &opts,
+        )
+        .unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(text.as_bytes()).unwrap();
+        let gz = gz.finish().unwrap();
+        let unzipped = decode_trace(
+            &gz[..],
+            Compression::Gzip,
+            "mem",
+            TraceFormat::Mooncake,
+            &opts,
+        )
+        .unwrap();
+        assert_eq!(plain, unzipped);
+        assert_eq!(plain.name, "mem");
+        // Sorted by arrival; the output length is at least one token.
+        assert_eq!(plain.requests[0].prompt_len, 20);
+        assert_eq!(plain.requests[0].output_len, 1);
+        // A malformed line is reported with its 1-based number (blank lines count).
+        let bad = text.replace("\"hash_ids\": [0]", "\"hash_ids\": []");
+        let e = decode_trace(
+            bad.as_bytes(),
+            Compression::None,
+            "mem",
+            TraceFormat::Mooncake,
+            &opts,
+        )
+        .unwrap_err();
+        assert!(matches!(e, ManagerError::Trace { line: 3, .. }), "{e}");
+        // Plain text read as gzip is a trace error, not a panic.
+        assert!(matches!(
+            decode_trace(
+                text.as_bytes(),
+                Compression::Gzip,
+                "mem",
+                TraceFormat::Mooncake,
+                &opts
+            ),
+            Err(ManagerError::Trace { .. })
+        ));
     }
 
     #[test]

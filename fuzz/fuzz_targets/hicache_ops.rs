@@ -1,0 +1,225 @@
+//! `HiRadixCache` over `HostSim`, wrapped in `SessionAwareCache` (plain requests pass through
+//! it untouched, so both the tiered cache alone and sessions over it are driven): every write
+//! policy, both host layouts, host eviction policies, load-back limits, step boundaries,
+//! flushes, host eviction, resets, and injected copy failures on either stream.
+//!
+//! KV bytes really move between the simulated device and the host, so the KV oracle reads the
+//! device pool itself ([`radixkv_fuzz::kv::BackendKv`]): a load-back that copied the wrong
+//! host page, or a failed copy served as KV, is a mismatch. The event shadow must agree with
+//! both tiers: device pages in the tree, and host pages in the tree less the backups not
+//! acknowledged yet (their host `BlockStored` comes with the ack).
+#![no_main]
+
+use std::sync::Arc;
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use radixkv_fuzz::driver::{Driver, DriverOp};
+use radixkv_fuzz::input::Size;
+use radixkv_fuzz::kv::BackendKv;
+use radixkv_hicache::{
+    HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
+    StreamKind, WritePolicy,
+};
+use radixkv_radix::{Medium, PolicyKind, PrefixCache, RadixConfig};
+use radixkv_session::SessionConfig;
+
+#[derive(Arbitrary, Debug)]
+struct Setup {
+    page_size: u8,
+    pages: u8,
+    host_pages: u8,
+    rows: u8,
+    layers: u8,
+    write_policy: u8,
+    page_first: bool,
+    policy: u8,
+    host_policy: Option<u8>,
+    load_back_min: u8,
+    quota: Option<u8>,
+    load_back_on_begin: bool,
+    budget_pages: u8,
+    ttl: Option<u8>,
+    events: bool,
+    /// Mostly the defaults; sometimes one or two pending operations per direction and a
+    /// one-command stream queue, so back-pressure (skipped backups, `Busy` loads, blocked
+    /// submissions) is exercised.
+    tight_queues: u8,
+}
+
+/// A fault the backend can be told to inject. Each variant maps to one fault hook of
+/// `HostSim`; a new hook is a new variant and one arm in [`inject`].
+#[derive(Arbitrary, Debug)]
+enum Fault {
+    /// The next `n` copies on the stream fail (their destination is poisoned).
+    FailCopies { write: bool, n: u8 },
+    /// The backend refuses the next `n` submissions on the stream (nothing is queued).
+    RefuseSubmissions { write: bool, n: u8 },
+}
+
+#[derive(Arbitrary, Debug)]
+enum TierOp {
+    /// A step boundary: start backups, apply acks.
+    Step,
+    /// Start everything, wait, apply acks.
+    Flush,
+    /// Host eviction.
+    EvictHost {
+        tokens: Size,
+    },
+    Fault(Fault),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Drive(DriverOp),
+    Tier(TierOp),
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    setup: Setup,
+    ops: Vec<Op>,
+}
+
+fn stream(write: bool) -> StreamKind {
+    if write {
+        StreamKind::Write
+    } else {
+        StreamKind::Load
+    }
+}
+
+fn inject(backend: &HostSim, f: &Fault) {
+    match *f {
+        Fault::FailCopies { write, n } => backend.fail_next_copies(stream(write), u32::from(n % 4)),
+        Fault::RefuseSubmissions { write, n } => {
+            backend.refuse_next_submissions(stream(write), u32::from(n % 4));
+        }
+    }
+}
+
+fn build(s: &Setup) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
+    let p = 1 + usize::from(s.page_size % 4);
+    let pages = 8 + usize::from(s.pages % 40);
+    let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
+    let tight = s.tight_queues % 4 == 1;
+    let sim = HostSimConfig {
+        stream_capacity: if tight {
+            1
+        } else {
+            HostSimConfig::default().stream_capacity
+        },
+        ..HostSimConfig::default()
+    };
+    let backend = Arc::new(HostSim::new(geometry, pages, sim).expect("sim"));
+    let policy = |b: u8| PolicyKind::ALL[usize::from(b) % PolicyKind::ALL.len()];
+    let write_policy = match s.write_policy % 3 {
+        0 => WritePolicy::WriteThrough,
+        1 => WritePolicy::WriteThroughSelective {
+            hits: 1 + u32::from(s.write_policy / 3 % 3),
+        },
+        _ => WritePolicy::WriteBack,
+    };
+    let cfg = HiCacheConfig {
+        radix: RadixConfig {
+            page_size: p,
+            total_pages: pages,
+            max_rows: 2 + usize::from(s.rows % 8),
+            policy: policy(s.policy),
+            events: s.events,
+            disabled: false,
+            ..Default::default()
+        },
+        host_size: HostSize::Pages(1 + usize::from(s.host_pages % 64)),
+        host_layout: if s.page_first {
+            HostLayout::PageFirst
+        } else {
+            HostLayout::LayerFirst
+        },
+        write_policy,
+        host_policy: s.host_policy.map(policy),
+        load_back_min_tokens: usize::from(s.load_back_min % 8),
+        load_back_quota_tokens: s.quota.map(usize::from),
+        load_back_on_begin: s.load_back_on_begin,
+        max_pending_ops: if tight {
+            1 + usize::from(s.tight_queues / 4 % 2)
+        } else {
+            HiCacheConfig::default().max_pending_ops
+        },
+        ..HiCacheConfig::default()
+    };
+    let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
+    (cache, backend)
+}
+
+type Harness = Driver<HiRadixCache<HostSim>, BackendKv<HostSim>>;
+
+/// Runs a tier operation. Errors are only acceptable once a fault was injected.
+fn tier(d: &mut Harness, backend: &HostSim, op: &TierOp, faulty: &mut bool) {
+    let c = d.cache.inner_mut();
+    match op {
+        TierOp::Step => {
+            let r = c.step();
+            assert!(r.is_ok() || *faulty, "step failed without a fault: {r:?}");
+        }
+        TierOp::Flush => {
+            let r = c.flush();
+            assert!(r.is_ok() || *faulty, "flush failed without a fault: {r:?}");
+        }
+        TierOp::EvictHost { tokens } => {
+            let before = c.host_tokens();
+            let n = c.evict_host(tokens.0);
+            assert!(
+                n <= before && c.host_tokens() == before - n,
+                "{n} of {before}"
+            );
+        }
+        TierOp::Fault(f) => {
+            *faulty = true;
+            inject(backend, f);
+        }
+    }
+}
+
+/// The host side of the event shadow: host pages in the tree, less unacknowledged backups.
+fn audit_host(d: &mut Harness) {
+    let Some(s) = &d.shadow else { return };
+    let c = d.cache.inner();
+    let host = c.device_cache().tree().host_page_count() - c.unacked_backup_pages();
+    assert_eq!(
+        s.stored(Medium::Host),
+        host,
+        "the events disagree with the tree about what is on the host"
+    );
+    assert!(c.host_tokens() <= c.controller().host().total() * c.page_size());
+}
+
+fuzz_target!(|input: Input| {
+    let s = &input.setup;
+    let (cache, backend) = build(s);
+    let p = cache.page_size();
+    let cfg = SessionConfig {
+        max_held_tokens: usize::from(s.budget_pages) * p,
+        max_session_tokens: usize::from(s.budget_pages).max(1) * p,
+        idle_ttl: s.ttl.map(u64::from),
+    };
+    let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), s.events);
+    let mut faulty = false;
+    for op in &input.ops {
+        match op {
+            Op::Drive(op) => d.step(op),
+            Op::Tier(op) => tier(&mut d, &backend, op, &mut faulty),
+        }
+        d.audit();
+        audit_host(&mut d);
+    }
+    // Ends everything and flushes the tier: no transfer may keep a lock, nothing may leak.
+    d.teardown();
+    audit_host(&mut d);
+    assert_eq!(c_unacked(&d), 0, "a backup was never acknowledged");
+});
+
+fn c_unacked(d: &Harness) -> usize {
+    d.cache.inner().unacked_backup_pages()
+}

@@ -1,0 +1,61 @@
+//! Input pieces the operation sequences are decoded from (with `arbitrary`).
+
+use arbitrary::{Arbitrary, Result, Unstructured};
+use radixkv_radix::{Namespace, TokenId};
+
+/// A size a caller passes: usually small, sometimes within 16 of `usize::MAX`, where
+/// unchecked arithmetic wraps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub usize);
+
+impl Size {
+    /// True for the sizes near `usize::MAX`.
+    pub fn is_huge(self) -> bool {
+        self.0 > usize::MAX / 2
+    }
+}
+
+impl<'a> Arbitrary<'a> for Size {
+    fn arbitrary(u: &mut Unstructured<'a>) -> Result<Self> {
+        let b: u8 = u.arbitrary()?;
+        Ok(Size(if b >= 0xF0 {
+            usize::MAX - usize::from(b - 0xF0)
+        } else {
+            usize::from(b % 48)
+        }))
+    }
+
+    fn size_hint(_depth: usize) -> (usize, Option<usize>) {
+        (1, Some(1))
+    }
+}
+
+/// A token run over a four-token alphabet, so unrelated runs still share prefixes and the
+/// tree splits and merges often. At most 40 tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokens(pub Vec<TokenId>);
+
+impl<'a> Arbitrary<'a> for Tokens {
+    fn arbitrary(u: &mut Unstructured<'a>) -> Result<Self> {
+        let n = u.int_in_range(0..=40u8)?;
+        let mut v = Vec::with_capacity(n.into());
+        for _ in 0..n {
+            v.push(TokenId::from(u.int_in_range(0..=3u8)?));
+        }
+        Ok(Tokens(v))
+    }
+}
+
+/// The namespaces the targets use (the default one and two tenants).
+pub fn namespace(i: u8) -> Namespace {
+    match i % 3 {
+        0 => Namespace::DEFAULT,
+        1 => Namespace::new("tenant-a"),
+        _ => Namespace::new("tenant-b"),
+    }
+}
+
+/// Index `i` into a collection of `len` items (`None` when it is empty).
+pub fn pick(i: u8, len: usize) -> Option<usize> {
+    (len > 0).then(|| usize::from(i) % len)
+}
