@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use radixkv_radix::{CacheError, PrefixCache, RadixCache, RadixConfig, RequestKv};
-use radixkv_session::{SessionAwareCache, SessionConfig};
+use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
 use crate::config::{CacheKind, DeviceBackend, ManagerConfig};
 use crate::error::{ManagerError, Result};
@@ -127,8 +127,8 @@ pub trait ManagedCache: PrefixCache + Send {
     ///
     /// # Errors
     /// Session-layer errors.
-    fn close_session(&mut self, _id: u64) -> Result<()> {
-        Ok(())
+    fn close_session(&mut self, _id: u64) -> Result<CloseOutcome> {
+        Ok(CloseOutcome::Closed)
     }
     /// Demotes idle session `id` now (its KV goes to the tree, its slot, row and lock are
     /// released; the session stays open). Returns false when it held nothing idle.

@@ -88,4 +88,5 @@ pub use manager::{
     Admission, Admitted, KvCacheManager, ReqId, Request, StepHandle, StepSummary, WaitReason,
 };
 pub use metrics::Metrics;
+pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

@@ -26,6 +26,7 @@ use radixkv_radix::{
     SessionTag, TokenId,
 };
 
+use crate::CloseOutcome;
 use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
@@ -276,12 +277,14 @@ impl KvCacheManager {
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
         // Only a session layer gives the tag a meaning; without one it would be ignored anyway.
-        // A session is opened (streaming) the first time one of its requests arrives.
-        if let (Some(_), Some(sid)) = (&self.cfg.sessions, req.session) {
+        // A session is opened (streaming) the first time one of its requests arrives. A turn
+        // of a session whose close is still deferred (the cache knows it, this manager closed
+        // it) runs untagged: the session is on its way out, and a turn arriving after the
+        // close completes opens it afresh.
+        let closing = |sid| !self.sessions_open.contains(&sid) && self.cache.has_session(sid);
+        if let (Some(_), Some(sid)) = (&self.cfg.sessions, req.session.filter(|&s| !closing(s))) {
             if !self.sessions_open.contains(&sid) {
-                if !self.cache.has_session(sid) {
-                    self.cache.open_session(sid, true, None)?;
-                }
+                self.cache.open_session(sid, true, None)?;
                 self.sessions_open.insert(sid);
             }
             self.use_seq += 1;
@@ -577,15 +580,19 @@ impl KvCacheManager {
             .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
     }
 
-    /// Closes a session: whatever KV it holds is released to the cache.
+    /// Closes a session: whatever KV it holds is released to the cache. While a turn of it
+    /// is running the close is deferred to that turn's end ([`CloseOutcome::Deferred`]);
+    /// turns of the session arriving meanwhile run as ordinary requests (untagged), and one
+    /// arriving after the close opens the session afresh. Without a session layer there is
+    /// nothing to close and the answer is [`CloseOutcome::Closed`].
     ///
     /// # Errors
-    /// Session-layer errors.
-    pub fn close_session(&mut self, session: u64) -> Result<()> {
-        self.cache.close_session(session)?;
+    /// Session-layer errors ([`ManagerError::Session`] for a session that is not open).
+    pub fn close_session(&mut self, session: u64) -> Result<CloseOutcome> {
+        let outcome = self.cache.close_session(session)?;
         self.sessions_open.remove(&session);
         self.session_use.remove(&session);
-        Ok(())
+        Ok(outcome)
     }
 
     /// Opens a session explicitly (requests carrying an unknown session id open it as a
@@ -615,9 +622,10 @@ impl KvCacheManager {
         ids.sort_unstable();
         let mut first = Ok(());
         for id in ids {
-            let r = self.cache.close_session(id);
-            if first.is_ok() {
-                first = r;
+            if let Err(e) = self.cache.close_session(id)
+                && first.is_ok()
+            {
+                first = Err(e);
             }
         }
         first

@@ -15,7 +15,9 @@ pub struct Request {
     pub tokens: Vec<TokenId>,
     /// Tenant / LoRA / cache-salt namespace.
     pub namespace: Namespace,
-    /// The streaming session this request continues, if any.
+    /// The streaming session this request continues, if any (opened on first use; a turn
+    /// arriving while the session's close is deferred runs untagged, see
+    /// [`KvCacheManager::close_session`](crate::KvCacheManager::close_session)).
     pub session: Option<u64>,
     /// Priority (for the priority eviction policy).
     pub priority: i32,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use radixkv_radix::RequestKv;
-use radixkv_session::{Clock, SessionAwareCache};
+use radixkv_session::{Clock, CloseOutcome, SessionAwareCache};
 
 use crate::error::Result;
 use crate::factory::{ManagedCache, StepLoads, StepTransfers};
@@ -62,9 +62,8 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
         self.validate_turn(req).is_ok()
     }
 
-    fn close_session(&mut self, id: u64) -> Result<()> {
-        self.close(id)?;
-        Ok(())
+    fn close_session(&mut self, id: u64) -> Result<CloseOutcome> {
+        Ok(self.close(id)?)
     }
 
     fn demote_session(&mut self, id: u64) -> Result<bool> {

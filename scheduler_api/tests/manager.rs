@@ -1,7 +1,7 @@
 //! The KvCacheManager lifecycle, budgets, errors and metrics.
 
 use radixkv_scheduler_api::{
-    Admission, Admitted, HostTier, KvCacheManager, ManagerError, Request, SessionBudget,
+    Admission, Admitted, HostTier, KvCacheManager, ManagerError, ReqId, Request, SessionBudget,
     WaitReason, WritePolicy,
 };
 
@@ -317,6 +317,59 @@ fn sessions_open_on_arrival_serve_the_next_turn_and_release_on_close() {
         assert_eq!(a.session_held + a.protected + a.request_owned, 0, "{a:?}");
         assert_eq!(a.free + a.evictable, a.total);
         assert!(matches!(kv.close_session(7), Err(ManagerError::Session(_))));
+    }
+}
+
+/// Arrives, admits and prefills one turn of `session`, leaving it running.
+fn start_turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>) -> ReqId {
+    let id = kv
+        .arrive(Request::new(tokens).session(session).max_new_tokens(4))
+        .unwrap();
+    let Admission::Ready(a) = kv.admit(id).unwrap() else {
+        panic!("admission waited")
+    };
+    kv.extend(id, a.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    kv.end_step(step).unwrap();
+    kv.chunk_done(id).unwrap();
+    id
+}
+
+#[test]
+fn a_turn_arriving_during_a_deferred_close_runs_untagged_and_the_session_closes() {
+    for hicache in [false, true] {
+        let mut kv = session_manager(hicache);
+        turn(&mut kv, 7, (0..10).collect(), 2);
+        // Turn 2 borrows the session's slot, so the close waits for it; the close succeeds
+        // now and is not repeated later.
+        let mut next: Vec<u32> = (0..10).collect();
+        next.extend([9_000, 50]);
+        let second = start_turn(&mut kv, 7, next.clone());
+        kv.close_session(7).unwrap();
+        assert_eq!(kv.open_sessions(), 1, "deferred");
+        // A turn of the closing session runs as an ordinary request.
+        next.push(51);
+        let late = start_turn(&mut kv, 7, next);
+        kv.finish(second).unwrap();
+        assert_eq!(kv.open_sessions(), 0, "the deferred close completed");
+        kv.finish(late).unwrap();
+        assert_eq!(
+            kv.accounting().session_held,
+            0,
+            "the late turn held no slot"
+        );
+        kv.close_all_sessions().unwrap();
+        assert!(matches!(kv.close_session(7), Err(ManagerError::Session(_))));
+        // After the close, a turn of the same id opens the session afresh.
+        turn(&mut kv, 7, (0..10).collect(), 2);
+        assert_eq!(kv.open_sessions(), 1);
+        assert!(kv.accounting().session_held > 0);
+        kv.close_session(7).unwrap();
+        assert_eq!(kv.open_sessions(), 0);
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        let a = kv.accounting();
+        assert_eq!(a.free + a.evictable, a.total, "{a:?}");
     }
 }
 

@@ -116,14 +116,12 @@ fn timestamp_us(at: DateTime) -> Option<i64> {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use super::*;
     use crate::error::ManagerError;
 
     fn decode(text: impl AsRef<[u8]>) -> Result<Trace> {
         let ctx = Ctx {
-            path: Path::new("t.csv"),
+            source: "t.csv",
             name: "t.csv".into(),
         };
         read(text.as_ref(), &ctx, &ReadOptions::default())
