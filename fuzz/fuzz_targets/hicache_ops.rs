@@ -1,7 +1,9 @@
 //! `HiRadixCache` over `HostSim`, wrapped in `SessionAwareCache` (plain requests pass through
 //! it untouched, so both the tiered cache alone and sessions over it are driven): every write
 //! policy, both host layouts, host eviction policies, load-back limits, step boundaries,
-//! flushes, host eviction, resets, and injected copy failures on either stream.
+//! flushes, host eviction, resets, injected copy failures and refused submissions on either
+//! stream, and (sometimes) transfer queues one or two operations deep, so back-pressure paths
+//! run: skipped backups, loads refused as `Busy`, submissions that block.
 //!
 //! KV bytes really move between the simulated device and the host, so the KV oracle reads the
 //! device pool itself ([`radixkv_fuzz::kv::BackendKv`]): a load-back that copied the wrong

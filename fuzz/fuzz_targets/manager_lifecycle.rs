@@ -11,6 +11,7 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use radixkv_fuzz::footprint::assert_idle;
 use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, check_kv, write_kv};
 use radixkv_radix::{Namespace, PolicyKind, TokenId};
@@ -492,13 +493,7 @@ impl Harness {
         let s = self.kv.begin_step();
         self.kv.end_step(s).expect("a last step");
         self.audit();
-        let a = self.kv.accounting();
-        assert_eq!(
-            (a.protected, a.request_owned, a.session_held),
-            (0, 0, 0),
-            "leak: {a:?}"
-        );
-        assert_eq!(a.free + a.evictable, a.total, "leak: {a:?}");
+        assert_idle(&self.kv.accounting());
         assert_eq!(self.kv.reserved_tokens(), 0);
         assert_eq!(self.kv.open_sessions(), 0);
     }

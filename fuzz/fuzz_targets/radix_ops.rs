@@ -2,7 +2,7 @@
 //! (`insert` and `insert_from` at any anchor and offset), locks taken and released in any
 //! order, stale handles (nodes evicted or reset away) and foreign ones (node handles and lock
 //! receipts of a second cache), sizes near `usize::MAX`, requests driven through their whole
-//! lifecycle out of order, priorities, resets.
+//! lifecycle out of order, priorities, resets, and event buffers small enough to overflow.
 //!
 //! Checked after every operation: `check_invariants`, the pool identity, the KV content of
 //! every hit ([`radixkv_fuzz::kv`]), the event shadow against the tree
@@ -15,7 +15,7 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::events::EventShadow;
-use radixkv_fuzz::footprint::footprint;
+use radixkv_fuzz::footprint::{assert_idle, footprint};
 use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, check_kv, write_kv};
 use radixkv_radix::{
@@ -1023,13 +1023,7 @@ impl Harness {
             self.cache.pools_mut().pages.free(&pages).expect("free");
         }
         self.audit();
-        let a = self.cache.accounting();
-        assert_eq!(
-            (a.protected, a.request_owned, a.session_held),
-            (0, 0, 0),
-            "{a:?}"
-        );
-        assert_eq!(a.free + a.evictable, a.total, "leak: {a:?}");
+        assert_idle(&self.cache.accounting());
         assert_eq!(self.cache.pools().rows.live(), 0, "rows leaked");
         assert_eq!(self.cache.tree().outstanding_locks(), 0, "locks leaked");
         self.cache.evict(usize::MAX);

@@ -19,7 +19,7 @@ use radixkv_radix::{
 use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfig, SessionError};
 
 use crate::events::EventShadow;
-use crate::footprint::footprint;
+use crate::footprint::{assert_idle, footprint};
 use crate::input::{Size, Tokens, namespace, pick};
 use crate::kv::{KvStore, check_kv, write_kv};
 
@@ -891,13 +891,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         self.sessions.clear();
         self.cache.inner_mut().quiesce();
         self.audit();
-        let a = self.cache.accounting();
-        assert_eq!(
-            (a.protected, a.request_owned, a.session_held),
-            (0, 0, 0),
-            "leak: {a:?}"
-        );
-        assert_eq!(a.free + a.evictable, a.total, "leak: {a:?}");
+        assert_idle(&self.cache.accounting());
         assert_eq!(self.cache.pools().rows.live(), 0, "rows leaked");
         assert_eq!((self.cache.open_sessions(), self.cache.held_rows()), (0, 0));
     }

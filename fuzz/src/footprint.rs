@@ -29,3 +29,14 @@ pub fn footprint<C: PrefixCache + ?Sized>(cache: &C) -> Footprint {
             .collect(),
     }
 }
+
+/// Asserts that `a` describes an idle pool: nothing protected, owned by a request or held by
+/// a session, and every page free or evictable.
+pub fn assert_idle(a: &PoolAccounting) {
+    assert_eq!(
+        (a.protected, a.request_owned, a.session_held),
+        (0, 0, 0),
+        "leak: {a:?}"
+    );
+    assert_eq!(a.free + a.evictable, a.total, "leak: {a:?}");
+}
