@@ -203,3 +203,44 @@ fn unrepairable_load_is_demoted_back_to_the_host() {
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
 }
+
+/// The forward pass stops at the first failed layer, and the step boundary comes while the
+/// load's later layers are still being copied. That step must not return `Ok` before it
+/// repaired the load: the batch is re-run on its pages after an `Ok`.
+#[test]
+fn step_right_after_a_failed_layer_repairs_the_load_still_in_flight() {
+    let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
+    let gate = c.backend().gate().unwrap().clone();
+    let a = toks(1, 9);
+    gate.open();
+    demote_to_host(&mut c, &a);
+    gate.close();
+    c.backend().fail_next_copies(StreamKind::Load, 1);
+    let mut r = begin(&mut c, &a);
+    assert_eq!(r.prefix_len, 8, "the load-back extended the prefix");
+    let step = c.start_loading().unwrap().expect("A is loaded back");
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    // Layer 0's copy runs and fails; the later layers stay held.
+    gate.release_on(StreamKind::Load, 1);
+    assert!(matches!(
+        counter.wait_until(0),
+        Err(HiCacheError::Transfer(_))
+    ));
+    assert!(!counter.is_layer_done(step.producer, 1));
+    // Held copies run only once somebody waits for them: a step that returns without
+    // waiting finds the load still held, with layer 0 still garbage.
+    gate.open_when_waited();
+    let acks = c.step().expect("the repair's copy does not fail");
+    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    assert_eq!(acks.failed_loads.len(), 1, "{acks:?}");
+    assert!(acks.loads.is_empty(), "never reported as loaded");
+    let s = c.stats();
+    assert_eq!((s.loads_acked, s.failed_loads, s.repaired_loads), (0, 1, 1));
+    // The re-run batch has nothing left to wait for and reads the repaired KV.
+    assert!(c.start_loading().unwrap().is_none());
+    finish_loaded(&mut c, &mut r, &a);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+}

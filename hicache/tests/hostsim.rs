@@ -1,5 +1,6 @@
-//! HostSim on its own: checked pool sizes, bounded stream queues, and what a dead stream
-//! worker leaves behind (every event completes with an error, later submissions are refused).
+//! HostSim on its own: checked pool sizes, bounded stream queues, the copy gate, and what a
+//! dead stream worker leaves behind (every event completes with an error, later submissions
+//! are refused).
 
 mod common;
 
@@ -227,4 +228,26 @@ fn refused_submissions_are_transient_and_queue_nothing() {
         vec![0u8; g.page_bytes_per_layer()]
     );
     assert!(!dev.is_stream_closed(w));
+}
+
+#[test]
+fn a_gate_opened_when_waited_holds_copies_until_someone_waits() {
+    let (dev, host, g) = rig(gated(16));
+    let pages: Vec<PageId> = (0..2).map(PageId).collect();
+    let hs: Vec<u64> = (0..2).map(|i| mix(i + 3)).collect();
+    write_pages(&*dev, &pages, &hs);
+    let w = StreamKind::Write;
+    dev.gate().unwrap().open_when_waited();
+    dev.enqueue_copy(w, copy(&host, Direction::DeviceToHost, 0, 2))
+        .unwrap();
+    let ev = dev.record_event(w).unwrap();
+    dev.wait_settled(w);
+    assert!(dev.is_held(w) && !ev.is_complete(), "nobody waited yet");
+    within("a wait that opens the gate", 10, move || ev.wait()).unwrap();
+    assert_eq!(host_page(&host, &g, 1, 2), page_bytes(&g, hs[1], 2));
+    // Open from then on: a later copy runs without a wait.
+    dev.enqueue_copy(w, copy(&host, Direction::DeviceToHost, 0, 1))
+        .unwrap();
+    dev.wait_settled(w);
+    assert!(!dev.is_held(w));
 }

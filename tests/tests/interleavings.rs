@@ -1,23 +1,27 @@
 //! The racy paths of the host tier, under every interleaving of their copies (see
 //! `radixkv_tests::interleave`): an ack arriving during eviction (a backup's or write-back
 //! victim's pages must stay pinned until the copy is acknowledged), a session closed while its
-//! KV is being loaded back, and a stream worker dying with events pending. After every
+//! KV is being loaded back, a stream worker dying with events pending, and a step boundary
+//! right after a failed layer of a load whose later layers are still copying. After every
 //! interleaving: every reused page holds the right KV, `check_invariants` holds after every
 //! operation, and nothing leaks once the cache settles.
 //!
 //! Each check has a negative control: a deliberately broken variant (a cache that does not pin,
 //! a backend whose events complete before the bytes are copied, a worker whose exit leaves its
-//! events pending) that the same check must catch — so CI proves the check has teeth.
+//! events pending, a step that skips a load known to have failed) that the same check must
+//! catch — so CI proves the check has teeth.
 
 use std::sync::Arc;
 
 use radixkv_hicache::{
-    HiCacheConfig, HiRadixCache, HostSize, KvGeometry, TestMutations, WritePolicy,
+    HiCacheConfig, HiRadixCache, HostSize, KvGeometry, StreamKind, TestMutations, WritePolicy,
 };
 use radixkv_radix::{FinishKind, PrefixCache, RadixConfig};
 use radixkv_session::{ManualClock, SessionAwareCache, SessionConfig};
 use radixkv_tests::interleave::{Events, Explore, Gaps, Probe, Report, Scenario, explore};
-use radixkv_tests::kv::{Tiered, begin, finish, serve, settle_and_audit, start, wait_layers};
+use radixkv_tests::kv::{
+    Tiered, begin, finish, load_all, serve, settle_and_audit, start, wait_layers,
+};
 
 const PAGE: usize = 2;
 const LAYERS: usize = 2;
@@ -362,4 +366,71 @@ fn worker_exit_check_catches_a_worker_that_leaves_its_events_pending() {
     };
     let r = explore(&opts, worker_exit(ALL_CHECKS));
     assert_caught(&r, "hang");
+}
+
+// ----- (d) a step right after a failed layer -----
+
+/// A's load-back fails at its first copy (layer 0); the forward stops at that layer, and the
+/// step boundary may come while the later layers are still held, with B's backup in flight
+/// too. The step must repair the load before it returns `Ok`: the batch is then re-run (its
+/// loads started again, as every batch does) and reads every page of A.
+fn step_after_failed_layer(m: TestMutations, k: Checks) -> Arc<Scenario> {
+    Arc::new(move |probe, gaps| {
+        let gate = probe.sim().gate().cloned().ok_or("not gated")?;
+        let sim = probe.clone();
+        let mut c = hicache(probe, WritePolicy::WriteThrough, m);
+        let (a, b) = (toks(1, 9), toks(2, 9));
+        gate.open();
+        serve(&mut c, &a, None)?;
+        c.flush().map_err(|e| format!("flush: {e}"))?;
+        c.evict(ALL);
+        k.audit(&c)?;
+        gate.close();
+        serve(&mut c, &b, None)?;
+        pause(k, &c, gaps)?;
+        sim.sim().fail_next_copies(StreamKind::Load, 1);
+        let begun = begin(&mut c, &a, None)?;
+        if begun.req.prefix_len < 8 {
+            return Err(format!("A was not loaded back: {}", begun.req.prefix_len));
+        }
+        let step = start(&mut c);
+        pause(k, &c, gaps)?;
+        if wait_layers(&mut c, step) {
+            return Err("the failed copy did not reach the forward".into());
+        }
+        pause(k, &c, gaps)?;
+        // One injected fault: the repair's copy succeeds, so the step must too.
+        c.step().map_err(|e| format!("step: {e}"))?;
+        pause(k, &c, gaps)?;
+        if !load_all(&mut c) {
+            return Err("the re-run batch's loads failed after step returned Ok".into());
+        }
+        finish(&mut c, begun, true)?;
+        pause(k, &c, gaps)?;
+        c.step().map_err(|e| format!("step: {e}"))?;
+        serve(&mut c, &a, None)?;
+        serve(&mut c, &b, None)?;
+        settle_and_audit(&mut c)
+    })
+}
+
+#[test]
+fn step_after_failed_layer_every_interleaving() {
+    clean(
+        step_after_failed_layer(TestMutations::default(), ALL_CHECKS),
+        10,
+    );
+}
+
+#[test]
+fn step_after_failed_layer_check_catches_a_step_that_skips_the_failing_load() {
+    let m = TestMutations {
+        step_skips_failing_loads: true,
+        ..Default::default()
+    };
+    caught(
+        Events::Honest,
+        step_after_failed_layer(m, BYTES_ONLY),
+        "wrong KV served",
+    );
 }

@@ -92,6 +92,18 @@ impl<E: CopyEvent> InFlight<E> {
         self.events.last().is_none_or(CopyEvent::is_complete)
     }
 
+    /// True when the transfer is known to have failed, complete or not: only part of it was
+    /// submitted, or an event it already reached (a finished layer of a load) reports a failed
+    /// copy. Never blocks: only completed events are asked for their outcome.
+    fn failure_known(&self) -> bool {
+        self.failed
+            || self
+                .events
+                .iter()
+                .take_while(|e| e.is_complete())
+                .any(|e| e.wait().is_err())
+    }
+
     fn wait(&self) -> Result<()> {
         let mut res = Ok(());
         for e in &self.events {
@@ -669,9 +681,9 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// # Errors
     /// The backend refused a copy, or the producer slot's previous batch failed. The operations
     /// stay queued when nothing was submitted (the batch that needs them must not run: their
-    /// device pages hold no KV yet); they are reported as failed by the next
-    /// [`HybridCacheController::poll_acks`] when part of them was submitted or the stream is
-    /// closed. A load of an earlier batch known to have failed that way also fails this batch
+    /// device pages hold no KV yet). When part of them was submitted or the stream is closed,
+    /// [`HybridCacheController::poll_acks`] reports them as failed once the submitted part is
+    /// done. A load of an earlier batch known to have failed that way also fails this batch
     /// (its pages are garbage until the next step boundary repairs them).
     pub fn start_loading(&mut self) -> Result<Option<LoadStep>> {
         if self.load_acks.iter().any(|t| t.failed) {
@@ -776,6 +788,18 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.pending.1 -= acks.loads.len() + acks.failed_loads.len();
         self.release_deferred();
         acks
+    }
+
+    /// True when a started transfer that is not complete yet is already known to have failed:
+    /// a load whose finished layer reported a failed copy (the forward pass that waited for
+    /// that layer got the error) or that was only partly submitted. `poll_acks` reports such a
+    /// transfer only once it is complete; [`HiRadixCache::step`](crate::HiRadixCache::step)
+    /// waits for it so that it can repair the load at once. Never blocks.
+    pub fn has_failing_transfers(&self) -> bool {
+        self.write_acks
+            .iter()
+            .chain(&self.load_acks)
+            .any(|t| !t.is_complete() && t.failure_known())
     }
 
     /// Blocks until every started transfer is complete (queued ones are not started).

@@ -22,12 +22,17 @@
 //!   copy (host pages freed, node device-only again, lock released), and so does every backup
 //!   below it, to keep backed-up nodes root-connected. No host event was reported for it.
 //! - A failed **load** is never reported as loaded. The forward pass learns it first:
-//!   [`LayerDoneCounter::wait_until`] returns [`HiCacheError::Transfer`] for the batch. The
-//!   next [`HiRadixCache::step`] repairs the KV by copying the (intact) host copy again,
-//!   synchronously; when it returns `Ok`, the pages hold the right KV and the batch may be
-//!   re-run. If the repair fails too, `step` returns the error: abort the batch's requests;
-//!   the loaded nodes are demoted back to host-only as soon as they are unlocked (retried at
-//!   every step), so their device pages are never served again once demoted.
+//!   [`LayerDoneCounter::wait_until`] returns [`HiCacheError::Transfer`] for the batch, which
+//!   stops there, while the load's later layers may still be copying. The next
+//!   [`HiRadixCache::step`] repairs the KV: it waits for those copies (the load is known to
+//!   have failed, and the repair's copy would queue behind them on the load stream anyway),
+//!   then copies the (intact) host copy again, synchronously. So once a layer wait has
+//!   failed, an `Ok` from the next `step` means the pages hold the right KV and the batch may
+//!   be re-run. `step` waits only when such a failure is known (or a load was only partly
+//!   submitted); loads merely in flight are left to the layer waits. If the repair fails
+//!   too, `step` returns the error: abort the batch's requests; the loaded nodes are demoted
+//!   back to host-only as soon as they are unlocked (retried at every step), so their device
+//!   pages are never served again once demoted.
 //!
 //! # Back-pressure and refused submissions
 //! The controller holds at most [`HiCacheConfig::max_pending_ops`] operations per direction
@@ -197,6 +202,9 @@ pub struct TestMutations {
     /// Loads do not lock their nodes until the ack: the nodes may be evicted (and their pages
     /// reused) while the copy still writes them.
     pub unpinned_loads: bool,
+    /// `step` applies only completed transfers, even when a load still in flight is known to
+    /// have failed: it returns `Ok` while that load's pages hold garbage.
+    pub step_skips_failing_loads: bool,
 }
 
 /// A queued or in-flight backup.
@@ -381,11 +389,25 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// Step boundary: starts queued backups and applies every completed transfer (releasing
     /// the locks that protected writing and loading nodes). Returns what completed.
     ///
+    /// Transfers still in flight are not waited for — unless one is already known to have
+    /// failed (a layer wait of the forward pass returned the error, or the load was only
+    /// partly submitted): then `step` waits for the started transfers to finish and repairs
+    /// the failed load before it returns (see the module docs). So an `Ok` means that every
+    /// load whose failure was known when `step` was called now holds the right KV.
+    ///
     /// # Errors
     /// A stale lock (a bug), or a failed load that could not be repaired (see the module
     /// docs). A refused backup submission is not an error: it is retried at the next step.
     pub fn step(&mut self) -> HiResult<Acks> {
         self.start_writes();
+        if !self.mutations.step_skips_failing_loads && self.ctrl.has_failing_transfers() {
+            // The forward pass stops at a failed layer while the load's later layers may still
+            // be copying. Their completion is what reports the load as failed, so finish them
+            // now and repair below: returning `Ok` first would let the batch re-run on pages
+            // that still hold garbage. (The repair's copy queues behind them on the load
+            // stream anyway.) The wait's error is the failure the acks report.
+            let _ = self.ctrl.wait_all();
+        }
         let mut acks = self.ctrl.poll_acks();
         self.apply_acks(&mut acks)?;
         Ok(acks)

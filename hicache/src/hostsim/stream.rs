@@ -48,6 +48,8 @@ struct Progress {
 struct SyncState {
     gated: bool,
     open: bool,
+    /// Open the gate at the first wait on an incomplete event.
+    open_on_wait: bool,
     /// Permits any stream may take.
     any: u64,
     /// Permits for one stream only.
@@ -152,6 +154,15 @@ impl SimSync {
     fn is_closed(&self, kind: StreamKind) -> bool {
         self.lock().streams[index(kind)].closed
     }
+
+    /// Someone is about to wait on an incomplete event.
+    fn waiting(&self) {
+        let mut g = self.lock();
+        if g.open_on_wait {
+            g.open = true;
+            self.cv.notify_all();
+        }
+    }
 }
 
 /// Permits that let held copies run (see
@@ -179,9 +190,20 @@ impl CopyGate {
         self.0.cv.notify_all();
     }
 
-    /// Holds copies again after [`CopyGate::open`] (permits released before are kept).
+    /// Holds copies again after [`CopyGate::open`] or [`CopyGate::open_when_waited`]
+    /// (permits released before are kept).
     pub fn close(&self) {
-        self.0.lock().open = false;
+        let mut g = self.0.lock();
+        g.open = false;
+        g.open_on_wait = false;
+    }
+
+    /// Keeps holding copies until some thread waits on an event that is not complete yet,
+    /// then opens the gate (as [`CopyGate::open`]). A test can so tell, without timing, an
+    /// operation that waits for held copies (it completes them) from one that returns without
+    /// waiting (the copies are still held when it returns).
+    pub fn open_when_waited(&self) {
+        self.0.lock().open_on_wait = true;
     }
 }
 
@@ -190,16 +212,23 @@ type EventSlot = Mutex<Option<Result<()>>>;
 
 /// Completion event of a [`HostSim`](super::HostSim) stream.
 #[derive(Clone, Debug)]
-pub struct SimEvent(Arc<(EventSlot, Condvar)>);
+pub struct SimEvent {
+    slot: Arc<(EventSlot, Condvar)>,
+    /// The gate, told when someone waits (see [`CopyGate::open_when_waited`]).
+    sync: Arc<SimSync>,
+}
 
 impl SimEvent {
-    fn new() -> Self {
-        SimEvent(Arc::new((Mutex::new(None), Condvar::new())))
+    fn new(sync: Arc<SimSync>) -> Self {
+        SimEvent {
+            slot: Arc::new((Mutex::new(None), Condvar::new())),
+            sync,
+        }
     }
 
     /// Completes the event unless it already is (the first outcome wins).
     fn complete(&self, r: Result<()>) {
-        let (m, cv) = &*self.0;
+        let (m, cv) = &*self.slot;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
         if g.is_none() {
             *g = Some(r);
@@ -210,11 +239,18 @@ impl SimEvent {
 
 impl CopyEvent for SimEvent {
     fn is_complete(&self) -> bool {
-        self.0.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.slot
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     fn wait(&self) -> Result<()> {
-        let (m, cv) = &*self.0;
+        if !self.is_complete() {
+            self.sync.waiting();
+        }
+        let (m, cv) = &*self.slot;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match &*g {
@@ -339,7 +375,7 @@ impl Stream {
 
     /// Submits an event and returns it.
     pub(super) fn record(&self) -> Result<SimEvent> {
-        let event = SimEvent::new();
+        let event = SimEvent::new(self.sync.clone());
         self.send(Cmd::Record(PendingEvent {
             event: event.clone(),
             stream: self.kind,
