@@ -283,27 +283,12 @@ fn bars<DB: DrawingBackend>(
         .map_err(fail)?;
     for (i, row) in b.rows.iter().enumerate() {
         let y = n - 1.0 - i as f64;
-        let mut from = b.axis_start;
-        for (k, &v) in row.values.iter().enumerate() {
-            let color = PALETTE[k % PALETTE.len()];
-            let (x0, x1, half) = if b.stacked {
-                let x1 = (from + v).min(b.axis_end);
-                let seg = (from, x1, 0.36);
-                from = x1;
-                seg
-            } else {
-                // Overlaid: later series are thinner, drawn inside the earlier ones.
-                (
-                    b.axis_start,
-                    v.min(b.axis_end),
-                    0.36 - 0.14 * k.min(2) as f64,
-                )
-            };
+        for (k, (x0, x1, half)) in spans(b, &row.values).into_iter().enumerate() {
             if x1 > x0 {
                 chart
                     .draw_series(std::iter::once(Rectangle::new(
                         [(x0, y - half), (x1, y + half)],
-                        color.filled(),
+                        PALETTE[k % PALETTE.len()].filled(),
                     )))
                     .map_err(fail)?;
             }
@@ -336,6 +321,26 @@ fn bars<DB: DrawingBackend>(
             .map_err(fail)?;
     }
     Ok(())
+}
+
+/// Where each series' bar of a row lies on the value axis, clipped to it, and its half
+/// height in rows: stacked bars end to end from 0, overlaid ones from 0 and thinner each.
+pub(super) fn spans(b: &BarChart, values: &[f64]) -> Vec<(f64, f64, f64)> {
+    let clip = |v: f64| v.clamp(b.axis_start, b.axis_end);
+    let mut sum = 0.0;
+    values
+        .iter()
+        .enumerate()
+        .map(|(k, &v)| {
+            if b.stacked {
+                let from = sum;
+                sum += v;
+                (clip(from), clip(sum), 0.36)
+            } else {
+                (clip(0.0), clip(v), 0.36 - 0.14 * k.min(2) as f64)
+            }
+        })
+        .collect()
 }
 
 fn lines<DB: DrawingBackend>(l: &LineChart, body: &DrawingArea<DB, Shift>) -> Result<(), Failure> {

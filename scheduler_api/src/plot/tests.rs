@@ -93,3 +93,26 @@ fn alike_curves_are_drawn_once_and_named_for_the_others() {
     assert_eq!(lines.len(), MAX_LINES);
     assert!(lines[MAX_LINES - 1].name.ends_with("3 more not drawn"));
 }
+
+#[test]
+fn bars_start_at_zero_and_are_clipped_to_a_shifted_axis() {
+    let mut b = bars(&[0.88, 0.91]);
+    b.axis_start = 0.6;
+    b.axis_end = 0.95;
+    // Device 0.7 then host 0.2: the device part shows from the axis start, the host part
+    // from 0.7 to 0.9.
+    let s = draw::spans(&b, &[0.7, 0.2]);
+    assert!(
+        (s[0].0 - 0.6).abs() < 1e-12 && (s[0].1 - 0.7).abs() < 1e-12,
+        "{s:?}"
+    );
+    assert!(
+        (s[1].0 - 0.7).abs() < 1e-12 && (s[1].1 - 0.9).abs() < 1e-12,
+        "{s:?}"
+    );
+    // A bar below the axis start has no length.
+    assert_eq!(draw::spans(&b, &[0.0])[0].0, draw::spans(&b, &[0.0])[0].1);
+    b.stacked = false;
+    let s = draw::spans(&b, &[0.9, 0.7]);
+    assert!(s[1].1 < s[0].1 && s[1].2 < s[0].2, "{s:?}");
+}
