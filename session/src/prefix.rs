@@ -189,6 +189,17 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                     && Self::check_extends(id, s, req).is_ok()
             });
         if !savable {
+            // A finished turn that extends the history is the session's history even when it
+            // left no KV to keep (nothing committed yet): the next turn must extend it.
+            if kind == FinishKind::Finished
+                && let Some(s) = self.sessions.get_mut(&id)
+                && s.streaming
+                && !s.closing
+                && s.slot.is_none()
+                && Self::check_extends(id, s, req).is_ok()
+            {
+                s.history = req.key.clone();
+            }
             return self.inner.cache_finished_req(req, kind);
         }
         let lock = req.lock.take();

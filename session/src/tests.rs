@@ -132,6 +132,32 @@ fn first_turn_is_saved_and_second_turn_restores_it() {
 }
 
 #[test]
+fn a_finished_turn_that_kept_no_kv_still_sets_the_history() {
+    // Found by the session model test: a first turn finished before any token was committed
+    // left nothing for the slot, and the history stayed empty, so any later turn "extended" it.
+    let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), vec![5]);
+    c.match_request(&mut t1).unwrap();
+    c.begin_request(&mut t1).unwrap();
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    ok(&c);
+    let info = c.session_info(1).unwrap();
+    assert_eq!((info.history_len, info.slot_committed_len), (1, None));
+    let bad = req(Some(1), vec![6, 7]);
+    assert_eq!(
+        c.validate_turn(&bad),
+        Err(SessionError::NotExtending {
+            id: 1,
+            history_len: 1
+        })
+    );
+    assert_eq!(c.validate_turn(&req(Some(1), vec![5, 7])), Ok(()));
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
 fn a_turn_that_does_not_extend_is_a_typed_error_and_the_session_is_unchanged() {
     let (mut c, _) = cache();
     c.open(1, true, None).unwrap();
