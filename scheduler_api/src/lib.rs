@@ -85,7 +85,8 @@ pub use builder::ManagerBuilder;
 pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
 pub use error::{ManagerError, Result};
 pub use manager::{
-    Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary, WaitReason,
+    Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,
+    WaitReason,
 };
 pub use metrics::Metrics;
 pub use radixkv_session::CloseOutcome;
