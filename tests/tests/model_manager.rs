@@ -443,6 +443,12 @@ impl Harness {
         let reserved_before = self.kv.reserved_tokens();
         let demotions = self.kv.metrics().counters.session_demotions;
         match self.kv.admit(id).unwrap() {
+            Admission::Never(_) => {
+                // Refused for good, and nothing changed.
+                self.bump("never fits");
+                assert_eq!(self.kv.accounting(), before);
+                assert_eq!(self.kv.reserved_tokens(), reserved_before);
+            }
             Admission::Wait(_) => {
                 self.bump("admission waited");
                 let a = self.kv.accounting();
