@@ -3,19 +3,23 @@
 //! A KV-aware router knows nothing but the events, so they must be self-consistent and agree
 //! with the cache: every stored page is reported once, a removal names a page reported stored
 //! on that medium, the chain hashes match the reported tokens, residency reported per medium
-//! is root-connected (a stored page's parent page is stored on the same medium), and the
-//! number of pages the shadow holds equals what the cache holds.
+//! is root-connected (a stored page's parent page is stored on the same medium), a removal
+//! names the namespace the page was stored in, and the number of pages the shadow holds equals
+//! what the cache holds.
 
 use std::collections::HashMap;
 
 use radixkv_radix::events::{chain_hashes, namespace_seed};
 use radixkv_radix::{KvEvent, Medium, Namespace, TokenId, align_down};
 
-/// Pages stored per medium, each with the hash of its parent page.
+/// A stored page: the hash of its parent page and its namespace.
+type StoredPage = (Option<u64>, Namespace);
+
+/// Pages stored per medium, each with the hash of its parent page and its namespace.
 #[derive(Debug, Default, Clone)]
 pub struct EventShadow {
     page_size: usize,
-    stored: HashMap<Medium, HashMap<u64, Option<u64>>>,
+    stored: HashMap<Medium, HashMap<u64, StoredPage>>,
     /// Events applied so far.
     pub applied: usize,
 }
@@ -29,7 +33,7 @@ impl EventShadow {
         }
     }
 
-    fn medium(&mut self, m: Medium) -> &mut HashMap<u64, Option<u64>> {
+    fn medium(&mut self, m: Medium) -> &mut HashMap<u64, StoredPage> {
         self.stored.entry(m).or_default()
     }
 
@@ -41,8 +45,8 @@ impl EventShadow {
     /// Applies drained events.
     ///
     /// # Errors
-    /// The first inconsistency: a double store, a removal of a page not stored there, a chain
-    /// hash that does not match its tokens, or a stored page whose parent is not stored on the
+    /// The first inconsistency: a double store, a removal of a page not stored there (or
+    /// stored in another namespace), a chain hash that does not match its tokens, or a stored page whose parent is not stored on the
     /// same medium once the batch is applied.
     pub fn apply(&mut self, events: impl IntoIterator<Item = KvEvent>) -> Result<(), String> {
         for ev in events {
@@ -77,7 +81,7 @@ impl EventShadow {
                     let mut parent = parent_hash;
                     let map = self.medium(medium);
                     for h in page_hashes {
-                        if map.insert(h, parent).is_some() {
+                        if map.insert(h, (parent, namespace.clone())).is_some() {
                             return Err(format!("page {h:#x} stored twice on {medium:?}"));
                         }
                         parent = Some(h);
@@ -85,27 +89,37 @@ impl EventShadow {
                 }
                 KvEvent::BlockRemoved {
                     page_hashes,
+                    namespace,
                     medium,
                 } => {
                     let map = self.medium(medium);
                     for h in page_hashes {
-                        if map.remove(&h).is_none() {
-                            return Err(format!(
-                                "BlockRemoved of page {h:#x}, never stored on {medium:?}"
-                            ));
+                        match map.remove(&h) {
+                            None => {
+                                return Err(format!(
+                                    "BlockRemoved of page {h:#x}, never stored on {medium:?}"
+                                ));
+                            }
+                            Some((_, ns)) if ns != namespace => {
+                                return Err(format!(
+                                    "BlockRemoved of page {h:#x} in {namespace:?}, stored in {ns:?}"
+                                ));
+                            }
+                            Some(_) => {}
                         }
                     }
                 }
-                KvEvent::AllCleared => self.stored.clear(),
+                KvEvent::AllBlocksCleared => self.stored.clear(),
             }
         }
         for (m, map) in &self.stored {
             if let Some((h, p)) = map
                 .iter()
-                .find(|(_, p)| p.is_some_and(|p| !map.contains_key(&p)))
+                .find(|(_, (p, _))| p.is_some_and(|p| !map.contains_key(&p)))
             {
                 return Err(format!(
-                    "page {h:#x} is stored on {m:?} but its parent {p:?} is not"
+                    "page {h:#x} is stored on {m:?} but its parent {:?} is not",
+                    p.0
                 ));
             }
         }
@@ -186,9 +200,23 @@ mod tests {
             s.clone()
                 .apply([KvEvent::BlockRemoved {
                     page_hashes: vec![7],
+                    namespace: Namespace::DEFAULT,
                     medium: Medium::Device
                 }])
                 .is_err()
+        );
+        let KvEvent::BlockStored { page_hashes, .. } = stored(&[1, 2], None, Medium::Device) else {
+            unreachable!()
+        };
+        assert!(
+            s.clone()
+                .apply([KvEvent::BlockRemoved {
+                    page_hashes,
+                    namespace: Namespace::new("other"),
+                    medium: Medium::Device
+                }])
+                .is_err(),
+            "a removal in the wrong namespace"
         );
     }
 

@@ -129,7 +129,7 @@ fn host_events(c: &mut HiRadixCache<HostSim>) -> Vec<(&'static str, Medium)> {
         .filter_map(|e| match e {
             KvEvent::BlockStored { medium, .. } => Some(("stored", *medium)),
             KvEvent::BlockRemoved { medium, .. } => Some(("removed", *medium)),
-            KvEvent::AllCleared => None,
+            KvEvent::AllBlocksCleared => None,
         })
         .collect()
 }

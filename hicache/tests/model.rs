@@ -88,6 +88,7 @@ impl Model {
                 KvEvent::BlockRemoved {
                     page_hashes,
                     medium,
+                    ..
                 } => {
                     let set = self.set(medium);
                     for h in page_hashes {
@@ -97,7 +98,7 @@ impl Model {
                         );
                     }
                 }
-                KvEvent::AllCleared => {
+                KvEvent::AllBlocksCleared => {
                     self.device.clear();
                     self.host.clear();
                 }

@@ -197,7 +197,7 @@ fn events_report_the_medium() {
         .filter_map(|e| match e {
             KvEvent::BlockStored { medium, .. } => Some(("stored", *medium)),
             KvEvent::BlockRemoved { medium, .. } => Some(("removed", *medium)),
-            KvEvent::AllCleared => None,
+            KvEvent::AllBlocksCleared => None,
         })
         .collect();
     assert_eq!(

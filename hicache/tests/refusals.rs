@@ -149,6 +149,28 @@ fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
 }
 
 #[test]
+fn reset_of_an_idle_cache_succeeds_while_the_backend_refuses_backups() {
+    // Found by fuzzing (hicache_ops): a backup refused at submission stays queued, and a reset
+    // that drained the tier first failed on the refusal, so an idle cache could not be reset.
+    let mut c = hi(WritePolicy::WriteThrough);
+    c.backend().refuse_next_submissions(StreamKind::Write, 3);
+    serve(&mut c, &tokens(1, 9)).unwrap();
+    assert_eq!(c.controller().queued().0, 1, "the backup waits for a retry");
+    // Everything is discarded, so the queued backup is dropped instead of retried.
+    c.reset().unwrap();
+    settled(&mut c);
+    assert_eq!(c.host_tokens(), 0);
+    assert_eq!(c.pools().pages.tree_pages(), 0);
+    // The cache works afterwards, and the next backup (the refusals used up) lands.
+    let a = tokens(2, 9);
+    serve(&mut c, &a).unwrap();
+    c.flush().unwrap();
+    c.evict(100);
+    assert_eq!(serve(&mut c, &a).unwrap().loaded, 8);
+    settled(&mut c);
+}
+
+#[test]
 fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     let mut c = hi(WritePolicy::WriteThrough);
     let a = tokens(1, 9);

@@ -1,15 +1,48 @@
 //! KV events for KV-aware routers, in the meaning vLLM and SGLang publish them: a page was
 //! stored (with its chain hash, parent hash and tokens), pages were removed, everything was
-//! cleared. Each event names the medium the KV lives on.
+//! cleared. Each stored or removed event names the medium the KV lives on and the namespace
+//! (tenant / LoRA / cache salt) it belongs to.
 //!
 //! Page hashes here are a deterministic 64-bit chain (the same tokens in the same namespace
 //! always give the same hashes, across processes), meant for routing hints only. They are not
 //! collision-resistant against crafted prompts, so nothing may key stored KV by them.
+//!
+//! ## Publishing
+//! Events travel in a [`KvEventBatch`] (a timestamp, the sequence number of its first event and
+//! the events), which derives `serde`'s `Serialize` and `Deserialize`: publish it as JSON
+//! (`serde_json`) or msgpack (`rmp-serde`; `to_vec_named` keeps the field names, as routers
+//! that decode by name expect). An event is a map tagged by `"type"` with the variant's name.
+//!
+//! ## Mapping to vLLM's KV events
+//! The variants carry vLLM's event names; a publisher that feeds a vLLM-style router (vLLM's
+//! own, Dynamo's) renames fields as follows.
+//!
+//! | radixkv | vLLM |
+//! | --- | --- |
+//! | [`KvEventBatch::timestamp_ms`] (Unix milliseconds) | batch `ts` (Unix seconds, a float): divide by 1000 |
+//! | [`KvEventBatch::seq`] | none in the batch: vLLM's publisher numbers each *batch* in its transport frame. Ours numbers *events*, so that the count lost to a full buffer is visible (see [`KvEventBatch`]) |
+//! | `BlockStored::page_hashes` | `BlockStored.block_hashes` |
+//! | `BlockStored::parent_hash` | `BlockStored.parent_block_hash` |
+//! | `BlockStored::token_ids` | `BlockStored.token_ids` |
+//! | `BlockStored::page_size` | `BlockStored.block_size` |
+//! | `BlockStored::namespace` | `BlockStored.lora_name` when the namespace is a LoRA adapter's name; a tenant or cache salt is part of vLLM's per-block `extra_keys`. The default namespace (`""`) is vLLM's `None`. vLLM's deprecated integer `lora_id` has no counterpart |
+//! | `BlockStored::medium`, `BlockRemoved::medium` | `medium`: [`Medium::Device`] is vLLM's `"GPU"`, [`Medium::Host`] its CPU offload tier |
+//! | `BlockRemoved::page_hashes` | `BlockRemoved.block_hashes` |
+//! | `BlockRemoved::namespace` | none: vLLM's hashes already include the LoRA and salt; ours do too (the chain is seeded by the namespace), the field is there for routers that index by namespace |
+//! | [`KvEvent::AllBlocksCleared`] | `AllBlocksCleared` |
+//!
+//! vLLM's `group_idx` and KV-cache-spec fields (hybrid models with several KV groups) and its
+//! `data_parallel_rank` have no counterpart: this cache holds one KV group, and the engine
+//! that runs several ranks knows which one published. The events carry no request id: the
+//! cache stores and evicts pages of the tree, which several requests may share, and never
+//! learns the engine's request ids.
 
 use crate::types::{Medium, Namespace, TokenId};
 
-/// One KV event.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One KV event. Serialized as a map tagged by `"type"` (`"BlockStored"`, `"BlockRemoved"`,
+/// `"AllBlocksCleared"`); see the module docs for the mapping to vLLM's events.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "type")]
 pub enum KvEvent {
     /// Pages became resident on `medium`. One event per run of consecutive pages of one node.
     BlockStored {
@@ -30,11 +63,39 @@ pub enum KvEvent {
     BlockRemoved {
         /// Chain hash of each removed page.
         page_hashes: Vec<u64>,
+        /// The namespace (tenant / LoRA / salt) the pages belonged to.
+        namespace: Namespace,
         /// Where the KV was removed from.
         medium: Medium,
     },
-    /// Everything was dropped (cache reset).
-    AllCleared,
+    /// Everything was dropped (cache reset), on every medium.
+    AllBlocksCleared,
+}
+
+/// Events as a publisher sends them: what was drained at once, stamped and numbered.
+///
+/// Events are numbered consecutively in the order the cache produced them, and an event
+/// dropped because a bounded buffer was full ([`EventBuffer`]) uses up its number too. So a
+/// consumer expects each batch's `seq` to be the previous batch's `seq` plus its event count;
+/// a larger `seq` means that many events were lost (the drops are numbered before the batch
+/// that follows them), and the consumer must resync its view of this cache. Without drops the
+/// numbers have no gap. Events that an [`KvEvent::AllBlocksCleared`] superseded while still
+/// buffered take no number: the clear that replaces them tells the consumer all it needs.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvEventBatch {
+    /// When the batch was taken, in milliseconds since the Unix epoch (wall clock).
+    pub timestamp_ms: u64,
+    /// Sequence number of the first event of the batch (of the next event when it is empty).
+    pub seq: u64,
+    /// The events, oldest first.
+    pub events: Vec<KvEvent>,
+}
+
+impl KvEventBatch {
+    /// The `seq` the next batch has when no event is dropped in between.
+    pub fn next_seq(&self) -> u64 {
+        self.seq.saturating_add(self.events.len() as u64)
+    }
 }
 
 /// A bounded buffer of KV events, for whoever holds events until a consumer drains them (the
@@ -45,7 +106,7 @@ pub enum KvEvent {
 /// leaves a gap in the stream: a consumer that sees the counter move since its last drain must
 /// stop trusting its view of this cache and resync — forget what it learned from these events
 /// and rebuild from the ones that follow (its view then under-reports cached blocks, which
-/// costs routing quality, never correctness). [`KvEvent::AllCleared`] is never dropped: it
+/// costs routing quality, never correctness). [`KvEvent::AllBlocksCleared`] is never dropped: it
 /// supersedes every event buffered before it, which it replaces.
 #[derive(Clone, Debug)]
 pub struct EventBuffer {
@@ -87,7 +148,7 @@ impl EventBuffer {
 
     /// Records `ev`, or counts it as dropped when the buffer is full.
     pub fn push(&mut self, ev: KvEvent) {
-        if ev == KvEvent::AllCleared {
+        if ev == KvEvent::AllBlocksCleared {
             self.events.clear();
         } else if self.events.len() >= self.capacity {
             self.dropped += 1;
@@ -206,6 +267,7 @@ mod tests {
     fn removed(h: u64) -> KvEvent {
         KvEvent::BlockRemoved {
             page_hashes: vec![h],
+            namespace: Namespace::new("tenant"),
             medium: Medium::Device,
         }
     }
@@ -223,12 +285,87 @@ mod tests {
         );
         b.push(removed(7));
         assert_eq!(b.take(), vec![removed(7)], "room again after a drain");
-        // A full buffer still takes AllCleared, which supersedes what it held.
+        // A full buffer still takes AllBlocksCleared, which supersedes what it held.
         b.extend([removed(8), removed(9)]);
-        b.push(KvEvent::AllCleared);
+        b.push(KvEvent::AllBlocksCleared);
         b.push(removed(10));
-        assert_eq!(b.take(), vec![KvEvent::AllCleared, removed(10)]);
+        assert_eq!(b.take(), vec![KvEvent::AllBlocksCleared, removed(10)]);
         assert_eq!(b.dropped(), 3, "never reset");
+    }
+
+    fn sample_batch() -> KvEventBatch {
+        let ns = Namespace::new("lora-7");
+        let mut page_hashes = Vec::new();
+        chain_hashes(namespace_seed(&ns), &[1, 2, 3, 4], 2, &mut page_hashes);
+        KvEventBatch {
+            timestamp_ms: 1_700_000_000_123,
+            seq: 41,
+            events: vec![
+                KvEvent::BlockStored {
+                    page_hashes: page_hashes.clone(),
+                    parent_hash: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    page_size: 2,
+                    namespace: ns.clone(),
+                    medium: Medium::Host,
+                },
+                KvEvent::BlockStored {
+                    page_hashes: vec![u64::MAX],
+                    parent_hash: Some(page_hashes[1]),
+                    token_ids: vec![5, 6],
+                    page_size: 2,
+                    namespace: Namespace::DEFAULT,
+                    medium: Medium::Device,
+                },
+                KvEvent::BlockRemoved {
+                    page_hashes,
+                    namespace: ns,
+                    medium: Medium::Device,
+                },
+                KvEvent::AllBlocksCleared,
+            ],
+        }
+    }
+
+    #[test]
+    fn batches_round_trip_through_json() {
+        let b = sample_batch();
+        let text = serde_json::to_string(&b).unwrap();
+        assert_eq!(serde_json::from_str::<KvEventBatch>(&text).unwrap(), b);
+        // The wire shape routers decode by name: tagged events, plain names for the enums.
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["seq"], 41);
+        assert_eq!(v["events"][0]["type"], "BlockStored");
+        assert_eq!(v["events"][0]["namespace"], "lora-7");
+        assert_eq!(v["events"][0]["medium"], "host");
+        assert_eq!(v["events"][1]["namespace"], "");
+        assert_eq!(
+            v["events"][1]["page_hashes"][0],
+            u64::MAX,
+            "no precision lost"
+        );
+        assert_eq!(v["events"][2]["type"], "BlockRemoved");
+        assert_eq!(v["events"][3]["type"], "AllBlocksCleared");
+        assert_eq!(b.next_seq(), 45);
+    }
+
+    #[test]
+    fn batches_round_trip_through_msgpack() {
+        let b = sample_batch();
+        // With field names (what routers decoding by name read) and compact (positional).
+        let named = rmp_serde::to_vec_named(&b).unwrap();
+        assert_eq!(rmp_serde::from_slice::<KvEventBatch>(&named).unwrap(), b);
+        let compact = rmp_serde::to_vec(&b).unwrap();
+        assert_eq!(rmp_serde::from_slice::<KvEventBatch>(&compact).unwrap(), b);
+        assert!(compact.len() < named.len());
+        // A default namespace decodes as the default one (allocation-free), not a named "".
+        let KvEvent::BlockStored { namespace, .. } = &rmp_serde::from_slice::<KvEventBatch>(&named)
+            .unwrap()
+            .events[1]
+        else {
+            unreachable!()
+        };
+        assert!(namespace.is_default());
     }
 
     #[test]

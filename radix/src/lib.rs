@@ -59,7 +59,7 @@ pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
 };
 pub use error::{CacheError, InvariantViolation, Result};
-pub use events::{EventBuffer, KvEvent};
+pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};
 pub use tree::tier::TierWalk;

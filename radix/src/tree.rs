@@ -552,7 +552,7 @@ impl RadixTree {
         self.policy.clear();
         self.evictable = 0;
         self.protected = 0;
-        self.push_event(KvEvent::AllCleared);
+        self.push_event(KvEvent::AllBlocksCleared);
         Ok(())
     }
 

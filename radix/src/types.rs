@@ -115,6 +115,21 @@ impl fmt::Debug for Namespace {
     }
 }
 
+/// Serialized as its name (`""` for the default namespace), so a consumer needs no knowledge of
+/// how the name is held.
+impl serde::Serialize for Namespace {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Namespace {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Ok(Namespace::new(&name))
+    }
+}
+
 impl From<&str> for Namespace {
     fn from(s: &str) -> Self {
         Namespace::new(s)
@@ -207,7 +222,10 @@ impl<'a> KeyRef<'a> {
 
 /// Where a copy of some KV lives. Used by events and by tiered caches. (There is no storage
 /// tier yet, so no storage medium either.)
-#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+///
+/// Serialized as `"device"` / `"host"`.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Medium {
     /// The device KV pool (L1).
     Device,

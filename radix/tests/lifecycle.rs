@@ -405,8 +405,18 @@ fn kv_events_follow_the_lifecycle() {
         .flat_map(|e| match e {
             KvEvent::BlockRemoved {
                 page_hashes,
+                namespace,
                 medium: Medium::Device,
-            } => page_hashes,
+            } => {
+                // Each removal names the namespace its pages were stored in.
+                let want = if page_hashes.iter().all(|x| default_hash.contains(x)) {
+                    Namespace::DEFAULT
+                } else {
+                    ns.clone()
+                };
+                assert_eq!(namespace, want, "{page_hashes:x?}");
+                page_hashes
+            }
             other => panic!("{other:?}"),
         })
         .collect();
@@ -418,7 +428,7 @@ fn kv_events_follow_the_lifecycle() {
     let pos = |x: u64| removed.iter().position(|&y| y == x).unwrap();
     assert!(pos(h[2]) < pos(h[1]));
     c.reset().unwrap();
-    assert_eq!(c.take_events(), vec![KvEvent::AllCleared]);
+    assert_eq!(c.take_events(), vec![KvEvent::AllBlocksCleared]);
 }
 
 fn insert_leaf(c: &mut RadixCache, t: TokenId, priority: i32) -> NodeId {

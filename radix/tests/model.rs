@@ -711,7 +711,7 @@ impl StateMachineTest for Sut {
                         assert!(sut.cache.take_events().is_empty());
                     }
                     Ok(()) if !busy => {
-                        assert_eq!(sut.cache.take_events(), vec![KvEvent::AllCleared]);
+                        assert_eq!(sut.cache.take_events(), vec![KvEvent::AllBlocksCleared]);
                         sut.model.cached.clear();
                         sut.model.by_hash.clear();
                         let a = sut.cache.accounting();

@@ -52,7 +52,7 @@
 //! recomputed tokens, transfer bytes, simulated TTFT and throughput, and the manager's CPU time
 //! per request. [`trace`] reads Mooncake, agentic multi-turn and Azure traces and generates a
 //! synthetic multi-turn chat workload; hash blocks become deterministic token runs so the cache
-//! sees real token sequences. [`plot`] writes the charts as SVG and PNG.
+//! sees real token sequences. [`plot`] draws the charts (with plotters) as SVG and PNG.
 //!
 //! ```
 //! use radixkv_scheduler_api::sim::{SimConfig, replay};

@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 use ahash::HashSet;
 use radixkv_radix::{
-    CacheError, EventBuffer, FinishKind, KvEvent, PageId, PoolAccounting, RadixKey, RequestKv,
-    SessionTag, TokenId,
+    CacheError, EventBuffer, FinishKind, KvEvent, KvEventBatch, PageId, PoolAccounting, RadixKey,
+    RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -96,6 +96,10 @@ pub struct KvCacheManager {
     metrics: Metrics,
     /// Events drained from the cache at step ends, held (bounded) until `take_events`.
     events: EventBuffer,
+    /// Sequence number of the next event handed out (see [`KvEventBatch`]).
+    event_seq: u64,
+    /// [`Self::events_dropped`] when events were last handed out.
+    events_dropped_seen: u64,
     step: u64,
     check_every_step: bool,
     clock: SimClock,
@@ -152,6 +156,8 @@ impl KvCacheManager {
             running: 0,
             metrics: Metrics::default(),
             events,
+            event_seq: 0,
+            events_dropped_seen: 0,
             step: 0,
             check_every_step: cfg!(debug_assertions),
             clock,
@@ -226,12 +232,40 @@ impl KvCacheManager {
     /// moved since the last drain, the stream has a gap and the router must resync its view of
     /// this cache (see [`EventBuffer`]).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.take_numbered_events().1
+    }
+
+    /// Drains the KV events as one batch for a publisher: stamped with the wall clock and
+    /// numbered so that a router sees a gap in the sequence exactly when events were dropped
+    /// (see [`KvEventBatch`]). Numbering is shared with [`Self::take_events`], so the two can
+    /// be mixed without opening a gap.
+    pub fn take_event_batch(&mut self) -> KvEventBatch {
+        let (seq, events) = self.take_numbered_events();
+        let timestamp_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        KvEventBatch {
+            timestamp_ms,
+            seq,
+            events,
+        }
+    }
+
+    /// The events to hand out and the sequence number of the first: events dropped since the
+    /// last hand-out use up the numbers before it.
+    fn take_numbered_events(&mut self) -> (u64, Vec<KvEvent>) {
         let mut out = self.events.take();
         // Events since the last step end are handed over now, not held: no bound applies.
         let late = self.cache.take_events();
         self.metrics.counters.kv_events += late.len() as u64;
         out.extend(late);
-        out
+        let dropped = self.events_dropped();
+        let seq = self
+            .event_seq
+            .saturating_add(dropped.saturating_sub(self.events_dropped_seen));
+        self.events_dropped_seen = dropped;
+        self.event_seq = seq.saturating_add(out.len() as u64);
+        (seq, out)
     }
 
     /// KV events dropped since the manager was built, by its own buffer or the cache's,
@@ -442,6 +476,8 @@ impl KvCacheManager {
             c.prompt_tokens += t.prompt_len as u64;
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
+            let h = &mut self.metrics.histograms;
+            h.match_tokens.observe((device + host) as u64);
         }
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
@@ -745,6 +781,7 @@ impl KvCacheManager {
         StepHandle {
             index: self.step,
             layers: self.cfg.model.layers,
+            waited_ns: Default::default(),
             span: tracing::debug_span!(
                 "kv_step",
                 step = self.step,
@@ -796,6 +833,16 @@ impl KvCacheManager {
             Err(e) => return Err(step_error.unwrap_or(e)),
         };
         self.count_transfers(&transfers);
+        let h = &mut self.metrics.histograms;
+        let load_pages = step.load_pages();
+        if load_pages > 0 {
+            h.step_load_pages.observe(load_pages);
+            h.step_load_wait_ns.observe(step.waited_ns());
+        }
+        if matches!(self.cfg.cache, crate::CacheKind::HiCache(_)) {
+            h.step_load_bytes.observe(transfers.bytes_loaded);
+            h.step_write_bytes.observe(transfers.bytes_written);
+        }
         let c = &mut self.metrics.counters;
         c.steps += 1;
         if self.cfg.events {

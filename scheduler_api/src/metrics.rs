@@ -1,5 +1,10 @@
-//! Counters and gauges of a [`crate::KvCacheManager`], readable as a struct and exportable in
-//! the Prometheus text exposition format.
+//! Counters, gauges and histograms of a [`crate::KvCacheManager`], readable as a struct and
+//! exportable as OpenMetrics text (which Prometheus scrapes).
+//!
+//! Every value is measured where it happens; nothing is exported that the manager does not
+//! observe. The histograms are the quantities that decide time to first token: how much of a
+//! prompt was matched, how many pages a step loaded back from the host tier and how long the
+//! forward blocked on them, and how many bytes a step moved between tiers.
 
 use std::fmt::Write as _;
 
@@ -53,7 +58,7 @@ pub struct Counters {
 /// Point-in-time values.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Gauges {
-    /// Device pool capacity in tokens.
+    /// Device pool capacity in tokens: the sum of the five pool states below.
     pub pool_total_tokens: usize,
     /// Free device tokens.
     pub pool_free_tokens: usize,
@@ -65,7 +70,8 @@ pub struct Gauges {
     pub pool_session_held_tokens: usize,
     /// Device tokens owned by running requests.
     pub pool_request_owned_tokens: usize,
-    /// Tokens reserved by admitted requests and not yet allocated.
+    /// Tokens reserved by admitted requests and not yet allocated (a claim on free and
+    /// evictable tokens, not a pool state of its own).
     pub reserved_tokens: usize,
     /// Tokens resident on the host tier.
     pub host_tokens: usize,
@@ -88,13 +94,207 @@ impl Gauges {
     }
 }
 
-/// Counters and gauges together.
+/// The most finite buckets a [`Histogram`] has.
+const MAX_BOUNDS: usize = 12;
+
+/// A fixed-bucket histogram of integer observations (tokens, pages, bytes, nanoseconds).
+///
+/// Fixed-size storage keeps [`Metrics`] `Copy`: a snapshot is a plain copy, taken without
+/// allocation on the scheduler thread.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Histogram {
+    /// Inclusive upper bounds of the finite buckets, ascending.
+    bounds: &'static [u64],
+    /// Observations per bucket (not cumulative); the one past the last bound is `+Inf`.
+    counts: [u64; MAX_BOUNDS + 1],
+    sum: u64,
+    count: u64,
+}
+
+impl Histogram {
+    /// An empty histogram with the given finite bucket bounds (ascending, at most 12; extra
+    /// ones are ignored).
+    const fn new(bounds: &'static [u64]) -> Self {
+        let bounds = if bounds.len() > MAX_BOUNDS {
+            bounds.split_at(MAX_BOUNDS).0
+        } else {
+            bounds
+        };
+        Histogram {
+            bounds,
+            counts: [0; MAX_BOUNDS + 1],
+            sum: 0,
+            count: 0,
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, v: u64) {
+        let i = self.bounds.partition_point(|&b| b < v);
+        self.counts[i] += 1;
+        self.sum = self.sum.saturating_add(v);
+        self.count += 1;
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Sum of the observations (saturating).
+    pub fn sum(&self) -> u64 {
+        self.sum
+    }
+
+    /// `(upper bound, observations at or below it)` per bucket, cumulative as Prometheus
+    /// reads them; the last bound is `None` (`+Inf`) and its count is [`Histogram::count`].
+    pub fn cumulative(&self) -> impl Iterator<Item = (Option<u64>, u64)> + '_ {
+        let bounds = self.bounds.iter().map(|&b| Some(b)).chain([None]);
+        bounds.zip(&self.counts).scan(0u64, |acc, (b, &c)| {
+            *acc += c;
+            Some((b, *acc))
+        })
+    }
+}
+
+/// Token counts from a miss to a very long shared prefix.
+const TOKEN_BOUNDS: &[u64] = &[0, 16, 64, 256, 1024, 4096, 16_384, 65_536, 262_144];
+/// Pages per step, one page to a long prompt's worth.
+const PAGE_BOUNDS: &[u64] = &[1, 4, 16, 64, 256, 1024, 4096, 16_384];
+/// 64 KiB to 64 GiB in powers of 4.
+const BYTE_BOUNDS: &[u64] = &[
+    1 << 16,
+    1 << 18,
+    1 << 20,
+    1 << 22,
+    1 << 24,
+    1 << 26,
+    1 << 28,
+    1 << 30,
+    1 << 32,
+    1 << 34,
+    1 << 36,
+];
+/// 10 µs to 5 s, in nanoseconds.
+const WAIT_NS_BOUNDS: &[u64] = &[
+    10_000,
+    100_000,
+    1_000_000,
+    5_000_000,
+    10_000_000,
+    50_000_000,
+    100_000_000,
+    500_000_000,
+    1_000_000_000,
+    5_000_000_000,
+];
+
+/// The histograms, each recorded by the manager where its quantity happens.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Histograms {
+    /// Prompt tokens reused from any tier, once per request at its first admission (a
+    /// retracted request re-matching its own pages is not reuse).
+    pub match_tokens: Histogram,
+    /// Pages a step loads back from the host tier, per step that loads any.
+    pub step_load_pages: Histogram,
+    /// Nanoseconds the forward blocked in [`crate::StepHandle::wait_layer`], summed over the
+    /// layers, per step that loads any page.
+    pub step_load_wait_ns: Histogram,
+    /// Bytes loaded host → device whose transfer was acknowledged at a step's end, per step,
+    /// with a host tier only (what [`crate::KvCacheManager::drain`] acknowledges outside a
+    /// step is in the counters only).
+    pub step_load_bytes: Histogram,
+    /// Bytes written device → host, acknowledged as [`Histograms::step_load_bytes`].
+    pub step_write_bytes: Histogram,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        Histograms {
+            match_tokens: Histogram::new(TOKEN_BOUNDS),
+            step_load_pages: Histogram::new(PAGE_BOUNDS),
+            step_load_wait_ns: Histogram::new(WAIT_NS_BOUNDS),
+            step_load_bytes: Histogram::new(BYTE_BOUNDS),
+            step_write_bytes: Histogram::new(BYTE_BOUNDS),
+        }
+    }
+}
+
+/// Counters, gauges and histograms together.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Metrics {
     /// Monotonic counters.
     pub counters: Counters,
     /// Current values.
     pub gauges: Gauges,
+    /// Distributions of the quantities that decide time to first token.
+    pub histograms: Histograms,
+}
+
+/// The media type of [`Metrics::to_openmetrics`]'s text, for an HTTP `Content-Type` header.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Writes OpenMetrics text: each family's `# TYPE`, `# HELP` and (when it has one) `# UNIT`
+/// lines, then its samples.
+struct Writer {
+    out: String,
+}
+
+impl Writer {
+    fn header(&mut self, name: &str, kind: &str, unit: &str, help: &str) {
+        let _ = writeln!(self.out, "# TYPE radixkv_{name} {kind}");
+        if !unit.is_empty() {
+            let _ = writeln!(self.out, "# UNIT radixkv_{name} {unit}");
+        }
+        let _ = writeln!(self.out, "# HELP radixkv_{name} {help}");
+    }
+
+    fn sample(&mut self, name: &str, suffix: &str, labels: &str, v: impl std::fmt::Display) {
+        if labels.is_empty() {
+            let _ = writeln!(self.out, "radixkv_{name}{suffix} {v}");
+        } else {
+            let _ = writeln!(self.out, "radixkv_{name}{suffix}{{{labels}}} {v}");
+        }
+    }
+
+    /// A counter family `name` (samples `name_total`).
+    fn counter(&mut self, name: &str, unit: &str, help: &str, samples: &[(&str, u64)]) {
+        self.header(name, "counter", unit, help);
+        for (labels, v) in samples {
+            self.sample(name, "_total", labels, v);
+        }
+    }
+
+    fn gauge(&mut self, name: &str, unit: &str, help: &str, samples: &[(&str, usize)]) {
+        self.header(name, "gauge", unit, help);
+        for (labels, v) in samples {
+            self.sample(name, "", labels, v);
+        }
+    }
+
+    /// A histogram family; each observation is divided by `scale` on export (nanoseconds
+    /// recorded, seconds exported).
+    fn histogram(&mut self, name: &str, unit: &str, help: &str, hs: &[(&str, &Histogram)]) {
+        self.header(name, "histogram", unit, help);
+        let scale = if unit == "seconds" { 1e9 } else { 1.0 };
+        let num = |v: u64| {
+            if scale == 1.0 {
+                v.to_string()
+            } else {
+                (v as f64 / scale).to_string()
+            }
+        };
+        for (labels, h) in hs {
+            let sep = if labels.is_empty() { "" } else { "," };
+            for (bound, n) in h.cumulative() {
+                let le = bound.map_or_else(|| "+Inf".to_string(), num);
+                self.sample(name, "_bucket", &format!("{labels}{sep}le=\"{le}\""), n);
+            }
+            self.sample(name, "_count", labels, h.count());
+            self.sample(name, "_sum", labels, num(h.sum()));
+        }
+    }
 }
 
 impl Metrics {
@@ -104,26 +304,22 @@ impl Metrics {
         ratio(c.hit_tokens_device + c.hit_tokens_host, c.prompt_tokens)
     }
 
-    /// The metrics in the Prometheus text exposition format (version 0.0.4), every name
-    /// prefixed with `radixkv_`.
-    pub fn to_prometheus(&self) -> String {
+    /// The metrics as OpenMetrics 1.0 text (serve it as [`OPENMETRICS_CONTENT_TYPE`]), every
+    /// name prefixed with `radixkv_`, ending with `# EOF`.
+    ///
+    /// The device pool's `radixkv_pool_tokens{state}` samples add up to
+    /// `radixkv_pool_capacity_tokens`; reservations are a separate gauge because they are a
+    /// claim on free and evictable tokens, not a state of their own.
+    pub fn to_openmetrics(&self) -> String {
         let c = &self.counters;
         let g = &self.gauges;
-        let mut out = String::with_capacity(4096);
-        let mut family = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
-            let _ = writeln!(out, "# HELP radixkv_{name} {help}");
-            let _ = writeln!(out, "# TYPE radixkv_{name} {kind}");
-            for (labels, v) in samples {
-                if labels.is_empty() {
-                    let _ = writeln!(out, "radixkv_{name} {v}");
-                } else {
-                    let _ = writeln!(out, "radixkv_{name}{{{labels}}} {v}");
-                }
-            }
+        let h = &self.histograms;
+        let mut w = Writer {
+            out: String::with_capacity(8192),
         };
-        family(
-            "requests_total",
-            "counter",
+        w.counter(
+            "requests",
+            "",
             "Request lifecycle events.",
             &[
                 ("event=\"arrived\"", c.arrived),
@@ -134,123 +330,153 @@ impl Metrics {
                 ("event=\"retracted\"", c.retracted),
             ],
         );
-        family(
-            "prompt_tokens_total",
-            "counter",
+        w.counter(
+            "prompt_tokens",
+            "tokens",
             "Prompt tokens of admitted requests.",
             &[("", c.prompt_tokens)],
         );
-        family(
-            "hit_tokens_total",
-            "counter",
+        w.counter(
+            "hit_tokens",
+            "tokens",
             "Prompt tokens reused from a cache tier.",
             &[
                 ("tier=\"device\"", c.hit_tokens_device),
                 ("tier=\"host\"", c.hit_tokens_host),
             ],
         );
-        family(
-            "allocated_tokens_total",
-            "counter",
+        w.counter(
+            "allocated_tokens",
+            "tokens",
             "Tokens allocated on the device, by phase.",
             &[
                 ("phase=\"extend\"", c.extend_tokens),
                 ("phase=\"decode\"", c.decode_tokens),
             ],
         );
-        family(
-            "evicted_tokens_total",
-            "counter",
+        w.counter(
+            "evicted_tokens",
+            "tokens",
             "Cached device tokens evicted to make room.",
             &[("", c.evicted_tokens)],
         );
-        family(
-            "out_of_memory_total",
-            "counter",
+        w.counter(
+            "out_of_memory",
+            "",
             "Allocations that failed after eviction.",
             &[("", c.out_of_memory)],
         );
-        family(
-            "transfer_pages_total",
-            "counter",
+        w.counter(
+            "transfer_pages",
+            "pages",
             "Pages moved between tiers.",
             &[
                 ("direction=\"load\"", c.transfers.pages_loaded),
                 ("direction=\"write\"", c.transfers.pages_written),
             ],
         );
-        family(
-            "transfer_bytes_total",
-            "counter",
-            "Bytes moved between tiers.",
+        w.counter(
+            "transfer_bytes",
+            "bytes",
+            "Bytes moved between tiers (pages times the model's page bytes).",
             &[
                 ("direction=\"load\"", c.transfers.bytes_loaded),
                 ("direction=\"write\"", c.transfers.bytes_written),
             ],
         );
-        family(
-            "steps_total",
-            "counter",
-            "Scheduler steps.",
-            &[("", c.steps)],
-        );
-        family(
-            "session_demotions_total",
-            "counter",
+        w.counter("steps", "", "Scheduler steps.", &[("", c.steps)]);
+        w.counter(
+            "session_demotions",
+            "",
             "Idle sessions demoted to make room for an admission.",
             &[("", c.session_demotions)],
         );
-        family(
-            "kv_events_total",
-            "counter",
+        w.counter(
+            "kv_events",
+            "",
             "KV events collected from the cache for routers.",
             &[("", c.kv_events)],
         );
-        family(
-            "kv_events_dropped_total",
-            "counter",
+        w.counter(
+            "kv_events_dropped",
+            "",
             "KV events dropped because the event buffer was full; a router that sees this grow must resync.",
             &[("", c.kv_events_dropped)],
         );
-        family(
+        w.gauge(
             "pool_tokens",
-            "gauge",
-            "Device pool tokens by state.",
+            "tokens",
+            "Device pool tokens by state; the states add up to the capacity.",
             &[
-                ("state=\"total\"", g.pool_total_tokens as u64),
-                ("state=\"free\"", g.pool_free_tokens as u64),
-                ("state=\"evictable\"", g.pool_evictable_tokens as u64),
-                ("state=\"protected\"", g.pool_protected_tokens as u64),
-                ("state=\"session_held\"", g.pool_session_held_tokens as u64),
-                (
-                    "state=\"request_owned\"",
-                    g.pool_request_owned_tokens as u64,
-                ),
-                ("state=\"reserved\"", g.reserved_tokens as u64),
+                ("state=\"free\"", g.pool_free_tokens),
+                ("state=\"evictable\"", g.pool_evictable_tokens),
+                ("state=\"protected\"", g.pool_protected_tokens),
+                ("state=\"session_held\"", g.pool_session_held_tokens),
+                ("state=\"request_owned\"", g.pool_request_owned_tokens),
             ],
         );
-        family(
+        w.gauge(
+            "pool_capacity_tokens",
+            "tokens",
+            "Device pool capacity.",
+            &[("", g.pool_total_tokens)],
+        );
+        w.gauge(
+            "reserved_tokens",
+            "tokens",
+            "Tokens reserved by admitted requests and not yet allocated.",
+            &[("", g.reserved_tokens)],
+        );
+        w.gauge(
             "host_tokens",
-            "gauge",
+            "tokens",
             "Tokens resident on the host tier.",
-            &[("", g.host_tokens as u64)],
+            &[("", g.host_tokens)],
         );
-        family(
-            "requests",
-            "gauge",
-            "Requests by state.",
+        w.gauge(
+            "tracked_requests",
+            "",
+            "Requests the manager tracks, by state.",
             &[
-                ("state=\"waiting\"", g.waiting_requests as u64),
-                ("state=\"running\"", g.running_requests as u64),
+                ("state=\"waiting\"", g.waiting_requests),
+                ("state=\"running\"", g.running_requests),
             ],
         );
-        family(
+        w.gauge(
             "held_sessions",
-            "gauge",
+            "",
             "Sessions holding KV.",
-            &[("", g.held_sessions as u64)],
+            &[("", g.held_sessions)],
         );
-        out
+        w.histogram(
+            "prefix_match_tokens",
+            "tokens",
+            "Prompt tokens reused from any tier, per request at its first admission.",
+            &[("", &h.match_tokens)],
+        );
+        w.histogram(
+            "step_load_pages",
+            "pages",
+            "Pages loaded back from the host tier, per step that loads any.",
+            &[("", &h.step_load_pages)],
+        );
+        w.histogram(
+            "step_load_wait_seconds",
+            "seconds",
+            "Time the forward blocked waiting for loaded layers, per step that loads any.",
+            &[("", &h.step_load_wait_ns)],
+        );
+        w.histogram(
+            "step_transfer_bytes",
+            "bytes",
+            "Bytes moved between tiers per step.",
+            &[
+                ("direction=\"load\"", &h.step_load_bytes),
+                ("direction=\"write\"", &h.step_write_bytes),
+            ],
+        );
+        w.out.push_str("# EOF\n");
+        w.out
     }
 }
 
@@ -268,18 +494,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prometheus_text_has_help_type_and_samples() {
-        let mut m = Metrics::default();
-        m.counters.hit_tokens_device = 42;
-        m.gauges.pool_free_tokens = 7;
-        let t = m.to_prometheus();
-        assert!(t.contains("# TYPE radixkv_hit_tokens_total counter"));
-        assert!(t.contains("radixkv_hit_tokens_total{tier=\"device\"} 42"));
-        assert!(t.contains("radixkv_pool_tokens{state=\"free\"} 7"));
-        // Every sample line belongs to a family announced before it.
-        for line in t.lines().filter(|l| !l.starts_with('#')) {
-            let name = line.split(['{', ' ']).next().unwrap();
-            assert!(t.contains(&format!("# TYPE {name} ")), "{name}");
+    fn histogram_buckets_are_inclusive_and_cumulative() {
+        let mut h = Histogram::new(&[1, 4, 16]);
+        for v in [0, 1, 2, 4, 5, 100] {
+            h.observe(v);
         }
+        let c: Vec<_> = h.cumulative().collect();
+        assert_eq!(
+            c,
+            vec![(Some(1), 2), (Some(4), 4), (Some(16), 5), (None, 6)]
+        );
+        assert_eq!((h.count(), h.sum()), (6, 112));
+    }
+
+    #[test]
+    fn seconds_are_exported_from_nanoseconds() {
+        let mut m = Metrics::default();
+        m.histograms.step_load_wait_ns.observe(2_000_000);
+        let t = m.to_openmetrics();
+        assert!(
+            t.contains("radixkv_step_load_wait_seconds_bucket{le=\"0.005\"} 1\n"),
+            "{t}"
+        );
+        assert!(t.contains("radixkv_step_load_wait_seconds_bucket{le=\"0.001\"} 0\n"));
+        assert!(t.contains("radixkv_step_load_wait_seconds_sum 0.002\n"));
+        assert!(t.contains("# UNIT radixkv_step_load_wait_seconds seconds\n"));
     }
 }

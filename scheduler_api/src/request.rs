@@ -145,6 +145,9 @@ pub struct StepHandle {
     pub(crate) index: u64,
     pub(crate) layers: u32,
     pub(crate) loads: Arc<StepLoadSet>,
+    /// Nanoseconds spent blocked in `wait_layer` (atomic: the forward may wait from another
+    /// thread than the scheduler's), for the load-wait histogram.
+    pub(crate) waited_ns: AtomicU64,
     pub(crate) span: tracing::Span,
 }
 
@@ -203,10 +206,20 @@ impl StepHandle {
     /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the layer's copy failed: the batch must not read it;
     /// `end_step` repairs the KV (or reports that it could not).
     pub fn wait_layer(&self, layer: u32) -> Result<()> {
-        self.loads
-            .waits()
-            .iter()
-            .try_for_each(|w| w.wait_layer(layer))
+        let waits = self.loads.waits();
+        if waits.is_empty() {
+            return Ok(());
+        }
+        let start = std::time::Instant::now();
+        let r = waits.iter().try_for_each(|w| w.wait_layer(layer));
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns.fetch_add(ns, Ordering::Relaxed);
+        r
+    }
+
+    /// Nanoseconds spent blocked in [`StepHandle::wait_layer`] so far.
+    pub(crate) fn waited_ns(&self) -> u64 {
+        self.waited_ns.load(Ordering::Relaxed)
     }
 
     /// True when layer `layer`'s load is complete (or there is none).

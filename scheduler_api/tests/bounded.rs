@@ -2,7 +2,7 @@
 //! what it drops, and a full host-tier load queue makes admission wait instead of failing or
 //! silently skipping the load.
 
-use radixkv_radix::KvEvent;
+use radixkv_radix::{KvEvent, KvEventBatch};
 use radixkv_scheduler_api::{
     Admission, CacheKind, HostTier, KvCacheManager, ReqId, Request, WaitReason, WritePolicy,
 };
@@ -64,7 +64,7 @@ fn event_buffer_is_bounded_and_drops_are_counted_and_exported() {
     );
     assert_eq!(m.counters.kv_events_dropped, dropped);
     assert!(
-        m.to_prometheus()
+        m.to_openmetrics()
             .contains(&format!("radixkv_kv_events_dropped_total {dropped}\n")),
         "exported"
     );
@@ -80,6 +80,56 @@ fn event_buffer_is_bounded_and_drops_are_counted_and_exported() {
         assert!(!kv.take_events().is_empty());
         assert_eq!(kv.events_dropped(), dropped);
     }
+}
+
+#[test]
+fn batch_sequence_numbers_have_a_gap_exactly_where_events_were_dropped() {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(4096)
+        .page_size(4)
+        .events(true)
+        .event_capacity(4)
+        .build()
+        .unwrap();
+    let mut next = 0;
+    // Drained after every request: consecutive numbers.
+    for s in 0..5 {
+        serve(&mut kv, prompt(s, 16));
+        let b = kv.take_event_batch();
+        assert!(!b.events.is_empty());
+        assert_eq!(b.seq, next, "no drop, no gap");
+        assert!(b.timestamp_ms > 0);
+        next = b.next_seq();
+    }
+    // `take_events` shares the numbering: mixing the two opens no gap.
+    serve(&mut kv, prompt(5, 16));
+    next += kv.take_events().len() as u64;
+    assert_eq!(kv.events_dropped(), 0);
+    // Nobody drains for a while: the buffer drops, and the next batch skips exactly as many
+    // numbers as were dropped.
+    for s in 6..16 {
+        serve(&mut kv, prompt(s, 16));
+    }
+    let step = kv.begin_step();
+    kv.end_step(step).unwrap();
+    let lost = kv.events_dropped();
+    assert!(lost > 0);
+    let b = kv.take_event_batch();
+    assert_eq!(b.seq, next + lost, "the gap is the drop count");
+    // What a publisher sends survives the wire.
+    let json = serde_json::to_vec(&b).unwrap();
+    assert_eq!(serde_json::from_slice::<KvEventBatch>(&json).unwrap(), b);
+    let msgpack = rmp_serde::to_vec_named(&b).unwrap();
+    assert_eq!(rmp_serde::from_slice::<KvEventBatch>(&msgpack).unwrap(), b);
+    // Back to draining every request: no gap again.
+    next = b.next_seq();
+    serve(&mut kv, prompt(20, 16));
+    let b = kv.take_event_batch();
+    assert_eq!((b.seq, kv.events_dropped()), (next, lost));
+    // An empty batch keeps the place.
+    let empty = kv.take_event_batch();
+    assert!(empty.events.is_empty());
+    assert_eq!(empty.seq, b.next_seq());
 }
 
 #[test]

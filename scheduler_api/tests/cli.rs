@@ -67,17 +67,57 @@ fn demo_runs_and_writes_json_svg_and_png() {
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(json["config"], "radix-lru");
-    for f in ["hit_ratio", "ttft", "occupancy"] {
+    for (f, labels) in [
+        (
+            "hit_ratio",
+            &["hit on device", "ideal, infinite cache", "radix-lru"][..],
+        ),
+        ("ttft", &["p50", "p99", "radix-lru"][..]),
+        (
+            "occupancy",
+            &["in use by requests", "cached (evictable)"][..],
+        ),
+    ] {
         let svg = std::fs::read_to_string(dir.join(format!("{f}.svg"))).unwrap();
-        assert!(svg.starts_with("<svg"));
+        assert_well_formed_svg(&svg, labels);
         let png = std::fs::read(dir.join(format!("{f}.png"))).unwrap();
-        assert_eq!(&png[..4], b"\x89PNG");
+        assert_png_decodes(&png);
     }
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// The SVG is one `<svg>` element with balanced text elements, and names its series in lower
+/// case (the old bitmap font upper-cased every label).
+fn assert_well_formed_svg(svg: &str, labels: &[&str]) {
+    assert!(svg.starts_with("<svg"), "{svg:.200}");
+    assert!(svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<svg").count(), 1);
+    assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
+    for label in labels {
+        // plotters writes each text element's content on a line of its own.
+        assert!(
+            svg.lines().any(|l| l.trim_start().starts_with(label)),
+            "{label} missing in {svg}"
+        );
+    }
+}
+
+/// The PNG decodes to a picture of a sensible size that is not all one colour.
+fn assert_png_decodes(bytes: &[u8]) {
+    let mut reader = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .unwrap();
+    let mut pixels = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut pixels).unwrap();
+    assert!((400..=4000).contains(&info.width), "{}", info.width);
+    assert!((100..=4000).contains(&info.height), "{}", info.height);
+    let first = &pixels[..3];
+    assert!(pixels.chunks(3).any(|p| p != first), "blank picture");
+}
+
 #[test]
 fn compare_prints_one_table_with_every_configuration() {
+    let dir = temp_dir();
     let o = radixkv(&[
         "demo",
         "--conversations",
@@ -86,6 +126,8 @@ fn compare_prints_one_table_with_every_configuration() {
         "32768",
         "--compare",
         "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
@@ -104,6 +146,14 @@ fn compare_prints_one_table_with_every_configuration() {
     }
     assert!(out.lines().next().unwrap().contains("/ideal"));
     assert!(!out.contains("skipped"), "{out}");
+    // The hit-ratio chart has a row per configuration.
+    let svg = std::fs::read_to_string(dir.join("hit_ratio.svg")).unwrap();
+    assert_well_formed_svg(
+        &svg,
+        &["disabled", "hicache-lru-wb+host128K", "hit on device"],
+    );
+    assert_png_decodes(&std::fs::read(dir.join("hit_ratio.png")).unwrap());
+    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]

@@ -208,15 +208,168 @@ fn overflowing_counts_are_typed_errors_and_change_nothing() {
     assert_eq!(kv.accounting().request_owned, 0);
 }
 
+/// Parses `text` with a Prometheus text parser and checks what that parser lets through but
+/// OpenMetrics requires: metadata per family (`# TYPE`, `# HELP`, a `# UNIT` that the name
+/// ends with), samples named after their family's type and grouped under it, no name shared
+/// between families, cumulative histogram buckets, `# EOF` at the end.
+fn parse_openmetrics(text: &str) -> prometheus_parse::Scrape {
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+    assert_eq!(text.lines().last(), Some("# EOF"));
+    assert_eq!(text.matches("# EOF").count(), 1);
+    let mut families: Vec<(String, String)> = Vec::new();
+    let mut helped = std::collections::HashSet::new();
+    let mut sample_names = std::collections::HashSet::new();
+    for line in text.lines().filter(|l| *l != "# EOF") {
+        let words: Vec<&str> = line.splitn(4, ' ').collect();
+        match words[..] {
+            ["#", "TYPE", name, kind] => {
+                assert!(
+                    families.iter().all(|(f, _)| f != name),
+                    "family {name} twice"
+                );
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
+                families.push((name.to_string(), kind.to_string()));
+            }
+            ["#", "HELP", name, _] | ["#", "UNIT", name, _] => {
+                let (family, _) = families.last().expect("metadata before any TYPE");
+                assert_eq!(family, name, "metadata of {name} outside its family");
+                if words[1] == "HELP" {
+                    helped.insert(name.to_string());
+                } else {
+                    assert!(name.ends_with(&format!("_{}", words[3])), "{line}");
+                }
+            }
+            _ => {
+                assert!(!line.starts_with('#'), "unknown metadata: {line}");
+                let name = line.split(['{', ' ']).next().unwrap();
+                let (family, kind) = families.last().expect("sample before any TYPE");
+                let suffixes: &[&str] = match kind.as_str() {
+                    "counter" => &["_total"],
+                    "gauge" => &[""],
+                    _ => &["_bucket", "_count", "_sum"],
+                };
+                assert!(
+                    suffixes.iter().any(|s| format!("{family}{s}") == name),
+                    "{name} is not a sample of {kind} {family}"
+                );
+                sample_names.insert(name.to_string());
+            }
+        }
+    }
+    for (f, _) in &families {
+        assert!(helped.contains(f), "{f} has no HELP");
+        assert!(f.starts_with("radixkv_"), "{f}");
+    }
+    // A family's name is never another family's sample name (a counter `x` exports `x_total`,
+    // so a gauge `x_total` would collide).
+    for (f, kind) in &families {
+        assert!(
+            kind == "gauge" || !sample_names.contains(f),
+            "family {f} collides with a sample name"
+        );
+    }
+    for s in &scrape.samples {
+        match &s.value {
+            prometheus_parse::Value::Histogram(buckets) => {
+                assert!(
+                    buckets
+                        .windows(2)
+                        .all(|w| w[0].less_than < w[1].less_than && w[0].count <= w[1].count),
+                    "{} buckets are not cumulative: {buckets:?}",
+                    s.metric
+                );
+                assert!(buckets.last().unwrap().less_than.is_infinite());
+                let count = value(&scrape, &format!("{}_count", s.metric), |l| {
+                    **l == *s.labels
+                });
+                assert_eq!(buckets.last().unwrap().count, count, "{}", s.metric);
+            }
+            // The parser types samples by their exact name; OpenMetrics names the family.
+            prometheus_parse::Value::Untyped(_) => assert!(
+                ["_total", "_count", "_sum"]
+                    .iter()
+                    .any(|x| s.metric.ends_with(x)),
+                "{} has no type",
+                s.metric
+            ),
+            _ => {}
+        }
+    }
+    // The pool's states add up to its capacity.
+    let states: f64 = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == "radixkv_pool_tokens")
+        .map(|s| match s.value {
+            prometheus_parse::Value::Gauge(v) => v,
+            ref v => panic!("{v:?}"),
+        })
+        .sum();
+    let capacity = plain(&scrape, "radixkv_pool_capacity_tokens");
+    assert!(capacity > 0.0);
+    assert_eq!(states, capacity);
+    scrape
+}
+
+/// The value of the sample `metric` whose labels satisfy `pick`.
+fn value(
+    scrape: &prometheus_parse::Scrape,
+    metric: &str,
+    pick: impl Fn(&prometheus_parse::Labels) -> bool,
+) -> f64 {
+    let s = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == metric && pick(&s.labels))
+        .unwrap_or_else(|| panic!("no sample {metric}"));
+    match s.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => v,
+        ref v => panic!("{metric}: {v:?}"),
+    }
+}
+
+/// The value of the unlabeled sample `metric`.
+fn plain(scrape: &prometheus_parse::Scrape, metric: &str) -> f64 {
+    value(scrape, metric, |l| l.is_empty())
+}
+
+fn labeled(scrape: &prometheus_parse::Scrape, metric: &str, key: &str, val: &str) -> f64 {
+    value(scrape, metric, |l| l.get(key) == Some(val))
+}
+
 #[test]
-fn metrics_export_as_prometheus_text() {
+fn metrics_export_as_valid_openmetrics() {
     let mut kv = manager(4096, 4);
     run_to_end(&mut kv, (0..40).collect(), 3);
     run_to_end(&mut kv, (0..41).collect(), 3);
-    let text = kv.metrics().to_prometheus();
-    assert!(text.contains("radixkv_requests_total{event=\"finished\"} 2"));
-    assert!(text.contains("radixkv_hit_tokens_total{tier=\"device\"} 40"));
-    assert!(text.contains("radixkv_pool_tokens{state=\"total\"} 4096"));
+    let m = kv.metrics();
+    let scrape = parse_openmetrics(&m.to_openmetrics());
+    let requests = "radixkv_requests_total";
+    assert_eq!(labeled(&scrape, requests, "event", "finished"), 2.0);
+    assert_eq!(
+        labeled(&scrape, "radixkv_hit_tokens_total", "tier", "device"),
+        40.0
+    );
+    let capacity = plain(&scrape, "radixkv_pool_capacity_tokens");
+    assert_eq!(capacity, 4096.0);
+    // Both requests' match lengths, in the buckets they fall in.
+    assert_eq!(m.histograms.match_tokens.count(), 2);
+    assert_eq!(m.histograms.match_tokens.sum(), 40);
+    let matched = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == "radixkv_prefix_match_tokens")
+        .unwrap();
+    let prometheus_parse::Value::Histogram(b) = &matched.value else {
+        panic!("{matched:?}")
+    };
+    let at = |le: f64| b.iter().find(|x| x.less_than == le).unwrap().count;
+    assert_eq!((at(0.0), at(16.0), at(64.0)), (1.0, 1.0, 2.0));
+    // A device-only cache measures no transfers, so its transfer histograms stay empty.
+    assert_eq!(m.histograms.step_load_bytes.count(), 0);
+    assert_eq!(m.histograms.step_load_pages.count(), 0);
 }
 
 #[test]
@@ -458,6 +611,23 @@ fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
     assert!(m.gauges.host_tokens >= 80);
     let a = kv.accounting();
     assert_eq!(a.free + a.evictable, a.total);
+    // One step loaded 10 pages; every step of a tiered cache records what it moved.
+    let h = &m.histograms;
+    assert_eq!(
+        (h.step_load_pages.count(), h.step_load_pages.sum()),
+        (1, 10)
+    );
+    assert_eq!(h.step_load_wait_ns.count(), 1);
+    assert_eq!(h.step_load_bytes.count(), m.counters.steps);
+    // Transfers acked by `drain` (outside any step) are in the counters only.
+    assert!(h.step_load_bytes.sum() <= m.counters.transfers.bytes_loaded);
+    assert!(h.step_write_bytes.sum() <= m.counters.transfers.bytes_written);
+    assert_eq!((h.match_tokens.count(), h.match_tokens.sum()), (3, 40));
+    let scrape = parse_openmetrics(&m.to_openmetrics());
+    let hit = labeled(&scrape, "radixkv_hit_tokens_total", "tier", "host");
+    assert_eq!(hit, 40.0);
+    let loads = plain(&scrape, "radixkv_step_load_pages_sum");
+    assert_eq!(loads, 10.0);
 }
 
 /// A HiCache manager whose host tier holds the first 40 tokens of `(0..41)` after a second

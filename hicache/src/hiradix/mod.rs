@@ -43,7 +43,8 @@
 //! request waits; the pending loads are acknowledged at the next [`HiRadixCache::step`]). A
 //! submission the backend refuses is retried: backups at the next insert or step (counted in
 //! [`HiCacheStats::refused_submissions`]), loads at the next
-//! [`HiRadixCache::start_loading`] — whose error tells the batch not to run. A closed stream
+//! [`HiRadixCache::start_loading`] — whose error tells the batch not to run. A reset does not
+//! retry refused backups: everything is discarded, so they are undone. A closed stream
 //! (its worker died) fails every pending and later transfer, which the failed-copy paths above
 //! handle.
 //!
@@ -525,7 +526,18 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     }
 
     fn reset(&mut self) -> radixkv_radix::Result<()> {
-        self.flush()?;
+        if let Err(e) = self.flush() {
+            // Every KV is about to go, so a backup the backend refused need not wait for a
+            // retry: it is undone like a failed one. Started copies are waited for first.
+            self.ctrl.fail_queued_writes();
+            let _ = self.ctrl.wait_all();
+            let mut acks = self.ctrl.poll_acks();
+            self.apply_acks(&mut acks)?;
+            if self.ctrl.queued() != (0, 0) {
+                // A refused load: its request still holds the KV, so nothing may be dropped.
+                return Err(e.into());
+            }
+        }
         self.inner.reset()?;
         self.host_leaves.clear();
         self.unrepaired.clear();

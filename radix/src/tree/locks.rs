@@ -161,8 +161,10 @@ impl RadixTree {
         let keep = n.host.is_some();
         if self.events.is_some() {
             let hashes = self.nodes[idx as usize].page_hashes.clone();
+            let namespace = self.nodes[idx as usize].namespace.clone();
             self.push_event(KvEvent::BlockRemoved {
                 page_hashes: hashes,
+                namespace,
                 medium: Medium::Device,
             });
         }

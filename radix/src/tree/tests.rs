@@ -242,11 +242,12 @@ fn events_report_store_remove_and_clear() {
         t.take_events(),
         vec![KvEvent::BlockRemoved {
             page_hashes: h2.clone(),
+            namespace: Namespace::DEFAULT,
             medium: Medium::Device
         }]
     );
     t.reset(&mut out).unwrap();
-    assert_eq!(t.take_events(), vec![KvEvent::AllCleared]);
+    assert_eq!(t.take_events(), vec![KvEvent::AllBlocksCleared]);
     assert!(t.take_events().is_empty());
 }
 

@@ -121,8 +121,10 @@ impl RadixTree {
         let idx = self.resolve(id)?;
         if self.events.is_some() {
             let hashes = self.nodes[idx as usize].page_hashes.clone();
+            let namespace = self.nodes[idx as usize].namespace.clone();
             self.push_event(KvEvent::BlockRemoved {
                 page_hashes: hashes,
+                namespace,
                 medium,
             });
         }
@@ -196,8 +198,10 @@ impl RadixTree {
         }
         if self.events.is_some() {
             let hashes = self.nodes[idx as usize].page_hashes.clone();
+            let namespace = self.nodes[idx as usize].namespace.clone();
             self.push_event(KvEvent::BlockRemoved {
                 page_hashes: hashes,
+                namespace,
                 medium: Medium::Host,
             });
         }

@@ -1,358 +1,106 @@
-//! Plots of replay reports, written as SVG and PNG.
+//! Plots of replay reports, drawn with `plotters` into SVG and PNG.
 //!
-//! A chart is laid out once into drawing primitives ([`Prim`]); the SVG writer and the PNG
-//! rasterizer consume the same primitives, so both files show the same picture. The
-//! rasterizer is a few dozen lines with a built-in 5×7 bitmap font and a minimal PNG encoder
-//! over `flate2`, which keeps heavy graphics crates out of the build.
+//! Each chart is described once ([`Chart`]) and drawn by the same code onto plotters' SVG
+//! backend and onto its in-memory bitmap backend, whose pixels the `png` crate encodes, so both
+//! files show the same picture. Text is laid out and rasterized with a bundled DejaVu Sans
+//! subset (see `assets/`), so no system font library is needed.
 
-mod raster;
+mod draw;
 
-use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::error::{ManagerError, Result};
-use crate::sim::Report;
+use crate::sim::{OccupancySample, Report};
 
-/// An RGB colour.
-pub type Rgb = [u8; 3];
-
-const PALETTE: [Rgb; 8] = [
-    [31, 119, 180],
-    [255, 127, 14],
-    [44, 160, 44],
-    [214, 39, 40],
-    [148, 103, 189],
-    [140, 86, 75],
-    [227, 119, 194],
-    [127, 127, 127],
-];
-const INK: Rgb = [40, 40, 40];
-const GRID: Rgb = [225, 225, 225];
-
-/// A drawing primitive in pixel coordinates (origin top left).
+/// One labelled row of a horizontal bar chart.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Prim {
-    /// A filled rectangle.
-    Rect {
-        /// Left.
-        x: f64,
-        /// Top.
-        y: f64,
-        /// Width.
-        w: f64,
-        /// Height.
-        h: f64,
-        /// Fill.
-        fill: Rgb,
-    },
-    /// A straight line.
-    Line {
-        /// Start.
-        from: (f64, f64),
-        /// End.
-        to: (f64, f64),
-        /// Colour.
-        color: Rgb,
-        /// Width in pixels.
-        width: f64,
-    },
-    /// A text label; `anchor` is 0 (start), 1 (middle) or 2 (end) horizontally, `y` is the
-    /// baseline-ish bottom of the glyphs.
-    Text {
-        /// Anchor point x.
-        x: f64,
-        /// Anchor point y.
-        y: f64,
-        /// The text.
-        text: String,
-        /// Pixel scale of the 5×7 font (1 = 7 px high).
-        scale: u32,
-        /// Horizontal anchor.
-        anchor: u8,
-    },
+pub struct BarRow {
+    /// The row's name, drawn left of the bars.
+    pub label: String,
+    /// One value per series: stacked end to end, or overlaid from the axis start (see
+    /// [`BarChart::stacked`]).
+    pub values: Vec<f64>,
+    /// The figure printed right of the plot.
+    pub note: String,
 }
 
-/// A chart: size and primitives.
+/// Horizontal bars, one row per configuration, with an optional reference line.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Chart {
-    /// Width in pixels.
-    pub width: u32,
-    /// Height in pixels.
-    pub height: u32,
-    /// What to draw, in order.
-    pub prims: Vec<Prim>,
+pub struct BarChart {
+    /// Title above the chart.
+    pub title: String,
+    /// Caption of the value axis.
+    pub axis: String,
+    /// Legend name of each series (index matches [`BarRow::values`]).
+    pub series: Vec<String>,
+    /// Rows, drawn top to bottom in this order.
+    pub rows: Vec<BarRow>,
+    /// Series stack end to end (parts of a whole) rather than overlay (p50 inside p99).
+    pub stacked: bool,
+    /// A vertical reference line and its legend name.
+    pub reference: Option<(String, f64)>,
+    /// Start of the value axis; above 0 when every bar is high, so close values differ.
+    pub axis_start: f64,
+    /// End of the value axis.
+    pub axis_end: f64,
 }
 
-/// One named series of values.
-#[derive(Clone, Debug)]
+/// One named line of (x, y) points.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Series {
     /// Legend name.
     pub name: String,
-    /// One value per category (bars) or (x, y) points (lines).
+    /// Points in x order.
     pub points: Vec<(f64, f64)>,
 }
 
-const LEFT: f64 = 70.0;
-const RIGHT: f64 = 20.0;
-const TOP: f64 = 50.0;
-const BOTTOM: f64 = 60.0;
-
-/// A grouped bar chart with an optional horizontal reference line.
-pub fn bar_chart(
-    title: &str,
-    y_label: &str,
-    categories: &[String],
-    series: &[Series],
-    reference: Option<(&str, f64)>,
-) -> Chart {
-    let group_w = 120.0;
-    let width = (LEFT + RIGHT + group_w * categories.len().max(1) as f64).max(640.0);
-    let height = 420.0;
-    let ymax = series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.1))
-        .chain(reference.map(|r| r.1))
-        .fold(0.0f64, f64::max);
-    let mut c = Frame::new(width, height, title, y_label, nice_max(ymax));
-    let plot_w = width - LEFT - RIGHT;
-    let gw = plot_w / categories.len().max(1) as f64;
-    let bw = (gw * 0.8) / series.len().max(1) as f64;
-    for (i, cat) in categories.iter().enumerate() {
-        let gx = LEFT + gw * i as f64 + gw * 0.1;
-        for (k, s) in series.iter().enumerate() {
-            let v = s.points.get(i).map_or(0.0, |p| p.1);
-            let y = c.y(v);
-            c.prims.push(Prim::Rect {
-                x: gx + bw * k as f64,
-                y,
-                w: (bw - 2.0).max(1.0),
-                h: (height - BOTTOM - y).max(0.0),
-                fill: PALETTE[k % PALETTE.len()],
-            });
-        }
-        // Alternate two label rows so long configuration names do not overlap.
-        let row = if i % 2 == 0 { 16.0 } else { 30.0 };
-        c.text(gx + gw * 0.4, height - BOTTOM + row, cat, 1, 1);
-    }
-    if let Some((name, v)) = reference {
-        let y = c.y(v);
-        c.prims.push(Prim::Line {
-            from: (LEFT, y),
-            to: (width - RIGHT, y),
-            color: PALETTE[3],
-            width: 2.0,
-        });
-        c.text(width - RIGHT - 4.0, y - 4.0, name, 1, 2);
-    }
-    c.legend(series.iter().map(|s| s.name.as_str()));
-    c.finish()
+/// Lines over a numeric x axis that spans exactly the data.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LineChart {
+    /// Title above the chart.
+    pub title: String,
+    /// Caption of the x axis.
+    pub x_axis: String,
+    /// Caption of the y axis.
+    pub y_axis: String,
+    /// The lines.
+    pub series: Vec<Series>,
+    /// Top of the y axis (the bottom is 0).
+    pub y_max: f64,
 }
 
-/// A line chart over a numeric x axis.
-pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Chart {
-    let (width, height) = (820.0, 420.0);
-    let pts = || series.iter().flat_map(|s| s.points.iter());
-    let xmax = nice_max(pts().map(|p| p.0).fold(0.0, f64::max));
-    let ymax = nice_max(pts().map(|p| p.1).fold(0.0, f64::max));
-    let mut c = Frame::new(width, height, title, y_label, ymax);
-    let plot_w = width - LEFT - RIGHT;
-    let x = |v: f64| LEFT + plot_w * (v / xmax);
-    for (k, s) in series.iter().enumerate() {
-        for w in s.points.windows(2) {
-            c.prims.push(Prim::Line {
-                from: (x(w[0].0), c.y(w[0].1)),
-                to: (x(w[1].0), c.y(w[1].1)),
-                color: PALETTE[k % PALETTE.len()],
-                width: 1.5,
-            });
-        }
-    }
-    for i in 0..=4 {
-        let v = xmax * f64::from(i) / 4.0;
-        c.text(x(v), height - BOTTOM + 16.0, &fmt_num(v), 1, 1);
-    }
-    c.text(LEFT + plot_w / 2.0, height - 12.0, x_label, 1, 1);
-    c.legend(series.iter().map(|s| s.name.as_str()));
-    c.finish()
-}
-
-struct Frame {
-    width: f64,
-    height: f64,
-    ymax: f64,
-    prims: Vec<Prim>,
-}
-
-impl Frame {
-    fn new(width: f64, height: f64, title: &str, y_label: &str, ymax: f64) -> Self {
-        let mut f = Frame {
-            width,
-            height,
-            ymax,
-            prims: vec![Prim::Rect {
-                x: 0.0,
-                y: 0.0,
-                w: width,
-                h: height,
-                fill: [255, 255, 255],
-            }],
-        };
-        for i in 0..=4 {
-            let v = ymax * f64::from(i) / 4.0;
-            let y = f.y(v);
-            f.prims.push(Prim::Line {
-                from: (LEFT, y),
-                to: (width - RIGHT, y),
-                color: GRID,
-                width: 1.0,
-            });
-            f.text(LEFT - 6.0, y + 3.0, &fmt_num(v), 1, 2);
-        }
-        f.prims.push(Prim::Line {
-            from: (LEFT, TOP),
-            to: (LEFT, height - BOTTOM),
-            color: INK,
-            width: 1.0,
-        });
-        f.prims.push(Prim::Line {
-            from: (LEFT, height - BOTTOM),
-            to: (width - RIGHT, height - BOTTOM),
-            color: INK,
-            width: 1.0,
-        });
-        f.text(width / 2.0, 24.0, title, 2, 1);
-        f.text(8.0, TOP - 10.0, y_label, 1, 0);
-        f
-    }
-
-    fn y(&self, v: f64) -> f64 {
-        let h = self.height - TOP - BOTTOM;
-        self.height - BOTTOM - h * (v / self.ymax).clamp(0.0, 1.0)
-    }
-
-    fn text(&mut self, x: f64, y: f64, text: &str, scale: u32, anchor: u8) {
-        self.prims.push(Prim::Text {
-            x,
-            y,
-            text: text.to_string(),
-            scale,
-            anchor,
-        });
-    }
-
-    fn legend<'a>(&mut self, names: impl Iterator<Item = &'a str>) {
-        let mut y = TOP + 4.0;
-        for (k, name) in names.enumerate() {
-            let x = self.width - RIGHT - 190.0;
-            self.prims.push(Prim::Rect {
-                x,
-                y,
-                w: 10.0,
-                h: 10.0,
-                fill: PALETTE[k % PALETTE.len()],
-            });
-            self.text(x + 16.0, y + 9.0, name, 1, 0);
-            y += 14.0;
-        }
-    }
-
-    fn finish(self) -> Chart {
-        Chart {
-            width: self.width as u32,
-            height: self.height as u32,
-            prims: self.prims,
-        }
-    }
-}
-
-/// A round axis maximum at or above `v` (1, 2 or 5 × 10^k); 1 for nothing to show.
-fn nice_max(v: f64) -> f64 {
-    if !v.is_finite() || v <= 0.0 {
-        return 1.0;
-    }
-    let e = 10f64.powf(v.log10().floor());
-    [1.0, 2.0, 2.5, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * e)
-        .find(|&m| m >= v)
-        .unwrap_or(10.0 * e)
-}
-
-fn fmt_num(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else if v.abs() >= 1.0 {
-        format!("{v:.1}")
-    } else {
-        let s = format!("{v:.3}");
-        s.trim_end_matches('0').to_string()
-    }
+/// A chart of a report.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Chart {
+    /// Horizontal bars per configuration.
+    Bars(BarChart),
+    /// Lines over time.
+    Lines(LineChart),
 }
 
 impl Chart {
     /// The chart as an SVG document.
-    pub fn to_svg(&self) -> String {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="monospace">"#,
-            w = self.width,
-            h = self.height
-        );
-        let hex = |c: &Rgb| format!("#{:02x}{:02x}{:02x}", c[0], c[1], c[2]);
-        for p in &self.prims {
-            let _ = match p {
-                Prim::Rect { x, y, w, h, fill } => writeln!(
-                    s,
-                    r#"<rect x="{x:.1}" y="{y:.1}" width="{w:.1}" height="{h:.1}" fill="{}"/>"#,
-                    hex(fill)
-                ),
-                Prim::Line {
-                    from,
-                    to,
-                    color,
-                    width,
-                } => writeln!(
-                    s,
-                    r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{}" stroke-width="{width}"/>"#,
-                    from.0,
-                    from.1,
-                    to.0,
-                    to.1,
-                    hex(color)
-                ),
-                Prim::Text {
-                    x,
-                    y,
-                    text,
-                    scale,
-                    anchor,
-                } => writeln!(
-                    s,
-                    r#"<text x="{x:.1}" y="{y:.1}" font-size="{}" text-anchor="{}" fill="{}">{}</text>"#,
-                    9 * scale,
-                    ["start", "middle", "end"][usize::from((*anchor).min(2))],
-                    hex(&INK),
-                    xml_escape(text)
-                ),
-            };
-        }
-        s.push_str("</svg>\n");
-        s
+    ///
+    /// # Errors
+    /// [`ManagerError::Io`] if plotters fails to draw (named after `name`).
+    pub fn to_svg(&self, name: &str) -> Result<String> {
+        draw::svg(self).map_err(|e| drawing_error(name, "svg", &e))
     }
 
     /// The chart as a PNG file.
-    pub fn to_png(&self) -> Vec<u8> {
-        raster::render_png(self)
+    ///
+    /// # Errors
+    /// [`ManagerError::Io`] if plotters fails to draw or the PNG encoder fails.
+    pub fn to_png(&self, name: &str) -> Result<Vec<u8>> {
+        draw::png(self).map_err(|e| drawing_error(name, "png", &e))
     }
 }
 
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+fn drawing_error(name: &str, ext: &str, message: &str) -> ManagerError {
+    ManagerError::Io {
+        path: format!("{name}.{ext}"),
+        message: format!("drawing the chart: {message}"),
+    }
 }
 
 /// Writes `name.svg` and `name.png` under `dir`.
@@ -367,119 +115,279 @@ pub fn write_chart(dir: &Path, name: &str, chart: &Chart) -> Result<()> {
             message: e.to_string(),
         })
     };
-    write(format!("{name}.svg"), chart.to_svg().as_bytes())?;
-    write(format!("{name}.png"), &chart.to_png())
+    write(format!("{name}.svg"), chart.to_svg(name)?.as_bytes())?;
+    write(format!("{name}.png"), &chart.to_png(name)?)
 }
+
+/// How many distinct curves the compare occupancy chart draws: more lines are unreadable.
+const MAX_LINES: usize = 6;
+/// Curves closer than this (mean distance, fraction of the pool) are drawn as one.
+const ALIKE: f64 = 0.01;
 
 /// The standard charts of a set of reports: hit ratio per configuration (with the ideal),
 /// TTFT p50/p99 per configuration, device pool occupancy over time.
 pub fn report_charts(reports: &[&Report]) -> Vec<(&'static str, Chart)> {
-    let cats: Vec<String> = reports.iter().map(|r| r.config.clone()).collect();
-    let per = |f: fn(&Report) -> f64| -> Vec<(f64, f64)> {
-        reports
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (i as f64, f(r)))
-            .collect()
-    };
+    // Best first: the highest hit ratio on top, in both bar charts, so rows line up.
+    let mut order: Vec<&Report> = reports.to_vec();
+    order.sort_by(|a, b| b.hit_ratio.overall.total_cmp(&a.hit_ratio.overall));
+    // The ideal of the first configuration, as the table's footer prints it (configurations
+    // with sessions see a slightly different trace, so their own ideal differs a little).
     let ideal = reports.first().map_or(0.0, |r| r.ideal_hit_ratio);
-    let hit = bar_chart(
-        "Token hit ratio per configuration",
-        "hit ratio",
-        &cats,
-        &[
-            Series {
-                name: "device".into(),
-                points: per(|r| r.hit_ratio.device),
-            },
-            Series {
-                name: "all tiers".into(),
-                points: per(|r| r.hit_ratio.overall),
-            },
-        ],
-        Some(("ideal (infinite cache)", ideal)),
-    );
-    let ttft = bar_chart(
-        "Simulated TTFT per configuration",
-        "ms",
-        &cats,
-        &[
-            Series {
-                name: "p50".into(),
-                points: per(|r| r.ttft_p50_ms),
-            },
-            Series {
-                name: "p99".into(),
-                points: per(|r| r.ttft_p99_ms),
-            },
-        ],
-        None,
-    );
-    let occupancy: Vec<Series> = if let [r] = reports {
-        vec![
-            Series {
-                name: "in use".into(),
-                points: r.occupancy.iter().map(|o| (o.t_s, o.in_use)).collect(),
-            },
-            Series {
-                name: "cached (evictable)".into(),
-                points: r.occupancy.iter().map(|o| (o.t_s, o.cached)).collect(),
-            },
-        ]
-    } else {
-        reports
-            .iter()
-            .take(PALETTE.len())
-            .map(|r| Series {
-                name: r.config.clone(),
-                points: r.occupancy.iter().map(|o| (o.t_s, o.in_use)).collect(),
-            })
-            .collect()
-    };
-    // Several configurations: their caches all fill the pool, so the informative line is the
-    // part running requests hold.
-    let occ = line_chart(
-        "Device pool occupancy",
-        "simulated time (s)",
-        if reports.len() == 1 {
-            "fraction of pool"
+    vec![
+        ("hit_ratio", Chart::Bars(hit_ratio_chart(&order, ideal))),
+        ("ttft", Chart::Bars(ttft_chart(&order))),
+        ("occupancy", Chart::Lines(occupancy_chart(&order))),
+    ]
+}
+
+fn hit_ratio_chart(order: &[&Report], ideal: f64) -> BarChart {
+    let with_host = order
+        .iter()
+        .any(|r| r.hit_ratio.overall > r.hit_ratio.device);
+    let rows = order
+        .iter()
+        .map(|r| {
+            let mut values = vec![r.hit_ratio.device];
+            if with_host {
+                values.push((r.hit_ratio.overall - r.hit_ratio.device).max(0.0));
+            }
+            BarRow {
+                label: r.config.clone(),
+                values,
+                note: format!("{:.4}", r.hit_ratio.overall),
+            }
+        })
+        .collect::<Vec<_>>();
+    // A disabled cache (ratio 0) keeps its row and figure but does not pull the axis to 0.
+    let totals = order
+        .iter()
+        .map(|r| r.hit_ratio.overall)
+        .filter(|&v| v > 0.0);
+    let (start, end) = ratio_axis(totals, ideal);
+    let mut series = vec!["hit on device".to_string()];
+    if with_host {
+        series.push("loaded back from host".to_string());
+    }
+    BarChart {
+        title: "token hit ratio per configuration".into(),
+        axis: if start > 0.0 {
+            format!(
+                "token hit ratio (axis starts at {}, not 0)",
+                fmt_ratio(start)
+            )
         } else {
-            "fraction in use by requests"
+            "token hit ratio".into()
         },
-        &occupancy,
-    );
-    vec![("hit_ratio", hit), ("ttft", ttft), ("occupancy", occ)]
+        series,
+        rows,
+        stacked: true,
+        reference: Some((format!("ideal, infinite cache ({ideal:.4})"), ideal)),
+        axis_start: start,
+        axis_end: end,
+    }
+}
+
+/// The value axis of a ratio chart: from 0 unless every bar is high, then from a round value
+/// below the lowest bar so that 0.88 and 0.91 differ visibly; up to a round value at or above
+/// the highest bar and the reference, at most 1.
+fn ratio_axis(values: impl Iterator<Item = f64>, reference: f64) -> (f64, f64) {
+    let (lo, hi) = values.fold((f64::INFINITY, reference), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    if !lo.is_finite() || hi <= 0.0 {
+        return (0.0, 1.0);
+    }
+    let lo = lo.min(reference);
+    let span = (hi - lo).max(0.01);
+    let step = round_step(span / 5.0);
+    let end = ((hi + span * 0.05) / step).ceil() * step;
+    let end = end.min(1.0).max(hi);
+    // Bars that all reach past half the axis: zero wastes the width and hides the differences.
+    if lo < 0.5 * end {
+        return (0.0, end);
+    }
+    let start = ((lo - span * 0.5) / step).floor() * step;
+    (start.max(0.0), end)
+}
+
+/// A ratio with as many decimals as it needs (0.875, 0.6).
+fn fmt_ratio(v: f64) -> String {
+    let s = format!("{v:.4}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// 1, 2 or 5 × 10^k at or above `v`.
+fn round_step(v: f64) -> f64 {
+    let e = 10f64.powf(v.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * e)
+        .find(|&m| m >= v)
+        .unwrap_or(10.0 * e)
+}
+
+fn ttft_chart(order: &[&Report]) -> BarChart {
+    let rows: Vec<BarRow> = order
+        .iter()
+        .map(|r| BarRow {
+            label: r.config.clone(),
+            values: vec![r.ttft_p99_ms, r.ttft_p50_ms],
+            note: format!("{} / {}", fmt_ms(r.ttft_p50_ms), fmt_ms(r.ttft_p99_ms)),
+        })
+        .collect();
+    let max = order.iter().map(|r| r.ttft_p99_ms).fold(0.0, f64::max);
+    BarChart {
+        title: "simulated time to first token (p50 / p99 ms)".into(),
+        axis: "ms (rows in the hit-ratio chart's order)".into(),
+        series: vec!["p99".into(), "p50".into()],
+        rows,
+        stacked: false,
+        reference: None,
+        axis_start: 0.0,
+        axis_end: if max > 0.0 { max * 1.05 } else { 1.0 },
+    }
+}
+
+fn fmt_ms(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn occupancy_chart(order: &[&Report]) -> LineChart {
+    let window = order
+        .iter()
+        .map(|r| smoothing_window(r.occupancy.len()))
+        .max()
+        .unwrap_or(1);
+    let seconds = order
+        .iter()
+        .map(|r| window_seconds(&r.occupancy, window))
+        .fold(0.0, f64::max);
+    let smoothing = if window > 1 {
+        format!("moving average over {window} samples, about {seconds:.1} s")
+    } else {
+        "raw samples".into()
+    };
+    let line = |name: String, r: &Report, f: fn(&OccupancySample) -> f64| Series {
+        name,
+        points: moving_average(&r.occupancy, window, f),
+    };
+    let (series, y_axis) = if let [r] = order {
+        (
+            vec![
+                line("in use by requests".into(), r, |o| o.in_use),
+                line("cached (evictable)".into(), r, |o| o.cached),
+            ],
+            "fraction of the device pool",
+        )
+    } else {
+        // Several configurations: their caches all fill the pool, so the informative line is
+        // the part running requests hold. Many configurations trace the same curve; each is
+        // drawn once, named after the best of them, or the lines hide one another.
+        let all: Vec<Series> = order
+            .iter()
+            .map(|r| line(r.config.clone(), r, |o| o.in_use))
+            .collect();
+        (
+            distinct_lines(all),
+            "fraction of the pool in use by requests",
+        )
+    };
+    let title = format!("device pool occupancy ({smoothing})");
+    LineChart {
+        title,
+        x_axis: "simulated time (s)".into(),
+        y_axis: y_axis.into(),
+        series,
+        y_max: 1.0,
+    }
+}
+
+/// The first series of each group of alike ones (best first), named "+N alike" for the ones it
+/// stands for; at most [`MAX_LINES`] groups, the rest counted in the last name.
+fn distinct_lines(all: Vec<Series>) -> Vec<Series> {
+    let mut kept: Vec<(Series, usize)> = Vec::new();
+    let mut left_out = 0;
+    for s in all {
+        if let Some(k) = kept.iter_mut().find(|k| mean_distance(&k.0, &s) < ALIKE) {
+            k.1 += 1;
+        } else if kept.len() < MAX_LINES {
+            kept.push((s, 0));
+        } else {
+            left_out += 1;
+        }
+    }
+    let last = kept.len().saturating_sub(1);
+    kept.into_iter()
+        .enumerate()
+        .map(|(i, (mut s, alike))| {
+            if alike > 0 {
+                s.name = format!("{} (+{alike} alike)", s.name);
+            }
+            if i == last && left_out > 0 {
+                s.name = format!("{}; {left_out} more not drawn", s.name);
+            }
+            s
+        })
+        .collect()
+}
+
+/// Mean vertical distance of two curves at 100 times across the longer one (a curve holds its
+/// last value past its end).
+fn mean_distance(a: &Series, b: &Series) -> f64 {
+    let end = [a, b]
+        .iter()
+        .filter_map(|s| s.points.last().map(|p| p.0))
+        .fold(0.0, f64::max);
+    let at = |s: &Series, t: f64| {
+        let i = s.points.partition_point(|p| p.0 <= t);
+        s.points.get(i.saturating_sub(1)).map_or(0.0, |p| p.1)
+    };
+    (0..100)
+        .map(|i| {
+            let t = end * f64::from(i) / 99.0;
+            (at(a, t) - at(b, t)).abs()
+        })
+        .sum::<f64>()
+        / 100.0
+}
+
+/// About 1/40 of the series, so a few hundred noisy samples become a readable trend.
+fn smoothing_window(samples: usize) -> usize {
+    (samples / 40).max(1)
+}
+
+fn window_seconds(samples: &[OccupancySample], window: usize) -> f64 {
+    match (samples.first(), samples.last()) {
+        (Some(a), Some(b)) if samples.len() > 1 => {
+            (b.t_s - a.t_s) * window as f64 / (samples.len() - 1) as f64
+        }
+        _ => 0.0,
+    }
+}
+
+/// A trailing moving average over `window` samples (fewer at the start), one point per sample
+/// at the sample's own time: the line ends where the data ends.
+fn moving_average(
+    samples: &[OccupancySample],
+    window: usize,
+    f: fn(&OccupancySample) -> f64,
+) -> Vec<(f64, f64)> {
+    let window = window.max(1);
+    let mut sum = 0.0;
+    let mut out = Vec::with_capacity(samples.len());
+    for (i, s) in samples.iter().enumerate() {
+        sum += f(s);
+        if let Some(old) = i.checked_sub(window).and_then(|j| samples.get(j)) {
+            sum -= f(old);
+        }
+        out.push((s.t_s, sum / (i + 1).min(window) as f64));
+    }
+    out
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn charts_render_to_svg_and_png() {
-        let c = bar_chart(
-            "t",
-            "y",
-            &["a".into(), "b".into()],
-            &[Series {
-                name: "s".into(),
-                points: vec![(0.0, 0.5), (1.0, 0.25)],
-            }],
-            Some(("ideal", 0.75)),
-        );
-        let svg = c.to_svg();
-        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert_eq!(svg.matches("<rect").count(), 1 + 2 + 1);
-        let png = c.to_png();
-        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
-        assert_eq!(&png[png.len() - 8..png.len() - 4], b"IEND");
-    }
-
-    #[test]
-    fn nice_axis_maxima() {
-        assert_eq!(nice_max(0.37), 0.5);
-        assert_eq!(nice_max(730.0), 1000.0);
-        assert_eq!(nice_max(0.0), 1.0);
-        assert_eq!(nice_max(2.0), 2.0);
-    }
-}
+mod tests;

@@ -1,0 +1,118 @@
+use super::*;
+
+fn bars(values: &[f64]) -> BarChart {
+    let rows = values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| BarRow {
+            label: format!("config-{i}"),
+            values: vec![v],
+            note: format!("{v:.4}"),
+        })
+        .collect();
+    let (axis_start, axis_end) = ratio_axis(values.iter().copied(), 0.95);
+    BarChart {
+        title: "token hit ratio per configuration".into(),
+        axis: "token hit ratio".into(),
+        series: vec!["hit on device".into()],
+        rows,
+        stacked: true,
+        reference: Some(("ideal, infinite cache".into(), 0.95)),
+        axis_start,
+        axis_end,
+    }
+}
+
+#[test]
+fn charts_render_to_svg_and_png_with_lower_case_text() {
+    let c = Chart::Bars(bars(&[0.88, 0.91]));
+    let svg = c.to_svg("hit_ratio").unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    for label in [
+        "hit on device",
+        "ideal, infinite cache",
+        "config-1",
+        "0.9100",
+    ] {
+        assert!(svg.contains(label), "{label} missing");
+    }
+    let png = c.to_png("hit_ratio").unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&png[png.len() - 8..png.len() - 4], b"IEND");
+}
+
+#[test]
+fn high_ratios_get_an_axis_that_does_not_start_at_zero() {
+    let (start, end) = ratio_axis([0.88, 0.91].into_iter(), 0.93);
+    assert!(start > 0.5 && start <= 0.88, "{start}");
+    assert!((0.93..=1.0).contains(&end), "{end}");
+    // 0.88 and 0.91 differ by at least a fifth of the axis.
+    assert!((0.91 - 0.88) / (end - start) > 0.2, "{start}..{end}");
+    // Low ratios keep zero.
+    assert_eq!(ratio_axis([0.05, 0.06].into_iter(), 0.37).0, 0.0);
+    assert_eq!(ratio_axis(std::iter::empty(), 0.0), (0.0, 1.0));
+}
+
+#[test]
+fn moving_average_smooths_and_ends_with_the_data() {
+    let samples: Vec<OccupancySample> = (0..10)
+        .map(|i| OccupancySample {
+            t_s: f64::from(i),
+            in_use: if i % 2 == 0 { 1.0 } else { 0.0 },
+            cached: 0.0,
+        })
+        .collect();
+    let avg = moving_average(&samples, 2, |o| o.in_use);
+    assert_eq!(avg.len(), 10);
+    assert_eq!(avg.last().unwrap().0, 9.0);
+    assert!(
+        avg[1..].iter().all(|p| (p.1 - 0.5).abs() < 1e-12),
+        "{avg:?}"
+    );
+    assert_eq!(moving_average(&samples, 0, |o| o.in_use)[3].1, 0.0);
+}
+
+#[test]
+fn alike_curves_are_drawn_once_and_named_for_the_others() {
+    let curve = |name: &str, level: f64| Series {
+        name: name.into(),
+        points: (0..50).map(|i| (f64::from(i), level)).collect(),
+    };
+    let lines = distinct_lines(vec![
+        curve("a", 0.5),
+        curve("b", 0.503),
+        curve("c", 0.1),
+        curve("d", 0.5),
+    ]);
+    let names: Vec<&str> = lines.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["a (+2 alike)", "c"]);
+    let many: Vec<Series> = (0..9)
+        .map(|i| curve(&format!("s{i}"), 0.1 * f64::from(i)))
+        .collect();
+    let lines = distinct_lines(many);
+    assert_eq!(lines.len(), MAX_LINES);
+    assert!(lines[MAX_LINES - 1].name.ends_with("3 more not drawn"));
+}
+
+#[test]
+fn bars_start_at_zero_and_are_clipped_to_a_shifted_axis() {
+    let mut b = bars(&[0.88, 0.91]);
+    b.axis_start = 0.6;
+    b.axis_end = 0.95;
+    // Device 0.7 then host 0.2: the device part shows from the axis start, the host part
+    // from 0.7 to 0.9.
+    let s = draw::spans(&b, &[0.7, 0.2]);
+    assert!(
+        (s[0].0 - 0.6).abs() < 1e-12 && (s[0].1 - 0.7).abs() < 1e-12,
+        "{s:?}"
+    );
+    assert!(
+        (s[1].0 - 0.7).abs() < 1e-12 && (s[1].1 - 0.9).abs() < 1e-12,
+        "{s:?}"
+    );
+    // A bar below the axis start has no length.
+    assert_eq!(draw::spans(&b, &[0.0])[0].0, draw::spans(&b, &[0.0])[0].1);
+    b.stacked = false;
+    let s = draw::spans(&b, &[0.9, 0.7]);
+    assert!(s[1].1 < s[0].1 && s[1].2 < s[0].2, "{s:?}");
+}
