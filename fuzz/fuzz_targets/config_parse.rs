@@ -40,7 +40,7 @@ fn run_one(kv: &mut KvCacheManager) -> Result<(), ManagerError> {
             .extend(r, a.extend_tokens)
             .and_then(|_| kv.chunk_done(r))
             .and_then(|()| kv.decode(r, 7)),
-        Admission::Wait(_) => Err(ManagerError::OutOfMemory {
+        Admission::Wait(_) | Admission::Never(_) => Err(ManagerError::OutOfMemory {
             needed: 0,
             available: 0,
         }),

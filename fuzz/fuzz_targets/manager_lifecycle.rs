@@ -279,7 +279,7 @@ impl Harness {
             return Self::lifecycle_error(&r);
         }
         match r.expect("admit a waiting request") {
-            Admission::Wait(_) => {}
+            Admission::Wait(_) | Admission::Never(_) => {}
             Admission::Ready(a) => {
                 let t = &mut self.live[i];
                 t.phase = Phase::Running;

@@ -23,9 +23,17 @@
 //! - **Lifecycle**: `arrive` → `admit` (match, temporary lock, budget check, load-back, lock) →
 //!   `extend` per prefill chunk (allocation evicts as needed) → `chunk_done` (the chunk enters
 //!   the cache at once) → `decode` per token (out of memory → `retract`) → `finish` / `abort`.
-//!   Each scheduler step is bracketed by `begin_step` (its handle says what the forward must
-//!   wait for, per layer) and `end_step` (acks, KV events, transfer counts; debug builds audit
-//!   every invariant there).
+//!   A step is: form the batch (`admit`, `extend`, `decode`), `begin_step` (starts every queued
+//!   host load; its handle says what the forward must wait for, per layer), the forward,
+//!   `chunk_done` / `finish`, `end_step` (acks, KV events, transfer counts; debug builds audit
+//!   every invariant there). An admission made while a step is open starts its load at once and
+//!   joins that step's handle: no order of calls leaves a load unstarted behind a handle that
+//!   says there is nothing to wait for.
+//! - **Verdicts**: `admit` answers [`Admission::Ready`], [`Admission::Wait`] (not now) or
+//!   [`Admission::Never`] (larger than the whole device pool: reject it, waiting would never end).
+//! - **Retraction keeps what was computed**: `retract` caches the request's computed,
+//!   page-aligned KV (prompt and output) before releasing it, so its re-admission hits it; a
+//!   retracted session turn's session is demoted, so the memory is really freed.
 //! - **Budgets**: admission sees `free + evictable − reserved` tokens, where every admitted
 //!   request reserves its remaining prompt plus a clipped output budget until it allocates them.
 //! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), a `tracing`
@@ -85,7 +93,8 @@ pub use builder::ManagerBuilder;
 pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
 pub use error::{ManagerError, Result};
 pub use manager::{
-    Admission, Admitted, KvCacheManager, ReqId, Request, StepHandle, StepSummary, WaitReason,
+    Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,
+    WaitReason,
 };
 pub use metrics::Metrics;
 pub use radixkv_session::CloseOutcome;

@@ -30,10 +30,11 @@ use crate::CloseOutcome;
 use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
-use crate::factory::{LayerWait, ManagedCache, StepLoads, StepTransfers, build_cache_with_clock};
+use crate::factory::{LayerWait, ManagedCache, StepTransfers, build_cache_with_clock};
 use crate::metrics::Metrics;
+use crate::request::StepLoadSet;
 pub use crate::request::{
-    Admission, Admitted, ReqId, Request, StepHandle, StepSummary, WaitReason,
+    Admission, Admitted, NeverReason, ReqId, Request, StepHandle, StepSummary, WaitReason,
 };
 use crate::sessions::SimClock;
 use crate::table::Table;
@@ -56,6 +57,8 @@ struct Tracked {
     /// Token slots the request's row covers as of the last allocation (0: unknown). Decode
     /// tokens below it are bookkeeping only (see [`ManagedCache::page_granular`]).
     row_capacity: usize,
+    /// The step whose forward computes the request's latest allocation.
+    alloc_step: u64,
 }
 
 /// The scheduler facade over one prefix cache. See the module docs for the lifecycle.
@@ -65,13 +68,21 @@ struct Tracked {
 ///
 /// let mut kv = KvCacheManager::builder().device_tokens(4096).page_size(4).build()?;
 /// let r = kv.arrive(Request::new((0..10).collect()).max_new_tokens(4))?;
-/// let step = kv.begin_step();
+/// // Step 1: form the batch, start the step (and its loads), run the forward, commit.
 /// let Admission::Ready(a) = kv.admit(r)? else { unreachable!() };
 /// kv.extend(r, a.extend_tokens)?;
+/// let step = kv.begin_step();
+/// for layer in 0..kv.config().model.layers {
+///     step.wait_layer(layer)?; // then run this layer of the forward
+/// }
 /// kv.chunk_done(r)?;
-/// kv.decode(r, 99)?;
 /// kv.end_step(step)?;
+/// // Step 2: one decode token.
+/// kv.decode(r, 99)?;
+/// let step = kv.begin_step();
+/// // ... forward ...
 /// kv.finish(r)?;
+/// kv.end_step(step)?;
 /// assert_eq!(kv.accounting().request_owned, 0);
 /// # Ok::<(), radixkv_scheduler_api::ManagerError>(())
 /// ```
@@ -99,8 +110,16 @@ pub struct KvCacheManager {
     /// Per open session, when a turn of it last arrived or finished (a sequence number).
     session_use: ahash::HashMap<u64, u64>,
     use_seq: u64,
-    /// A failure of `begin_step` (which cannot fail), reported by the next `end_step`.
+    /// A failure to start loads (in `begin_step`, which cannot fail, or in an admission
+    /// inside an open step), reported by the next `end_step`.
     step_error: Option<ManagerError>,
+    /// The loads of the step that is open (between `begin_step` and `end_step`), which an
+    /// admission made meanwhile joins.
+    open_step: Option<Arc<StepLoadSet>>,
+    /// The step whose forward computes what is allocated now: the open one, or the next.
+    forward_step: u64,
+    /// The last step ended: its forward is over.
+    ended_step: u64,
 }
 
 impl std::fmt::Debug for KvCacheManager {
@@ -147,6 +166,9 @@ impl KvCacheManager {
             session_use: Default::default(),
             use_seq: 0,
             step_error: None,
+            open_step: None,
+            forward_step: 1,
+            ended_step: 0,
         })
     }
 
@@ -336,6 +358,7 @@ impl KvCacheManager {
             reserved: 0,
             admitted_before: false,
             row_capacity: 0,
+            alloc_step: 0,
         });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
@@ -359,6 +382,9 @@ impl KvCacheManager {
                 id: id.0,
                 what: "admit on a running request",
             });
+        }
+        if let Some(never) = never_fits(t, page, clip, self.cache.accounting().total) {
+            return Ok(Admission::Never(never));
         }
         if rows_free == 0 {
             self.metrics.counters.admission_waits += 1;
@@ -423,6 +449,15 @@ impl KvCacheManager {
             }
             Err(e) => return Err(e.into()),
         }
+        if let Some(set) = &self.open_step {
+            // Admitted inside an open step: its load starts now and joins that step, so the
+            // step's handle waits for it (see `begin_step`).
+            let set = set.clone();
+            self.start_loads(&set);
+        }
+        let Some(t) = self.requests.get_mut(id.0) else {
+            return Err(ManagerError::UnknownRequest(id.0));
+        };
         let device = m.prefix_len.min(t.kv.prefix_len);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
         let extend = len - t.kv.prefix_len;
@@ -475,6 +510,7 @@ impl KvCacheManager {
             t,
             n,
         )?;
+        t.alloc_step = self.forward_step;
         self.metrics.counters.extend_tokens += n as u64;
         Ok(start..start + n)
     }
@@ -509,6 +545,7 @@ impl KvCacheManager {
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
+        t.alloc_step = self.forward_step;
         // The common case, checked here so that it makes no call and moves no `Result`.
         if self.page_granular && alloc_in_place(&mut self.reserved_total, t, 1) {
             self.metrics.counters.decode_tokens += 1;
@@ -597,12 +634,21 @@ impl KvCacheManager {
             .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
     }
 
-    /// Retracts a running request (decode out of memory): frees its KV and puts it back to
-    /// waiting with its tokens so far; a later [`Self::admit`] re-matches it.
+    /// Retracts a running request (decode out of memory): its computed KV (prompt and output,
+    /// page-aligned) enters the cache, as at a finish, and its lock, row and reservation go;
+    /// it waits again with its tokens so far, and a later [`Self::admit`] matches what was
+    /// cached, so only the unaligned tail is computed again (unless it was evicted meanwhile;
+    /// with a host tier it may come back from the host). Tokens allocated for a step whose
+    /// forward has not ended are not cached: they were never computed.
+    ///
+    /// A turn of a session ends as far as it got: the session keeps that history but is
+    /// demoted at once (its KV goes to the tree as evictable cache, its row is released), so
+    /// that the retraction frees memory rather than moving it into the session's slot.
     ///
     /// # Errors
     /// Unknown or waiting request; cache errors.
     pub fn retract(&mut self, id: ReqId) -> Result<()> {
+        let ended = self.ended_step;
         let t = running_mut(&mut self.requests, id)?;
         self.reserved_total -= t.reserved;
         t.reserved = 0;
@@ -611,9 +657,37 @@ impl KvCacheManager {
         self.running -= 1;
         self.waiting += 1;
         self.metrics.counters.retracted += 1;
-        Ok(self
+        // The forward that computes the latest allocation is over: the manager would learn it
+        // at the request's next call, which is this one.
+        let committed = if t.alloc_step <= ended {
+            commit_pending(&mut t.kv)
+        } else {
+            Ok(())
+        };
+        let lent_session = t.kv.session.filter(|_| t.kv.kv_lent).map(|s| s.id);
+        // A turn that does not hold its session's row finishes through the tree, not into a
+        // new session slot: untag it for the call, and tag it again for its next admission.
+        let tag = if lent_session.is_none() {
+            t.kv.session.take()
+        } else {
+            None
+        };
+        let cached = self
             .cache
-            .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
+            .cache_finished_req(&mut t.kv, FinishKind::Finished);
+        if tag.is_some() {
+            t.kv.session = tag;
+        }
+        cached?;
+        // A session whose close was deferred to this turn is gone already: its slot went to
+        // the tree with the turn's end.
+        if let Some(sid) = lent_session
+            && self.cache.has_session(sid)
+            && self.cache.demote_session(sid)?
+        {
+            self.metrics.counters.session_demotions += 1;
+        }
+        committed
     }
 
     /// Closes a session: whatever KV it holds is released to the cache. While a turn of it
@@ -683,8 +757,16 @@ impl KvCacheManager {
         Ok(t)
     }
 
-    /// Starts a step, once its batch is formed and before its forward: queued loads (host
-    /// hits of this step's admissions) start; the handle says what the forward waits for.
+    /// Starts a step, once its batch is formed and before its forward: every load queued so
+    /// far (host hits of the batch's admissions) starts, and the handle says what the forward
+    /// waits for.
+    ///
+    /// The documented order is: form the batch (`admit`, `extend`, `decode`), `begin_step`,
+    /// run the forward (waiting per layer on the handle), `chunk_done` / `finish`, `end_step`.
+    /// An admission made while the step is open is not left behind: its load starts at once
+    /// and joins this step's handle, so no request can be served by a step whose
+    /// [`StepHandle::wait_layer`] does not cover its load. Read the handle's load figures and
+    /// start the forward after the step's last admission.
     ///
     /// If the loads cannot be started (the backend refused them), every
     /// [`StepHandle::wait_layer`] of this step returns the error, so the forward never reads
@@ -692,25 +774,32 @@ impl KvCacheManager {
     /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        let loads = match self.cache.on_begin_step() {
-            Ok(l) => l,
+        self.forward_step = self.step;
+        let set = Arc::new(StepLoadSet::default());
+        self.start_loads(&set);
+        self.open_step = Some(set.clone());
+        StepHandle {
+            index: self.step,
+            layers: self.cfg.model.layers,
+            waited_ns: Default::default(),
+            span: tracing::debug_span!(
+                "kv_step",
+                step = self.step,
+                load_bytes = set.load_bytes_now()
+            ),
+            loads: set,
+        }
+    }
+
+    /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.
+    fn start_loads(&mut self, set: &StepLoadSet) {
+        match self.cache.on_begin_step() {
+            Ok(l) => set.add(l.pages, l.bytes, l.wait),
             Err(e) => {
                 let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
                 self.step_error.get_or_insert(e);
-                StepLoads {
-                    wait: Some(wait),
-                    ..Default::default()
-                }
+                set.add(0, 0, Some(wait));
             }
-        };
-        StepHandle {
-            index: self.step,
-            load_pages: loads.pages,
-            load_bytes: loads.bytes,
-            layers: self.cfg.model.layers,
-            wait: loads.wait,
-            waited_ns: Default::default(),
-            span: tracing::debug_span!("kv_step", step = self.step, load_bytes = loads.bytes),
         }
     }
 
@@ -725,6 +814,17 @@ impl KvCacheManager {
     /// [`ManagerError::Invariant`] when the audit fails.
     pub fn end_step(&mut self, step: StepHandle) -> Result<StepSummary> {
         let _g = step.span.enter();
+        // The step's forward is over: what it allocated is computed, and later admissions
+        // belong to the next step.
+        if self
+            .open_step
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, &step.loads))
+        {
+            self.open_step = None;
+            self.forward_step = step.index + 1;
+            self.ended_step = self.ended_step.max(step.index);
+        }
         // Acks are applied even after a failed `begin_step`: the transfers that did start
         // still complete, and their locks must be released.
         let step_error = self.step_error.take();
@@ -734,8 +834,9 @@ impl KvCacheManager {
         };
         self.count_transfers(&transfers);
         let h = &mut self.metrics.histograms;
-        if step.load_pages > 0 {
-            h.step_load_pages.observe(step.load_pages);
+        let load_pages = step.load_pages();
+        if load_pages > 0 {
+            h.step_load_pages.observe(load_pages);
             h.step_load_wait_ns.observe(step.waited_ns());
         }
         if matches!(self.cfg.cache, crate::CacheKind::HiCache(_)) {
@@ -807,6 +908,18 @@ fn admission_available(
         None => cache.available_tokens(),
     };
     Ok(a.saturating_sub(reserved_total))
+}
+
+/// Why `t` can never be admitted, if it cannot: its admission needs the tokens not on the
+/// device, the clipped output reservation and a page, beside the device prefix it locks, and
+/// with everything else finished and evicted the pool still holds fewer. A retracted request's
+/// figure only changes by what it decoded, so it is checked at every admission.
+fn never_fits(t: &Tracked, page: usize, clip: usize, capacity: usize) -> Option<NeverReason> {
+    let len = t.kv.key.len();
+    let generated = len - t.prompt_len;
+    let output_left = t.max_new.saturating_sub(generated).min(clip);
+    let needed = len.saturating_add(output_left).saturating_add(page);
+    (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
 
 fn inv(msg: String) -> ManagerError {

@@ -1,8 +1,8 @@
 //! The values the scheduler exchanges with [`crate::KvCacheManager`]: requests and their
 //! handles, admission outcomes, and the per-step handle with its per-layer load wait.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use radixkv_radix::{Namespace, TokenId};
 
@@ -74,6 +74,28 @@ pub enum Admission {
     Ready(Admitted),
     /// Not admitted now; nothing is held. Try again at a later step.
     Wait(WaitReason),
+    /// Can never be admitted by this manager, whatever finishes or is evicted; nothing is held.
+    /// Abort the request (or reject it upstream): waiting would wait forever.
+    Never(NeverReason),
+}
+
+/// Why a request can never be admitted.
+///
+/// An outcome rather than a [`ManagerError`](crate::ManagerError): the call was made right and
+/// changed nothing, like a [`Admission::Wait`], and a scheduler decides per request what to do
+/// (reject it to its client, keep serving the others), which a `?` on an error would not.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NeverReason {
+    /// Its admission budget exceeds the whole device pool: the tokens not yet on the device,
+    /// the clipped output reservation and one page, plus the device prefix it would lock, are
+    /// more than the pool holds even with everything else evicted. (A request-pool row has no
+    /// length limit of its own: the pool is the only bound.)
+    PoolTooSmall {
+        /// Tokens the admission needs, its matched device prefix included.
+        needed: usize,
+        /// Device pool capacity in tokens.
+        capacity: usize,
+    },
 }
 
 /// What an admission reused and what remains to compute.
@@ -112,17 +134,51 @@ pub enum WaitReason {
 }
 
 /// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).
+///
+/// The handle covers every load the step's requests need: the loads queued by admissions
+/// before `begin_step`, which it starts, and those of admissions made while the step is open,
+/// which start at once and join it. So a request admitted at any point up to the forward is
+/// waited for by [`StepHandle::wait_layer`]; read the load figures and start the forward after
+/// the step's last admission.
 #[derive(Debug)]
 pub struct StepHandle {
     pub(crate) index: u64,
-    pub(crate) load_pages: u64,
-    pub(crate) load_bytes: u64,
     pub(crate) layers: u32,
-    pub(crate) wait: Option<Arc<dyn LayerWait>>,
+    pub(crate) loads: Arc<StepLoadSet>,
     /// Nanoseconds spent blocked in `wait_layer` (atomic: the forward may wait from another
     /// thread than the scheduler's), for the load-wait histogram.
     pub(crate) waited_ns: AtomicU64,
     pub(crate) span: tracing::Span,
+}
+
+/// The loads a step covers, shared between its handle and the manager (which adds the loads of
+/// admissions made while the step is open).
+#[derive(Debug, Default)]
+pub(crate) struct StepLoadSet {
+    pages: AtomicU64,
+    bytes: AtomicU64,
+    waits: Mutex<Vec<Arc<dyn LayerWait>>>,
+}
+
+impl StepLoadSet {
+    /// Adds a started load (or the failing wait of loads that could not be started).
+    pub(crate) fn add(&self, pages: u64, bytes: u64, wait: Option<Arc<dyn LayerWait>>) {
+        self.pages.fetch_add(pages, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(w) = wait {
+            self.waits.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+        }
+    }
+
+    /// Modeled bytes added so far.
+    pub(crate) fn load_bytes_now(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The waits so far, copied out so that nobody blocks while holding the lock.
+    fn waits(&self) -> Vec<Arc<dyn LayerWait>> {
+        self.waits.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 impl StepHandle {
@@ -131,15 +187,16 @@ impl StepHandle {
         self.index
     }
 
-    /// Modeled bytes this step's forward waits for (host → device loads started at
-    /// `begin_step`): pages × the model's page bytes, whatever the backend really copies.
+    /// Modeled bytes this step's forward waits for (host → device loads started by this step):
+    /// pages × the model's page bytes, whatever the backend really copies. Grows when a request
+    /// is admitted while the step is open.
     pub fn load_bytes(&self) -> u64 {
-        self.load_bytes
+        self.loads.load_bytes_now()
     }
 
-    /// Pages whose load started at `begin_step`.
+    /// Pages whose load this step started.
     pub fn load_pages(&self) -> u64 {
-        self.load_pages
+        self.loads.pages.load(Ordering::Relaxed)
     }
 
     /// Blocks until layer `layer`'s share of this step's loads is on the device (the
@@ -149,11 +206,12 @@ impl StepHandle {
     /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the layer's copy failed: the batch must not read it;
     /// `end_step` repairs the KV (or reports that it could not).
     pub fn wait_layer(&self, layer: u32) -> Result<()> {
-        let Some(w) = &self.wait else {
+        let waits = self.loads.waits();
+        if waits.is_empty() {
             return Ok(());
-        };
+        }
         let start = std::time::Instant::now();
-        let r = w.wait_layer(layer);
+        let r = waits.iter().try_for_each(|w| w.wait_layer(layer));
         let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.waited_ns.fetch_add(ns, Ordering::Relaxed);
         r
@@ -166,7 +224,7 @@ impl StepHandle {
 
     /// True when layer `layer`'s load is complete (or there is none).
     pub fn is_layer_done(&self, layer: u32) -> bool {
-        self.wait.as_ref().is_none_or(|w| w.is_layer_done(layer))
+        self.loads.waits().iter().all(|w| w.is_layer_done(layer))
     }
 
     /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`
@@ -175,7 +233,7 @@ impl StepHandle {
         if layer >= self.layers {
             return 0;
         }
-        self.load_bytes / u64::from(self.layers)
+        self.load_bytes() / u64::from(self.layers)
     }
 
     /// The step's `tracing` span (enter it around the step's work).

@@ -18,7 +18,7 @@ fn serve(kv: &mut KvCacheManager, tokens: Vec<u32>) -> radixkv_scheduler_api::Ad
 fn admit(kv: &mut KvCacheManager, id: ReqId) -> radixkv_scheduler_api::Admitted {
     match kv.admit(id).unwrap() {
         Admission::Ready(a) => a,
-        Admission::Wait(w) => panic!("expected admission, got {w:?}"),
+        other => panic!("expected admission, got {other:?}"),
     }
 }
 

@@ -1,8 +1,8 @@
 //! The KvCacheManager lifecycle, budgets, errors and metrics.
 
 use radixkv_scheduler_api::{
-    Admission, Admitted, HostTier, KvCacheManager, ManagerError, ReqId, Request, SessionBudget,
-    WaitReason, WritePolicy,
+    Admission, Admitted, HostTier, KvCacheManager, ManagerError, NeverReason, ReqId, Request,
+    SessionBudget, WaitReason, WritePolicy,
 };
 
 fn manager(device_tokens: usize, page: usize) -> KvCacheManager {
@@ -17,7 +17,7 @@ fn manager(device_tokens: usize, page: usize) -> KvCacheManager {
 fn ready(kv: &mut KvCacheManager, id: radixkv_scheduler_api::ReqId) -> usize {
     match kv.admit(id).unwrap() {
         Admission::Ready(a) => a.extend_tokens,
-        Admission::Wait(w) => panic!("expected admission, got {w:?}"),
+        other => panic!("expected admission, got {other:?}"),
     }
 }
 
@@ -171,12 +171,14 @@ fn overflowing_counts_are_typed_errors_and_change_nothing() {
     };
     let mut kv = KvCacheManager::builder().config(cfg).build().unwrap();
     // An output budget no pool can hold: it arrives (the token buffer's room is only a hint)
-    // and waits, with the needed tokens saturated instead of wrapped.
+    // and is never admitted, with the needed tokens saturated instead of wrapped.
     let greedy = kv
         .arrive(Request::new((0..20).collect()).max_new_tokens(usize::MAX))
         .unwrap();
     match kv.admit(greedy).unwrap() {
-        Admission::Wait(WaitReason::NoRoom { needed, .. }) => assert_eq!(needed, usize::MAX),
+        Admission::Never(NeverReason::PoolTooSmall { needed, .. }) => {
+            assert_eq!(needed, usize::MAX)
+        }
         other => panic!("{other:?}"),
     }
     let a = kv
@@ -626,4 +628,244 @@ fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
     assert_eq!(hit, 40.0);
     let loads = plain(&scrape, "radixkv_step_load_pages_sum");
     assert_eq!(loads, 10.0);
+}
+
+/// A HiCache manager whose host tier holds the first 40 tokens of `(0..41)` after a second
+/// request pushed them off the device (as in the test above).
+fn manager_with_host_copy() -> (KvCacheManager, Vec<u32>) {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(64)
+        .page_size(4)
+        .max_rows(4)
+        .host_tier(HostTier::ratio(64, 4.0).write_policy(WritePolicy::WriteThrough))
+        .build()
+        .unwrap();
+    let a: Vec<u32> = (0..41).collect();
+    for tokens in [a.clone(), (1000..1041).collect()] {
+        let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
+        let n = ready(&mut kv, id);
+        kv.extend(id, n).unwrap();
+        let step = kv.begin_step();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.end_step(step).unwrap();
+        kv.drain().unwrap();
+    }
+    (kv, a)
+}
+
+/// Waits for every layer of `step` and checks that it covers `pages` pages of load.
+fn wait_covers(kv: &KvCacheManager, step: &radixkv_scheduler_api::StepHandle, pages: u64) {
+    assert_eq!(step.load_pages(), pages);
+    assert_eq!(step.load_bytes(), pages * kv.config().model.page_bytes());
+    for layer in 0..kv.config().model.layers {
+        step.wait_layer(layer).unwrap();
+        assert!(step.is_layer_done(layer));
+    }
+}
+
+#[test]
+fn documented_order_host_hit_is_loaded_by_the_step_it_runs_in() {
+    let (mut kv, a) = manager_with_host_copy();
+    // Form the batch, then begin the step: the step starts the load and its wait covers it.
+    let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let Admission::Ready(adm) = kv.admit(id).unwrap() else {
+        panic!("admission waited")
+    };
+    assert_eq!(adm.host_tokens, 40, "{adm:?}");
+    kv.extend(id, adm.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    wait_covers(&kv, &step, 10);
+    kv.chunk_done(id).unwrap();
+    let s = kv.end_step(step).unwrap();
+    assert_eq!(
+        s.transfers.pages_loaded, 10,
+        "the load completed within its step"
+    );
+    kv.finish(id).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn admission_inside_an_open_step_joins_that_steps_loads() {
+    let (mut kv, a) = manager_with_host_copy();
+    // The order the old rustdoc example used: the step is open before the admission. The load
+    // must not wait for a later step while this one's handle says there is nothing to wait for.
+    let step = kv.begin_step();
+    assert_eq!(step.load_pages(), 0);
+    let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let Admission::Ready(adm) = kv.admit(id).unwrap() else {
+        panic!("admission waited")
+    };
+    assert_eq!(adm.host_tokens, 40, "{adm:?}");
+    kv.extend(id, adm.extend_tokens).unwrap();
+    wait_covers(&kv, &step, 10);
+    kv.chunk_done(id).unwrap();
+    let s = kv.end_step(step).unwrap();
+    assert_eq!(
+        s.transfers.pages_loaded, 10,
+        "the load started and completed in this step"
+    );
+    // The next step has nothing left to load.
+    let next = kv.begin_step();
+    assert_eq!(next.load_pages(), 0);
+    kv.finish(id).unwrap();
+    kv.end_step(next).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_request_larger_than_the_pool_is_never_admitted_and_holds_nothing() {
+    let mut kv = manager(64, 4);
+    // 60 prompt tokens + 1 output + one page > 64: no eviction or finish can make room.
+    let big = kv
+        .arrive(Request::new((0..60).collect()).max_new_tokens(1))
+        .unwrap();
+    let before = kv.accounting();
+    assert_eq!(
+        kv.admit(big).unwrap(),
+        Admission::Never(NeverReason::PoolTooSmall {
+            needed: 65,
+            capacity: 64
+        })
+    );
+    assert_eq!(kv.accounting(), before);
+    assert_eq!(kv.reserved_tokens(), 0);
+    assert_eq!(kv.metrics().gauges.waiting_requests, 1);
+    kv.abort(big).unwrap();
+    // One that only has to wait for room is told to wait, not never.
+    let a = kv
+        .arrive(Request::new((100..140).collect()).max_new_tokens(1))
+        .unwrap();
+    let n = ready(&mut kv, a);
+    kv.extend(a, n).unwrap();
+    let b = kv
+        .arrive(Request::new((200..240).collect()).max_new_tokens(1))
+        .unwrap();
+    assert!(matches!(
+        kv.admit(b).unwrap(),
+        Admission::Wait(WaitReason::NoRoom { .. })
+    ));
+    kv.check_invariants().unwrap();
+}
+
+/// Prefills `tokens` and decodes `out` tokens (one step each); returns the request, running.
+fn prefill_and_decode(kv: &mut KvCacheManager, id: ReqId, out: u32) {
+    let n = ready(kv, id);
+    kv.extend(id, n).unwrap();
+    let step = kv.begin_step();
+    kv.chunk_done(id).unwrap();
+    kv.end_step(step).unwrap();
+    for t in 0..out {
+        kv.decode(id, 5000 + t).unwrap();
+        let step = kv.begin_step();
+        kv.end_step(step).unwrap();
+    }
+}
+
+#[test]
+fn retract_caches_the_computed_kv_and_readmission_hits_it() {
+    for hicache in [false, true] {
+        let mut b = KvCacheManager::builder()
+            .device_tokens(256)
+            .page_size(4)
+            .max_rows(4);
+        if hicache {
+            b = b.host_tier(HostTier::ratio(256, 2.0));
+        }
+        let mut kv = b.build().unwrap();
+        let id = kv
+            .arrive(Request::new((0..10).collect()).max_new_tokens(16))
+            .unwrap();
+        // 10 prompt + 7 decoded tokens, all computed (their steps ended).
+        prefill_and_decode(&mut kv, id, 7);
+        kv.retract(id).unwrap();
+        assert_eq!(kv.accounting().request_owned, 0, "hicache {hicache}");
+        // 17 computed, 16 page-aligned: cached (a host backup may still lock it).
+        let acc = kv.accounting();
+        assert_eq!(acc.evictable + acc.protected, 16, "{acc:?}");
+        let Admission::Ready(a) = kv.admit(id).unwrap() else {
+            panic!("admission waited")
+        };
+        assert_eq!(a.cached_tokens(), 16, "hicache {hicache}: {a:?}");
+        assert_eq!(a.extend_tokens, 1);
+        kv.extend(id, 1).unwrap();
+        let step = kv.begin_step();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.end_step(step).unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn retract_caches_the_last_decoded_token_once_its_step_ended() {
+    let mut kv = manager(256, 4);
+    let id = kv
+        .arrive(Request::new((0..10).collect()).max_new_tokens(16))
+        .unwrap();
+    // 16 computed: the last decoded token's step ended, though no later call committed it.
+    prefill_and_decode(&mut kv, id, 6);
+    kv.retract(id).unwrap();
+    assert_eq!(kv.accounting().evictable, 16);
+    kv.abort(id).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn retract_does_not_cache_tokens_whose_forward_has_not_run() {
+    let mut kv = manager(256, 4);
+    let id = kv
+        .arrive(Request::new((0..10).collect()).max_new_tokens(16))
+        .unwrap();
+    prefill_and_decode(&mut kv, id, 5);
+    // 15 computed; this step's decode token is allocated but its forward never runs.
+    kv.decode(id, 77).unwrap();
+    kv.retract(id).unwrap();
+    assert_eq!(
+        kv.accounting().evictable,
+        12,
+        "15 computed, 12 page-aligned"
+    );
+    let Admission::Ready(a) = kv.admit(id).unwrap() else {
+        panic!("admission waited")
+    };
+    assert_eq!(a.cached_tokens(), 12, "{a:?}");
+    kv.abort(id).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn retracted_session_turn_frees_its_row_and_readmission_hits_its_kv() {
+    for hicache in [false, true] {
+        let mut kv = session_manager(hicache);
+        // The first turn leaves a session slot; the second runs in it (lent) and is retracted.
+        turn(&mut kv, 7, (0..12).collect(), 4);
+        let mut t2: Vec<u32> = (0..12).collect();
+        t2.extend(9_000..9_003);
+        t2.extend(300..309);
+        let id = kv
+            .arrive(Request::new(t2).session(7).max_new_tokens(16))
+            .unwrap();
+        prefill_and_decode(&mut kv, id, 6);
+        let held_before = kv.metrics().gauges.held_sessions;
+        assert_eq!(held_before, 0, "the slot is lent to the running turn");
+        kv.retract(id).unwrap();
+        let acc = kv.accounting();
+        assert_eq!(acc.request_owned + acc.session_held, 0, "{acc:?}");
+        let Admission::Ready(a) = kv.admit(id).unwrap() else {
+            panic!("admission waited")
+        };
+        // 24 prompt + 6 decoded = 30 computed; 28 page-aligned (page 4).
+        assert_eq!(a.cached_tokens(), 28, "hicache {hicache}: {a:?}");
+        kv.extend(id, a.extend_tokens).unwrap();
+        let step = kv.begin_step();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.end_step(step).unwrap();
+        kv.drain().unwrap();
+        kv.close_all_sessions().unwrap();
+        kv.check_invariants().unwrap();
+    }
 }

@@ -73,6 +73,10 @@ pub struct Report {
     pub output_tokens: u64,
     /// Retractions (decode out of memory).
     pub retractions: u64,
+    /// Requests dropped unserved because the manager said they can never be admitted
+    /// ([`Admission::Never`](crate::Admission::Never)): a retracted request whose decoded
+    /// tokens plus its remaining output reservation outgrew the pool.
+    pub never_fit: u64,
     /// Modeled bytes of one KV page (all layers, the model's geometry; the simulated backend
     /// copies far fewer, see `SimGeometry`).
     pub page_bytes: u64,
@@ -198,6 +202,13 @@ impl fmt::Display for Report {
             "recomputed       {} tokens; evicted {} tokens; {} retractions",
             self.recomputed_tokens, self.counters.evicted_tokens, self.retractions
         )?;
+        if self.never_fit > 0 {
+            writeln!(
+                f,
+                "dropped          {} requests that can never fit the device pool",
+                self.never_fit
+            )?;
+        }
         let t = &self.counters.transfers;
         writeln!(
             f,

@@ -302,7 +302,7 @@ impl Sim<'_> {
         }
     }
 
-    /// One scheduler step; returns the number of requests that finished.
+    /// One scheduler step; returns the number of requests that finished or were dropped.
     fn step(&mut self, kv: &mut KvCacheManager) -> Result<u64> {
         kv.set_time_ms((self.now_us / 1e3) as u64);
         let mut budget = self.cfg.prefill_budget;
@@ -331,6 +331,7 @@ impl Sim<'_> {
 
         // Admission, FCFS: the head of the queue blocks the rest.
         let mut admitted = Vec::new();
+        let mut dropped = 0;
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(job) = self.waiting.front_mut() else {
                 break;
@@ -338,9 +339,23 @@ impl Sim<'_> {
             let id = job.id;
             let t0 = Instant::now();
             let adm = kv.admit(id)?;
-            let Admission::Ready(a) = adm else {
-                self.cpu.add(Phase::Admit, t0);
-                break;
+            let a = match adm {
+                Admission::Ready(a) => a,
+                Admission::Wait(_) => {
+                    self.cpu.add(Phase::Admit, t0);
+                    break;
+                }
+                Admission::Never(_) => {
+                    // Waiting would wait forever: drop it, as a server rejects it.
+                    self.cpu.add(Phase::Admit, t0);
+                    if let Some(job) = self.waiting.pop_front() {
+                        kv.abort(id)?;
+                        self.report.never_fit += 1;
+                        dropped += 1;
+                        self.turn_over(kv, self.trace.requests[job.index].session)?;
+                    }
+                    continue;
+                }
             };
             // The first chunk is allocated right away: the admission's closing clock read
             // opens the extend's.
@@ -424,8 +439,9 @@ impl Sim<'_> {
         let tiered = matches!(self.cfg.manager.cache, CacheKind::HiCache(_));
         // Transfers never outlive a step (see the end of the step), so when nothing could run
         // no copy holds pages any more.
-        if prefill_tokens == 0 && decode_seqs == 0 {
-            // Nothing could run: free memory by retracting the youngest, or give up.
+        if prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 {
+            // Nothing could run: free memory by retracting the youngest, or give up. (A step
+            // that dropped a request made progress.)
             if self.running.len() > 1 {
                 let victim = self.running.len() - 1;
                 self.retract(kv, victim)?;
@@ -496,15 +512,7 @@ impl Sim<'_> {
         }
         for &(id, session) in &done {
             kv.finish(id)?;
-            if let Some(s) = session
-                && let Some(n) = self.turns_left.get_mut(&s)
-            {
-                *n -= 1;
-                if *n == 0 {
-                    self.turns_left.remove(&s);
-                    kv.close_session(s)?;
-                }
-            }
+            self.turn_over(kv, session)?;
         }
         drop(_entered);
         kv.end_step(step)?;
@@ -530,7 +538,23 @@ impl Sim<'_> {
             kv.check_invariants()?;
             self.report.invariant_checks += 1;
         }
-        Ok(finished)
+        // Dropped requests are over too (for the progress bar and the memory readings).
+        Ok(finished + dropped)
+    }
+
+    /// A request of `session` is over (finished or dropped): the session closes after its
+    /// last turn.
+    fn turn_over(&mut self, kv: &mut KvCacheManager, session: Option<u64>) -> Result<()> {
+        if let Some(s) = session
+            && let Some(n) = self.turns_left.get_mut(&s)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.turns_left.remove(&s);
+                kv.close_session(s)?;
+            }
+        }
+        Ok(())
     }
 
     fn retract(&mut self, kv: &mut KvCacheManager, victim: usize) -> Result<()> {
