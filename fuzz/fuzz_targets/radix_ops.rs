@@ -17,7 +17,7 @@ use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::events::EventShadow;
 use radixkv_fuzz::footprint::{assert_idle, footprint};
 use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
-use radixkv_fuzz::kv::{KvModel, check_kv, write_kv};
+use radixkv_fuzz::kv::{KvModel, check_kv, row_pages, write_kv};
 use radixkv_radix::{
     CacheError, FinishKind, InsertOptions, KeyRef, LockReceipt, Medium, Namespace, NodeId,
     NodeMeta, PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
@@ -687,13 +687,7 @@ impl Harness {
                     (len, len, len)
                 );
                 // `begin_request` re-matches a stale match: check what it installed.
-                let row = self
-                    .cache
-                    .pools()
-                    .rows
-                    .pages(req.row.unwrap())
-                    .unwrap()
-                    .to_vec();
+                let row = row_pages(&self.cache, &req).to_vec();
                 self.check_hit(&row, &req.key.namespace, &req.key.tokens, len);
                 self.running.push(req);
             }
@@ -712,7 +706,7 @@ impl Harness {
     /// Writes the KV of positions `from..to` of running request `i` into its row.
     fn compute(&mut self, i: usize, from: usize, to: usize) {
         let req = &self.running[i];
-        let row = self.cache.pools().rows.pages(req.row.unwrap()).unwrap();
+        let row = row_pages(&self.cache, req);
         write_kv(
             &mut self.kv,
             self.p,
@@ -731,7 +725,7 @@ impl Harness {
             Ok(()) => {
                 assert!(!n.is_huge(), "allocated {} tokens", n.0);
                 assert_eq!(req.allocated_len, alloc + n.0);
-                let row = self.cache.pools().rows.pages(req.row.unwrap()).unwrap();
+                let row = row_pages(&self.cache, req);
                 assert!(row.len() >= pages_for(req.allocated_len, self.p));
                 let to = req.allocated_len.min(req.key.len()).max(committed);
                 self.compute(i, committed, to);
@@ -801,13 +795,7 @@ impl Harness {
             self.cache.tree().depth_tokens(anchor),
             Ok(req.cache_protected_len)
         );
-        let row = self
-            .cache
-            .pools()
-            .rows
-            .pages(req.row.unwrap())
-            .unwrap()
-            .to_vec();
+        let row = row_pages(&self.cache, req).to_vec();
         let (ns, tokens, len) = (req.key.namespace.clone(), req.key.tokens.clone(), want);
         self.remember(anchor);
         self.check_hit(&row, &ns, &tokens, len);

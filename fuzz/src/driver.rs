@@ -21,7 +21,7 @@ use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfi
 use crate::events::EventShadow;
 use crate::footprint::{assert_idle, footprint};
 use crate::input::{Size, Tokens, namespace, pick};
-use crate::kv::{KvStore, check_kv, write_kv};
+use crate::kv::{KvStore, check_kv, row_pages, write_kv};
 
 /// What the driver needs from an inner cache beyond [`PrefixCache`].
 pub trait Backing: PrefixCache {
@@ -469,12 +469,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 assert!(n < usize::MAX / 2, "allocated {n} tokens");
                 assert_eq!(req.allocated_len, alloc + n);
                 let to = committed + n.min(req.key.len() - committed);
-                let row = self
-                    .cache
-                    .pools()
-                    .rows
-                    .pages(req.row.expect("row"))
-                    .expect("row");
+                let row = row_pages(&self.cache, &req);
                 write_kv(
                     &mut self.store,
                     self.p,
@@ -552,12 +547,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         let lent = req.kv_lent;
         let committed = req.committed_len.min(req.key.len());
         let key = req.key.tokens.clone();
-        let row = self
-            .cache
-            .pools()
-            .rows
-            .pages(req.row.expect("row"))
-            .expect("row");
+        let row = row_pages(&self.cache, req);
         let pages = row[..pages_for(committed, self.p).min(row.len())].to_vec();
         let before = id.and_then(|id| self.cache.session_info(id));
         self.cache

@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use radixkv_hicache::DeviceBackend;
-use radixkv_radix::{Namespace, PageId, TokenId};
+use radixkv_radix::{Namespace, PageId, PrefixCache, RequestKv, TokenId};
 
 /// Token slots addressed by (page, offset in the page).
 pub trait KvStore {
@@ -35,6 +35,19 @@ pub fn prefix_values(ns: &Namespace, tokens: &[TokenId]) -> Vec<u64> {
             h | 1
         })
         .collect()
+}
+
+/// The pages of `req`'s row in `cache` (page `i` holds positions `i*P .. (i+1)*P`).
+///
+/// # Panics
+/// When `req` holds no live row (a harness bug).
+pub fn row_pages<'a, C: PrefixCache + ?Sized>(cache: &'a C, req: &RequestKv) -> &'a [PageId] {
+    let row = req.row.expect("a running request has a row");
+    cache
+        .pools()
+        .rows
+        .pages(row)
+        .expect("a running request's row is live")
 }
 
 /// "Computes" positions `range` of `tokens`: writes their values into the slots `pages` hold
