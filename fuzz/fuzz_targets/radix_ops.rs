@@ -18,6 +18,7 @@ use radixkv_fuzz::events::EventShadow;
 use radixkv_fuzz::footprint::{assert_idle, footprint};
 use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, check_kv, row_pages, write_kv};
+use radixkv_fuzz::ok;
 use radixkv_radix::{
     CacheError, FinishKind, InsertOptions, KeyRef, LockReceipt, Medium, Namespace, NodeId,
     NodeMeta, PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
@@ -147,12 +148,6 @@ struct Harness {
     foreign_receipts: Vec<LockReceipt>,
     owned: Vec<Vec<PageId>>,
     running: Vec<RequestKv>,
-}
-
-fn ok(r: Result<(), String>) {
-    if let Err(m) = r {
-        panic!("{m}");
-    }
 }
 
 /// The sort key an ordered policy evicts by (smallest first), or `None` for the policies

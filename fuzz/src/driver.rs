@@ -22,6 +22,7 @@ use crate::events::EventShadow;
 use crate::footprint::{assert_idle, footprint};
 use crate::input::{Size, Tokens, namespace, pick};
 use crate::kv::{KvStore, check_kv, row_pages, write_kv};
+use crate::ok;
 
 /// What the driver needs from an inner cache beyond [`PrefixCache`].
 pub trait Backing: PrefixCache {
@@ -173,12 +174,6 @@ pub struct Driver<C: Backing, S: KvStore> {
     p: usize,
     sessions: BTreeMap<u64, Sess>,
     plain: Vec<Running>,
-}
-
-fn ok(r: Result<(), String>) {
-    if let Err(m) = r {
-        panic!("{m}");
-    }
 }
 
 fn tag(id: u64) -> Option<SessionTag> {

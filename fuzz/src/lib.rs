@@ -19,3 +19,11 @@ pub mod footprint;
 pub mod input;
 pub mod kv;
 pub mod trace;
+
+/// Panics with the message of a failed oracle check (the fuzzer reports the panic).
+#[track_caller]
+pub fn ok(r: Result<(), String>) {
+    if let Err(m) = r {
+        panic!("{m}");
+    }
+}
