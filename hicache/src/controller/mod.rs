@@ -795,10 +795,12 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// that layer got the error) or that was only partly submitted. `poll_acks` reports such a
     /// transfer only once it is complete; [`HiRadixCache::step`](crate::HiRadixCache::step)
     /// waits for it so that it can repair the load at once. Never blocks.
+    ///
+    /// Only loads can be: a backup is one event (nothing of it is known before it completes),
+    /// and a backup known to have failed at submission has no event and is complete.
     pub fn has_failing_transfers(&self) -> bool {
-        self.write_acks
+        self.load_acks
             .iter()
-            .chain(&self.load_acks)
             .any(|t| !t.is_complete() && t.failure_known())
     }
 
