@@ -39,7 +39,7 @@ use crate::backend::{
 };
 use crate::error::{HiCacheError, Result};
 use crate::host_pool::{HostPool, SlotAllocator};
-use crate::layer_counter::LayerDoneCounter;
+use crate::layer_counter::{LayerDoneCounter, wait_all};
 
 mod ops;
 
@@ -105,10 +105,7 @@ impl<E: CopyEvent> InFlight<E> {
     }
 
     fn wait(&self) -> Result<()> {
-        let mut res = Ok(());
-        for e in &self.events {
-            res = res.and(e.wait());
-        }
+        let mut res = wait_all(&self.events);
         if self.failed && res.is_ok() {
             res = Err(HiCacheError::Transfer(
                 "transfer only partly submitted".into(),
