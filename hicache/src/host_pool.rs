@@ -8,13 +8,12 @@ use crate::error::{HiCacheError, Result};
 use crate::geometry::{HostLayout, KvGeometry};
 
 /// A zeroed buffer of `bytes` bytes, or [`HiCacheError::AllocFailed`] when the allocator
-/// refuses it: a pool larger than the machine must not abort the process.
+/// refuses it: a pool larger than the machine must not abort the process (radix's
+/// [`try_filled`](radixkv_radix::try_filled), with this crate's typed error).
 pub(crate) fn zeroed_bytes(bytes: usize, what: &'static str) -> Result<Box<[u8]>> {
-    let mut v: Vec<u8> = Vec::new();
-    v.try_reserve_exact(bytes)
-        .map_err(|_| HiCacheError::AllocFailed { what, bytes })?;
-    v.resize(bytes, 0);
-    Ok(v.into_boxed_slice())
+    radixkv_radix::try_filled(bytes, 0u8, what)
+        .map(Vec::into_boxed_slice)
+        .map_err(|_| HiCacheError::AllocFailed { what, bytes })
 }
 
 /// How large the host pool is.

@@ -126,7 +126,7 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
 }
 
 /// Waits for every event (all of them, even after a failure); the first failure is the result.
-fn wait_all<E: CopyEvent>(evs: &[E]) -> Result<()> {
+pub(crate) fn wait_all<E: CopyEvent>(evs: &[E]) -> Result<()> {
     let mut res = Ok(());
     for e in evs {
         res = res.and(e.wait());

@@ -101,6 +101,18 @@ pub(crate) struct Session {
     pub(crate) idle_key: Option<(u64, u64)>,
 }
 
+/// Makes `key`, a finished turn's, a session's `history`. The caller checked that it extends
+/// the history (`check_extends`), so only the new tail is copied (O(new tokens)); an empty
+/// history, whose namespace is not the turn's yet, takes the whole key.
+pub(crate) fn adopt_history(history: &mut RadixKey, key: &RadixKey) {
+    let have = history.len();
+    if have == 0 || key.len() < have {
+        *history = key.clone();
+    } else {
+        history.tokens.extend_from_slice(&key.tokens[have..]);
+    }
+}
+
 /// A decorator over any [`PrefixCache`] that keeps streaming sessions' KV between turns,
 /// bounded by a held-token budget, an idle TTL and a per-session cap. See the crate docs.
 pub struct SessionAwareCache<C, K = SystemClock> {

@@ -7,7 +7,7 @@ use radixkv_radix::{
     TreeMatch, ensure_inv, pages_for,
 };
 
-use crate::cache::SessionAwareCache;
+use crate::cache::{SessionAwareCache, adopt_history};
 use crate::clock::Clock;
 
 /// How a request relates to the session table.
@@ -125,15 +125,8 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                 slot.allocated_len = committed;
                 slot.mamba_slot = req.mamba_slot;
                 slot.swa_evicted_len = req.swa_evicted_len.min(committed);
-                // The match verified that the key extends the history and keys only grow, so
-                // appending the new tail keeps this O(new tokens).
-                if req.key.len() >= s.history.len() {
-                    s.history
-                        .tokens
-                        .extend_from_slice(&req.key.tokens[s.history.len()..]);
-                } else {
-                    s.history = req.key.clone();
-                }
+                // The match verified that the key extends the history.
+                adopt_history(&mut s.history, &req.key);
             }
             FinishKind::Aborted => {
                 slot.allocated_len = slot.committed_len;
@@ -176,29 +169,24 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     /// End of a turn that ran through the inner cache (first turn, or after a demotion): the
     /// session takes its KV if it can, otherwise the inner cache finishes it.
     fn finish_unlent(&mut self, id: u64, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
-        let savable = kind == FinishKind::Finished
-            && req.row.is_some()
-            && req.committed_len > 0
-            && req.committed_len >= req.cache_protected_len
+        // Checking that the turn extends the history guards against a second, concurrent
+        // request of the same session: only such a turn becomes the history and the new slot.
+        let extends = kind == FinishKind::Finished
             && self.sessions.get(&id).is_some_and(|s| {
                 s.streaming
                     && !s.closing
                     && s.slot.is_none()
-                    // Guards against a second, concurrent request of the same session: only a
-                    // turn that extends the history becomes the new slot.
                     && Self::check_extends(id, s, req).is_ok()
             });
+        let savable = extends
+            && req.row.is_some()
+            && req.committed_len > 0
+            && req.committed_len >= req.cache_protected_len;
         if !savable {
             // A finished turn that extends the history is the session's history even when it
             // left no KV to keep (nothing committed yet): the next turn must extend it.
-            if kind == FinishKind::Finished
-                && let Some(s) = self.sessions.get_mut(&id)
-                && s.streaming
-                && !s.closing
-                && s.slot.is_none()
-                && Self::check_extends(id, s, req).is_ok()
-            {
-                s.history = req.key.clone();
+            if extends && let Some(s) = self.sessions.get_mut(&id) {
+                adopt_history(&mut s.history, &req.key);
             }
             return self.inner.cache_finished_req(req, kind);
         }
@@ -214,7 +202,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let Some(s) = self.sessions.get_mut(&id) else {
             return Err(CacheError::InvalidRequestState("session vanished"));
         };
-        s.history = req.key.clone();
+        adopt_history(&mut s.history, &req.key);
         s.slot = Some(slot);
         req.clear_kv_state();
         self.mark_idle(id);

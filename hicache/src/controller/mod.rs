@@ -39,7 +39,7 @@ use crate::backend::{
 };
 use crate::error::{HiCacheError, Result};
 use crate::host_pool::{HostPool, SlotAllocator};
-use crate::layer_counter::LayerDoneCounter;
+use crate::layer_counter::{LayerDoneCounter, wait_all};
 
 mod ops;
 
@@ -105,10 +105,7 @@ impl<E: CopyEvent> InFlight<E> {
     }
 
     fn wait(&self) -> Result<()> {
-        let mut res = Ok(());
-        for e in &self.events {
-            res = res.and(e.wait());
-        }
+        let mut res = wait_all(&self.events);
         if self.failed && res.is_ok() {
             res = Err(HiCacheError::Transfer(
                 "transfer only partly submitted".into(),
@@ -795,10 +792,12 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// that layer got the error) or that was only partly submitted. `poll_acks` reports such a
     /// transfer only once it is complete; [`HiRadixCache::step`](crate::HiRadixCache::step)
     /// waits for it so that it can repair the load at once. Never blocks.
+    ///
+    /// Only loads can be: a backup is one event (nothing of it is known before it completes),
+    /// and a backup known to have failed at submission has no event and is complete.
     pub fn has_failing_transfers(&self) -> bool {
-        self.write_acks
+        self.load_acks
             .iter()
-            .chain(&self.load_acks)
             .any(|t| !t.is_complete() && t.failure_known())
     }
 

@@ -528,11 +528,8 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     fn reset(&mut self) -> radixkv_radix::Result<()> {
         if let Err(e) = self.flush() {
             // Every KV is about to go, so a backup the backend refused need not wait for a
-            // retry: it is undone like a failed one. Started copies are waited for first.
-            self.ctrl.fail_queued_writes();
-            let _ = self.ctrl.wait_all();
-            let mut acks = self.ctrl.poll_acks();
-            self.apply_acks(&mut acks)?;
+            // retry: it is undone like a failed one.
+            self.finish_writes_now()?;
             if self.ctrl.queued() != (0, 0) {
                 // A refused load: its request still holds the KV, so nothing may be dropped.
                 return Err(e.into());

@@ -64,6 +64,17 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         res
     }
 
+    /// Waits for every started transfer and applies the acks, after reporting the backups
+    /// still queued (the backend refused their submission) as failed: for a caller that cannot
+    /// wait for a retry (write-back eviction reuses the source pages at once, a reset discards
+    /// everything). A failed copy is handled by the acks, so the wait's own error adds nothing.
+    pub(super) fn finish_writes_now(&mut self) -> Result<()> {
+        self.ctrl.fail_queued_writes();
+        let _ = self.ctrl.wait_all();
+        let mut acks = self.ctrl.poll_acks();
+        self.apply_acks(&mut acks)
+    }
+
     fn release(&mut self, lock: Option<radixkv_radix::LockReceipt>) -> Result<()> {
         match lock {
             Some(r) => self.inner.dec_lock_ref(r).map_err(HiCacheError::from),

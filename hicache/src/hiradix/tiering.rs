@@ -198,13 +198,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                     self.stats.refused_submissions += 1;
                 }
                 tracing::warn!(error = %e, "write-back submission refused; evicting without backup");
-                self.ctrl.fail_queued_writes();
             }
-            // A failure is handled by the acks (the chain goes back to device-only and is then
-            // evicted without backup), so the wait's own error adds nothing.
-            let _ = self.ctrl.wait_all();
-            let mut acks = self.ctrl.poll_acks();
-            self.apply_acks(&mut acks)?;
+            // A failure (the refused backup included) is handled by the acks: the chain goes
+            // back to device-only and is then evicted without backup.
+            self.finish_writes_now()?;
         }
         Ok(())
     }

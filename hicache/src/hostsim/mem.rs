@@ -34,15 +34,15 @@ impl DeviceMem {
             .page_bytes_per_layer()
             .checked_mul(pages)
             .ok_or_else(|| HiCacheError::Config(format!("a pool of {pages} pages overflows")))?;
-        let mut layers = Vec::new();
-        layers
-            .try_reserve_exact(geometry.layers)
-            .map_err(|_| HiCacheError::AllocFailed {
-                what: "device pool layer table",
+        let what = "device pool layer table";
+        let mut layers = radixkv_radix::try_with_capacity(geometry.layers, what).map_err(|_| {
+            HiCacheError::AllocFailed {
+                what,
                 bytes: geometry
                     .layers
                     .saturating_mul(size_of::<RwLock<Box<[u8]>>>()),
-            })?;
+            }
+        })?;
         for _ in 0..geometry.layers {
             layers.push(RwLock::new(crate::host_pool::zeroed_bytes(
                 layer_bytes,

@@ -368,15 +368,10 @@ impl Stream {
         })
     }
 
-    /// Submits a copy.
-    pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
-        self.send(cmd)
-    }
-
     /// Submits an event and returns it.
     pub(super) fn record(&self) -> Result<SimEvent> {
         let event = SimEvent::new(self.sync.clone());
-        self.send(Cmd::Record(PendingEvent {
+        self.submit(Cmd::Record(PendingEvent {
             event: event.clone(),
             stream: self.kind,
             armed: !self.unguarded,
@@ -384,9 +379,9 @@ impl Stream {
         Ok(event)
     }
 
-    /// Sends `cmd`, waiting for room when the channel is full (back-pressure, like a GPU's
+    /// Submits `cmd`, waiting for room when the channel is full (back-pressure, like a GPU's
     /// launch queue). A dropped `cmd` completes its event, if it carries one.
-    fn send(&self, cmd: Cmd) -> Result<()> {
+    pub(super) fn submit(&self, cmd: Cmd) -> Result<()> {
         if take(&self.faults.refusals) {
             return Err(HiCacheError::Transfer(format!(
                 "{:?} stream refused the submission (injected fault)",

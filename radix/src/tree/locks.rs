@@ -159,15 +159,7 @@ impl RadixTree {
         self.evictable -= len;
         let parent = n.parent;
         let keep = n.host.is_some();
-        if self.events.is_some() {
-            let hashes = self.nodes[idx as usize].page_hashes.clone();
-            let namespace = self.nodes[idx as usize].namespace.clone();
-            self.push_event(KvEvent::BlockRemoved {
-                page_hashes: hashes,
-                namespace,
-                medium: Medium::Device,
-            });
-        }
+        self.emit_removed(idx, Medium::Device);
         if !keep {
             debug_assert_eq!(self.nodes[idx as usize].children.len(), 0);
             self.remove_child(parent, idx);

@@ -14,7 +14,6 @@
 
 use super::{RadixTree, common_pages};
 use crate::error::{CacheError, Result};
-use crate::events::KvEvent;
 use crate::types::{KeyRef, Medium, NodeId, PageId};
 
 /// How a key lies across the tiers, found without changing the tree ([`RadixTree::tier_walk`]).
@@ -119,15 +118,7 @@ impl RadixTree {
     /// [`CacheError::StaleNode`].
     pub fn emit_removed_event(&mut self, id: NodeId, medium: Medium) -> Result<()> {
         let idx = self.resolve(id)?;
-        if self.events.is_some() {
-            let hashes = self.nodes[idx as usize].page_hashes.clone();
-            let namespace = self.nodes[idx as usize].namespace.clone();
-            self.push_event(KvEvent::BlockRemoved {
-                page_hashes: hashes,
-                namespace,
-                medium,
-            });
-        }
+        self.emit_removed(idx, medium);
         Ok(())
     }
 
@@ -196,15 +187,7 @@ impl RadixTree {
                 "only an unlocked host-only leaf can be evicted from the host",
             ));
         }
-        if self.events.is_some() {
-            let hashes = self.nodes[idx as usize].page_hashes.clone();
-            let namespace = self.nodes[idx as usize].namespace.clone();
-            self.push_event(KvEvent::BlockRemoved {
-                page_hashes: hashes,
-                namespace,
-                medium: Medium::Host,
-            });
-        }
+        self.emit_removed(idx, Medium::Host);
         let parent = self.nodes[idx as usize].parent;
         self.remove_child(parent, idx);
         let node = self.free_node(idx);
@@ -324,6 +307,7 @@ impl RadixTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::KvEvent;
     use crate::policy::PolicyKind;
     use crate::tree::InsertOptions;
 

@@ -364,4 +364,19 @@ impl RadixTree {
         };
         self.push_event(ev);
     }
+
+    /// Emits a `BlockRemoved` event for node `idx` on `medium` (the counterpart of
+    /// [`RadixTree::emit_stored`]).
+    pub(super) fn emit_removed(&mut self, idx: u32, medium: Medium) {
+        if self.events.is_none() {
+            return;
+        }
+        let n = &self.nodes[idx as usize];
+        let ev = KvEvent::BlockRemoved {
+            page_hashes: n.page_hashes.clone(),
+            namespace: n.namespace.clone(),
+            medium,
+        };
+        self.push_event(ev);
+    }
 }
