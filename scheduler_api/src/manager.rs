@@ -96,10 +96,9 @@ pub struct KvCacheManager {
     metrics: Metrics,
     /// Events drained from the cache at step ends, held (bounded) until `take_events`.
     events: EventBuffer,
-    /// Sequence number of the next event handed out (see [`KvEventBatch`]).
-    event_seq: u64,
-    /// [`Self::events_dropped`] when events were last handed out.
-    events_dropped_seen: u64,
+    /// Events handed out so far: with [`Self::events_dropped`] beside it, the sequence number
+    /// of the next one (see [`KvEventBatch`]).
+    events_handed_out: u64,
     step: u64,
     check_every_step: bool,
     clock: SimClock,
@@ -156,8 +155,7 @@ impl KvCacheManager {
             running: 0,
             metrics: Metrics::default(),
             events,
-            event_seq: 0,
-            events_dropped_seen: 0,
+            events_handed_out: 0,
             step: 0,
             check_every_step: cfg!(debug_assertions),
             clock,
@@ -251,20 +249,16 @@ impl KvCacheManager {
         }
     }
 
-    /// The events to hand out and the sequence number of the first: events dropped since the
-    /// last hand-out use up the numbers before it.
+    /// The events to hand out and the sequence number of the first: every event handed out or
+    /// dropped before it has used up a number.
     fn take_numbered_events(&mut self) -> (u64, Vec<KvEvent>) {
         let mut out = self.events.take();
         // Events since the last step end are handed over now, not held: no bound applies.
         let late = self.cache.take_events();
         self.metrics.counters.kv_events += late.len() as u64;
         out.extend(late);
-        let dropped = self.events_dropped();
-        let seq = self
-            .event_seq
-            .saturating_add(dropped.saturating_sub(self.events_dropped_seen));
-        self.events_dropped_seen = dropped;
-        self.event_seq = seq.saturating_add(out.len() as u64);
+        let seq = self.events_handed_out.saturating_add(self.events_dropped());
+        self.events_handed_out = self.events_handed_out.saturating_add(out.len() as u64);
         (seq, out)
     }
 
