@@ -377,7 +377,11 @@ impl KvCacheManager {
                 what: "admit on a running request",
             });
         }
-        if let Some(never) = never_fits(t, page, clip, self.cache.accounting().total) {
+        let len = t.kv.key.len();
+        let generated = len - t.prompt_len;
+        let output_left = t.max_new.saturating_sub(generated).min(clip);
+        let capacity = self.cache.pools().total_tokens();
+        if let Some(never) = never_fits(len, output_left, page, capacity) {
             return Ok(Admission::Never(never));
         }
         if rows_free == 0 {
@@ -390,9 +394,6 @@ impl KvCacheManager {
             t.kv.session = None;
         }
         let mut m = self.cache.match_request(&mut t.kv)?;
-        let len = t.kv.key.len();
-        let generated = len - t.prompt_len;
-        let output_left = t.max_new.saturating_sub(generated).min(clip);
         // Saturating: `output_left` comes from the caller and the config, and a sum past
         // `usize::MAX` can only wait.
         let mut needed = (len - m.prefix_len)
@@ -904,14 +905,12 @@ fn admission_available(
     Ok(a.saturating_sub(reserved_total))
 }
 
-/// Why `t` can never be admitted, if it cannot: its admission needs the tokens not on the
-/// device, the clipped output reservation and a page, beside the device prefix it locks, and
-/// with everything else finished and evicted the pool still holds fewer. A retracted request's
+/// Why a request of `len` tokens with `output_left` output tokens still to reserve can never
+/// be admitted, if it cannot: its admission needs the tokens not on the device, the clipped
+/// output reservation and a page, beside the device prefix it locks, and with everything else
+/// finished and evicted the pool (`capacity` tokens) still holds fewer. A retracted request's
 /// figure only changes by what it decoded, so it is checked at every admission.
-fn never_fits(t: &Tracked, page: usize, clip: usize, capacity: usize) -> Option<NeverReason> {
-    let len = t.kv.key.len();
-    let generated = len - t.prompt_len;
-    let output_left = t.max_new.saturating_sub(generated).min(clip);
+fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> Option<NeverReason> {
     let needed = len.saturating_add(output_left).saturating_add(page);
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
