@@ -115,8 +115,6 @@ pub struct KvCacheManager {
     /// The loads of the step that is open (between `begin_step` and `end_step`), which an
     /// admission made meanwhile joins.
     open_step: Option<Arc<StepLoadSet>>,
-    /// The step whose forward computes what is allocated now: the open one, or the next.
-    forward_step: u64,
     /// The last step ended: its forward is over.
     ended_step: u64,
 }
@@ -165,7 +163,6 @@ impl KvCacheManager {
             use_seq: 0,
             step_error: None,
             open_step: None,
-            forward_step: 1,
             ended_step: 0,
         })
     }
@@ -488,6 +485,7 @@ impl KvCacheManager {
     /// [`ManagerError::OutOfMemory`] (nothing allocated), or a request that is not running or
     /// has fewer than `n` unallocated prompt tokens.
     pub fn extend(&mut self, id: ReqId, n: usize) -> Result<Range<usize>> {
+        let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
         if n > t.kv.key.len().saturating_sub(start) {
@@ -505,7 +503,7 @@ impl KvCacheManager {
             t,
             n,
         )?;
-        t.alloc_step = self.forward_step;
+        t.alloc_step = forward_step;
         self.metrics.counters.extend_tokens += n as u64;
         Ok(start..start + n)
     }
@@ -530,6 +528,7 @@ impl KvCacheManager {
     /// # Errors
     /// [`ManagerError::OutOfMemory`]: nothing changed; retract a request and retry.
     pub fn decode(&mut self, id: ReqId, token: TokenId) -> Result<usize> {
+        let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
         if t.kv.allocated_len < t.kv.key.len() {
@@ -540,7 +539,7 @@ impl KvCacheManager {
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
-        t.alloc_step = self.forward_step;
+        t.alloc_step = forward_step;
         // The common case, checked here so that it makes no call and moves no `Result`.
         if self.page_granular && alloc_in_place(&mut self.reserved_total, t, 1) {
             self.metrics.counters.decode_tokens += 1;
@@ -769,7 +768,6 @@ impl KvCacheManager {
     /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        self.forward_step = self.step;
         let set = Arc::new(StepLoadSet::default());
         self.start_loads(&set);
         self.open_step = Some(set.clone());
@@ -784,6 +782,11 @@ impl KvCacheManager {
             ),
             loads: set,
         }
+    }
+
+    /// The step whose forward computes what is allocated now: the open one, or the next.
+    fn forward_step(&self) -> u64 {
+        self.step + u64::from(self.open_step.is_none())
     }
 
     /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.
@@ -817,7 +820,6 @@ impl KvCacheManager {
             .is_some_and(|s| Arc::ptr_eq(s, &step.loads))
         {
             self.open_step = None;
-            self.forward_step = step.index + 1;
             self.ended_step = self.ended_step.max(step.index);
         }
         // Acks are applied even after a failed `begin_step`: the transfers that did start
