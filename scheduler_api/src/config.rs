@@ -461,11 +461,9 @@ impl ManagerConfig {
             if let WritePolicy::WriteThroughSelective { hits: 0 } = h.write_policy {
                 return bad("write_through_selective needs a hit threshold of at least 1".into());
             }
-        }
-        if let CacheKind::HiCache(h) = &self.cache
-            && h.max_pending_ops == 0
-        {
-            return bad("the host tier must allow at least one pending transfer".into());
+            if h.max_pending_ops == 0 {
+                return bad("the host tier must allow at least one pending transfer".into());
+            }
         }
         if self.event_capacity == 0 {
             return bad("the KV event buffer must hold at least one event (event_capacity)".into());

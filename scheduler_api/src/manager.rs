@@ -96,10 +96,9 @@ pub struct KvCacheManager {
     metrics: Metrics,
     /// Events drained from the cache at step ends, held (bounded) until `take_events`.
     events: EventBuffer,
-    /// Sequence number of the next event handed out (see [`KvEventBatch`]).
-    event_seq: u64,
-    /// [`Self::events_dropped`] when events were last handed out.
-    events_dropped_seen: u64,
+    /// Events handed out so far: with [`Self::events_dropped`] beside it, the sequence number
+    /// of the next one (see [`KvEventBatch`]).
+    events_handed_out: u64,
     step: u64,
     check_every_step: bool,
     clock: SimClock,
@@ -116,8 +115,6 @@ pub struct KvCacheManager {
     /// The loads of the step that is open (between `begin_step` and `end_step`), which an
     /// admission made meanwhile joins.
     open_step: Option<Arc<StepLoadSet>>,
-    /// The step whose forward computes what is allocated now: the open one, or the next.
-    forward_step: u64,
     /// The last step ended: its forward is over.
     ended_step: u64,
 }
@@ -156,8 +153,7 @@ impl KvCacheManager {
             running: 0,
             metrics: Metrics::default(),
             events,
-            event_seq: 0,
-            events_dropped_seen: 0,
+            events_handed_out: 0,
             step: 0,
             check_every_step: cfg!(debug_assertions),
             clock,
@@ -167,7 +163,6 @@ impl KvCacheManager {
             use_seq: 0,
             step_error: None,
             open_step: None,
-            forward_step: 1,
             ended_step: 0,
         })
     }
@@ -251,20 +246,16 @@ impl KvCacheManager {
         }
     }
 
-    /// The events to hand out and the sequence number of the first: events dropped since the
-    /// last hand-out use up the numbers before it.
+    /// The events to hand out and the sequence number of the first: every event handed out or
+    /// dropped before it has used up a number.
     fn take_numbered_events(&mut self) -> (u64, Vec<KvEvent>) {
         let mut out = self.events.take();
         // Events since the last step end are handed over now, not held: no bound applies.
         let late = self.cache.take_events();
         self.metrics.counters.kv_events += late.len() as u64;
         out.extend(late);
-        let dropped = self.events_dropped();
-        let seq = self
-            .event_seq
-            .saturating_add(dropped.saturating_sub(self.events_dropped_seen));
-        self.events_dropped_seen = dropped;
-        self.event_seq = seq.saturating_add(out.len() as u64);
+        let seq = self.events_handed_out.saturating_add(self.events_dropped());
+        self.events_handed_out = self.events_handed_out.saturating_add(out.len() as u64);
         (seq, out)
     }
 
@@ -383,7 +374,11 @@ impl KvCacheManager {
                 what: "admit on a running request",
             });
         }
-        if let Some(never) = never_fits(t, page, clip, self.cache.accounting().total) {
+        let len = t.kv.key.len();
+        let generated = len - t.prompt_len;
+        let output_left = t.max_new.saturating_sub(generated).min(clip);
+        let capacity = self.cache.pools().total_tokens();
+        if let Some(never) = never_fits(len, output_left, page, capacity) {
             return Ok(Admission::Never(never));
         }
         if rows_free == 0 {
@@ -396,9 +391,6 @@ impl KvCacheManager {
             t.kv.session = None;
         }
         let mut m = self.cache.match_request(&mut t.kv)?;
-        let len = t.kv.key.len();
-        let generated = len - t.prompt_len;
-        let output_left = t.max_new.saturating_sub(generated).min(clip);
         // Saturating: `output_left` comes from the caller and the config, and a sum past
         // `usize::MAX` can only wait.
         let mut needed = (len - m.prefix_len)
@@ -493,6 +485,7 @@ impl KvCacheManager {
     /// [`ManagerError::OutOfMemory`] (nothing allocated), or a request that is not running or
     /// has fewer than `n` unallocated prompt tokens.
     pub fn extend(&mut self, id: ReqId, n: usize) -> Result<Range<usize>> {
+        let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
         if n > t.kv.key.len().saturating_sub(start) {
@@ -510,7 +503,7 @@ impl KvCacheManager {
             t,
             n,
         )?;
-        t.alloc_step = self.forward_step;
+        t.alloc_step = forward_step;
         self.metrics.counters.extend_tokens += n as u64;
         Ok(start..start + n)
     }
@@ -535,6 +528,7 @@ impl KvCacheManager {
     /// # Errors
     /// [`ManagerError::OutOfMemory`]: nothing changed; retract a request and retry.
     pub fn decode(&mut self, id: ReqId, token: TokenId) -> Result<usize> {
+        let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
         if t.kv.allocated_len < t.kv.key.len() {
@@ -545,7 +539,7 @@ impl KvCacheManager {
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
-        t.alloc_step = self.forward_step;
+        t.alloc_step = forward_step;
         // The common case, checked here so that it makes no call and moves no `Result`.
         if self.page_granular && alloc_in_place(&mut self.reserved_total, t, 1) {
             self.metrics.counters.decode_tokens += 1;
@@ -774,7 +768,6 @@ impl KvCacheManager {
     /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        self.forward_step = self.step;
         let set = Arc::new(StepLoadSet::default());
         self.start_loads(&set);
         self.open_step = Some(set.clone());
@@ -789,6 +782,11 @@ impl KvCacheManager {
             ),
             loads: set,
         }
+    }
+
+    /// The step whose forward computes what is allocated now: the open one, or the next.
+    fn forward_step(&self) -> u64 {
+        self.step + u64::from(self.open_step.is_none())
     }
 
     /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.
@@ -822,7 +820,6 @@ impl KvCacheManager {
             .is_some_and(|s| Arc::ptr_eq(s, &step.loads))
         {
             self.open_step = None;
-            self.forward_step = step.index + 1;
             self.ended_step = self.ended_step.max(step.index);
         }
         // Acks are applied even after a failed `begin_step`: the transfers that did start
@@ -910,14 +907,12 @@ fn admission_available(
     Ok(a.saturating_sub(reserved_total))
 }
 
-/// Why `t` can never be admitted, if it cannot: its admission needs the tokens not on the
-/// device, the clipped output reservation and a page, beside the device prefix it locks, and
-/// with everything else finished and evicted the pool still holds fewer. A retracted request's
+/// Why a request of `len` tokens with `output_left` output tokens still to reserve can never
+/// be admitted, if it cannot: its admission needs the tokens not on the device, the clipped
+/// output reservation and a page, beside the device prefix it locks, and with everything else
+/// finished and evicted the pool (`capacity` tokens) still holds fewer. A retracted request's
 /// figure only changes by what it decoded, so it is checked at every admission.
-fn never_fits(t: &Tracked, page: usize, clip: usize, capacity: usize) -> Option<NeverReason> {
-    let len = t.kv.key.len();
-    let generated = len - t.prompt_len;
-    let output_left = t.max_new.saturating_sub(generated).min(clip);
+fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> Option<NeverReason> {
     let needed = len.saturating_add(output_left).saturating_add(page);
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }

@@ -103,7 +103,7 @@ pub(super) fn read(reader: impl Read, ctx: &Ctx<'_>, opts: &ReadOptions) -> Resu
         });
     }
     Ok(Trace {
-        name: ctx.name.clone(),
+        name: ctx.source.to_string(),
         requests,
     })
 }
@@ -120,10 +120,7 @@ mod tests {
     use crate::error::ManagerError;
 
     fn decode(text: impl AsRef<[u8]>) -> Result<Trace> {
-        let ctx = Ctx {
-            source: "t.csv",
-            name: "t.csv".into(),
-        };
+        let ctx = Ctx { source: "t.csv" };
         read(text.as_ref(), &ctx, &ReadOptions::default())
     }
 

@@ -267,10 +267,7 @@ pub fn decode_trace(
         Compression::None => Box::new(reader),
     };
     let reader = BufReader::with_capacity(1 << 20, reader);
-    let ctx = Ctx {
-        source,
-        name: source.to_string(),
-    };
+    let ctx = Ctx { source };
     let trace = match format {
         TraceFormat::Mooncake => mooncake::read(reader, &ctx, opts),
         TraceFormat::Weka => weka::read(reader, &ctx, opts),
@@ -286,9 +283,9 @@ pub fn decode_trace(
     Ok(trace)
 }
 
+/// What a decoder knows of its input: the name that errors and the trace carry.
 pub(crate) struct Ctx<'a> {
     pub source: &'a str,
-    pub name: String,
 }
 
 impl Ctx<'_> {

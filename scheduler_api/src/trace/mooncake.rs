@@ -57,7 +57,7 @@ pub(super) fn read(reader: impl BufRead, ctx: &Ctx<'_>, opts: &ReadOptions) -> R
         });
     }
     Ok(Trace {
-        name: ctx.name.clone(),
+        name: ctx.source.to_string(),
         requests,
     })
 }

@@ -69,7 +69,7 @@ pub(super) fn read(reader: impl BufRead, ctx: &Ctx<'_>, opts: &ReadOptions) -> R
         flat.entries(&c.requests, start_s)?;
     }
     Ok(Trace {
-        name: ctx.name.clone(),
+        name: ctx.source.to_string(),
         requests,
     })
 }
