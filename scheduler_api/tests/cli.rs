@@ -4,7 +4,6 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 fn radixkv(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_radixkv"))
@@ -21,15 +20,9 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
 fn temp_dir() -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "radixkv-cli-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::temp_dir("cli")
 }
 
 /// A generated Mooncake-format trace of 60 requests.
