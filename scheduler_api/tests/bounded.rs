@@ -34,19 +34,24 @@ fn run(kv: &mut KvCacheManager, id: ReqId, extend: usize) {
     kv.check_invariants().unwrap();
 }
 
+/// A device-only manager whose KV event buffer holds four events.
+fn manager_with_four_events() -> KvCacheManager {
+    KvCacheManager::builder()
+        .device_tokens(4096)
+        .page_size(4)
+        .events(true)
+        .event_capacity(4)
+        .build()
+        .unwrap()
+}
+
 fn prompt(seed: u32, n: u32) -> Vec<u32> {
     (0..n).map(|i| seed * 1000 + i).collect()
 }
 
 #[test]
 fn event_buffer_is_bounded_and_drops_are_counted_and_exported() {
-    let mut kv = KvCacheManager::builder()
-        .device_tokens(4096)
-        .page_size(4)
-        .events(true)
-        .event_capacity(4)
-        .build()
-        .unwrap();
+    let mut kv = manager_with_four_events();
     // Nobody drains: ten distinct prompts store at least ten blocks.
     for s in 0..10 {
         serve(&mut kv, prompt(s, 16));
@@ -84,13 +89,7 @@ fn event_buffer_is_bounded_and_drops_are_counted_and_exported() {
 
 #[test]
 fn batch_sequence_numbers_have_a_gap_exactly_where_events_were_dropped() {
-    let mut kv = KvCacheManager::builder()
-        .device_tokens(4096)
-        .page_size(4)
-        .events(true)
-        .event_capacity(4)
-        .build()
-        .unwrap();
+    let mut kv = manager_with_four_events();
     let mut next = 0;
     // Drained after every request: consecutive numbers.
     for s in 0..5 {

@@ -4,7 +4,6 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 fn radixkv(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_radixkv"))
@@ -21,15 +20,9 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
 fn temp_dir() -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "radixkv-cli-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::temp_dir("cli")
 }
 
 /// A generated Mooncake-format trace of 60 requests.
@@ -37,6 +30,11 @@ fn mooncake() -> String {
     common::write_temp("cli", "moon.jsonl", &common::mooncake_jsonl(60, 300))
         .display()
         .to_string()
+}
+
+/// The arguments of `cmd` over the Mooncake-format trace at `trace`, then `extra`.
+fn on_mooncake<'a>(cmd: &'a str, trace: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    [&[cmd, "--trace", trace, "--format", "mooncake"][..], extra].concat()
 }
 
 /// Asserts a failure with a message on stderr, and no panic.
@@ -158,18 +156,11 @@ fn compare_prints_one_table_with_every_configuration() {
 
 #[test]
 fn replays_a_trace_slice_as_json() {
-    let o = radixkv(&[
+    let o = radixkv(&on_mooncake(
         "replay",
-        "--trace",
         &mooncake(),
-        "--format",
-        "mooncake",
-        "--limit",
-        "50",
-        "--json",
-        "--device-tokens",
-        "131072",
-    ]);
+        &["--limit", "50", "--json", "--device-tokens", "131072"],
+    ));
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["requests"], 50);
@@ -178,13 +169,7 @@ fn replays_a_trace_slice_as_json() {
 
 #[test]
 fn missing_file_is_a_clear_error() {
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        "/nonexistent/trace.jsonl",
-        "--format",
-        "mooncake",
-    ]);
+    let o = radixkv(&on_mooncake("replay", "/nonexistent/trace.jsonl", &[]));
     fails_with(&o, "/nonexistent/trace.jsonl");
 }
 
@@ -197,13 +182,7 @@ fn malformed_line_names_the_line() {
         "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n{not json\n",
     )
     .unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "mooncake",
-    ]);
+    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
     fails_with(&o, "bad.jsonl:2:");
     // Hash ids that do not cover the input are malformed too.
     std::fs::write(
@@ -211,13 +190,7 @@ fn malformed_line_names_the_line() {
         "{\"timestamp\": 0, \"input_length\": 6000, \"output_length\": 5, \"hash_ids\": [0]}\n",
     )
     .unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "mooncake",
-    ]);
+    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
     fails_with(&o, "hash_ids");
     std::fs::write(
         &f,
@@ -233,13 +206,7 @@ fn malformed_line_names_the_line() {
     ]);
     fails_with(&o, "bad timestamp");
     std::fs::write(&f, "").unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "mooncake",
-    ]);
+    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
     fails_with(&o, "no requests");
     std::fs::remove_dir_all(dir).ok();
 }
@@ -261,17 +228,11 @@ fn unknown_format_policy_and_cache_kind_are_rejected() {
 #[test]
 fn impossible_configs_are_rejected() {
     // Pool smaller than one request.
-    let o = radixkv(&[
+    let o = radixkv(&on_mooncake(
         "replay",
-        "--trace",
         &mooncake(),
-        "--format",
-        "mooncake",
-        "--limit",
-        "20",
-        "--device-tokens",
-        "4096",
-    ]);
+        &["--limit", "20", "--device-tokens", "4096"],
+    ));
     fails_with(&o, "device pool holds only");
     let o = radixkv(&["demo", "--page-size", "0"]);
     fails_with(&o, "page size");
@@ -451,15 +412,11 @@ fn huge_pools_are_a_clean_error_not_an_abort() {
             "could not allocate 274877906944 bytes for the host pool",
         ),
     ] {
-        let o = radixkv_in_4_gib(&[
-            "replay", "--trace", trace, "--format", "mooncake", "--quiet", flag, huge,
-        ]);
+        let o = radixkv_in_4_gib(&on_mooncake("replay", trace, &["--quiet", flag, huge]));
         exits_cleanly_with(&o, needle);
     }
     // Within the cap, the same trace replays.
-    let o = radixkv_in_4_gib(&[
-        "replay", "--trace", trace, "--format", "mooncake", "--quiet",
-    ]);
+    let o = radixkv_in_4_gib(&on_mooncake("replay", trace, &["--quiet"]));
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(dir).ok();
 }
@@ -478,15 +435,11 @@ fn synthetic_workloads_are_bounded_and_never_empty() {
     let dir = temp_dir();
     let f = two_request_trace(&dir);
     for cmd in ["replay", "analyze"] {
-        let o = radixkv(&[
+        let o = radixkv(&on_mooncake(
             cmd,
-            "--trace",
             f.to_str().unwrap(),
-            "--format",
-            "mooncake",
-            "--max-requests",
-            "0",
-        ]);
+            &["--max-requests", "0"],
+        ));
         exits_cleanly_with(&o, "--max-requests must be at least 1");
     }
     let o = radixkv(&["demo", "--max-running", "18446744073709551615"]);
@@ -506,15 +459,11 @@ fn an_unwritable_out_dir_fails_before_the_replay() {
     let o = radixkv(&["demo", "--quiet", "--out", out.to_str().unwrap()]);
     exits_cleanly_with(&o, "--out is not a writable directory");
     assert!(!stderr(&o).contains("prompt tokens from"), "{}", stderr(&o));
-    let o = radixkv(&[
+    let o = radixkv(&on_mooncake(
         "replay",
-        "--trace",
         "/nonexistent/trace.jsonl",
-        "--format",
-        "mooncake",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+        &["--out", out.to_str().unwrap()],
+    ));
     exits_cleanly_with(&o, "--out is not a writable directory");
     // A writable one is created and left without the probe file.
     let fine = dir.join("new").join("reports");
@@ -541,19 +490,18 @@ fn an_unwritable_out_dir_fails_before_the_replay() {
 #[test]
 fn soak_flags_audit_check_leaks_and_read_memory() {
     let trace = mooncake();
-    let base = [
+    let base = on_mooncake(
         "replay",
-        "--trace",
-        trace.as_str(),
-        "--format",
-        "mooncake",
-        "--limit",
-        "30",
-        "--device-tokens",
-        "131072",
-        "--check-invariants-every",
-        "1",
-    ];
+        &trace,
+        &[
+            "--limit",
+            "30",
+            "--device-tokens",
+            "131072",
+            "--check-invariants-every",
+            "1",
+        ],
+    );
     let o = radixkv(&[&base[..], &["--max-rss-growth-mib", "100000", "--json"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
@@ -581,15 +529,11 @@ fn soak_flags_audit_check_leaks_and_read_memory() {
         "--check-invariants-every must be positive",
     );
     fails_with(
-        &radixkv(&[
+        &radixkv(&on_mooncake(
             "analyze",
-            "--trace",
             &trace,
-            "--format",
-            "mooncake",
-            "--max-rss-growth-mib",
-            "5",
-        ]),
+            &["--max-rss-growth-mib", "5"],
+        )),
         "--max-rss-growth-mib applies to replays",
     );
 }

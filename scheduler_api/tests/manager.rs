@@ -14,11 +14,27 @@ fn manager(device_tokens: usize, page: usize) -> KvCacheManager {
         .unwrap()
 }
 
-fn ready(kv: &mut KvCacheManager, id: radixkv_scheduler_api::ReqId) -> usize {
+/// Admits `id`, which must not have to wait.
+fn admitted(kv: &mut KvCacheManager, id: ReqId) -> Admitted {
     match kv.admit(id).unwrap() {
-        Admission::Ready(a) => a.extend_tokens,
+        Admission::Ready(a) => a,
         other => panic!("expected admission, got {other:?}"),
     }
+}
+
+/// Admits `id` and returns how many tokens its prefill extends.
+fn ready(kv: &mut KvCacheManager, id: ReqId) -> usize {
+    admitted(kv, id).extend_tokens
+}
+
+/// Extends `id` by `extend` tokens and finishes it within one step, then drains the transfers.
+fn finish_in_one_step(kv: &mut KvCacheManager, id: ReqId, extend: usize) {
+    kv.extend(id, extend).unwrap();
+    let step = kv.begin_step();
+    kv.chunk_done(id).unwrap();
+    kv.finish(id).unwrap();
+    kv.end_step(step).unwrap();
+    kv.drain().unwrap();
 }
 
 /// Runs a request to completion in one prefill step and `out` decode steps.
@@ -421,8 +437,14 @@ fn session_manager(hicache: bool) -> KvCacheManager {
     b.build().unwrap()
 }
 
-/// One turn of `session`: prefill in one step, `out − 1` decode steps, finish.
-fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Admitted {
+/// Arrives, admits and prefills one turn of `session` (output budget `out`) in one step,
+/// leaving it running.
+fn start_turn(
+    kv: &mut KvCacheManager,
+    session: u64,
+    tokens: Vec<u32>,
+    out: u32,
+) -> (ReqId, Admitted) {
     let id = kv
         .arrive(
             Request::new(tokens)
@@ -430,9 +452,7 @@ fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Ad
                 .max_new_tokens(out as usize),
         )
         .unwrap();
-    let Admission::Ready(a) = kv.admit(id).unwrap() else {
-        panic!("admission waited")
-    };
+    let a = admitted(kv, id);
     kv.extend(id, a.extend_tokens).unwrap();
     let step = kv.begin_step();
     for layer in 0..kv.config().model.layers {
@@ -440,6 +460,12 @@ fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Ad
     }
     kv.end_step(step).unwrap();
     kv.chunk_done(id).unwrap();
+    (id, a)
+}
+
+/// One turn of `session`: prefill in one step, `out − 1` decode steps, finish.
+fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Admitted {
+    let (id, a) = start_turn(kv, session, tokens, out);
     for t in 0..out.saturating_sub(1) {
         kv.decode(id, 9_000 + t).unwrap();
         let step = kv.begin_step();
@@ -475,21 +501,6 @@ fn sessions_open_on_arrival_serve_the_next_turn_and_release_on_close() {
     }
 }
 
-/// Arrives, admits and prefills one turn of `session`, leaving it running.
-fn start_turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>) -> ReqId {
-    let id = kv
-        .arrive(Request::new(tokens).session(session).max_new_tokens(4))
-        .unwrap();
-    let Admission::Ready(a) = kv.admit(id).unwrap() else {
-        panic!("admission waited")
-    };
-    kv.extend(id, a.extend_tokens).unwrap();
-    let step = kv.begin_step();
-    kv.end_step(step).unwrap();
-    kv.chunk_done(id).unwrap();
-    id
-}
-
 #[test]
 fn a_turn_arriving_during_a_deferred_close_runs_untagged_and_the_session_closes() {
     for hicache in [false, true] {
@@ -499,12 +510,12 @@ fn a_turn_arriving_during_a_deferred_close_runs_untagged_and_the_session_closes(
         // now and is not repeated later.
         let mut next: Vec<u32> = (0..10).collect();
         next.extend([9_000, 50]);
-        let second = start_turn(&mut kv, 7, next.clone());
+        let (second, _) = start_turn(&mut kv, 7, next.clone(), 4);
         kv.close_session(7).unwrap();
         assert_eq!(kv.open_sessions(), 1, "deferred");
         // A turn of the closing session runs as an ordinary request.
         next.push(51);
-        let late = start_turn(&mut kv, 7, next);
+        let (late, _) = start_turn(&mut kv, 7, next, 4);
         kv.finish(second).unwrap();
         assert_eq!(kv.open_sessions(), 0, "the deferred close completed");
         kv.finish(late).unwrap();
@@ -560,22 +571,25 @@ fn session_ttl_runs_on_the_manager_clock() {
     ));
 }
 
-#[test]
-fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
-    let mut kv = KvCacheManager::builder()
+/// A write-through HiCache manager whose 64-token device pool holds one 41-token request.
+fn small_write_through_manager() -> KvCacheManager {
+    KvCacheManager::builder()
         .device_tokens(64)
         .page_size(4)
         .max_rows(4)
         .host_tier(HostTier::ratio(64, 4.0).write_policy(WritePolicy::WriteThrough))
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
+    let mut kv = small_write_through_manager();
     let page_bytes = kv.config().model.page_bytes();
     let a: Vec<u32> = (0..41).collect();
     let run = |kv: &mut KvCacheManager, tokens: Vec<u32>| {
         let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
-        let Admission::Ready(adm) = kv.admit(id).unwrap() else {
-            panic!("admission waited")
-        };
+        let adm = admitted(kv, id);
         kv.extend(id, adm.extend_tokens).unwrap();
         let step = kv.begin_step();
         let loads = (step.load_pages(), step.load_bytes());
@@ -633,23 +647,12 @@ fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
 /// A HiCache manager whose host tier holds the first 40 tokens of `(0..41)` after a second
 /// request pushed them off the device (as in the test above).
 fn manager_with_host_copy() -> (KvCacheManager, Vec<u32>) {
-    let mut kv = KvCacheManager::builder()
-        .device_tokens(64)
-        .page_size(4)
-        .max_rows(4)
-        .host_tier(HostTier::ratio(64, 4.0).write_policy(WritePolicy::WriteThrough))
-        .build()
-        .unwrap();
+    let mut kv = small_write_through_manager();
     let a: Vec<u32> = (0..41).collect();
     for tokens in [a.clone(), (1000..1041).collect()] {
         let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
         let n = ready(&mut kv, id);
-        kv.extend(id, n).unwrap();
-        let step = kv.begin_step();
-        kv.chunk_done(id).unwrap();
-        kv.finish(id).unwrap();
-        kv.end_step(step).unwrap();
-        kv.drain().unwrap();
+        finish_in_one_step(&mut kv, id, n);
     }
     (kv, a)
 }
@@ -669,9 +672,7 @@ fn documented_order_host_hit_is_loaded_by_the_step_it_runs_in() {
     let (mut kv, a) = manager_with_host_copy();
     // Form the batch, then begin the step: the step starts the load and its wait covers it.
     let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
-    let Admission::Ready(adm) = kv.admit(id).unwrap() else {
-        panic!("admission waited")
-    };
+    let adm = admitted(&mut kv, id);
     assert_eq!(adm.host_tokens, 40, "{adm:?}");
     kv.extend(id, adm.extend_tokens).unwrap();
     let step = kv.begin_step();
@@ -694,9 +695,7 @@ fn admission_inside_an_open_step_joins_that_steps_loads() {
     let step = kv.begin_step();
     assert_eq!(step.load_pages(), 0);
     let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
-    let Admission::Ready(adm) = kv.admit(id).unwrap() else {
-        panic!("admission waited")
-    };
+    let adm = admitted(&mut kv, id);
     assert_eq!(adm.host_tokens, 40, "{adm:?}");
     kv.extend(id, adm.extend_tokens).unwrap();
     wait_covers(&kv, &step, 10);
@@ -749,7 +748,7 @@ fn a_request_larger_than_the_pool_is_never_admitted_and_holds_nothing() {
     kv.check_invariants().unwrap();
 }
 
-/// Prefills `tokens` and decodes `out` tokens (one step each); returns the request, running.
+/// Admits and prefills `id`, then decodes `out` tokens (one step each), leaving it running.
 fn prefill_and_decode(kv: &mut KvCacheManager, id: ReqId, out: u32) {
     let n = ready(kv, id);
     kv.extend(id, n).unwrap();
@@ -784,17 +783,10 @@ fn retract_caches_the_computed_kv_and_readmission_hits_it() {
         // 17 computed, 16 page-aligned: cached (a host backup may still lock it).
         let acc = kv.accounting();
         assert_eq!(acc.evictable + acc.protected, 16, "{acc:?}");
-        let Admission::Ready(a) = kv.admit(id).unwrap() else {
-            panic!("admission waited")
-        };
+        let a = admitted(&mut kv, id);
         assert_eq!(a.cached_tokens(), 16, "hicache {hicache}: {a:?}");
         assert_eq!(a.extend_tokens, 1);
-        kv.extend(id, 1).unwrap();
-        let step = kv.begin_step();
-        kv.chunk_done(id).unwrap();
-        kv.finish(id).unwrap();
-        kv.end_step(step).unwrap();
-        kv.drain().unwrap();
+        finish_in_one_step(&mut kv, id, 1);
         kv.check_invariants().unwrap();
     }
 }
@@ -828,9 +820,7 @@ fn retract_does_not_cache_tokens_whose_forward_has_not_run() {
         12,
         "15 computed, 12 page-aligned"
     );
-    let Admission::Ready(a) = kv.admit(id).unwrap() else {
-        panic!("admission waited")
-    };
+    let a = admitted(&mut kv, id);
     assert_eq!(a.cached_tokens(), 12, "{a:?}");
     kv.abort(id).unwrap();
     kv.check_invariants().unwrap();
@@ -854,17 +844,10 @@ fn retracted_session_turn_frees_its_row_and_readmission_hits_its_kv() {
         kv.retract(id).unwrap();
         let acc = kv.accounting();
         assert_eq!(acc.request_owned + acc.session_held, 0, "{acc:?}");
-        let Admission::Ready(a) = kv.admit(id).unwrap() else {
-            panic!("admission waited")
-        };
+        let a = admitted(&mut kv, id);
         // 24 prompt + 6 decoded = 30 computed; 28 page-aligned (page 4).
         assert_eq!(a.cached_tokens(), 28, "hicache {hicache}: {a:?}");
-        kv.extend(id, a.extend_tokens).unwrap();
-        let step = kv.begin_step();
-        kv.chunk_done(id).unwrap();
-        kv.finish(id).unwrap();
-        kv.end_step(step).unwrap();
-        kv.drain().unwrap();
+        finish_in_one_step(&mut kv, id, a.extend_tokens);
         kv.close_all_sessions().unwrap();
         kv.check_invariants().unwrap();
     }
