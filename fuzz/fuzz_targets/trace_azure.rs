@@ -8,7 +8,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::trace::{check_decode, nonblank_lines};
-use radixkv_scheduler_api::trace::{Compression, TraceFormat};
+use radixkv_replay::trace::{Compression, TraceFormat};
 
 fuzz_target!(|data: &[u8]| {
     let lines = data.split(|&b| b == b'\n').count();

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::trace::{check_decode, nonblank_lines};
-use radixkv_scheduler_api::trace::{Compression, TraceFormat};
+use radixkv_replay::trace::{Compression, TraceFormat};
 
 fuzz_target!(|data: &[u8]| {
     let lines = data.split(|&b| b == b'\n').count();
@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
         "one request per line"
     );
     assert!(t.requests.iter().all(|r| r.session.is_none()));
-    let first = |r: &radixkv_scheduler_api::trace::TraceRequest| r.prompt[0];
+    let first = |r: &radixkv_replay::trace::TraceRequest| r.prompt[0];
     for (i, a) in t.requests.iter().enumerate() {
         for b in &t.requests[i + 1..] {
             if first(a).first == first(b).first {

@@ -13,7 +13,7 @@ use std::io::Write;
 use flate2::write::GzEncoder;
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::trace::{check_decode, decode, nonblank_lines};
-use radixkv_scheduler_api::trace::{Compression, ReadOptions, TraceFormat};
+use radixkv_replay::trace::{Compression, ReadOptions, TraceFormat};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {

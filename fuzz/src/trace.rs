@@ -1,7 +1,7 @@
 //! Properties every decoded trace has, whatever its format.
 
 use radixkv_scheduler_api::ManagerError;
-use radixkv_scheduler_api::trace::{
+use radixkv_replay::trace::{
     Compression, ReadOptions, Trace, TraceFormat, TraceRequest, decode_trace,
 };
 

@@ -45,49 +45,28 @@
 //!   its limit of pending loads ([`HostTier::max_pending_ops`]) waits
 //!   ([`WaitReason::TransfersBusy`]).
 //!
-//! ## The reference scheduler and the `radixkv` binary
-//! [`sim`] holds a continuous-batching scheduler (FCFS admission, chunked prefill under a
-//! per-step token budget, a decode batch, retraction on decode OOM) that drives the manager
-//! under a cost model, and reports hit ratios per tier against the infinite-cache ideal,
-//! recomputed tokens, transfer bytes, simulated TTFT and throughput, and the manager's CPU time
-//! per request. [`trace`] reads Mooncake, agentic multi-turn and Azure traces and generates a
-//! synthetic multi-turn chat workload; hash blocks become deterministic token runs so the cache
-//! sees real token sequences. [`plot`] draws the charts (with plotters) as SVG and PNG.
-//!
-//! ```
-//! use radixkv_scheduler_api::sim::{SimConfig, replay};
-//! use radixkv_scheduler_api::trace::SyntheticChat;
-//!
-//! let trace = SyntheticChat { conversations: 3, ..Default::default() }.generate()?;
-//! let mut cfg = SimConfig::default();
-//! cfg.manager.device_tokens = 64 << 10;
-//! let report = replay(&trace, &cfg, &mut ())?;
-//! assert!(report.hit_ratio.overall <= report.ideal_hit_ratio);
-//! assert_eq!(report.leaked_tokens, 0);
-//! # Ok::<(), radixkv_scheduler_api::ManagerError>(())
-//! ```
+//! ## The replay tool
+//! The reference continuous-batching scheduler, the trace readers, the offline analysis, the
+//! plots and the `radixkv` binary live in their own crate, `radixkv-replay`
+//! (`scheduler_api/replay/`), so that an engine embedding this crate compiles none of their
+//! dependencies.
 //!
 //! ## Errors
-//! Every bad input (malformed trace, unknown format, impossible configuration, out-of-order
-//! lifecycle call, unknown request) and every exhausted resource returns a typed
+//! Every bad input (impossible configuration, out-of-order lifecycle call, unknown request) and every exhausted resource returns a typed
 //! [`ManagerError`]; nothing reachable from the public API panics.
 
 #![warn(missing_docs)]
 
-pub mod analysis;
 mod builder;
 pub mod config;
 pub mod error;
 pub mod factory;
 mod manager;
 pub mod metrics;
-pub mod plot;
 mod request;
 mod sessions;
-pub mod sim;
 mod table;
 mod tiered;
-pub mod trace;
 
 pub use builder::ManagerBuilder;
 pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};

@@ -14,7 +14,7 @@ use super::{
     Ctx, ReadOptions, Rng, Segment, TAG_OUTPUT, TAG_TAIL, Trace, TraceRequest, lines,
     segments_from_blocks,
 };
-use crate::error::Result;
+use radixkv_scheduler_api::error::Result;
 
 #[derive(Deserialize)]
 struct Conversation {

@@ -9,8 +9,8 @@ mod draw;
 
 use std::path::Path;
 
-use crate::error::{ManagerError, Result};
 use crate::sim::{OccupancySample, Report};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// One labelled row of a horizontal bar chart.
 #[derive(Clone, Debug, PartialEq)]

@@ -13,7 +13,7 @@ use jiff::tz::TimeZone;
 use serde::Deserialize;
 
 use super::{Ctx, ReadOptions, Segment, TAG_OUTPUT, TAG_TAIL, Trace, TraceRequest};
-use crate::error::Result;
+use radixkv_scheduler_api::error::Result;
 
 /// The column names, in file order (used in error messages).
 const COLUMNS: [&str; 3] = ["timestamp", "ContextTokens", "GeneratedTokens"];
@@ -117,7 +117,7 @@ fn timestamp_us(at: DateTime) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ManagerError;
+    use radixkv_scheduler_api::error::ManagerError;
 
     fn decode(text: impl AsRef<[u8]>) -> Result<Trace> {
         let ctx = Ctx { source: "t.csv" };

@@ -13,12 +13,12 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use radixkv_radix::PolicyKind;
+use radixkv_replay::sim::{self, CompareOutcome, Progress, Report, SimConfig};
+use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
+use radixkv_replay::{analysis, plot};
 use radixkv_scheduler_api::config::{Eviction, policy_names};
-use radixkv_scheduler_api::sim::{self, CompareOutcome, Progress, Report, SimConfig};
-use radixkv_scheduler_api::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_scheduler_api::{
-    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy, analysis,
-    plot,
+    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
 
 #[derive(Parser, Debug)]

@@ -11,7 +11,7 @@
 //! case exceeds [`SyntheticChat::MAX_TRACE_BYTES`] instead of exhausting memory.
 
 use super::{Rng, Segment, TAG_OUTPUT, TAG_SYNTH, Trace, TraceRequest};
-use crate::error::{ManagerError, Result};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// Parameters of the synthetic chat workload.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]

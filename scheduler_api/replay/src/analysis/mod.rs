@@ -49,8 +49,8 @@
 //!   policy gains only as much as it can predict which blocks will be reused.
 //!
 //! ```
-//! use radixkv_scheduler_api::analysis::analyze;
-//! use radixkv_scheduler_api::trace::{Segment, Trace, TraceRequest};
+//! use radixkv_replay::analysis::analyze;
+//! use radixkv_replay::trace::{Segment, Trace, TraceRequest};
 //!
 //! // Two requests over 4-token blocks; the second extends the first's blocks 0, 1 with 2.
 //! let req = |at: u64, blocks: u64| TraceRequest {
@@ -77,9 +77,9 @@ mod report;
 use radixkv_radix::PolicyKind;
 use serde::Serialize;
 
-use crate::error::{ManagerError, Result};
-use crate::metrics::ratio;
 use crate::trace::Trace;
+use radixkv_scheduler_api::error::{ManagerError, Result};
+use radixkv_scheduler_api::metrics::ratio;
 
 use blocks::Conversations;
 use evict::{Victims, simulate};

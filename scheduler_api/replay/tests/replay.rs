@@ -8,11 +8,9 @@ mod common;
 use std::path::Path;
 
 use radixkv_radix::PolicyKind;
+use radixkv_replay::sim::{CompareOutcome, Report, SimConfig, compare, compare_configs, replay};
+use radixkv_replay::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::config::Eviction;
-use radixkv_scheduler_api::sim::{
-    CompareOutcome, Report, SimConfig, compare, compare_configs, replay,
-};
-use radixkv_scheduler_api::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::{CacheKind, HostTier, SessionBudget, WritePolicy};
 
 fn read(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Trace {

@@ -21,7 +21,7 @@ use radixkv_radix::TokenId;
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
-use crate::error::{ManagerError, Result};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 pub use synthetic::SyntheticChat;
 

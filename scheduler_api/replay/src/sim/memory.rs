@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::error::{ManagerError, Result};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// Current and peak resident set of this process, in KiB.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

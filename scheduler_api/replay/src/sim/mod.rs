@@ -16,9 +16,11 @@ pub use scheduler::{Progress, SimConfig, replay};
 
 use radixkv_radix::PolicyKind;
 
-use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget, WritePolicy};
-use crate::error::{ManagerError, Result};
 use crate::trace::Trace;
+use radixkv_scheduler_api::config::{
+    CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget, WritePolicy,
+};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// The configurations `--compare` runs: no cache, the radix cache under every eviction
 /// policy, radix (base policy) + sessions, HiCache with a host tier 4× the device pool under

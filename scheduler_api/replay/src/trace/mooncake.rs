@@ -6,7 +6,7 @@ use std::io::BufRead;
 use serde::Deserialize;
 
 use super::{Ctx, ReadOptions, TAG_OUTPUT, Trace, TraceRequest, lines, segments_from_blocks};
-use crate::error::Result;
+use radixkv_scheduler_api::error::Result;
 
 const BLOCK: u32 = 512;
 

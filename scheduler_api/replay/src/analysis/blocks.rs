@@ -4,8 +4,8 @@
 
 use ahash::{HashMap, HashMapExt};
 
-use crate::error::{ManagerError, Result};
 use crate::trace::{TAG_OUTPUT, Trace};
+use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// "No node" / "no request": the root's parent, a block never accessed again.
 pub(super) const NONE: u32 = u32::MAX;

@@ -5,7 +5,7 @@ use std::fmt;
 use serde::Serialize;
 
 use super::memory::MemoryUse;
-use crate::metrics::{Counters, ratio};
+use radixkv_scheduler_api::metrics::{Counters, ratio};
 
 /// Token hit ratios per tier.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -74,7 +74,7 @@ pub struct Report {
     /// Retractions (decode out of memory).
     pub retractions: u64,
     /// Requests dropped unserved because the manager said they can never be admitted
-    /// ([`Admission::Never`](crate::Admission::Never)): a retracted request whose decoded
+    /// ([`Admission::Never`](radixkv_scheduler_api::Admission::Never)): a retracted request whose decoded
     /// tokens plus its remaining output reservation outgrew the pool.
     pub never_fit: u64,
     /// Modeled bytes of one KV page (all layers, the model's geometry; the simulated backend

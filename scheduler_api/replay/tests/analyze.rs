@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use radixkv_scheduler_api::analysis::{Analysis, PrefixAnalysis, analyze};
-use radixkv_scheduler_api::trace::{ReadOptions, TraceFormat, read_trace};
+use radixkv_replay::analysis::{Analysis, PrefixAnalysis, analyze};
+use radixkv_replay::trace::{ReadOptions, TraceFormat, read_trace};
 
 fn radixkv(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_radixkv"))

@@ -15,10 +15,10 @@ use super::cost::CostModel;
 use super::ideal::IdealCache;
 use super::memory::MemoryUse;
 use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
-use crate::config::{CacheKind, ManagerConfig};
-use crate::error::{ManagerError, Result};
-use crate::manager::{Admission, KvCacheManager, ReqId, Request};
 use crate::trace::Trace;
+use radixkv_scheduler_api::config::{CacheKind, ManagerConfig};
+use radixkv_scheduler_api::error::{ManagerError, Result};
+use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request};
 
 /// Scheduler and simulation parameters.
 #[derive(Clone, Debug, PartialEq, Serialize)]
