@@ -88,7 +88,12 @@ fn check(cfg: &ManagerConfig) {
             assert_eq!((a.protected, a.request_owned), (0, 0), "leak: {a:?}");
             assert_eq!(kv.reserved_tokens(), 0);
         }
-        Err(ManagerError::NotWired { .. } | ManagerError::Config(_) | ManagerError::Tier(_)) => {}
+        Err(
+            ManagerError::NotWired { .. }
+            | ManagerError::NotImplemented { .. }
+            | ManagerError::Config(_)
+            | ManagerError::Tier(_),
+        ) => {}
         Err(e) => panic!("a valid config was refused with an untyped reason: {e}"),
     }
 }

@@ -13,7 +13,9 @@
 //! - **Backends.** [`DeviceBackend`] has CUDA semantics: `enqueue_copy` returns at once, an
 //!   event recorded after it completes when the copy is done. [`HostSim`] implements it with
 //!   ordinary memory and one worker thread per stream; it can delay or gate copies so tests
-//!   observe overlap. A CUDA backend comes later behind the `cuda` feature.
+//!   observe overlap. There is no CUDA backend yet: an engine implements [`DeviceBackend`]
+//!   for its own device and hands it to [`HiRadixCache::new`] (or to the manager's builder in
+//!   `radixkv-scheduler-api`).
 //! - **Controller.** `write`/`load` allocate the target pages (and extra-pool slots, all or
 //!   nothing) and queue a [`CacheOperation`]; `start_writing`/`start_loading` merge the queue
 //!   into one transfer whose adjacent pages coalesce into runs. Extra pools (Mamba state, SWA

@@ -1,17 +1,49 @@
 //! [`ManagerBuilder`]: builds a [`KvCacheManager`] from code instead of a config file.
 
+use std::sync::Arc;
+
+use radixkv_hicache::DeviceBackend;
+
 use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, ModelGeometry, SessionBudget};
 use crate::error::Result;
+use crate::factory::GivenBackend;
 use crate::manager::KvCacheManager;
 
-/// Builder of a [`KvCacheManager`].
+/// Builder of a [`KvCacheManager`]: a [`ManagerConfig`] set field by field, and optionally the
+/// engine's own device backend for the host tier ([`ManagerBuilder::device_backend`]).
+///
+/// ```
+/// use std::sync::Arc;
+/// use radixkv_hicache::{HostSim, HostSimConfig, KvGeometry};
+/// use radixkv_scheduler_api::{HostTier, KvCacheManager, ModelGeometry};
+///
+/// let model = ModelGeometry {
+///     layers: 4,
+///     kv_bytes_per_token_per_layer: 64,
+///     page_size: 16,
+///     ..Default::default()
+/// };
+/// // The engine's backend: here a HostSim, in a real engine its GPU backend. Its pools hold
+/// // the model's KV in the configured device pool (1024 tokens = 64 pages of 16).
+/// let geometry = KvGeometry::new(4, 16, 64)?;
+/// let backend = Arc::new(HostSim::new(geometry, 64, HostSimConfig::default())?);
+/// let kv = KvCacheManager::builder()
+///     .model(model)
+///     .device_tokens(1024)
+///     .host_tier(HostTier::ratio(1024, 4.0))
+///     .device_backend(backend.clone()) // the engine keeps its handle for its forward pass
+///     .build()?;
+/// assert_eq!(kv.accounting().total, 1024);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct ManagerBuilder {
     cfg: ManagerConfig,
+    backend: Option<GivenBackend>,
 }
 
 impl ManagerBuilder {
-    /// Starts from a whole configuration.
+    /// Starts from a whole configuration (a device backend given before is kept).
     pub fn config(mut self, cfg: ManagerConfig) -> Self {
         self.cfg = cfg;
         self
@@ -77,11 +109,29 @@ impl ManagerBuilder {
         self
     }
 
+    /// The engine's own device backend for the host tier, instead of the built-in one the
+    /// configuration names ([`ManagerConfig::backend`]; HostSim by default). Any
+    /// [`DeviceBackend`] will do — HostSim, an engine's GPU backend, a wrapper around either.
+    /// It is shared (`Arc`) because the engine keeps using it: its forward pass reads and
+    /// writes the pages the manager hands out.
+    ///
+    /// Checked by [`ManagerBuilder::build`]: the configuration must have a host tier (a
+    /// device-only cache never copies KV), and the backend's pools must hold the model's KV in
+    /// the configured device pool — the same layers, KV bytes per token per layer and page
+    /// size as [`ManagerConfig::model`], and [`ManagerConfig::device_pages`] pages. The
+    /// simulated geometry ([`ManagerConfig::sim_geometry`]) is not used.
+    pub fn device_backend<B: DeviceBackend>(mut self, backend: Arc<B>) -> Self {
+        self.backend = Some(GivenBackend::new(backend));
+        self
+    }
+
     /// Builds the manager.
     ///
     /// # Errors
-    /// [`ManagerError::Config`](crate::ManagerError::Config) or [`ManagerError::NotWired`](crate::ManagerError::NotWired).
+    /// As [`KvCacheManager::new`]; with a device backend, also
+    /// [`ManagerError::Backend`](crate::ManagerError::Backend) when the configuration has no
+    /// host tier or the backend's geometry or device pool differs from the configuration's.
     pub fn build(self) -> Result<KvCacheManager> {
-        KvCacheManager::new(self.cfg)
+        KvCacheManager::build(self.cfg, self.backend.as_ref())
     }
 }

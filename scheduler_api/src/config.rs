@@ -2,9 +2,9 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (the CUDA backend, hybrid pools): the factory, not the
-//! config, decides what can be built, and says which crate is missing. The storage tier (L3)
-//! does not exist yet in any crate: a config that names one is refused by
+//! [`crate::factory::build_cache`] yet (hybrid pools) or not built at all (the CUDA backend):
+//! the factory, not the config, decides what can be built, and says what is missing. The
+//! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
 //!
 //! Two geometries: [`ModelGeometry`] is the real model's (the *modeled* bytes every report
@@ -264,14 +264,20 @@ impl Default for SimGeometry {
     }
 }
 
-/// Where the KV pools live.
+/// Which built-in device backend the factory builds for a host tier (`backend = { type =
+/// "host_sim" }` in TOML). Not to be confused with the trait
+/// [`radixkv_hicache::DeviceBackend`] that every backend implements: an engine with a backend
+/// of its own hands it to [`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend),
+/// and that backend takes the place of the one named here.
 #[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum DeviceBackend {
-    /// Plain host memory with GPU-like stream semantics (tests, simulation).
+pub enum BackendKind {
+    /// HostSim: plain host memory with GPU-like stream semantics (tests, simulation), sized by
+    /// [`ManagerConfig::sim_geometry`].
     #[default]
     HostSim,
-    /// A CUDA device.
+    /// A CUDA device. **Not built**: radixkv has no CUDA backend yet, and building a manager
+    /// from this is [`ManagerError::NotImplemented`] unless the builder is handed a backend.
     Cuda {
         /// Device ordinal.
         device: u32,
@@ -319,10 +325,11 @@ pub struct ManagerConfig {
     pub eviction: Eviction,
     /// Sessions on (with their budget) or off.
     pub sessions: Option<SessionBudget>,
-    /// Device backend.
-    pub backend: DeviceBackend,
+    /// The built-in device backend of the host tier (see [`BackendKind`]).
+    pub backend: BackendKind,
     /// What the HostSim backend really allocates per token (see [`SimGeometry`]); reported
-    /// bytes are always modeled bytes from [`ModelGeometry`].
+    /// bytes are always modeled bytes from [`ModelGeometry`]. Unused with a backend handed to
+    /// the builder, whose geometry must be the model's.
     pub sim_geometry: SimGeometry,
     /// Record KV events for a router.
     pub events: bool,
@@ -345,7 +352,7 @@ impl Default for ManagerConfig {
             cache: CacheKind::Radix,
             eviction: Eviction::default(),
             sessions: None,
-            backend: DeviceBackend::HostSim,
+            backend: BackendKind::HostSim,
             sim_geometry: SimGeometry::default(),
             events: false,
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,

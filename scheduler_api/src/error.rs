@@ -23,6 +23,16 @@ pub enum ManagerError {
         /// The feature.
         what: &'static str,
     },
+    /// A device backend handed to the builder
+    /// ([`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend)) that does
+    /// not fit the configuration.
+    #[error("device backend `{backend}` does not fit this configuration: {mismatch}")]
+    Backend {
+        /// The backend's [`name`](radixkv_hicache::DeviceBackend::name).
+        backend: &'static str,
+        /// What does not fit.
+        mismatch: BackendMismatch,
+    },
     /// An error of the underlying cache.
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -88,3 +98,49 @@ pub enum ManagerError {
 
 /// Shorthand result type.
 pub type Result<T, E = ManagerError> = std::result::Result<T, E>;
+
+/// Why a device backend handed to the builder does not fit the configuration
+/// ([`ManagerError::Backend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendMismatch {
+    /// The cache has no host tier: a device-only cache never copies KV, so it would never use
+    /// the backend.
+    #[error(
+        "the cache has no host tier, so it would never use a backend (configure a host tier or \
+         give no backend)"
+    )]
+    NoHostTier,
+    /// The backend's pools have another number of layers than the model.
+    #[error("the backend has {backend} layers, the model {model}")]
+    Layers {
+        /// Layers of the backend's pools.
+        backend: usize,
+        /// `ModelGeometry::layers`.
+        model: u32,
+    },
+    /// The backend stores another number of KV bytes per token per layer than the model.
+    #[error("the backend holds {backend} KV bytes per token per layer, the model {model}")]
+    BytesPerTokenPerLayer {
+        /// The backend's bytes per token per layer.
+        backend: usize,
+        /// `ModelGeometry::kv_bytes_per_token_per_layer`.
+        model: u64,
+    },
+    /// The backend's pages hold another number of tokens than the model's.
+    #[error("the backend has pages of {backend} tokens, the model {model}")]
+    PageSize {
+        /// Tokens per page of the backend's pool.
+        backend: usize,
+        /// `ModelGeometry::page_size`.
+        model: usize,
+    },
+    /// The backend's device pool has another number of pages than the configured one.
+    #[error("the backend's device pool has {backend} pages, the configuration {config}")]
+    DevicePages {
+        /// Pages of the backend's device pool.
+        backend: usize,
+        /// `ManagerConfig::device_pages()`.
+        config: usize,
+    },
+}

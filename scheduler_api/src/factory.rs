@@ -6,23 +6,36 @@
 //! that is right for a device-only cache without sessions) and construct it in
 //! [`build_cache`]. Built here today:
 //!
-//! | config                          | cache                                              |
-//! |---------------------------------|----------------------------------------------------|
-//! | `disabled`, `radix`             | `RadixCache`                                       |
-//! | `radix` + sessions              | `SessionAwareCache<RadixCache, SimClock>`          |
-//! | `hi_cache`                      | [`Tiered`]: `HiRadixCache<HostSim>`                |
-//! | `hi_cache` + sessions           | `SessionAwareCache<Tiered, SimClock>`              |
+//! | config                              | cache                                          |
+//! |-------------------------------------|------------------------------------------------|
+//! | `disabled`, `radix`                 | `RadixCache`                                   |
+//! | `radix` + sessions                  | `SessionAwareCache<RadixCache, SimClock>`      |
+//! | `hi_cache`                          | [`Tiered`]: `HiRadixCache<HostSim>`            |
+//! | `hi_cache` + the engine's backend B | `Tiered<B>`: `HiRadixCache<B>`                 |
+//! | `hi_cache` + sessions               | `SessionAwareCache<Tiered<_>, SimClock>`       |
 //!
-//! The CUDA backend and the hybrid (Mamba / SWA) pools are still [`ManagerError::NotWired`];
-//! the storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
+//! **Device backends.** A host tier needs a [`DeviceBackend`] to copy KV between the device
+//! pool and the host pool. [`build_cache`] builds the one the config names
+//! ([`BackendKind`]): HostSim over the small simulated geometry
+//! ([`SimGeometry`](crate::config::SimGeometry)). An engine hands its own backend to
+//! [`build_cache_with_backend`] (or [`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend));
+//! it takes the place of the one the config names, and its geometry must be the model's (see
+//! [`Tiered::with_backend`]). A backend with a device-only cache is refused
+//! ([`BackendMismatch::NoHostTier`]): nothing would ever use it.
+//!
+//! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
+//! [`ManagerError::NotImplemented`]. The hybrid (Mamba / SWA) pools are still
+//! [`ManagerError::NotWired`]; the storage tier (L3) exists in no crate yet and is
+//! [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
 
+use radixkv_hicache::{DeviceBackend, HostSim};
 use radixkv_radix::{CacheError, PrefixCache, RadixCache, RadixConfig, RequestKv};
 use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
-use crate::config::{CacheKind, DeviceBackend, ManagerConfig};
-use crate::error::{ManagerError, Result};
+use crate::config::{BackendKind, CacheKind, ManagerConfig};
+use crate::error::{BackendMismatch, ManagerError, Result};
 use crate::sessions::SimClock;
 pub use crate::tiered::Tiered;
 
@@ -177,23 +190,99 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 }
 
 /// Builds the cache a configuration describes; sessions read their idle TTLs from `clock`
-/// (milliseconds).
+/// (milliseconds). A host tier runs over the built-in backend `cfg.backend` names.
 ///
 /// # Errors
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
-/// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier;
-/// [`ManagerError::NotWired`] for the CUDA backend and hybrid pools; [`ManagerError::Tier`]
-/// when the simulated backend or the host pool cannot be allocated.
+/// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
+/// and for the CUDA backend (not built yet: hand your own backend to
+/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for hybrid pools;
+/// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
     clock: SimClock,
 ) -> Result<Box<dyn ManagedCache>> {
+    build::<HostSim>(cfg, clock, None)
+}
+
+/// Builds the cache a configuration describes over the engine's own device `backend`, which
+/// takes the place of the built-in one `cfg.backend` names (so `cuda` is accepted here). The
+/// cache must have a host tier, and the backend's device pool must hold the model's KV in the
+/// configured pool: the layers, bytes per token per layer and page size of `cfg.model`, and
+/// `cfg.device_pages()` pages. The caller keeps its own `Arc` to read and write the pages its
+/// forward pass uses.
+///
+/// # Errors
+/// [`ManagerError::Backend`] for a cache without a host tier or a backend whose geometry or
+/// device pool differs; otherwise as [`build_cache_with_clock`] (the host pool is allocated in
+/// the backend's geometry).
+pub fn build_cache_with_backend<B: DeviceBackend>(
+    cfg: &ManagerConfig,
+    clock: SimClock,
+    backend: Arc<B>,
+) -> Result<Box<dyn ManagedCache>> {
+    build(cfg, clock, Some(backend))
+}
+
+/// A device backend handed to [`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend),
+/// its type erased so that the builder stays one type.
+#[derive(Clone)]
+pub(crate) struct GivenBackend {
+    name: &'static str,
+    build: Arc<BuildOver>,
+}
+
+/// [`build_cache_with_backend`] over one backend.
+type BuildOver = dyn Fn(&ManagerConfig, SimClock) -> Result<Box<dyn ManagedCache>> + Send + Sync;
+
+impl GivenBackend {
+    pub(crate) fn new<B: DeviceBackend>(backend: Arc<B>) -> Self {
+        GivenBackend {
+            name: backend.name(),
+            build: Arc::new(move |cfg, clock| {
+                build_cache_with_backend(cfg, clock, backend.clone())
+            }),
+        }
+    }
+
+    /// [`build_cache_with_backend`] over this backend.
+    pub(crate) fn build_cache(
+        &self,
+        cfg: &ManagerConfig,
+        clock: SimClock,
+    ) -> Result<Box<dyn ManagedCache>> {
+        (self.build)(cfg, clock)
+    }
+}
+
+impl std::fmt::Debug for GivenBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("GivenBackend").field(&self.name).finish()
+    }
+}
+
+/// Builds the cache of `cfg`, its host tier over `backend` when one is given, else over the
+/// built-in backend the config names.
+fn build<B: DeviceBackend>(
+    cfg: &ManagerConfig,
+    clock: SimClock,
+    backend: Option<Arc<B>>,
+) -> Result<Box<dyn ManagedCache>> {
     cfg.validate()?;
-    if let DeviceBackend::Cuda { .. } = cfg.backend {
-        return Err(ManagerError::NotWired {
-            kind: "cuda backend",
-            needs: "radixkv-hicache (feature `cuda`)",
-        });
+    match (&backend, &cfg.cache) {
+        (Some(b), CacheKind::Disabled | CacheKind::Radix) => {
+            return Err(ManagerError::Backend {
+                backend: b.name(),
+                mismatch: BackendMismatch::NoHostTier,
+            });
+        }
+        (None, _) if matches!(cfg.backend, BackendKind::Cuda { .. }) => {
+            return Err(ManagerError::NotImplemented {
+                what: "a built-in cuda backend (hand your own `DeviceBackend` to \
+                       `ManagerBuilder::device_backend` instead)",
+            });
+        }
+        _ => {}
     }
     if cfg.model.mamba.is_some() || cfg.model.swa.is_some() {
         return Err(ManagerError::NotWired {
@@ -215,25 +304,34 @@ pub fn build_cache_with_clock(
         max_session_tokens: b.per_session_cap_tokens,
         idle_ttl: Some(b.idle_ttl_ms),
     });
-    // The radix pools' only failure is an impossible size: say so as a config error.
-    let device = |radix| {
-        RadixCache::new(radix).map_err(|e| match e {
-            CacheError::Config(m) => ManagerError::Config(m),
-            e => e.into(),
-        })
-    };
-    Ok(match (&cfg.cache, sessions) {
-        (CacheKind::Disabled | CacheKind::Radix, None) => Box::new(device(radix)?),
-        (CacheKind::Disabled | CacheKind::Radix, Some(s)) => {
-            Box::new(SessionAwareCache::with_clock(device(radix)?, s, clock))
+    Ok(match (&cfg.cache, backend) {
+        // The radix pools' only failure is an impossible size: say so as a config error.
+        (CacheKind::Disabled | CacheKind::Radix, _) => {
+            let device = RadixCache::new(radix).map_err(|e| match e {
+                CacheError::Config(m) => ManagerError::Config(m),
+                e => e.into(),
+            })?;
+            with_sessions(device, sessions, clock)
         }
-        (CacheKind::HiCache(h), None) => Box::new(Tiered::new(cfg, h, radix)?),
-        (CacheKind::HiCache(h), Some(s)) => Box::new(SessionAwareCache::with_clock(
-            Tiered::new(cfg, h, radix)?,
-            s,
-            clock,
-        )),
+        (CacheKind::HiCache(h), None) => {
+            with_sessions(Tiered::new(cfg, h, radix)?, sessions, clock)
+        }
+        (CacheKind::HiCache(h), Some(b)) => {
+            with_sessions(Tiered::with_backend(cfg, h, radix, b)?, sessions, clock)
+        }
     })
+}
+
+/// `cache`, wrapped in a session layer reading `clock` when `sessions` is on.
+fn with_sessions<C: ManagedCache + 'static>(
+    cache: C,
+    sessions: Option<SessionConfig>,
+    clock: SimClock,
+) -> Box<dyn ManagedCache> {
+    match sessions {
+        None => Box::new(cache),
+        Some(s) => Box::new(SessionAwareCache::with_clock(cache, s, clock)),
+    }
 }
 
 #[cfg(test)]
@@ -299,13 +397,16 @@ mod tests {
     }
 
     #[test]
-    fn cuda_and_hybrid_pools_name_their_crate() {
+    fn cuda_is_not_built_and_hybrid_pools_name_their_crate() {
         let cuda = ManagerConfig {
-            backend: DeviceBackend::Cuda { device: 0 },
+            backend: BackendKind::Cuda { device: 0 },
             ..base()
         };
-        let e = build_cache(&cuda).err().unwrap().to_string();
+        let e = build_cache(&cuda).err().unwrap();
+        assert!(matches!(e, ManagerError::NotImplemented { .. }), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
+        assert!(e.contains("device_backend"), "points at the builder: {e}");
         let mut hybrid = base();
         hybrid.model.mamba = Some(MambaPool {
             slots: 4,

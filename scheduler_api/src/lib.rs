@@ -12,11 +12,20 @@
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
-//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. The CUDA backend and hybrid pools
-//!   fail with [`ManagerError::NotWired`], naming the crate.
-//! - **Modeled vs simulated bytes**: HostSim really copies bytes, so its pools use a tiny
-//!   [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost model's
-//!   transfer time) is *modeled*: pages × the model's page bytes.
+//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. Hybrid pools fail with
+//!   [`ManagerError::NotWired`], naming the crate.
+//! - **Bring your own device**: the host tier copies KV through a
+//!   [`radixkv_hicache::DeviceBackend`]. By default it is HostSim; an engine hands the manager
+//!   its own (its GPU backend, or any wrapper) with [`ManagerBuilder::device_backend`], and
+//!   the tier ([`factory::Tiered`]) runs over it. That backend's pools must hold the model's
+//!   KV in the configured device pool (layers, bytes per token per layer, page size, pages),
+//!   and the cache must have a host tier; otherwise [`ManagerError::Backend`] says what does
+//!   not fit. radixkv has no CUDA backend of its own yet: `backend = cuda` in a config without
+//!   a backend handed to the builder is [`ManagerError::NotImplemented`].
+//! - **Modeled vs simulated bytes**: the built-in HostSim really copies bytes, so its pools use
+//!   a tiny [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost
+//!   model's transfer time) is *modeled*: pages × the model's page bytes. Over an engine's own
+//!   backend the two agree.
 //! - **Sessions**: a request carrying a session id opens it (streaming) on arrival, or call
 //!   [`KvCacheManager::open_session`]; [`KvCacheManager::close_session`] releases it. Idle TTLs
 //!   run on the manager's clock, which the scheduler sets ([`KvCacheManager::set_time_ms`]).
@@ -70,7 +79,7 @@ mod tiered;
 
 pub use builder::ManagerBuilder;
 pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
-pub use error::{ManagerError, Result};
+pub use error::{BackendMismatch, ManagerError, Result};
 pub use manager::{
     Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,
     WaitReason,

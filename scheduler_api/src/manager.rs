@@ -30,7 +30,9 @@ use crate::CloseOutcome;
 use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
-use crate::factory::{LayerWait, ManagedCache, StepTransfers, build_cache_with_clock};
+use crate::factory::{
+    GivenBackend, LayerWait, ManagedCache, StepTransfers, build_cache_with_clock,
+};
 use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
 pub use crate::request::{
@@ -135,13 +137,23 @@ impl KvCacheManager {
         ManagerBuilder::default()
     }
 
-    /// A manager for `cfg`.
+    /// A manager for `cfg`, its host tier (if any) over the built-in backend `cfg.backend`
+    /// names; [`ManagerBuilder::device_backend`] gives it the engine's own.
     ///
     /// # Errors
-    /// [`ManagerError::Config`] or [`ManagerError::NotWired`].
+    /// As [`build_cache_with_clock`]: [`ManagerError::Config`], [`ManagerError::NotWired`],
+    /// [`ManagerError::NotImplemented`] or [`ManagerError::Tier`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        Self::build(cfg, None)
+    }
+
+    /// A manager for `cfg`, its host tier over `backend` when one is given.
+    pub(crate) fn build(cfg: ManagerConfig, backend: Option<&GivenBackend>) -> Result<Self> {
         let clock = SimClock::default();
-        let cache = build_cache_with_clock(&cfg, clock.clone())?;
+        let cache = match backend {
+            Some(b) => b.build_cache(&cfg, clock.clone())?,
+            None => build_cache_with_clock(&cfg, clock.clone())?,
+        };
         let page_granular = cache.page_granular();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {

@@ -1,16 +1,23 @@
-//! [`Tiered`]: the HiCache kind as the manager drives it — a `HiRadixCache` over the HostSim
-//! backend, plus the conversion of its traffic from simulated to *modeled* bytes.
+//! [`Tiered`]: the HiCache kind as the manager drives it — a `HiRadixCache` over a
+//! [`DeviceBackend`], plus the conversion of its traffic into *modeled* bytes.
 //!
-//! HostSim really allocates and copies its pools, so they use the tiny
-//! [`SimGeometry`](crate::config::SimGeometry); everything reported (step load bytes, transfer
-//! bytes) is pages × the model's page bytes. Pages, not bytes, are what the two geometries
-//! share.
+//! Two ways to get the backend:
+//! - [`Tiered::new`] builds the default, HostSim. HostSim really allocates and copies its
+//!   pools, so they use the tiny [`SimGeometry`](crate::config::SimGeometry), not the model's:
+//!   everything reported (step load bytes, transfer bytes) is pages × the model's page bytes,
+//!   and layer `i` of the modeled forward waits for simulated layer
+//!   `i × sim layers / model layers`. Pages, not bytes, are what the two geometries share.
+//! - [`Tiered::with_backend`] takes the engine's own backend. Its pools are the real ones, so
+//!   its geometry must *be* the model's (layers, bytes per token per layer, page size) and its
+//!   device pool the configured one; a backend that differs is refused with
+//!   [`ManagerError::Backend`](crate::ManagerError::Backend) before anything is built. Modeled
+//!   and real bytes then agree, and layer `i` waits for the backend's layer `i`.
 
 use std::sync::Arc;
 
 use radixkv_hicache::{
-    CopyEvent, HiCacheConfig, HiCacheStats, HiRadixCache, HostSim, HostSimConfig, HostSize,
-    KvGeometry, LayerDoneCounter, WritePolicy as HiWritePolicy,
+    CopyEvent, DeviceBackend, HiCacheConfig, HiCacheStats, HiRadixCache, HostSim, HostSimConfig,
+    HostSize, KvGeometry, LayerDoneCounter, WritePolicy as HiWritePolicy,
 };
 use radixkv_radix::{
     DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef, KvEvent,
@@ -19,34 +26,38 @@ use radixkv_radix::{
 };
 
 use crate::config::{HostTier, ManagerConfig, WritePolicy};
-use crate::error::Result;
+use crate::error::{BackendMismatch, ManagerError, Result};
 use crate::factory::{LayerWait, ManagedCache, StepLoads, StepTransfers};
 
-/// HiCache (device + host tiers) over the HostSim backend. See the module docs.
-pub struct Tiered {
-    cache: HiRadixCache<HostSim>,
+/// HiCache (device + host tiers) over the device backend `B` (HostSim unless the engine hands
+/// the manager its own). See the module docs.
+pub struct Tiered<B: DeviceBackend = HostSim> {
+    cache: HiRadixCache<B>,
     page_size: u64,
     modeled_page_bytes: u64,
     model_layers: u32,
-    sim_layers: u32,
+    /// Layers of the backend's pools (the simulated ones for HostSim, the model's otherwise).
+    backend_layers: u32,
     /// Tier counters already reported by a step.
     seen: HiCacheStats,
 }
 
-impl std::fmt::Debug for Tiered {
+impl<B: DeviceBackend> std::fmt::Debug for Tiered<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tiered")
+            .field("backend", &self.cache.backend().name())
             .field("cache", &self.cache)
             .field("modeled_page_bytes", &self.modeled_page_bytes)
             .finish()
     }
 }
 
-impl Tiered {
-    /// A HiCache for `cfg` with host tier `host` and device tier `radix`.
+impl Tiered<HostSim> {
+    /// A HiCache for `cfg` with host tier `host` and device tier `radix`, over a HostSim of
+    /// `cfg.sim_geometry`.
     ///
     /// # Errors
-    /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the simulated pools cannot be built.
+    /// [`ManagerError::Tier`] when the simulated pools cannot be built.
     pub fn new(cfg: &ManagerConfig, host: &HostTier, radix: RadixConfig) -> Result<Self> {
         let sim = &cfg.sim_geometry;
         let geometry = KvGeometry::new(
@@ -59,6 +70,36 @@ impl Tiered {
             radix.total_pages,
             HostSimConfig::default(),
         )?);
+        Self::over(cfg, host, radix, device, sim.layers)
+    }
+}
+
+impl<B: DeviceBackend> Tiered<B> {
+    /// A HiCache for `cfg` with host tier `host` and device tier `radix`, over the engine's
+    /// own `backend`, whose device pool must match the model and the configured pool.
+    ///
+    /// # Errors
+    /// [`ManagerError::Backend`] when the backend's geometry (layers, bytes per token per
+    /// layer, page size) differs from `cfg.model` or its device pool from `radix`'s;
+    /// [`ManagerError::Tier`] when the host pool cannot be built.
+    pub fn with_backend(
+        cfg: &ManagerConfig,
+        host: &HostTier,
+        radix: RadixConfig,
+        backend: Arc<B>,
+    ) -> Result<Self> {
+        check_geometry(cfg, &radix, backend.as_ref())?;
+        Self::over(cfg, host, radix, backend, cfg.model.layers)
+    }
+
+    /// The cache over `device`, whose pools have `backend_layers` layers.
+    fn over(
+        cfg: &ManagerConfig,
+        host: &HostTier,
+        radix: RadixConfig,
+        device: Arc<B>,
+        backend_layers: u32,
+    ) -> Result<Self> {
         let write_policy = match host.write_policy {
             WritePolicy::WriteThrough => HiWritePolicy::WriteThrough,
             WritePolicy::WriteThroughSelective { hits } => {
@@ -80,13 +121,13 @@ impl Tiered {
             page_size: page_size as u64,
             modeled_page_bytes: cfg.model.page_bytes(),
             model_layers: cfg.model.layers,
-            sim_layers: sim.layers,
+            backend_layers,
             seen: HiCacheStats::default(),
         })
     }
 
-    /// The wrapped tiered cache (read-only).
-    pub fn hicache(&self) -> &HiRadixCache<HostSim> {
+    /// The wrapped tiered cache (read-only); its [`HiRadixCache::backend`] is the backend.
+    pub fn hicache(&self) -> &HiRadixCache<B> {
         &self.cache
     }
 
@@ -106,12 +147,50 @@ impl Tiered {
     }
 }
 
-/// The per-layer wait of one started load, mapping modeled layers onto simulated ones.
+/// Checks that an engine's backend holds the model's KV in the configured device pool: the
+/// same layers, bytes per token per layer and page size as `cfg.model`, and `radix`'s pages.
+fn check_geometry<B: DeviceBackend>(
+    cfg: &ManagerConfig,
+    radix: &RadixConfig,
+    backend: &B,
+) -> Result<()> {
+    let g = backend.geometry();
+    let m = &cfg.model;
+    let mismatch = if u64::try_from(g.layers) != Ok(u64::from(m.layers)) {
+        BackendMismatch::Layers {
+            backend: g.layers,
+            model: m.layers,
+        }
+    } else if u64::try_from(g.bytes_per_token_layer) != Ok(m.kv_bytes_per_token_per_layer) {
+        BackendMismatch::BytesPerTokenPerLayer {
+            backend: g.bytes_per_token_layer,
+            model: m.kv_bytes_per_token_per_layer,
+        }
+    } else if g.page_size != radix.page_size {
+        BackendMismatch::PageSize {
+            backend: g.page_size,
+            model: radix.page_size,
+        }
+    } else if backend.device_pages() != radix.total_pages {
+        BackendMismatch::DevicePages {
+            backend: backend.device_pages(),
+            config: radix.total_pages,
+        }
+    } else {
+        return Ok(());
+    };
+    Err(ManagerError::Backend {
+        backend: backend.name(),
+        mismatch,
+    })
+}
+
+/// The per-layer wait of one started load, mapping modeled layers onto the backend's.
 struct ProducerWait<E: CopyEvent> {
     counter: Arc<LayerDoneCounter<E>>,
     producer: usize,
     model_layers: u32,
-    sim_layers: u32,
+    backend_layers: u32,
 }
 
 impl<E: CopyEvent> std::fmt::Debug for ProducerWait<E> {
@@ -123,9 +202,9 @@ impl<E: CopyEvent> std::fmt::Debug for ProducerWait<E> {
 }
 
 impl<E: CopyEvent> ProducerWait<E> {
-    fn sim_layer(&self, layer: u32) -> usize {
+    fn backend_layer(&self, layer: u32) -> usize {
         let l = u64::from(layer.min(self.model_layers.saturating_sub(1)));
-        (l * u64::from(self.sim_layers) / u64::from(self.model_layers.max(1))) as usize
+        (l * u64::from(self.backend_layers) / u64::from(self.model_layers.max(1))) as usize
     }
 }
 
@@ -133,16 +212,16 @@ impl<E: CopyEvent> LayerWait for ProducerWait<E> {
     fn wait_layer(&self, layer: u32) -> Result<()> {
         Ok(self
             .counter
-            .wait_layer(self.producer, self.sim_layer(layer))?)
+            .wait_layer(self.producer, self.backend_layer(layer))?)
     }
 
     fn is_layer_done(&self, layer: u32) -> bool {
         self.counter
-            .is_layer_done(self.producer, self.sim_layer(layer))
+            .is_layer_done(self.producer, self.backend_layer(layer))
     }
 }
 
-impl ManagedCache for Tiered {
+impl<B: DeviceBackend> ManagedCache for Tiered<B> {
     fn on_begin_step(&mut self) -> Result<StepLoads> {
         let Some(step) = self.cache.start_loading()? else {
             return Ok(StepLoads::default());
@@ -155,7 +234,7 @@ impl ManagedCache for Tiered {
                 counter: self.cache.layer_counter().clone(),
                 producer: step.producer,
                 model_layers: self.model_layers,
-                sim_layers: self.sim_layers,
+                backend_layers: self.backend_layers,
             })),
         })
     }
@@ -177,7 +256,7 @@ impl ManagedCache for Tiered {
 
 // Every method, defaulted ones included, goes to the tiered cache: it overrides some defaults
 // (eviction demotes to the host), so the trait's defaults must not run on the wrapper.
-impl PrefixCache for Tiered {
+impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn page_size(&self) -> usize {
         self.cache.page_size()
     }
