@@ -36,8 +36,10 @@
 //!   retracted session turn's session is demoted, so the memory is really freed.
 //! - **Budgets**: admission sees `free + evictable − reserved` tokens, where every admitted
 //!   request reserves its remaining prompt plus a clipped output budget until it allocates them.
-//! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), a `tracing`
-//!   span per step, KV events for routers. Events wait in a bounded buffer
+//! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), `tracing`
+//!   spans at `debug` level (a `kv_request` span per request from `arrive` to `finish` /
+//!   `abort`, carrying the engine's [`Request::engine_id`], and a `kv_step` span per step; see
+//!   the [`KvCacheManager`] docs), KV events for routers. Events wait in a bounded buffer
 //!   ([`ManagerConfig::event_capacity`]) until [`KvCacheManager::take_events`] drains them;
 //!   past it they are dropped and counted (`kv_events_dropped`), and a router that sees the
 //!   count move must resync its view of the cache.

@@ -16,6 +16,13 @@
 //! `decode`, `finish`). Each step is bracketed by [`KvCacheManager::begin_step`] (starts queued
 //! loads, opens a `tracing` span) and [`KvCacheManager::end_step`] (drains acks, KV events and
 //! transfer counts; in debug builds, audits every invariant).
+//!
+//! Tracing, all at `debug` level (`trace` for admission waits): a `kv_request` span per request
+//! from `arrive` to `finish` / `abort` (fields `id`, the handle; `engine_id`,
+//! [`Request::engine_id`]; `prompt_tokens`, `max_new_tokens`, `session`; `outcome` recorded at
+//! the end) with `admitted` and `retracted` events inside it, and a `kv_step` span per step from
+//! `begin_step` to `end_step` (fields `step`, `load_bytes`) ending with a `step ended` event.
+//! Nothing is recorded per decode token.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -59,6 +66,23 @@ struct Tracked {
     row_capacity: usize,
     /// The step whose forward computes the request's latest allocation.
     alloc_step: u64,
+    /// The engine's id for the request ([`Request::engine_id`]).
+    engine_id: Option<String>,
+    /// The request's `kv_request` span, from `arrive` to `finish` / `abort` (closed when the
+    /// entry is dropped). Disabled spans cost nothing but this field.
+    span: tracing::Span,
+}
+
+impl Tracked {
+    /// A lifecycle error about this request, naming it by the engine's id.
+    #[cold]
+    fn lifecycle(&self, id: ReqId, what: &'static str) -> ManagerError {
+        ManagerError::Lifecycle {
+            id: id.0,
+            engine_id: self.engine_id.clone(),
+            what,
+        }
+    }
 }
 
 /// The scheduler facade over one prefix cache. See the module docs for the lifecycle.
@@ -311,6 +335,7 @@ impl KvCacheManager {
         if req.tokens.is_empty() {
             return Err(ManagerError::Lifecycle {
                 id: self.requests.next_handle(),
+                engine_id: req.engine_id,
                 what: "empty prompt",
             });
         }
@@ -341,6 +366,17 @@ impl KvCacheManager {
                 streaming: true,
             });
         }
+        // Closed when the request leaves the table (finish, abort): its duration is the
+        // request's whole stay, waits and retractions included.
+        let span = tracing::debug_span!(
+            "kv_request",
+            id = %ReqId(self.requests.next_handle()),
+            engine_id = req.engine_id.as_deref(),
+            prompt_tokens = prompt_len,
+            max_new_tokens = req.max_new_tokens,
+            session = kv.session.map(|s| s.id),
+            outcome = tracing::field::Empty,
+        );
         let id = self.requests.insert(Tracked {
             kv,
             phase: Phase::Waiting,
@@ -350,6 +386,8 @@ impl KvCacheManager {
             admitted_before: false,
             row_capacity: 0,
             alloc_step: 0,
+            engine_id: req.engine_id,
+            span,
         });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
@@ -369,20 +407,19 @@ impl KvCacheManager {
             .get_mut(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
         if t.phase != Phase::Waiting {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "admit on a running request",
-            });
+            return Err(t.lifecycle(id, "admit on a running request"));
         }
         let len = t.kv.key.len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);
         let capacity = self.cache.pools().total_tokens();
         if let Some(never) = never_fits(len, output_left, page, capacity) {
+            tracing::debug!(parent: &t.span, ?never, "never admissible");
             return Ok(Admission::Never(never));
         }
         if rows_free == 0 {
             self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, "admission waits: no row");
             return Ok(Admission::Wait(WaitReason::NoRow));
         }
         // A turn its session cannot serve (another turn in flight, history not extended) runs
@@ -429,6 +466,7 @@ impl KvCacheManager {
         }
         if needed > available {
             self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
@@ -437,6 +475,7 @@ impl KvCacheManager {
             // in flight are acknowledged at the next step.
             Err(CacheError::Busy(_)) => {
                 self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: transfers busy");
                 return Ok(Admission::Wait(WaitReason::TransfersBusy));
             }
             Err(e) => return Err(e.into()),
@@ -471,6 +510,14 @@ impl KvCacheManager {
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
         }
+        tracing::debug!(
+            parent: &t.span,
+            step = self.step,
+            device_hit = device,
+            host_hit = host,
+            extend_tokens = extend,
+            "admitted"
+        );
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
             host_tokens: host,
@@ -489,10 +536,7 @@ impl KvCacheManager {
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
         if n > t.kv.key.len().saturating_sub(start) {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "extend past the prompt",
-            });
+            return Err(t.lifecycle(id, "extend past the prompt"));
         }
         alloc(
             self.cache.as_mut(),
@@ -532,10 +576,7 @@ impl KvCacheManager {
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
         if t.kv.allocated_len < t.kv.key.len() {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "decode before the prompt is allocated",
-            });
+            return Err(t.lifecycle(id, "decode before the prompt is allocated"));
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
@@ -571,10 +612,9 @@ impl KvCacheManager {
             .requests
             .get(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
-        let row = t.kv.row.ok_or(ManagerError::Lifecycle {
-            id: id.0,
-            what: "no row (not running)",
-        })?;
+        let Some(row) = t.kv.row else {
+            return Err(t.lifecycle(id, "no row (not running)"));
+        };
         Ok(self.cache.pools().rows.pages(row)?)
     }
 
@@ -596,13 +636,12 @@ impl KvCacheManager {
     pub fn finish(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
         if t.phase != Phase::Running {
+            let e = t.lifecycle(id, "finish on a waiting request");
             self.requests.restore(id.0, t);
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "finish on a waiting request",
-            });
+            return Err(e);
         }
         self.forget(&t);
+        t.span.record("outcome", "finished");
         if let Some(tag) = t.kv.session {
             self.use_seq += 1;
             self.session_use.insert(tag.id, self.use_seq);
@@ -622,6 +661,7 @@ impl KvCacheManager {
     pub fn abort(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
         self.forget(&t);
+        t.span.record("outcome", "aborted");
         self.metrics.counters.aborted += 1;
         Ok(self
             .cache
@@ -651,6 +691,7 @@ impl KvCacheManager {
         self.running -= 1;
         self.waiting += 1;
         self.metrics.counters.retracted += 1;
+        tracing::debug!(parent: &t.span, step = self.step, tokens = t.kv.key.len(), "retracted");
         // The forward that computes the latest allocation is over: the manager would learn it
         // at the request's next call, which is this one.
         let committed = if t.alloc_step <= ended {
@@ -830,8 +871,16 @@ impl KvCacheManager {
             Err(e) => return Err(step_error.unwrap_or(e)),
         };
         self.count_transfers(&transfers);
-        let h = &mut self.metrics.histograms;
         let load_pages = step.load_pages();
+        tracing::debug!(
+            load_pages,
+            bytes_loaded = transfers.bytes_loaded,
+            bytes_written = transfers.bytes_written,
+            running = self.running,
+            waiting = self.waiting,
+            "step ended"
+        );
+        let h = &mut self.metrics.histograms;
         if load_pages > 0 {
             h.step_load_pages.observe(load_pages);
             h.step_load_wait_ns.observe(step.waited_ns());
@@ -928,10 +977,7 @@ fn running_mut(reqs: &mut Table<Tracked>, id: ReqId) -> Result<&mut Tracked> {
         return Err(ManagerError::UnknownRequest(id.0));
     };
     if t.phase != Phase::Running {
-        return Err(ManagerError::Lifecycle {
-            id: id.0,
-            what: "not running (admit it first)",
-        });
+        return Err(t.lifecycle(id, "not running (admit it first)"));
     }
     Ok(t)
 }
