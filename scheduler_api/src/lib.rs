@@ -47,6 +47,23 @@
 //!   its limit of pending loads ([`HostTier::max_pending_ops`]) waits
 //!   ([`WaitReason::TransfersBusy`]).
 //!
+//! ## Threading model
+//! The manager is synchronous and single-owner: every call takes `&mut self` and returns when
+//! its bookkeeping is done; host-tier copies complete on the backend and are applied at step
+//! boundaries. [`KvCacheManager`] is `Send`
+//! (checked at compile time), not `Sync`: one scheduler thread owns it and makes every call,
+//! in step order. A [`StepHandle`] is `Send + Sync`, so the thread that runs the forward may
+//! wait on it while the scheduler forms the next batch.
+//!
+//! An async server keeps it that way: its tasks never share the manager (no
+//! `Arc<Mutex<KvCacheManager>>` locked from many tasks, no guard held across an `.await`).
+//! Request handlers send their requests over an `mpsc` channel to one dedicated scheduler
+//! task (or thread, e.g. `tokio::task::spawn_blocking` when the forward blocks) that owns the
+//! manager; each step it drains the channel, runs `arrive` / `admit` / `begin_step` /
+//! `extend` / `decode` / `end_step` / `finish`, and answers each request through the
+//! `oneshot` channel that came with it. `examples/tokio_server.rs` is such a loop (run it
+//! with `cargo run -p radixkv-scheduler-api --example tokio_server`).
+//!
 //! ## The reference scheduler and the `radixkv` binary
 //! [`sim`] holds a continuous-batching scheduler (FCFS admission, chunked prefill under a
 //! per-step token budget, a decode batch, retraction on decode OOM) that drives the manager

@@ -143,6 +143,15 @@ pub struct KvCacheManager {
     ended_step: u64,
 }
 
+// The threading model (crate docs): the manager moves to the one thread or task that owns it,
+// and a step's handle may be waited on from the thread that runs the forward.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn send_sync<T: Send + Sync>() {}
+    send::<KvCacheManager>();
+    send_sync::<StepHandle>();
+};
+
 impl std::fmt::Debug for KvCacheManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvCacheManager")
