@@ -495,6 +495,7 @@ impl KvCacheManager {
             let set = set.clone();
             self.start_loads(&set);
         }
+        let forward_step = self.forward_step();
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
@@ -521,7 +522,7 @@ impl KvCacheManager {
         }
         tracing::debug!(
             parent: &t.span,
-            step = self.step,
+            step = forward_step,
             device_hit = device,
             host_hit = host,
             extend_tokens = extend,
