@@ -83,8 +83,15 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
     }
 }
 
+/// Serializes the tests of this file. `tracing` caches per call site whether any subscriber
+/// wants it, when the site is first hit: a test hitting a site without a subscriber while
+/// another installs its own could leave that site off for the other. So every test here runs
+/// the manager under [`capture`], one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 /// Runs `f` with the capturing layer installed on this thread; returns the spans it saw.
 fn capture(f: impl FnOnce()) -> Vec<SpanRec> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let cap = Capture::default();
     let subscriber = tracing_subscriber::registry().with(cap.clone());
     tracing::subscriber::with_default(subscriber, f);
@@ -169,6 +176,10 @@ fn retract_and_abort_show_in_the_request_span() {
 
 #[test]
 fn errors_name_the_engine_id_not_the_packed_handle() {
+    capture(errors_name_the_engine_id);
+}
+
+fn errors_name_the_engine_id() {
     let mut kv = manager();
     // Slot 0 is used once, so the next request's handle packs generation 1 into its high bits.
     let first = kv.arrive(Request::new(vec![1, 2, 3])).unwrap();
