@@ -42,14 +42,18 @@ pub enum ManagerError {
     /// An error of the host tier (a failed or refused copy, a host-pool configuration).
     #[error("host tier: {0}")]
     Tier(#[from] radixkv_hicache::HiCacheError),
-    /// A handle that names no live request of this manager.
-    #[error("unknown request {0}")]
+    /// A handle that names no live request of this manager (the raw [`crate::ReqId::get`]).
+    /// Its request is gone, so only the handle can be named (`#slot.generation`).
+    #[error("unknown request {}", crate::ReqId(*.0))]
     UnknownRequest(u64),
-    /// A lifecycle call out of order (e.g. `extend` before `admit`).
-    #[error("request {id}: {what}")]
+    /// A lifecycle call out of order (e.g. `extend` before `admit`). The message names the
+    /// request by the engine's id when it gave one, else by its handle.
+    #[error("request {}: {what}", request_name(*.id, .engine_id.as_deref()))]
     Lifecycle {
-        /// The request.
+        /// The request's handle (the raw [`crate::ReqId::get`]).
         id: u64,
+        /// The engine's id for the request ([`crate::Request::engine_id`]), if it gave one.
+        engine_id: Option<String>,
         /// What was wrong.
         what: &'static str,
     },
@@ -94,6 +98,14 @@ pub enum ManagerError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// How an error names a request: the engine's id (quoted) when there is one, else the handle.
+fn request_name(id: u64, engine_id: Option<&str>) -> String {
+    match engine_id {
+        Some(e) => format!("{e:?} ({})", crate::ReqId(id)),
+        None => crate::ReqId(id).to_string(),
+    }
 }
 
 /// Shorthand result type.

@@ -45,14 +45,33 @@
 //!   retracted session turn's session is demoted, so the memory is really freed.
 //! - **Budgets**: admission sees `free + evictable − reserved` tokens, where every admitted
 //!   request reserves its remaining prompt plus a clipped output budget until it allocates them.
-//! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), a `tracing`
-//!   span per step, KV events for routers. Events wait in a bounded buffer
+//! - **Observability**: [`Metrics`] (counters and gauges, Prometheus text export), `tracing`
+//!   spans at `debug` level (a `kv_request` span per request from `arrive` to `finish` /
+//!   `abort`, carrying the engine's [`Request::engine_id`], and a `kv_step` span per step; see
+//!   the [`KvCacheManager`] docs), KV events for routers. Events wait in a bounded buffer
 //!   ([`ManagerConfig::event_capacity`]) until [`KvCacheManager::take_events`] drains them;
 //!   past it they are dropped and counted (`kv_events_dropped`), and a router that sees the
 //!   count move must resync its view of the cache.
 //! - **Back-pressure**: an admission that needs a host-tier load while the tier already holds
 //!   its limit of pending loads ([`HostTier::max_pending_ops`]) waits
 //!   ([`WaitReason::TransfersBusy`]).
+//!
+//! ## Threading model
+//! The manager is synchronous and single-owner: every call takes `&mut self` and returns when
+//! its bookkeeping is done; host-tier copies complete on the backend and are applied at step
+//! boundaries. [`KvCacheManager`] is `Send`
+//! (checked at compile time), not `Sync`: one scheduler thread owns it and makes every call,
+//! in step order. A [`StepHandle`] is `Send + Sync`, so the thread that runs the forward may
+//! wait on it while the scheduler forms the next batch.
+//!
+//! An async server keeps it that way: its tasks never share the manager (no
+//! `Arc<Mutex<KvCacheManager>>` locked from many tasks, no guard held across an `.await`).
+//! Request handlers send their requests over an `mpsc` channel to one dedicated scheduler
+//! task (or thread, e.g. `tokio::task::spawn_blocking` when the forward blocks) that owns the
+//! manager; each step it drains the channel, runs `arrive` / `admit` / `begin_step` /
+//! `extend` / `decode` / `end_step` / `finish`, and answers each request through the
+//! `oneshot` channel that came with it. `examples/tokio_server.rs` is such a loop (run it
+//! with `cargo run -p radixkv-scheduler-api --example tokio_server`).
 //!
 //! ## The replay tool
 //! The reference continuous-batching scheduler, the trace readers, the offline analysis, the
@@ -61,8 +80,9 @@
 //! dependencies.
 //!
 //! ## Errors
-//! Every bad input (impossible configuration, out-of-order lifecycle call, unknown request) and every exhausted resource returns a typed
-//! [`ManagerError`]; nothing reachable from the public API panics.
+//! Every bad input (impossible configuration, out-of-order lifecycle call, unknown request)
+//! and every exhausted resource returns a typed [`ManagerError`]; nothing reachable from the
+//! public API panics.
 
 #![warn(missing_docs)]
 

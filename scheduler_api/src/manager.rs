@@ -16,6 +16,13 @@
 //! `decode`, `finish`). Each step is bracketed by [`KvCacheManager::begin_step`] (starts queued
 //! loads, opens a `tracing` span) and [`KvCacheManager::end_step`] (drains acks, KV events and
 //! transfer counts; in debug builds, audits every invariant).
+//!
+//! Tracing, all at `debug` level (`trace` for admission waits): a `kv_request` span per request
+//! from `arrive` to `finish` / `abort` (fields `id`, the handle; `engine_id`,
+//! [`Request::engine_id`]; `prompt_tokens`, `max_new_tokens`, `session`; `outcome` recorded at
+//! the end) with `admitted` and `retracted` events inside it, and a `kv_step` span per step from
+//! `begin_step` to `end_step` (fields `step`, `load_bytes`) ending with a `step ended` event.
+//! Nothing is recorded per decode token.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -61,6 +68,23 @@ struct Tracked {
     row_capacity: usize,
     /// The step whose forward computes the request's latest allocation.
     alloc_step: u64,
+    /// The engine's id for the request ([`Request::engine_id`]).
+    engine_id: Option<String>,
+    /// The request's `kv_request` span, from `arrive` to `finish` / `abort` (closed when the
+    /// entry is dropped). Disabled spans cost nothing but this field.
+    span: tracing::Span,
+}
+
+impl Tracked {
+    /// A lifecycle error about this request, naming it by the engine's id.
+    #[cold]
+    fn lifecycle(&self, id: ReqId, what: &'static str) -> ManagerError {
+        ManagerError::Lifecycle {
+            id: id.0,
+            engine_id: self.engine_id.clone(),
+            what,
+        }
+    }
 }
 
 /// The scheduler facade over one prefix cache. See the module docs for the lifecycle.
@@ -120,6 +144,15 @@ pub struct KvCacheManager {
     /// The last step ended: its forward is over.
     ended_step: u64,
 }
+
+// The threading model (crate docs): the manager moves to the one thread or task that owns it,
+// and a step's handle may be waited on from the thread that runs the forward.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn send_sync<T: Send + Sync>() {}
+    send::<KvCacheManager>();
+    send_sync::<StepHandle>();
+};
 
 impl std::fmt::Debug for KvCacheManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -323,6 +356,7 @@ impl KvCacheManager {
         if req.tokens.is_empty() {
             return Err(ManagerError::Lifecycle {
                 id: self.requests.next_handle(),
+                engine_id: req.engine_id,
                 what: "empty prompt",
             });
         }
@@ -353,6 +387,17 @@ impl KvCacheManager {
                 streaming: true,
             });
         }
+        // Closed when the request leaves the table (finish, abort): its duration is the
+        // request's whole stay, waits and retractions included.
+        let span = tracing::debug_span!(
+            "kv_request",
+            id = %ReqId(self.requests.next_handle()),
+            engine_id = req.engine_id.as_deref(),
+            prompt_tokens = prompt_len,
+            max_new_tokens = req.max_new_tokens,
+            session = kv.session.map(|s| s.id),
+            outcome = tracing::field::Empty,
+        );
         let id = self.requests.insert(Tracked {
             kv,
             phase: Phase::Waiting,
@@ -362,6 +407,8 @@ impl KvCacheManager {
             admitted_before: false,
             row_capacity: 0,
             alloc_step: 0,
+            engine_id: req.engine_id,
+            span,
         });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
@@ -381,20 +428,19 @@ impl KvCacheManager {
             .get_mut(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
         if t.phase != Phase::Waiting {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "admit on a running request",
-            });
+            return Err(t.lifecycle(id, "admit on a running request"));
         }
         let len = t.kv.key.len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);
         let capacity = self.cache.pools().total_tokens();
         if let Some(never) = never_fits(len, output_left, page, capacity) {
+            tracing::debug!(parent: &t.span, ?never, "never admissible");
             return Ok(Admission::Never(never));
         }
         if rows_free == 0 {
             self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, "admission waits: no row");
             return Ok(Admission::Wait(WaitReason::NoRow));
         }
         // A turn its session cannot serve (another turn in flight, history not extended) runs
@@ -441,6 +487,7 @@ impl KvCacheManager {
         }
         if needed > available {
             self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
@@ -449,6 +496,7 @@ impl KvCacheManager {
             // in flight are acknowledged at the next step.
             Err(CacheError::Busy(_)) => {
                 self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: transfers busy");
                 return Ok(Admission::Wait(WaitReason::TransfersBusy));
             }
             Err(e) => return Err(e.into()),
@@ -459,6 +507,7 @@ impl KvCacheManager {
             let set = set.clone();
             self.start_loads(&set);
         }
+        let forward_step = self.forward_step();
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
@@ -483,6 +532,14 @@ impl KvCacheManager {
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
         }
+        tracing::debug!(
+            parent: &t.span,
+            step = forward_step,
+            device_hit = device,
+            host_hit = host,
+            extend_tokens = extend,
+            "admitted"
+        );
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
             host_tokens: host,
@@ -501,10 +558,7 @@ impl KvCacheManager {
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
         if n > t.kv.key.len().saturating_sub(start) {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "extend past the prompt",
-            });
+            return Err(t.lifecycle(id, "extend past the prompt"));
         }
         alloc(
             self.cache.as_mut(),
@@ -544,10 +598,7 @@ impl KvCacheManager {
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
         if t.kv.allocated_len < t.kv.key.len() {
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "decode before the prompt is allocated",
-            });
+            return Err(t.lifecycle(id, "decode before the prompt is allocated"));
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
@@ -583,10 +634,9 @@ impl KvCacheManager {
             .requests
             .get(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
-        let row = t.kv.row.ok_or(ManagerError::Lifecycle {
-            id: id.0,
-            what: "no row (not running)",
-        })?;
+        let Some(row) = t.kv.row else {
+            return Err(t.lifecycle(id, "no row (not running)"));
+        };
         Ok(self.cache.pools().rows.pages(row)?)
     }
 
@@ -608,13 +658,12 @@ impl KvCacheManager {
     pub fn finish(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
         if t.phase != Phase::Running {
+            let e = t.lifecycle(id, "finish on a waiting request");
             self.requests.restore(id.0, t);
-            return Err(ManagerError::Lifecycle {
-                id: id.0,
-                what: "finish on a waiting request",
-            });
+            return Err(e);
         }
         self.forget(&t);
+        t.span.record("outcome", "finished");
         if let Some(tag) = t.kv.session {
             self.use_seq += 1;
             self.session_use.insert(tag.id, self.use_seq);
@@ -634,6 +683,7 @@ impl KvCacheManager {
     pub fn abort(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
         self.forget(&t);
+        t.span.record("outcome", "aborted");
         self.metrics.counters.aborted += 1;
         Ok(self
             .cache
@@ -663,6 +713,7 @@ impl KvCacheManager {
         self.running -= 1;
         self.waiting += 1;
         self.metrics.counters.retracted += 1;
+        tracing::debug!(parent: &t.span, step = self.step, tokens = t.kv.key.len(), "retracted");
         // The forward that computes the latest allocation is over: the manager would learn it
         // at the request's next call, which is this one.
         let committed = if t.alloc_step <= ended {
@@ -842,8 +893,16 @@ impl KvCacheManager {
             Err(e) => return Err(step_error.unwrap_or(e)),
         };
         self.count_transfers(&transfers);
-        let h = &mut self.metrics.histograms;
         let load_pages = step.load_pages();
+        tracing::debug!(
+            load_pages,
+            bytes_loaded = transfers.bytes_loaded,
+            bytes_written = transfers.bytes_written,
+            running = self.running,
+            waiting = self.waiting,
+            "step ended"
+        );
+        let h = &mut self.metrics.histograms;
         if load_pages > 0 {
             h.step_load_pages.observe(load_pages);
             h.step_load_wait_ns.observe(step.waited_ns());
@@ -940,10 +999,7 @@ fn running_mut(reqs: &mut Table<Tracked>, id: ReqId) -> Result<&mut Tracked> {
         return Err(ManagerError::UnknownRequest(id.0));
     };
     if t.phase != Phase::Running {
-        return Err(ManagerError::Lifecycle {
-            id: id.0,
-            what: "not running (admit it first)",
-        });
+        return Err(t.lifecycle(id, "not running (admit it first)"));
     }
     Ok(t)
 }

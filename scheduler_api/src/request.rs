@@ -26,6 +26,11 @@ pub struct Request {
     pub max_new_tokens: usize,
     /// Optional cap on the reusable prefix (e.g. a logprob start position).
     pub max_prefix_len: Option<usize>,
+    /// The engine's own id for the request (its `rid`), if it has one: attached to the
+    /// request's `tracing` span and named by every [`ManagerError`](crate::ManagerError) about
+    /// the request, so logs and errors speak the engine's ids. The manager never interprets it
+    /// (it need not be unique); without one, messages name the manager's handle ([`ReqId`]).
+    pub engine_id: Option<String>,
 }
 
 impl Request {
@@ -54,16 +59,37 @@ impl Request {
         self.max_new_tokens = n;
         self
     }
+
+    /// Sets the engine's id for the request (see [`Request::engine_id`]).
+    pub fn engine_id(mut self, id: impl Into<String>) -> Self {
+        self.engine_id = Some(id.into());
+        self
+    }
 }
 
 /// Handle to a request inside one manager. Never reused.
+///
+/// It displays as `#slot` or, once its slot has been reused, `#slot.generation` (the raw
+/// [`ReqId::get`] packs both into one number). Give requests an
+/// [`engine_id`](Request::engine_id) to see the engine's own ids in spans and errors instead.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReqId(pub(crate) u64);
 
 impl ReqId {
-    /// The raw id (for logs).
+    /// The raw id: the slot in the low 32 bits, its generation in the high 32.
     pub fn get(self) -> u64 {
         self.0
+    }
+}
+
+impl std::fmt::Display for ReqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (slot, generation) = (self.0 & u64::from(u32::MAX), self.0 >> 32);
+        if generation == 0 {
+            write!(f, "#{slot}")
+        } else {
+            write!(f, "#{slot}.{generation}")
+        }
     }
 }
 

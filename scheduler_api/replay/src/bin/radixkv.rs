@@ -162,6 +162,12 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Opening and closing spans are logged too: `RUST_LOG=radixkv_scheduler_api=debug`
+        // shows each request's and each step's span with its fields and duration.
+        .with_span_events(
+            tracing_subscriber::fmt::format::FmtSpan::NEW
+                | tracing_subscriber::fmt::format::FmtSpan::CLOSE,
+        )
         .try_init();
     let cli = Cli::parse();
     match run(cli) {
