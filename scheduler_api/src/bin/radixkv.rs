@@ -719,7 +719,9 @@ fn write_out(dir: &Path, file: &ReportFile) -> Result<()> {
 /// A progress bar on stderr, hidden when stderr is not a terminal or `--quiet` is given.
 struct Bar {
     bar: ProgressBar,
-    started: Instant,
+    /// When the first request finished, and the count then: the pace is measured from there,
+    /// so the replay's set-up (the ideal's pass over the trace) does not inflate the ETA.
+    first: Option<(Instant, u64)>,
     /// The ETA last shown.
     eta: String,
 }
@@ -727,10 +729,14 @@ struct Bar {
 impl Progress for Bar {
     fn advance(&mut self, n: u64) {
         self.bar.inc(n);
+        let pos = self.bar.position();
+        let len = self.bar.length().unwrap_or(0);
+        let (t0, p0) = *self.first.get_or_insert((Instant::now(), pos));
         let eta = eta(
-            self.bar.position(),
-            self.bar.length().unwrap_or(0),
-            self.started.elapsed(),
+            pos.saturating_sub(p0),
+            len.saturating_sub(pos),
+            len,
+            t0.elapsed(),
         );
         if eta != self.eta {
             self.bar.set_message(eta.clone());
@@ -746,14 +752,15 @@ impl Drop for Bar {
     }
 }
 
-/// The time left at the average pace so far, once it says something: at least 1% done and a
-/// second spent (before that a rate is noise, and the first estimates would be wild).
-fn eta(pos: u64, len: u64, elapsed: Duration) -> String {
-    if pos == 0 || pos.saturating_mul(100) < len || elapsed < Duration::from_secs(1) {
+/// The time left for `left` of `len` requests at the pace of the last `done` in `elapsed`,
+/// once that pace says something: at least 1% of the requests and a second (before that the
+/// first estimates would be wild).
+fn eta(done: u64, left: u64, len: u64, elapsed: Duration) -> String {
+    if done == 0 || done.saturating_mul(100) < len || elapsed < Duration::from_secs(1) {
         return "ETA -".into();
     }
-    let left = elapsed.as_secs_f64() * len.saturating_sub(pos) as f64 / pos as f64;
-    format!("ETA {:#}", HumanDuration(Duration::from_secs_f64(left)))
+    let secs = elapsed.as_secs_f64() * left as f64 / done as f64;
+    format!("ETA {:#}", HumanDuration(Duration::from_secs_f64(secs)))
 }
 
 /// The bar's layout: the configuration's name cut to 30 columns, the bar filling what the
@@ -770,7 +777,7 @@ fn bar(len: u64, label: &str, quiet: bool) -> Bar {
 }
 
 fn bar_on(len: u64, label: &str, target: ProgressDrawTarget) -> Bar {
-    let eta = eta(0, len, Duration::ZERO);
+    let eta = eta(0, len, len, Duration::ZERO);
     let mut bar = ProgressBar::with_draw_target(Some(len), target)
         .with_prefix(label.to_string())
         .with_message(eta.clone());
@@ -779,7 +786,7 @@ fn bar_on(len: u64, label: &str, target: ProgressDrawTarget) -> Bar {
     }
     Bar {
         bar,
-        started: Instant::now(),
+        first: None,
         eta,
     }
 }
@@ -861,10 +868,12 @@ mod tests {
     #[test]
     fn the_eta_waits_for_a_percent_and_a_second_then_extrapolates() {
         let s = Duration::from_secs;
-        assert_eq!(eta(0, 100, s(10)), "ETA -");
-        assert_eq!(eta(5, 1000, s(10)), "ETA -");
-        assert_eq!(eta(50, 100, Duration::from_millis(200)), "ETA -");
-        assert_eq!(eta(50, 100, s(60)), "ETA 60s");
-        assert_eq!(eta(25, 100, s(60)), "ETA 3m");
+        assert_eq!(eta(0, 100, 100, s(10)), "ETA -");
+        assert_eq!(eta(5, 995, 1000, s(10)), "ETA -");
+        assert_eq!(eta(50, 50, 100, Duration::from_millis(200)), "ETA -");
+        assert_eq!(eta(50, 50, 100, s(60)), "ETA 60s");
+        assert_eq!(eta(25, 75, 100, s(60)), "ETA 3m");
+        // The pace since the first finish: 20 more done in 10 s, 40 left.
+        assert_eq!(eta(20, 40, 100, s(10)), "ETA 20s");
     }
 }
