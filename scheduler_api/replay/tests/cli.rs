@@ -62,9 +62,27 @@ fn demo_runs_and_writes_json_svg_and_png() {
     let out = stdout(&o);
     assert!(out.contains("token hit ratio"), "{out}");
     assert!(out.contains("achieved/ideal"), "{out}");
+    // Pool and page sizes in human units; no host tier printed where there is none.
+    assert!(
+        out.contains("device pool      64K tokens (4,096 pages, 8 GiB modeled)"),
+        "{out}"
+    );
+    assert!(out.contains("pages of 16 tokens = 2 MiB"), "{out}");
+    assert!(!out.contains("host"), "{out}");
+    assert!(!out.contains("transfers"), "{out}");
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
-    assert_eq!(json["config"], "radix-lru");
+    // One run has the same shape as a comparison: a versioned list of runs.
+    assert_eq!(json["schema_version"], 1);
+    assert_eq!(json["runs"].as_array().unwrap().len(), 1);
+    let run = &json["runs"][0];
+    assert_eq!(run["config"], "radix-lru");
+    // The effective configuration, defaults filled in.
+    let manager = &run["effective_config"]["manager"];
+    assert_eq!(manager["device_tokens"], 65536);
+    assert_eq!(manager["model"]["page_size"], 16);
+    assert_eq!(manager["eviction"], "lru");
+    assert_eq!(run["effective_config"]["max_running"], 256);
     for (f, labels) in [
         (
             "hit_ratio",
@@ -142,8 +160,48 @@ fn compare_prints_one_table_with_every_configuration() {
     ] {
         assert!(out.contains(label), "{label} missing in {out}");
     }
-    assert!(out.lines().next().unwrap().contains("/ideal"));
+    let header = out.lines().find(|l| l.starts_with("config")).unwrap();
+    assert!(header.contains("/ideal"), "{header}");
+    // Columns equal in every row are said once, below the table.
+    for gone in ["tok/s", "requests", " ideal "] {
+        assert!(!header.contains(gone), "{gone} in {header}");
+    }
     assert!(!out.contains("skipped"), "{out}");
+    // Rows without a host tier show no host figures.
+    let lru = out.lines().find(|l| l.starts_with("radix-lru ")).unwrap();
+    assert_eq!(lru.split_whitespace().nth(3), Some("-"), "{lru}");
+    // The footer's ideal is every row's ideal (sessions included): one computation.
+    let footer = out
+        .lines()
+        .find(|l| l.contains("ideal (infinite cache) token hit ratio"))
+        .unwrap();
+    let ideal: f64 = footer
+        .split("token hit ratio ")
+        .nth(1)
+        .and_then(|t| t.split(';').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no single ideal in {footer}"));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(json["schema_version"], 1);
+    let runs = json["runs"].as_array().unwrap();
+    for r in runs {
+        let label = r["config"].as_str().unwrap();
+        assert!(
+            out.lines().any(|l| l.starts_with(&format!("{label} "))),
+            "{label}"
+        );
+    }
+    assert!(runs.iter().any(|r| r["config"] == "radix-lru+sessions"));
+    for r in runs {
+        let row = r["ideal_hit_ratio"].as_f64().unwrap();
+        assert!(
+            (row - ideal).abs() < 5e-5,
+            "{}: {row} vs footer {ideal}",
+            r["config"]
+        );
+        assert_eq!(r["ideal_hit_tokens"], runs[0]["ideal_hit_tokens"]);
+    }
     // The hit-ratio chart has a row per configuration.
     let svg = std::fs::read_to_string(dir.join("hit_ratio.svg")).unwrap();
     assert_well_formed_svg(
@@ -162,9 +220,98 @@ fn replays_a_trace_slice_as_json() {
         &["--limit", "50", "--json", "--device-tokens", "131072"],
     ));
     assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(file["schema_version"], 1);
+    let v = &file["runs"][0];
     assert_eq!(v["requests"], 50);
     assert!(v["hit_ratio"]["overall"].as_f64().unwrap() <= v["ideal_hit_ratio"].as_f64().unwrap());
+}
+
+#[test]
+fn json_of_a_comparison_has_the_shape_of_one_run_and_nothing_else_on_stdout() {
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--device-tokens",
+        "32768",
+        "--compare",
+        "--json",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let file: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(file["schema_version"], 1);
+    let runs = file["runs"].as_array().unwrap();
+    assert!(runs.len() > 10, "{}", runs.len());
+    let host = runs
+        .iter()
+        .find(|r| r["config"] == "hicache-lru-wb+host128K")
+        .unwrap();
+    assert_eq!(
+        host["effective_config"]["manager"]["cache"]["host_tokens"],
+        131072
+    );
+}
+
+#[test]
+fn help_shows_defaults_and_valid_values_and_only_the_commands_own_flags() {
+    let help = |args: &[&str]| {
+        let o = radixkv(args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let replay = help(&["replay", "--help"]);
+    for needle in [
+        "[default: 1048576]",
+        "[default: 16]",
+        "[default: lru]",
+        "[default: 256]",
+        "[default: 8192]",
+        "[default: write_through]",
+        "[default: 2]",
+        "[default: 7]",
+        "[possible values: mooncake, weka, azure]",
+        "[possible values: disabled, radix, hicache]",
+        "lru, lfu, fifo",
+        "write_through_selective[:N]",
+        "--trace",
+        "--compare",
+    ] {
+        assert!(replay.contains(needle), "{needle} missing in {replay}");
+    }
+    assert!(!replay.contains("--conversations"), "{replay}");
+    assert!(!replay.contains("--capacity-tokens"), "{replay}");
+    let analyze = help(&["analyze", "--help"]);
+    assert!(analyze.contains("--capacity-tokens"), "{analyze}");
+    assert!(
+        analyze.contains("[possible values: mooncake, weka, azure]"),
+        "{analyze}"
+    );
+    for replay_only in [
+        "--device-tokens",
+        "--page-size",
+        "--policy",
+        "--cache",
+        "--host-tokens",
+        "--session-tokens",
+        "--compare",
+        "--out",
+        "--quiet",
+        "--max-rss-growth-mib",
+        "--conversations",
+    ] {
+        assert!(!analyze.contains(replay_only), "{replay_only} in {analyze}");
+    }
+    let demo = help(&["demo", "--help"]);
+    assert!(demo.contains("--conversations"), "{demo}");
+    assert!(demo.contains("[default: 600]"), "{demo}");
+    assert!(!demo.contains("--trace"), "{demo}");
+    // Flags before a command are not silently merged into it.
+    fails_with(
+        &radixkv(&["--device-tokens", "65536", "demo"]),
+        "cannot be used with",
+    );
 }
 
 #[test]
@@ -507,7 +654,8 @@ fn soak_flags_audit_check_leaks_and_read_memory() {
     );
     let o = radixkv(&[&base[..], &["--max-rss-growth-mib", "100000", "--json"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let v = &file["runs"][0];
     // One audit per step plus the final one.
     assert_eq!(
         v["invariant_checks"].as_u64().unwrap(),

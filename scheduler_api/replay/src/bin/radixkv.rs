@@ -5,18 +5,27 @@
 //! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file;
 //! `radixkv analyze --trace FILE --format ... [--capacity-tokens N ...] [--json]` analyses one
 //! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy).
+//! Each command takes only its own flags; `--help` on each lists them with their defaults and
+//! valid values.
 
+use std::ffi::OsStr;
+use std::fmt::Display;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
+use clap::builder::{PossibleValue, TypedValueParser};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use radixkv_radix::PolicyKind;
-use radixkv_replay::sim::{self, CompareOutcome, Progress, Report, SimConfig};
+use radixkv_replay::sim::{
+    self, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes, fmt_count,
+};
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, policy_names};
+use radixkv_scheduler_api::config::{Eviction, ModelGeometry, human_tokens};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -25,134 +34,271 @@ use radixkv_scheduler_api::{
 #[command(
     name = "radixkv",
     version,
-    about = "Replay LLM serving workloads through the radixkv KV cache manager"
+    about = "Replay LLM serving workloads through the radixkv KV cache manager",
+    after_help = "Without a command, runs `demo` with the options above.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
     #[command(flatten)]
-    run: RunArgs,
+    demo: DemoArgs,
 }
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run the built-in synthetic multi-turn chat workload (the default).
-    Demo {
-        /// Conversations to generate (at least 1; a workload that could take more than
-        /// 256 MiB is refused).
-        #[arg(long, default_value_t = SyntheticChat::default().conversations)]
-        conversations: u32,
-        #[command(flatten)]
-        run: RunArgs,
-    },
+    Demo(DemoArgs),
     /// Replay a trace file.
     Replay {
-        /// The trace file (`.gz` is decompressed).
-        #[arg(long)]
-        trace: PathBuf,
-        /// mooncake | weka (agentic multi-turn) | azure.
-        #[arg(long)]
-        format: String,
-        /// Read at most this many requests (conversations for weka).
-        #[arg(long)]
-        limit: Option<usize>,
-        /// Keep only the first this many requests (by arrival).
-        #[arg(long)]
-        max_requests: Option<usize>,
-        /// Mean gap between conversation starts for weka traces (seconds).
-        #[arg(long, default_value_t = 2.0)]
-        conversation_gap_s: f64,
+        #[command(flatten)]
+        input: TraceArgs,
         #[command(flatten)]
         run: RunArgs,
     },
     /// Analyse a trace offline for capacity planning: the infinite-cache ideal, block reuse,
     /// conversation structure, and LRU / Belady / oracle / shipped-policy hit ratios per
-    /// capacity. Print as JSON with --json.
+    /// capacity.
     Analyze {
-        /// The trace file (`.gz` is decompressed).
-        #[arg(long)]
-        trace: PathBuf,
-        /// mooncake | weka (agentic multi-turn) | azure.
-        #[arg(long)]
-        format: String,
-        /// Cache capacity to simulate, in tokens (repeatable; default 1048576 and 5242880).
-        #[arg(long = "capacity-tokens")]
+        #[command(flatten)]
+        input: TraceArgs,
+        #[arg(long = "capacity-tokens", value_name = "TOKENS", help = with_default(
+            "Cache capacity to simulate, in tokens (repeatable)",
+            analysis::DEFAULT_CAPACITIES.map(|c| c.to_string()).join(" ")))]
         capacity_tokens: Vec<u64>,
-        /// Read at most this many requests (conversations for weka).
+        /// Print the analysis as JSON on stdout.
         #[arg(long)]
-        limit: Option<usize>,
-        /// Keep only the first this many requests (by arrival).
-        #[arg(long)]
-        max_requests: Option<usize>,
-        /// Mean gap between conversation starts for weka traces (seconds).
-        #[arg(long, default_value_t = 2.0)]
-        conversation_gap_s: f64,
+        json: bool,
     },
 }
 
+/// The synthetic chat workload and the replay flags.
+#[derive(Args, Debug, Clone)]
+struct DemoArgs {
+    /// Conversations to generate (at least 1; a workload that could take more than 256 MiB is
+    /// refused).
+    #[arg(long, default_value_t = SyntheticChat::default().conversations)]
+    conversations: u32,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = SyntheticChat::default().seed)]
+    seed: u64,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// Where a trace file is and how much of it to read.
+#[derive(Args, Debug, Clone)]
+struct TraceArgs {
+    /// The trace file (`.gz` is decompressed).
+    #[arg(long)]
+    trace: PathBuf,
+    /// The trace's format (weka: agentic multi-turn, gzip'd JSONL).
+    #[arg(long, value_parser = Named {
+        shown: vec!["mooncake", "weka", "azure"],
+        parse: |s| TraceFormat::from_name(s).map_err(|e| e.to_string()),
+    })]
+    format: TraceFormat,
+    /// Read at most this many requests (conversations for weka) [default: all]
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Keep only the first this many requests (by arrival) [default: all]
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Mean gap between conversation starts for weka traces (seconds).
+    #[arg(long, default_value_t = ReadOptions::default().conversation_gap_s)]
+    conversation_gap_s: f64,
+    /// Seed of the arrival process of weka conversations.
+    #[arg(long, default_value_t = ReadOptions::default().seed)]
+    seed: u64,
+}
+
+/// The cache kind of `--cache`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum CacheFlag {
+    Disabled,
+    Radix,
+    HiCache,
+}
+
+/// A flag's value parsed by `parse`, with `shown` listed as its valid values in `--help`.
+#[derive(Clone)]
+struct Named<T> {
+    shown: Vec<&'static str>,
+    parse: fn(&str) -> std::result::Result<T, String>,
+}
+
+impl<T: Clone + Send + Sync + 'static> TypedValueParser for Named<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> std::result::Result<T, clap::Error> {
+        let flag = arg.map_or_else(|| "a value".to_string(), |a| a.to_string());
+        let s = value.to_str().ok_or_else(|| {
+            clap::Error::raw(ErrorKind::InvalidUtf8, format!("{flag}: not UTF-8\n")).with_cmd(cmd)
+        })?;
+        (self.parse)(s).map_err(|m| {
+            clap::Error::raw(ErrorKind::InvalidValue, format!("{flag}: {m}\n")).with_cmd(cmd)
+        })
+    }
+
+    fn possible_values(&self) -> Option<Box<dyn Iterator<Item = PossibleValue> + '_>> {
+        Some(Box::new(self.shown.iter().map(|&n| PossibleValue::new(n))))
+    }
+}
+
+fn policy_parser(what: &'static str) -> Named<PolicyKind> {
+    let parse: fn(&str) -> std::result::Result<PolicyKind, String> = if what == "host" {
+        |s| PolicyKind::from_name(s).ok_or_else(|| unknown("host eviction policy", s, &policies()))
+    } else {
+        |s| PolicyKind::from_name(s).ok_or_else(|| unknown("eviction policy", s, &policies()))
+    };
+    Named {
+        shown: PolicyKind::ALL.map(PolicyKind::name).to_vec(),
+        parse,
+    }
+}
+
+fn policies() -> String {
+    PolicyKind::ALL.map(PolicyKind::name).join(", ")
+}
+
+fn unknown(what: &str, s: &str, known: &str) -> String {
+    format!("unknown {what} {s:?}; known: {known}")
+}
+
+fn cache_parser() -> Named<CacheFlag> {
+    Named {
+        shown: vec!["disabled", "radix", "hicache"],
+        parse: |s| match s {
+            "disabled" => Ok(CacheFlag::Disabled),
+            "radix" => Ok(CacheFlag::Radix),
+            "hicache" => Ok(CacheFlag::HiCache),
+            _ => Err(unknown("cache kind", s, "disabled, radix, hicache")),
+        },
+    }
+}
+
+fn write_policy_parser() -> Named<WritePolicy> {
+    Named {
+        shown: vec!["write_through", "write_through_selective[:N]", "write_back"],
+        parse: |s| {
+            WritePolicy::from_name(s).ok_or_else(|| {
+                unknown(
+                    "write policy",
+                    s,
+                    "write_through, write_through_selective[:N], write_back",
+                )
+            })
+        },
+    }
+}
+
+/// `text [default: value]`, as clap writes a default.
+fn with_default(text: &str, value: impl Display) -> String {
+    format!("{text} [default: {value}]")
+}
+
+/// The name `--write-policy` takes for `w`.
+fn write_policy_flag(w: &WritePolicy) -> String {
+    match w {
+        WritePolicy::WriteThrough => "write_through".into(),
+        WritePolicy::WriteThroughSelective { hits } => format!("write_through_selective:{hits}"),
+        WritePolicy::WriteBack => "write_back".into(),
+    }
+}
+
+/// The flags of a replay (`demo` and `replay`). Each is optional: one not given keeps the
+/// `--config` file's value, or the default shown in `--help` without a file.
 #[derive(Args, Debug, Clone, Default)]
 struct RunArgs {
     /// Manager configuration file (TOML, or JSON by extension); flags override it.
-    #[arg(long, global = true)]
+    #[arg(long)]
     config: Option<PathBuf>,
-    /// Device KV pool in tokens.
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "TOKENS",
+        help = with_default("Device KV pool in tokens", ManagerConfig::default().device_tokens))]
     device_tokens: Option<usize>,
-    /// Tokens per page.
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "TOKENS",
+        help = with_default("Tokens per KV page", ModelGeometry::default().page_size))]
     page_size: Option<usize>,
-    /// Eviction policy.
-    #[arg(long, global = true)]
-    policy: Option<String>,
-    /// disabled | radix | hicache.
-    #[arg(long, global = true)]
-    cache: Option<String>,
-    /// Host tier in tokens (implies --cache hicache; default with --cache hicache: 4× the
-    /// device pool). HostSim copies a tiny simulated geometry; reported bytes are modeled.
-    #[arg(long, global = true)]
+    #[arg(long, value_parser = policy_parser("device"),
+        help = with_default("Eviction policy of the device tier", Eviction::default().0.name()))]
+    policy: Option<PolicyKind>,
+    #[arg(long, value_parser = cache_parser(),
+        help = with_default("Cache kind (hicache adds a host tier)", "radix, or hicache with --host-tokens"))]
+    cache: Option<CacheFlag>,
+    /// Host tier in tokens (implies --cache hicache). HostSim copies a tiny simulated
+    /// geometry; reported bytes are modeled [default with --cache hicache: 4× the device pool]
+    #[arg(long, value_name = "TOKENS")]
     host_tokens: Option<usize>,
-    /// `write_through` | `write_through_selective[:N]` | `write_back`.
-    #[arg(long, global = true)]
-    write_policy: Option<String>,
-    /// Eviction policy of the host tier (default: the device tier's --policy).
-    #[arg(long, global = true)]
-    host_policy: Option<String>,
-    /// Enable sessions holding at most this many tokens.
-    #[arg(long, global = true)]
+    #[arg(long, value_parser = write_policy_parser(),
+        help = with_default("When the host tier gets a copy of device pages", write_policy_flag(&WritePolicy::default())))]
+    write_policy: Option<WritePolicy>,
+    /// Eviction policy of the host tier [default: the device tier's --policy]
+    #[arg(long, value_parser = policy_parser("host"))]
+    host_policy: Option<PolicyKind>,
+    /// Enable streaming sessions holding at most this many tokens [default: no sessions]
+    #[arg(long, value_name = "TOKENS")]
     session_tokens: Option<usize>,
-    /// Maximum running requests.
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "N",
+        help = with_default("Maximum running requests (the decode batch)", SimConfig::default().max_running))]
     max_running: Option<usize>,
-    /// Prefill tokens per step (chunk size).
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "TOKENS",
+        help = with_default("Prefill tokens per step (chunk size)", SimConfig::default().prefill_budget))]
     prefill_budget: Option<usize>,
-    /// Host↔device bandwidth in GB/s.
-    #[arg(long, global = true)]
+    #[arg(long, value_name = "GB/S",
+        help = with_default("Host↔device bandwidth in GB/s", CostModel::default().transfer_gbps))]
     bandwidth_gbps: Option<f64>,
-    /// Seed of synthetic workloads and arrival processes.
-    #[arg(long, global = true)]
-    seed: Option<u64>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
     /// write policy, HiCache + sessions) on the same workload and print one table.
-    #[arg(long, global = true)]
+    #[arg(long)]
     compare: bool,
-    /// Write the report(s) as JSON and plots (SVG + PNG) into this directory.
-    #[arg(long, global = true)]
+    /// Write report.json and plots (SVG + PNG) into this directory.
+    #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
-    /// Print the report as JSON on stdout.
-    #[arg(long, global = true)]
+    /// Print the report as JSON on stdout (the same document as report.json).
+    #[arg(long)]
     json: bool,
     /// No progress bar.
-    #[arg(long, global = true)]
+    #[arg(long)]
     quiet: bool,
     /// Audit every invariant of the manager and its cache every N scheduler steps; a violation
-    /// fails the run.
-    #[arg(long, global = true, value_name = "N")]
+    /// fails the run [default: only at the end]
+    #[arg(long, value_name = "N")]
     check_invariants_every: Option<u64>,
     /// Fail the run as soon as the resident memory has grown by more than this many MiB since
-    /// warm-up (a quarter of the requests done), or by the end of the replay.
-    #[arg(long, global = true, value_name = "MIB")]
+    /// warm-up (a quarter of the requests done), or by the end of the replay [default: no
+    /// limit]
+    #[arg(long, value_name = "MIB")]
     max_rss_growth_mib: Option<u64>,
+}
+
+/// A hint after clap's error when a replay flag was given to `analyze`.
+fn analyze_hint(e: &clap::Error) -> Option<String> {
+    let analyze = std::env::args_os().nth(1).is_some_and(|a| a == "analyze");
+    if e.kind() != ErrorKind::UnknownArgument || !analyze {
+        return None;
+    }
+    let Some(ContextValue::String(flag)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let name = flag
+        .split('=')
+        .next()
+        .unwrap_or(flag)
+        .trim_start_matches('-');
+    RunArgs::augment_args(clap::Command::new("run"))
+        .get_arguments()
+        .any(|a| a.get_long() == Some(name))
+        .then(|| {
+            format!(
+                "radixkv: --{name} applies to replays (demo, replay), not to analyze \
+                 (analyze takes --capacity-tokens)"
+            )
+        })
 }
 
 fn main() -> ExitCode {
@@ -169,7 +315,16 @@ fn main() -> ExitCode {
                 | tracing_subscriber::fmt::format::FmtSpan::CLOSE,
         )
         .try_init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            if let Some(hint) = analyze_hint(&e) {
+                eprintln!("{hint}");
+            }
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -200,51 +355,34 @@ impl Workload {
     }
 }
 
+impl TraceArgs {
+    fn read_options(&self) -> Result<ReadOptions> {
+        Ok(ReadOptions {
+            limit: self.limit,
+            max_requests: at_least_one("--max-requests", self.max_requests)?,
+            seed: self.seed,
+            conversation_gap_s: gap(self.conversation_gap_s)?,
+        })
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     let (workload, run) = match cli.cmd {
         Some(Cmd::Analyze {
-            trace,
-            format,
+            input,
             capacity_tokens,
-            limit,
-            max_requests,
-            conversation_gap_s,
+            json,
         }) => {
-            let opts = ReadOptions {
-                limit,
-                max_requests: at_least_one("--max-requests", max_requests)?,
-                seed: cli.run.seed.unwrap_or(7),
-                conversation_gap_s: gap(conversation_gap_s)?,
-            };
-            return analyze(&trace, &format, &capacity_tokens, &opts, &cli.run);
+            let opts = input.read_options()?;
+            return analyze(&input.trace, input.format, &capacity_tokens, &opts, json);
         }
-        None => {
-            let w = demo(SyntheticChat::default().conversations, &cli.run)?;
-            (w, cli.run)
-        }
-        Some(Cmd::Demo { conversations, run }) => {
-            let run = merge(cli.run, run);
-            (demo(conversations, &run)?, run)
-        }
-        Some(Cmd::Replay {
-            trace,
-            format,
-            limit,
-            max_requests,
-            conversation_gap_s,
-            run,
-        }) => {
-            let run = merge(cli.run, run);
-            let format = TraceFormat::from_name(&format)?;
-            let opts = ReadOptions {
-                limit,
-                max_requests: at_least_one("--max-requests", max_requests)?,
-                seed: run.seed.unwrap_or(7),
-                conversation_gap_s: gap(conversation_gap_s)?,
-            };
+        None => (demo(&cli.demo)?, cli.demo.run),
+        Some(Cmd::Demo(d)) => (demo(&d)?, d.run),
+        Some(Cmd::Replay { input, run }) => {
+            let opts = input.read_options()?;
             let w = Workload::File {
-                path: trace,
-                format,
+                path: input.trace,
+                format: input.format,
                 opts,
             };
             (w, run)
@@ -259,8 +397,8 @@ fn run(cli: Cli) -> Result<()> {
     let trace = workload.load()?;
     eprintln!(
         "radixkv: {} requests, {} prompt tokens from {}",
-        trace.requests.len(),
-        trace.prompt_tokens(),
+        fmt_count(trace.requests.len() as u64),
+        fmt_count(trace.prompt_tokens()),
         trace.name
     );
     let reports = if run.compare {
@@ -268,19 +406,21 @@ fn run(cli: Cli) -> Result<()> {
     } else {
         let mut bar = bar(trace.requests.len() as u64, &cfg.manager.label(), run.quiet);
         let r = sim::replay(&trace, &cfg, &mut bar)?;
-        bar.0.finish_and_clear();
-        if run.json {
-            println!("{}", to_json(&r)?);
-        } else {
+        drop(bar);
+        if !run.json {
             println!("{r}");
         }
         vec![r]
     };
+    let file = ReportFile::new(reports);
+    if run.json {
+        println!("{}", to_json(&file)?);
+    }
     if let Some(dir) = &run.out {
-        write_out(dir, &reports)?;
+        write_out(dir, &file)?;
         eprintln!("radixkv: wrote report.json and plots to {}", dir.display());
     }
-    reports.iter().try_for_each(leak_check)
+    file.runs.iter().try_for_each(leak_check)
 }
 
 /// Fails a run that leaked: pages still held after the drain, sessions still open, or
@@ -327,40 +467,11 @@ fn gap(conversation_gap_s: f64) -> Result<f64> {
 /// `radixkv analyze`: reads the trace, analyses it, prints text or JSON.
 fn analyze(
     path: &Path,
-    format: &str,
+    format: TraceFormat,
     capacities: &[u64],
     opts: &ReadOptions,
-    run: &RunArgs,
+    json: bool,
 ) -> Result<()> {
-    // The replay flags are global to every subcommand; none of them means anything here, so
-    // refuse them rather than ignore them silently.
-    let replay_only = [
-        ("--config", run.config.is_some()),
-        ("--device-tokens", run.device_tokens.is_some()),
-        ("--page-size", run.page_size.is_some()),
-        ("--policy", run.policy.is_some()),
-        ("--cache", run.cache.is_some()),
-        ("--host-tokens", run.host_tokens.is_some()),
-        ("--write-policy", run.write_policy.is_some()),
-        ("--host-policy", run.host_policy.is_some()),
-        ("--session-tokens", run.session_tokens.is_some()),
-        ("--max-running", run.max_running.is_some()),
-        ("--prefill-budget", run.prefill_budget.is_some()),
-        ("--bandwidth-gbps", run.bandwidth_gbps.is_some()),
-        ("--compare", run.compare),
-        ("--out", run.out.is_some()),
-        (
-            "--check-invariants-every",
-            run.check_invariants_every.is_some(),
-        ),
-        ("--max-rss-growth-mib", run.max_rss_growth_mib.is_some()),
-    ];
-    if let Some((flag, _)) = replay_only.iter().find(|(_, set)| *set) {
-        return Err(ManagerError::Config(format!(
-            "{flag} applies to replays, not to analyze (analyze takes --capacity-tokens)"
-        )));
-    }
-    let format = TraceFormat::from_name(format)?;
     let capacities = if capacities.is_empty() {
         &analysis::DEFAULT_CAPACITIES[..]
     } else {
@@ -368,7 +479,7 @@ fn analyze(
     };
     let trace = trace::read_trace(path, format, opts)?;
     let a = analysis::analyze(&trace, capacities)?;
-    if run.json {
+    if json {
         println!("{}", to_json(&a)?);
     } else {
         print!("{a}");
@@ -377,44 +488,19 @@ fn analyze(
 }
 
 /// The synthetic chat workload of `radixkv demo`, checked (not generated yet).
-fn demo(conversations: u32, run: &RunArgs) -> Result<Workload> {
+fn demo(d: &DemoArgs) -> Result<Workload> {
     let chat = SyntheticChat {
-        conversations,
-        seed: run.seed.unwrap_or(42),
+        conversations: d.conversations,
+        seed: d.seed,
         ..Default::default()
     };
     chat.validate().map_err(|e| match e {
         ManagerError::Config(m) => {
-            ManagerError::Config(format!("--conversations {conversations}: {m}"))
+            ManagerError::Config(format!("--conversations {}: {m}", d.conversations))
         }
         e => e,
     })?;
     Ok(Workload::Synthetic(chat))
-}
-
-/// Subcommand flags win over the same flags given before the subcommand.
-fn merge(top: RunArgs, sub: RunArgs) -> RunArgs {
-    RunArgs {
-        config: sub.config.or(top.config),
-        device_tokens: sub.device_tokens.or(top.device_tokens),
-        page_size: sub.page_size.or(top.page_size),
-        policy: sub.policy.or(top.policy),
-        cache: sub.cache.or(top.cache),
-        host_tokens: sub.host_tokens.or(top.host_tokens),
-        write_policy: sub.write_policy.or(top.write_policy),
-        host_policy: sub.host_policy.or(top.host_policy),
-        session_tokens: sub.session_tokens.or(top.session_tokens),
-        max_running: sub.max_running.or(top.max_running),
-        prefill_budget: sub.prefill_budget.or(top.prefill_budget),
-        bandwidth_gbps: sub.bandwidth_gbps.or(top.bandwidth_gbps),
-        seed: sub.seed.or(top.seed),
-        compare: sub.compare || top.compare,
-        out: sub.out.or(top.out),
-        json: sub.json || top.json,
-        quiet: sub.quiet || top.quiet,
-        check_invariants_every: sub.check_invariants_every.or(top.check_invariants_every),
-        max_rss_growth_mib: sub.max_rss_growth_mib.or(top.max_rss_growth_mib),
-    }
 }
 
 fn sim_config(run: &RunArgs) -> Result<SimConfig> {
@@ -428,33 +514,15 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
     if let Some(p) = run.page_size {
         m.model.page_size = p;
     }
-    if let Some(name) = &run.policy {
-        m.eviction = Eviction(PolicyKind::from_name(name).ok_or_else(|| {
-            ManagerError::Config(format!(
-                "unknown eviction policy {name:?}; known: {}",
-                policy_names()
-            ))
-        })?);
+    if let Some(p) = run.policy {
+        m.eviction = Eviction(p);
     }
-    let write_policy = match &run.write_policy {
-        Some(w) => Some(WritePolicy::from_name(w).ok_or_else(|| {
-            ManagerError::Config(format!(
-                "unknown write policy {w:?}; known: write_through, write_through_selective[:N], write_back"
-            ))
-        })?),
-        None => None,
-    };
-    match run.cache.as_deref() {
+    match run.cache {
         None => {}
-        Some("disabled") => m.cache = CacheKind::Disabled,
-        Some("radix") => m.cache = CacheKind::Radix,
-        Some("hicache") => {
+        Some(CacheFlag::Disabled) => m.cache = CacheKind::Disabled,
+        Some(CacheFlag::Radix) => m.cache = CacheKind::Radix,
+        Some(CacheFlag::HiCache) => {
             m.cache = CacheKind::HiCache(HostTier::ratio(m.device_tokens, 4.0));
-        }
-        Some(other) => {
-            return Err(ManagerError::Config(format!(
-                "unknown cache kind {other:?}; known: disabled, radix, hicache"
-            )));
         }
     }
     if let Some(h) = run.host_tokens {
@@ -465,16 +533,10 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         tier.host_tokens = h;
         m.cache = CacheKind::HiCache(tier);
     }
-    if let (Some(w), CacheKind::HiCache(t)) = (write_policy, &mut m.cache) {
-        t.write_policy = w;
+    if let (Some(w), CacheKind::HiCache(t)) = (&run.write_policy, &mut m.cache) {
+        t.write_policy = w.clone();
     }
-    if let Some(name) = &run.host_policy {
-        let p = PolicyKind::from_name(name).ok_or_else(|| {
-            ManagerError::Config(format!(
-                "unknown host eviction policy {name:?}; known: {}",
-                policy_names()
-            ))
-        })?;
+    if let Some(p) = run.host_policy {
         match &mut m.cache {
             CacheKind::HiCache(t) => t.eviction = Some(Eviction(p)),
             _ => {
@@ -538,17 +600,47 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
     let configs = sim::compare_configs(&cfg.manager);
     let n = trace.requests.len() as u64;
     let quiet = run.quiet;
-    println!("{}", Report::table_header());
+    // With --json, stdout holds the JSON document only.
+    let table = !run.json;
+    let m = &cfg.manager;
+    if table {
+        let page_bytes = m.model.page_bytes();
+        let pool = |tokens: usize| {
+            let pages = (tokens / m.model.page_size.max(1)) as u64;
+            format!(
+                "{} tokens ({} pages, {} modeled)",
+                human_tokens(tokens),
+                fmt_count(pages),
+                fmt_bytes(pages.saturating_mul(page_bytes))
+            )
+        };
+        let host = configs.iter().find_map(|c| match &c.cache {
+            CacheKind::HiCache(t) => Some(t.host_tokens),
+            _ => None,
+        });
+        println!(
+            "pages of {} tokens = {} modeled; device pool {}{}",
+            m.model.page_size,
+            fmt_bytes(page_bytes),
+            pool(m.device_tokens),
+            host.map_or(String::new(), |h| format!(
+                "; hicache rows add a host pool {}",
+                pool(h)
+            ))
+        );
+        println!("{}", Report::table_header());
+    }
     let outcomes = sim::compare(
         trace,
         cfg,
         &configs,
         &mut |m| Box::new(bar(n, &m.label(), quiet)),
         &mut |o| match o {
-            CompareOutcome::Ran(r) => println!("{}", r.table_row()),
-            CompareOutcome::Skipped { config, reason } => {
+            CompareOutcome::Ran(r) if table => println!("{}", r.table_row()),
+            CompareOutcome::Skipped { config, reason } if table => {
                 println!("{config:<34} skipped: {reason}");
             }
+            _ => {}
         },
     )?;
     let reports: Vec<Report> = outcomes
@@ -558,17 +650,46 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
             CompareOutcome::Skipped { .. } => None,
         })
         .collect();
-    if let Some(r) = reports.first() {
-        println!(
-            "ideal (infinite cache) token hit ratio {:.4}; xfer = modeled bytes loaded + written; \
-             cache-manager CPU in µs per request",
-            r.ideal_hit_ratio
-        );
-    }
-    if run.json {
-        println!("{}", to_json(&reports)?);
+    if table {
+        print!("{}", compare_footer(&reports));
     }
     Ok(reports)
+}
+
+/// What every row of the comparison shares, said once: the requests, the ideal (one
+/// computation for every row), and the output throughput when it is the same everywhere (the
+/// arrivals set it, not the cache); then what the columns mean.
+fn compare_footer(reports: &[Report]) -> String {
+    let Some(first) = reports.first() else {
+        return String::new();
+    };
+    let range = |f: &dyn Fn(&Report) -> String| {
+        let lo = reports.iter().map(f).min().unwrap_or_default();
+        let hi = reports.iter().map(f).max().unwrap_or_default();
+        if lo == hi {
+            lo
+        } else {
+            format!("{lo} to {hi}")
+        }
+    };
+    let ideal = range(&|r| format!("{:.4}", r.ideal_hit_ratio));
+    let tok_s = reports
+        .iter()
+        .map(|r| r.throughput_tok_s)
+        .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    let throughput = if format!("{:.0}", tok_s.0) == format!("{:.0}", tok_s.1) {
+        format!("{:.0} output tok/s in every configuration", tok_s.1)
+    } else {
+        format!("{:.0} to {:.0} output tok/s", tok_s.0, tok_s.1)
+    };
+    format!(
+        "every row: {} requests; ideal (infinite cache) token hit ratio {ideal}; {throughput}\n\
+         /ideal = hit / ideal; host, xfer: - without a host tier; xfer = modeled bytes loaded + \
+         written; cpu µs/r = cache-manager CPU per request\n",
+        fmt_count(first.requests)
+    )
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
@@ -587,18 +708,14 @@ fn prepare_out(dir: &Path) -> Result<()> {
     std::fs::remove_file(&probe).map_err(io)
 }
 
-fn write_out(dir: &Path, reports: &[Report]) -> Result<()> {
+fn write_out(dir: &Path, file: &ReportFile) -> Result<()> {
     let io = |e: std::io::Error| ManagerError::Io {
         path: dir.display().to_string(),
         message: e.to_string(),
     };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let json = match reports {
-        [r] => to_json(r)?,
-        rs => to_json(&rs)?,
-    };
-    std::fs::write(dir.join("report.json"), json).map_err(io)?;
-    let refs: Vec<&Report> = reports.iter().collect();
+    std::fs::write(dir.join("report.json"), to_json(file)?).map_err(io)?;
+    let refs: Vec<&Report> = file.runs.iter().collect();
     for (name, chart) in plot::report_charts(&refs) {
         plot::write_chart(dir, name, &chart)?;
     }
@@ -606,24 +723,163 @@ fn write_out(dir: &Path, reports: &[Report]) -> Result<()> {
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal or `--quiet` is given.
-struct Bar(ProgressBar);
+struct Bar {
+    bar: ProgressBar,
+    /// When the first request finished, and the count then: the pace is measured from there,
+    /// so the replay's set-up (the ideal's pass over the trace) does not inflate the ETA.
+    first: Option<(Instant, u64)>,
+    /// The ETA last shown.
+    eta: String,
+}
 
 impl Progress for Bar {
     fn advance(&mut self, n: u64) {
-        self.0.inc(n);
+        self.bar.inc(n);
+        let pos = self.bar.position();
+        let len = self.bar.length().unwrap_or(0);
+        let (t0, p0) = *self.first.get_or_insert((Instant::now(), pos));
+        let eta = eta(
+            pos.saturating_sub(p0),
+            len.saturating_sub(pos),
+            len,
+            t0.elapsed(),
+        );
+        if eta != self.eta {
+            self.bar.set_message(eta.clone());
+            self.eta = eta;
+        }
     }
 }
 
+impl Drop for Bar {
+    /// A finished or abandoned replay leaves no bar behind.
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// The time left for `left` of `len` requests at the pace of the last `done` in `elapsed`,
+/// once that pace says something: at least 1% of the requests and a second (before that the
+/// first estimates would be wild).
+fn eta(done: u64, left: u64, len: u64, elapsed: Duration) -> String {
+    if done == 0 || done.saturating_mul(100) < len || elapsed < Duration::from_secs(1) {
+        return "ETA -".into();
+    }
+    let secs = elapsed.as_secs_f64() * left as f64 / done as f64;
+    format!("ETA {:#}", HumanDuration(Duration::from_secs_f64(secs)))
+}
+
+/// The bar's layout: the configuration's name cut to 30 columns, the bar filling what the
+/// terminal has left, the count and the ETA. It fits any terminal of 80 columns or more.
+const TEMPLATE: &str = "{prefix:30!} [{wide_bar}] {pos}/{len} {msg}";
+
 fn bar(len: u64, label: &str, quiet: bool) -> Bar {
-    if quiet || !std::io::stderr().is_terminal() {
-        return Bar(ProgressBar::hidden());
+    let target = if quiet || !std::io::stderr().is_terminal() {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    };
+    bar_on(len, label, target)
+}
+
+fn bar_on(len: u64, label: &str, target: ProgressDrawTarget) -> Bar {
+    let eta = eta(0, len, len, Duration::ZERO);
+    let mut bar = ProgressBar::with_draw_target(Some(len), target)
+        .with_prefix(label.to_string())
+        .with_message(eta.clone());
+    if let Ok(style) = ProgressStyle::with_template(TEMPLATE) {
+        bar = bar.with_style(style.progress_chars("=> "));
     }
-    let b = ProgressBar::new(len);
-    if let Ok(style) =
-        ProgressStyle::with_template("{prefix:>20} [{bar:40}] {pos}/{len} requests ({eta})")
-    {
-        b.set_style(style.progress_chars("=> "));
+    Bar {
+        bar,
+        first: None,
+        eta,
     }
-    b.set_prefix(label.to_string());
-    Bar(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// An 80-column terminal that records what is written to it.
+    #[derive(Debug, Clone, Default)]
+    struct Term80(Arc<Mutex<Vec<String>>>);
+
+    impl indicatif::TermLike for Term80 {
+        fn width(&self) -> u16 {
+            80
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            if !s.is_empty() {
+                self.0
+                    .lock()
+                    .map_err(|_| std::io::ErrorKind::Other)?
+                    .push(s.into());
+            }
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_progress_bar_fits_80_columns_and_hides_its_first_eta() {
+        let term = Term80::default();
+        // The longest label a comparison prints, and a trace of a million requests.
+        let label = "hicache-lru/reuse-wts2+host4M+sessions";
+        let mut b = bar_on(
+            1_000_000,
+            label,
+            ProgressDrawTarget::term_like(Box::new(term.clone())),
+        );
+        b.bar.tick();
+        b.advance(1);
+        b.advance(499_999);
+        b.bar.tick();
+        let lines = term.0.lock().unwrap().clone();
+        assert!(!lines.is_empty());
+        for l in &lines {
+            assert!(
+                l.chars().count() <= 80,
+                "{} columns: {l:?}",
+                l.chars().count()
+            );
+            assert!(l.contains("/1000000"), "{l:?}");
+        }
+        // Fresh, the bar shows no estimate (the run is a few microseconds old).
+        assert!(lines[0].ends_with("ETA -"), "{:?}", lines[0]);
+        assert!(lines[0].starts_with(&label[..30]), "{:?}", lines[0]);
+    }
+
+    #[test]
+    fn the_eta_waits_for_a_percent_and_a_second_then_extrapolates() {
+        let s = Duration::from_secs;
+        assert_eq!(eta(0, 100, 100, s(10)), "ETA -");
+        assert_eq!(eta(5, 995, 1000, s(10)), "ETA -");
+        assert_eq!(eta(50, 50, 100, Duration::from_millis(200)), "ETA -");
+        assert_eq!(eta(50, 50, 100, s(60)), "ETA 60s");
+        assert_eq!(eta(25, 75, 100, s(60)), "ETA 3m");
+        // The pace since the first finish: 20 more done in 10 s, 40 left.
+        assert_eq!(eta(20, 40, 100, s(10)), "ETA 20s");
+    }
 }

@@ -130,8 +130,8 @@ pub fn report_charts(reports: &[&Report]) -> Vec<(&'static str, Chart)> {
     // Best first: the highest hit ratio on top, in both bar charts, so rows line up.
     let mut order: Vec<&Report> = reports.to_vec();
     order.sort_by(|a, b| b.hit_ratio.overall.total_cmp(&a.hit_ratio.overall));
-    // The ideal of the first configuration, as the table's footer prints it (configurations
-    // with sessions see a slightly different trace, so their own ideal differs a little).
+    // The ideal is the trace's, the same for every configuration of a comparison (see
+    // `sim::compare`), as the table's footer prints it.
     let ideal = reports.first().map_or(0.0, |r| r.ideal_hit_ratio);
     vec![
         ("hit_ratio", Chart::Bars(hit_ratio_chart(&order, ideal))),
@@ -163,13 +163,22 @@ fn hit_ratio_chart(order: &[&Report], ideal: f64) -> BarChart {
         .iter()
         .map(|r| r.hit_ratio.overall)
         .filter(|&v| v > 0.0);
-    let (start, end) = ratio_axis(totals, ideal);
+    // One configuration has nothing to be told apart from: its bar is read against the whole
+    // scale, so the axis is 0 to 1.
+    let (start, end) = if order.len() == 1 {
+        (0.0, 1.0)
+    } else {
+        ratio_axis(totals, ideal)
+    };
     let mut series = vec!["hit on device".to_string()];
     if with_host {
         series.push("loaded back from host".to_string());
     }
     BarChart {
-        title: "token hit ratio per configuration".into(),
+        title: match order {
+            [r] => format!("token hit ratio of {}", r.config),
+            _ => "token hit ratio per configuration".into(),
+        },
         axis: if start > 0.0 {
             format!(
                 "token hit ratio (axis starts at {}, not 0)",

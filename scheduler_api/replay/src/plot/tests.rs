@@ -116,3 +116,24 @@ fn bars_start_at_zero_and_are_clipped_to_a_shifted_axis() {
     let s = draw::spans(&b, &[0.9, 0.7]);
     assert!(s[1].1 < s[0].1 && s[1].2 < s[0].2, "{s:?}");
 }
+
+#[test]
+fn a_single_run_reads_its_hit_ratio_against_the_whole_scale() {
+    let mut r = Report {
+        config: "radix-lru".into(),
+        ..Default::default()
+    };
+    r.hit_ratio.overall = 0.8893;
+    r.hit_ratio.device = 0.8893;
+    let c = hit_ratio_chart(&[&r], 0.9123);
+    assert_eq!((c.axis_start, c.axis_end), (0.0, 1.0));
+    assert!(!c.axis.contains("not 0"), "{}", c.axis);
+    assert!(c.title.contains("radix-lru"), "{}", c.title);
+    // Two close runs still get the zoomed axis that tells them apart.
+    let mut s = r.clone();
+    s.hit_ratio.overall = 0.91;
+    s.hit_ratio.device = 0.91;
+    let c = hit_ratio_chart(&[&s, &r], 0.9123);
+    assert!(c.axis_start > 0.5, "{}", c.axis_start);
+    assert!(c.axis.contains("not 0"), "{}", c.axis);
+}

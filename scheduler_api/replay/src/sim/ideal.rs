@@ -7,8 +7,10 @@
 //! that moment came from a request admitted earlier, so the real hit can never exceed the
 //! ideal one.
 //!
-//! With sessions, a streaming turn reuses its session's KV without page alignment (up to
-//! `len − 1` tokens of the previous turns). [`IdealCache::admit_turn`] credits that too: every
+//! A streaming session's turn reuses its session's KV without page alignment (up to
+//! `len − 1` tokens of the previous turns). [`IdealCache::admit_turn`] credits that too, and the
+//! replay uses it for every request of a conversation whatever the configuration, so the ideal
+//! is the trace's and bounds configurations with and without sessions alike: every
 //! sequence of a session is remembered as (length, hash of its pages, hash of its partial
 //! tail), and a turn whose prompt starts with one of them may reuse all of it.
 

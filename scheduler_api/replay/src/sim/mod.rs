@@ -11,7 +11,10 @@ pub use cost::CostModel;
 pub use ideal::IdealCache;
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
-pub use report::{CpuBreakdown, OccupancySample, Report, TierRatios};
+pub use report::{
+    CpuBreakdown, OccupancySample, REPORT_SCHEMA_VERSION, Report, ReportFile, TierRatios,
+    fmt_bytes, fmt_count,
+};
 pub use scheduler::{Progress, SimConfig, replay};
 
 use radixkv_radix::PolicyKind;
@@ -106,6 +109,9 @@ pub enum CompareOutcome {
 
 /// Replays `trace` under every configuration; `on_done` sees each outcome as it completes.
 ///
+/// The infinite-cache ideal is computed once per page size and shared by every replay, so all
+/// configurations with the same page size report the same `ideal_hit_tokens`.
+///
 /// # Errors
 /// The first error other than a not-wired cache kind.
 pub fn compare(
@@ -116,13 +122,22 @@ pub fn compare(
     on_done: &mut dyn FnMut(&CompareOutcome),
 ) -> Result<Vec<CompareOutcome>> {
     let mut out = Vec::with_capacity(configs.len());
+    let mut ideals: Vec<(usize, Vec<u64>)> = Vec::new();
     for m in configs {
         let cfg = SimConfig {
             manager: m.clone(),
             ..base.clone()
         };
+        let page_size = m.model.page_size;
+        let i = match ideals.iter().position(|(p, _)| *p == page_size) {
+            Some(i) => i,
+            None => {
+                ideals.push((page_size, scheduler::ideal_hits(trace, page_size)));
+                ideals.len() - 1
+            }
+        };
         let mut p = progress(m);
-        let outcome = match replay(trace, &cfg, p.as_mut()) {
+        let outcome = match scheduler::replay_with_ideal(trace, &cfg, &ideals[i].1, p.as_mut()) {
             Ok(r) => CompareOutcome::Ran(Box::new(r)),
             Err(e @ ManagerError::NotWired { .. }) => CompareOutcome::Skipped {
                 config: m.label(),

@@ -5,7 +5,33 @@ use std::fmt;
 use serde::Serialize;
 
 use super::memory::MemoryUse;
+use super::scheduler::SimConfig;
+use radixkv_scheduler_api::config::{CacheKind, WritePolicy, human_tokens};
 use radixkv_scheduler_api::metrics::{Counters, ratio};
+
+/// The version of [`ReportFile`]'s layout, written as its `schema_version`. It changes when a
+/// field is renamed, removed or changes meaning; new fields may appear without a change.
+pub const REPORT_SCHEMA_VERSION: u32 = 1;
+
+/// What `report.json` and `radixkv replay --json` hold: the same shape for one run and for a
+/// `--compare` of many.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReportFile {
+    /// [`REPORT_SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// One report per configuration that ran, in the order they ran.
+    pub runs: Vec<Report>,
+}
+
+impl ReportFile {
+    /// The file of `runs`, at the current schema version.
+    pub fn new(runs: Vec<Report>) -> Self {
+        ReportFile {
+            schema_version: REPORT_SCHEMA_VERSION,
+            runs,
+        }
+    }
+}
 
 /// Token hit ratios per tier.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -49,6 +75,10 @@ pub struct CpuBreakdown {
 pub struct Report {
     /// Configuration label.
     pub config: String,
+    /// Everything the replay ran with: the manager's configuration as built (pool sizes, model
+    /// geometry, cache kind and tiers, sessions, ...), the scheduler's limits and the cost
+    /// model, with every default filled in.
+    pub effective_config: SimConfig,
     /// Trace name.
     pub trace: String,
     /// Requests replayed.
@@ -135,63 +165,177 @@ impl Report {
         };
     }
 
-    /// Header of the comparison table.
+    /// The host tier, if the configuration has one.
+    fn host_tier(&self) -> Option<&radixkv_scheduler_api::config::HostTier> {
+        match &self.effective_config.manager.cache {
+            CacheKind::HiCache(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Header of the comparison table. Figures that are the same in every row (requests, the
+    /// ideal, output throughput) are not columns: the caller prints them once.
     pub fn table_header() -> String {
         format!(
-            "{:<34} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>12} {:>10} {:>10} {:>10} {:>9} {:>8}",
+            "{:<34} {:>7} {:>7} {:>7} {:>7} {:>12} {:>10} {:>9} {:>9} {:>8}",
             "config",
-            "requests",
             "hit",
             "device",
             "host",
-            "ideal",
             "/ideal",
             "recomputed",
-            "xfer GB",
+            "xfer",
             "TTFT p50",
             "TTFT p99",
-            "tok/s",
             "cpu µs/r"
         )
     }
 
-    /// One row of the comparison table.
+    /// One row of the comparison table (`-` where the configuration has no host tier).
     pub fn table_row(&self) -> String {
+        let t = &self.counters.transfers;
+        let (host, xfer) = match self.host_tier() {
+            Some(_) => (
+                format!("{:.4}", self.hit_ratio.host),
+                fmt_bytes(t.bytes_loaded.saturating_add(t.bytes_written)),
+            ),
+            None => ("-".into(), "-".into()),
+        };
         format!(
-            "{:<34} {:>8} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.3} {:>12} {:>10.1} {:>8.1}ms {:>8.1}ms {:>9.0} {:>8.2}",
+            "{:<34} {:>7.4} {:>7.4} {:>7} {:>7.3} {:>12} {:>10} {:>7.1}ms {:>7.1}ms {:>8.2}",
             self.config,
-            self.requests,
             self.hit_ratio.overall,
             self.hit_ratio.device,
-            self.hit_ratio.host,
-            self.ideal_hit_ratio,
+            host,
             self.achieved_over_ideal,
-            self.recomputed_tokens,
-            (self.counters.transfers.bytes_loaded + self.counters.transfers.bytes_written) as f64
-                / 1e9,
+            fmt_count(self.recomputed_tokens),
+            xfer,
             self.ttft_p50_ms,
             self.ttft_p99_ms,
-            self.throughput_tok_s,
             self.cache_cpu_us_per_request
         )
+    }
+}
+
+/// A byte count in binary units: `0 B`, `2 MiB`, `333.6 GiB`.
+pub fn fmt_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 || v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[unit])
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// A count with thousands separators: `15,205,203`.
+pub fn fmt_count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A pool of `tokens`: `1M tokens (65,536 pages, 128 GiB modeled)`.
+fn fmt_pool(tokens: usize, page_size: usize, page_bytes: u64) -> String {
+    let pages = tokens.checked_div(page_size).unwrap_or(0) as u64;
+    format!(
+        "{} tokens ({} pages, {} modeled)",
+        human_tokens(tokens),
+        fmt_count(pages),
+        fmt_bytes(pages.saturating_mul(page_bytes))
+    )
+}
+
+fn write_policy_name(w: &WritePolicy) -> String {
+    match w {
+        WritePolicy::WriteThrough => "write-through".into(),
+        WritePolicy::WriteThroughSelective { hits } => {
+            format!("selective write-through (after {hits} hits)")
+        }
+        WritePolicy::WriteBack => "write-back".into(),
     }
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let r = &self.hit_ratio;
+        let sim = &self.effective_config;
+        let m = &sim.manager;
+        let model = &m.model;
+        let host = self.host_tier();
         writeln!(f, "trace            {}", self.trace)?;
         writeln!(f, "config           {}", self.config)?;
         writeln!(
             f,
-            "requests         {} ({} prompt tokens, {} output tokens)",
-            self.requests, self.prompt_tokens, self.output_tokens
+            "model            {} layers, {} of KV per token (modeled), pages of {} tokens = {}",
+            model.layers,
+            fmt_bytes(model.kv_bytes_per_token()),
+            model.page_size,
+            fmt_bytes(self.page_bytes)
         )?;
         writeln!(
             f,
-            "token hit ratio  {:.4} overall (device {:.4}, host {:.4})",
-            r.overall, r.device, r.host
+            "device pool      {}, eviction {}",
+            fmt_pool(m.device_tokens, model.page_size, self.page_bytes),
+            m.eviction.0.name()
         )?;
+        if let Some(h) = host {
+            let policy = h.eviction.map_or(m.eviction.0, |e| e.0);
+            writeln!(
+                f,
+                "host pool        {}, {}, eviction {}",
+                fmt_pool(h.host_tokens, model.page_size, self.page_bytes),
+                write_policy_name(&h.write_policy),
+                policy.name()
+            )?;
+        }
+        if let Some(s) = &m.sessions {
+            writeln!(
+                f,
+                "sessions         hold at most {} tokens ({} per session), idle for at most {} s",
+                fmt_count(s.max_held_tokens as u64),
+                fmt_count(s.per_session_cap_tokens as u64),
+                s.idle_ttl_ms as f64 / 1e3
+            )?;
+        }
+        writeln!(
+            f,
+            "scheduler        at most {} running, {} prefill tokens per step{}",
+            sim.max_running,
+            fmt_count(sim.prefill_budget as u64),
+            if host.is_some() {
+                format!(", host link {} GB/s", sim.cost.transfer_gbps)
+            } else {
+                String::new()
+            }
+        )?;
+        writeln!(
+            f,
+            "requests         {} ({} prompt tokens, {} output tokens)",
+            fmt_count(self.requests),
+            fmt_count(self.prompt_tokens),
+            fmt_count(self.output_tokens)
+        )?;
+        if host.is_some() {
+            writeln!(
+                f,
+                "token hit ratio  {:.4} overall (device {:.4}, host {:.4})",
+                r.overall, r.device, r.host
+            )?;
+        } else {
+            writeln!(f, "token hit ratio  {:.4}", r.overall)?;
+        }
         writeln!(
             f,
             "ideal (∞ cache)  {:.4}   achieved/ideal {:.3}",
@@ -200,7 +344,9 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "recomputed       {} tokens; evicted {} tokens; {} retractions",
-            self.recomputed_tokens, self.counters.evicted_tokens, self.retractions
+            fmt_count(self.recomputed_tokens),
+            fmt_count(self.counters.evicted_tokens),
+            self.retractions
         )?;
         if self.never_fit > 0 {
             writeln!(
@@ -209,12 +355,17 @@ impl fmt::Display for Report {
                 self.never_fit
             )?;
         }
-        let t = &self.counters.transfers;
-        writeln!(
-            f,
-            "transfers        {} pages / {} modeled bytes loaded, {} pages / {} modeled bytes written",
-            t.pages_loaded, t.bytes_loaded, t.pages_written, t.bytes_written
-        )?;
+        if host.is_some() {
+            let t = &self.counters.transfers;
+            writeln!(
+                f,
+                "transfers        loaded {} pages ({} modeled), written {} pages ({} modeled)",
+                fmt_count(t.pages_loaded),
+                fmt_bytes(t.bytes_loaded),
+                fmt_count(t.pages_written),
+                fmt_bytes(t.bytes_written)
+            )?;
+        }
         writeln!(
             f,
             "TTFT (simulated) p50 {:.1} ms, p99 {:.1} ms",
@@ -223,7 +374,10 @@ impl fmt::Display for Report {
         writeln!(
             f,
             "throughput       {:.0} output tok/s, {:.2} req/s over {:.1} s simulated ({} steps)",
-            self.throughput_tok_s, self.throughput_req_s, self.sim_duration_s, self.steps
+            self.throughput_tok_s,
+            self.throughput_req_s,
+            self.sim_duration_s,
+            fmt_count(self.steps)
         )?;
         let b = &self.cache_cpu_breakdown;
         write!(
@@ -241,7 +395,7 @@ impl fmt::Display for Report {
         write!(
             f,
             "\nleak check       {} tokens still held after the drain, {} sessions open, \
-             accounting {}; {} invariant audits",
+             accounting {}; invariant audits: {}",
             self.leaked_tokens,
             self.open_sessions_at_end,
             if self.accounting_balanced {
@@ -297,5 +451,49 @@ mod tests {
         r.derive_ratios();
         assert!((r.hit_ratio.overall - 0.4).abs() < 1e-12);
         assert!((r.achieved_over_ideal - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn sizes_print_in_binary_units_and_counts_grouped() {
+        assert_eq!(fmt_bytes(0), "0 B");
+        assert_eq!(fmt_bytes(1023), "1023 B");
+        assert_eq!(fmt_bytes(2 << 20), "2 MiB");
+        assert_eq!(fmt_bytes(128 << 30), "128 GiB");
+        assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(fmt_bytes(u64::MAX), "16 EiB");
+        assert_eq!(fmt_count(0), "0");
+        assert_eq!(fmt_count(999), "999");
+        assert_eq!(fmt_count(1000), "1,000");
+        assert_eq!(fmt_count(15_205_203), "15,205,203");
+    }
+
+    #[test]
+    fn a_tier_that_does_not_exist_is_not_printed() {
+        let mut r = Report {
+            config: "hicache".into(),
+            ..Default::default()
+        };
+        r.page_bytes = r.effective_config.manager.model.page_bytes();
+        let text = r.to_string();
+        assert!(text.contains("device pool      1M tokens (65,536 pages, 128 GiB modeled)"));
+        assert!(!text.contains("host"), "{text}");
+        assert!(!text.contains("transfers"), "{text}");
+        assert!(!text.contains("sessions  "), "{text}");
+        r.effective_config.manager.cache =
+            CacheKind::HiCache(radixkv_scheduler_api::config::HostTier::ratio(1 << 20, 4.0));
+        r.page_bytes = r.effective_config.manager.model.page_bytes();
+        let text = r.to_string();
+        assert!(
+            text.contains("host pool        4M tokens (262,144 pages, 512 GiB modeled)"),
+            "{text}"
+        );
+        assert!(text.contains("transfers"), "{text}");
+        assert!(r.table_row().split_whitespace().nth(3) != Some("-"));
+        let radix = Report {
+            config: "radix-lru".into(),
+            ..Default::default()
+        };
+        assert_eq!(radix.table_row().split_whitespace().nth(3), Some("-"));
+        assert_eq!(radix.table_row().split_whitespace().nth(6), Some("-"));
     }
 }

@@ -119,7 +119,27 @@ impl Progress for () {
 /// [`ManagerError::PoolTooSmall`] when some request can never fit, configuration errors, and
 /// any error of the manager (which would be a bug).
 pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
+    let ideal = ideal_hits(trace, cfg.manager.model.page_size);
+    replay_with_ideal(trace, cfg, &ideal, progress)
+}
+
+/// [`replay`] with the trace's infinite-cache ideal already computed by [`ideal_hits`] (at
+/// `cfg`'s page size), so that a comparison computes it once and every configuration reports
+/// the same figure.
+pub(super) fn replay_with_ideal(
+    trace: &Trace,
+    cfg: &SimConfig,
+    ideal: &[u64],
+    progress: &mut dyn Progress,
+) -> Result<Report> {
     let started = Instant::now();
+    if ideal.len() != trace.requests.len() {
+        return Err(ManagerError::Config(format!(
+            "the ideal covers {} requests, the trace has {}",
+            ideal.len(),
+            trace.requests.len()
+        )));
+    }
     if trace.requests.is_empty() {
         return Err(ManagerError::Trace {
             path: trace.name.clone(),
@@ -152,7 +172,7 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
         decode_batch: Vec::new(),
         trace,
         cfg,
-        ideal_hits: ideal_hits(trace, &cfg.manager),
+        ideal_hits: ideal,
         waiting: VecDeque::new(),
         running: Vec::new(),
         now_us: 0.0,
@@ -160,6 +180,7 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
         ttft_ms: Vec::with_capacity(trace.requests.len()),
         report: Report {
             config: cfg.manager.label(),
+            effective_config: cfg.clone(),
             trace: trace.name.clone(),
             page_bytes: cfg.manager.model.page_bytes(),
             ..Default::default()
@@ -182,17 +203,22 @@ pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Re
     sim.finish(&kv, started)
 }
 
-/// The infinite-cache ideal of every request. First admissions happen in arrival order (the
-/// queue is FCFS and only already-admitted requests are pushed back to its front), so the
-/// ideal is computed in a pass of its own before the replay: its hash set is large, and
-/// building it between manager calls would only evict the manager's data from the CPU caches.
-fn ideal_hits(trace: &Trace, m: &ManagerConfig) -> Vec<u64> {
-    let mut ideal = IdealCache::new(m.model.page_size);
+/// The infinite-cache ideal of every request, at pages of `page_size` tokens. First
+/// admissions happen in arrival order (the queue is FCFS and only already-admitted requests
+/// are pushed back to its front), so the ideal is computed in a pass of its own before the
+/// replay: its hash set is large, and building it between manager calls would only evict the
+/// manager's data from the CPU caches.
+///
+/// The ideal is a property of the trace, not of the configuration: a turn of a conversation
+/// may also reuse its conversation's unaligned history (as a streaming session does), whether
+/// or not the configuration under test has sessions. So it bounds every configuration, and
+/// every row of a comparison reports the same figure (a configuration without sessions can
+/// then reach only the page-aligned part of it).
+pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
+    let mut ideal = IdealCache::new(page_size);
     let mut left: HashMap<u64, u32> = HashMap::default();
-    if m.sessions.is_some() {
-        for s in trace.requests.iter().filter_map(|r| r.session) {
-            *left.entry(s).or_default() += 1;
-        }
+    for s in trace.requests.iter().filter_map(|r| r.session) {
+        *left.entry(s).or_default() += 1;
     }
     trace
         .requests
@@ -200,7 +226,7 @@ fn ideal_hits(trace: &Trace, m: &ManagerConfig) -> Vec<u64> {
         .map(|r| {
             let prompt = r.prompt_tokens();
             let output = r.output_tokens();
-            let hit = match r.session.filter(|s| left.contains_key(s)) {
+            let hit = match r.session {
                 Some(s) => {
                     let hit = ideal.admit_turn(s, &prompt, &output);
                     if let Some(n) = left.get_mut(&s) {
@@ -244,7 +270,7 @@ struct Sim<'a> {
     trace: &'a Trace,
     cfg: &'a SimConfig,
     /// Per request, what the infinite cache reuses at its first admission.
-    ideal_hits: Vec<u64>,
+    ideal_hits: &'a [u64],
     waiting: VecDeque<Job>,
     running: Vec<Job>,
     now_us: f64,
