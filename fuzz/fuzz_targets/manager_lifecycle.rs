@@ -132,8 +132,7 @@ fn config(s: &Setup) -> ManagerConfig {
                 1 => WritePolicy::WriteThroughSelective { hits: 2 },
                 _ => WritePolicy::WriteBack,
             },
-            eviction: None,
-            storage: None,
+            ..HostTier::ratio(0, 0.0)
         }),
     };
     let budget = usize::from(s.budget_pages) * p;

@@ -10,8 +10,8 @@
 //! |---------------------------------|----------------------------------------------------|
 //! | `disabled`, `radix`             | `RadixCache`                                       |
 //! | `radix` + sessions              | `SessionAwareCache<RadixCache, SimClock>`          |
-//! | `hi_cache`                      | [`Tiered`]: `HiRadixCache<HostSim>`                |
-//! | `hi_cache` + sessions           | `SessionAwareCache<Tiered, SimClock>`              |
+//! | `hicache`                       | [`Tiered`]: `HiRadixCache<HostSim>`                |
+//! | `hicache` + sessions            | `SessionAwareCache<Tiered, SimClock>`              |
 //!
 //! The CUDA backend and the hybrid (Mamba / SWA) pools are still [`ManagerError::NotWired`];
 //! the storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].

@@ -90,7 +90,9 @@ mod tiered;
 pub mod trace;
 
 pub use builder::ManagerBuilder;
-pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
+pub use config::{
+    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy,
+};
 pub use error::{ManagerError, Result};
 pub use manager::{
     Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,

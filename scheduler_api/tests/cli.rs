@@ -298,7 +298,7 @@ fn config_files_with_a_storage_tier_or_an_overflowing_geometry_are_refused() {
     let f = dir.join("kv.toml");
     for (config, error) in [
         (
-            "[cache]\nkind = \"hi_cache\"\nhost_tokens = 65536\n\
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
              [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
             "the storage tier (L3) is not implemented yet",
         ),

@@ -406,7 +406,7 @@ fn kv_events_are_drained_for_routers() {
 #[test]
 fn config_files_build_every_wired_kind() {
     let cfg = radixkv_scheduler_api::ManagerConfig::from_toml_str(
-        "device_tokens = 8192\n[cache]\nkind = \"hi_cache\"\nhost_tokens = 32768\n",
+        "device_tokens = 8192\n[cache]\nkind = \"hicache\"\nhost_tokens = 32768\n",
     )
     .unwrap();
     let kv = KvCacheManager::new(cfg).unwrap();

@@ -209,7 +209,7 @@ impl Harness {
             .device_tokens(DEVICE_TOKENS)
             .page_size(P)
             .max_rows(SLOTS + SESSIONS as usize + 1);
-        if let Some(w) = setup.hicache.clone() {
+        if let Some(w) = setup.hicache {
             b = b.host_tier(HostTier::ratio(DEVICE_TOKENS, 2.0).write_policy(w));
         }
         if setup.sessions {
