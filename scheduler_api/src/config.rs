@@ -19,6 +19,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ManagerError, Result};
 
+/// A commented example of a manager configuration in TOML, naming every key with its default
+/// and valid values: the same text the README shows and `radixkv config --example` prints.
+/// It parses ([`ManagerConfig::from_toml_str`]) and builds a manager (a HiCache with sessions).
+pub const EXAMPLE_TOML: &str = include_str!("../config.example.toml");
+
 /// Model geometry: what one token of KV costs and how the pools are paged.
 ///
 /// These are the *modeled* bytes: the cost model's transfer times and every byte count in the
@@ -865,6 +870,37 @@ mod tests {
             "load_back_quota_tokens = 64",
         );
         ManagerConfig::from_toml_str(&ok).unwrap();
+    }
+
+    #[test]
+    fn the_example_parses_builds_and_is_the_readme_s() {
+        let c = ManagerConfig::from_toml_str(EXAMPLE_TOML).unwrap();
+        // The defaults its comments name are the defaults.
+        let d = ManagerConfig::default();
+        assert_eq!(c.device_tokens, d.device_tokens);
+        assert_eq!(c.max_rows, d.max_rows);
+        assert_eq!(c.eviction, d.eviction);
+        assert_eq!(c.reserve_clip_tokens, d.reserve_clip_tokens);
+        assert_eq!(c.event_capacity, d.event_capacity);
+        assert_eq!(c.model, d.model);
+        assert_eq!(c.sim_geometry, d.sim_geometry);
+        assert_eq!(c.sessions, Some(SessionBudget::default()));
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("the example configures a host tier: {c:?}")
+        };
+        let defaults = HostTier::ratio(0, 0.0);
+        assert_eq!(h.write_policy, defaults.write_policy);
+        assert_eq!(h.host_layout, defaults.host_layout);
+        assert_eq!(h.max_pending_ops, defaults.max_pending_ops);
+        assert!(c.events);
+        let kv = crate::KvCacheManager::new(c).unwrap();
+        assert_eq!(kv.accounting().total, 1 << 20);
+        assert_eq!(kv.open_sessions(), 0);
+        let readme = include_str!("../../README.md");
+        assert!(
+            readme.contains(&format!("```toml\n{EXAMPLE_TOML}```")),
+            "README.md must show scheduler_api/config.example.toml verbatim in a toml block"
+        );
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! `radixkv` (or `radixkv demo`) runs the built-in synthetic multi-turn chat workload;
 //! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file;
 //! `radixkv analyze --trace FILE --format ... [--capacity-tokens N ...] [--json]` analyses one
-//! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy).
+//! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy);
+//! `radixkv config [--example]` prints the effective manager configuration as TOML, or a
+//! commented example of every key.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -87,6 +89,13 @@ enum Cmd {
         /// Mean gap between conversation starts for weka traces (seconds).
         #[arg(long, default_value_t = 2.0)]
         conversation_gap_s: f64,
+    },
+    /// Print a manager configuration as TOML: the effective one (defaults, then --config,
+    /// then the flags), or with --example a commented example naming every key.
+    Config {
+        /// Print the commented example configuration (every key, its default and valid values).
+        #[arg(long)]
+        example: bool,
     },
 }
 
@@ -211,6 +220,17 @@ fn run(cli: Cli) -> Result<()> {
                 conversation_gap_s: gap(conversation_gap_s)?,
             };
             return analyze(&trace, &format, &capacity_tokens, &opts, &cli.run);
+        }
+        Some(Cmd::Config { example }) => {
+            if example {
+                print!("{}", radixkv_scheduler_api::config::EXAMPLE_TOML);
+            } else {
+                let cfg = sim_config(&cli.run)?;
+                let text = toml::to_string(&cfg.manager)
+                    .map_err(|e| ManagerError::Config(format!("TOML: {e}")))?;
+                print!("{text}");
+            }
+            return Ok(());
         }
         None => {
             let w = demo(SyntheticChat::default().conversations, &cli.run)?;
