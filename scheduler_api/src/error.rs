@@ -4,7 +4,10 @@ use radixkv_radix::{CacheError, InvariantViolation};
 
 /// Everything the manager and the replay tool can refuse. Messages name the problem so the
 /// `radixkv` binary can print them as they are.
+///
+/// Non-exhaustive: new failure kinds may be added, so a `match` needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ManagerError {
     /// An impossible or malformed configuration.
     #[error("invalid configuration: {0}")]
@@ -23,12 +26,21 @@ pub enum ManagerError {
         /// The feature.
         what: &'static str,
     },
-    /// An error of the underlying cache.
+    /// An error of the underlying cache (never [`CacheError::Session`]: that converts to
+    /// [`ManagerError::Session`]).
     #[error(transparent)]
-    Cache(#[from] CacheError),
-    /// An error of the session layer (unknown session, already open, ...).
+    Cache(CacheError),
+    /// An error of the session layer (unknown session, already open, a turn that does not
+    /// extend its session, ...), typed, whichever call reported it.
     #[error(transparent)]
     Session(#[from] radixkv_session::SessionError),
+    /// A session call (a request tagged with a session, `open_session`, `close_session`) on a
+    /// manager configured without sessions.
+    #[error("session {session}: sessions are off in this configuration (no [sessions] section)")]
+    SessionsOff {
+        /// The session named.
+        session: u64,
+    },
     /// An error of the host tier (a failed or refused copy, a host-pool configuration).
     #[error("host tier: {0}")]
     Tier(#[from] radixkv_hicache::HiCacheError),
@@ -84,6 +96,17 @@ pub enum ManagerError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// A session refusal reported through a cache method keeps its type: it becomes
+/// [`ManagerError::Session`], every other cache error [`ManagerError::Cache`].
+impl From<CacheError> for ManagerError {
+    fn from(e: CacheError) -> Self {
+        match e {
+            CacheError::Session(f) => ManagerError::Session(f.into()),
+            other => ManagerError::Cache(other),
+        }
+    }
 }
 
 /// Shorthand result type.

@@ -306,7 +306,8 @@ impl KvCacheManager {
     /// Registers a request; it waits until [`Self::admit`] succeeds.
     ///
     /// # Errors
-    /// [`ManagerError::Lifecycle`] for an empty prompt.
+    /// [`ManagerError::Lifecycle`] for an empty prompt; [`ManagerError::SessionsOff`] for a
+    /// request tagged with a session on a manager without sessions.
     pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
         if req.tokens.is_empty() {
             return Err(ManagerError::Lifecycle {
@@ -323,13 +324,16 @@ impl KvCacheManager {
         let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
-        // Only a session layer gives the tag a meaning; without one it would be ignored anyway.
-        // A session is opened (streaming) the first time one of its requests arrives. A turn
-        // of a session whose close is still deferred (the cache knows it, this manager closed
-        // it) runs untagged: the session is on its way out, and a turn arriving after the
-        // close completes opens it afresh.
+        // Only a session layer gives the tag a meaning: without one, a tag is refused rather
+        // than ignored. A session is opened (streaming) the first time one of its requests
+        // arrives. A turn of a session whose close is still deferred (the cache knows it, this
+        // manager closed it) runs untagged: the session is on its way out, and a turn arriving
+        // after the close completes opens it afresh.
+        if let (None, Some(session)) = (&self.cfg.sessions, req.session) {
+            return Err(ManagerError::SessionsOff { session });
+        }
         let closing = |sid| !self.sessions_open.contains(&sid) && self.cache.has_session(sid);
-        if let (Some(_), Some(sid)) = (&self.cfg.sessions, req.session.filter(|&s| !closing(s))) {
+        if let Some(sid) = req.session.filter(|&s| !closing(s)) {
             if !self.sessions_open.contains(&sid) {
                 self.cache.open_session(sid, true, None)?;
                 self.sessions_open.insert(sid);
@@ -687,11 +691,11 @@ impl KvCacheManager {
     /// Closes a session: whatever KV it holds is released to the cache. While a turn of it
     /// is running the close is deferred to that turn's end ([`CloseOutcome::Deferred`]);
     /// turns of the session arriving meanwhile run as ordinary requests (untagged), and one
-    /// arriving after the close opens the session afresh. Without a session layer there is
-    /// nothing to close and the answer is [`CloseOutcome::Closed`].
+    /// arriving after the close opens the session afresh.
     ///
     /// # Errors
-    /// Session-layer errors ([`ManagerError::Session`] for a session that is not open).
+    /// [`ManagerError::SessionsOff`] on a manager without sessions; session-layer errors
+    /// ([`ManagerError::Session`] for a session that is not open).
     pub fn close_session(&mut self, session: u64) -> Result<CloseOutcome> {
         let outcome = self.cache.close_session(session)?;
         self.sessions_open.remove(&session);
@@ -703,8 +707,8 @@ impl KvCacheManager {
     /// streaming session on arrival). `ttl_ms` overrides the configured idle TTL.
     ///
     /// # Errors
-    /// [`ManagerError::Config`] when sessions are off; [`ManagerError::Session`] when it is
-    /// already open.
+    /// [`ManagerError::SessionsOff`] when sessions are off; [`ManagerError::Session`] when it
+    /// is already open.
     pub fn open_session(
         &mut self,
         session: u64,

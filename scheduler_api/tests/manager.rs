@@ -567,8 +567,54 @@ fn session_ttl_runs_on_the_manager_clock() {
     let mut plain = plain;
     assert!(matches!(
         plain.open_session(1, true, None),
-        Err(ManagerError::Config(_))
+        Err(ManagerError::SessionsOff { session: 1 })
     ));
+}
+
+#[test]
+fn a_session_tag_on_a_manager_without_sessions_is_refused() {
+    let mut kv = manager(4096, 4);
+    let mut req = Request::new((0..12).collect()).max_new_tokens(4);
+    req.session = Some(5);
+    assert_eq!(
+        kv.arrive(req.clone()),
+        Err(ManagerError::SessionsOff { session: 5 })
+    );
+    assert_eq!(kv.metrics().counters.arrived, 0, "nothing was registered");
+    assert_eq!(
+        kv.close_session(5),
+        Err(ManagerError::SessionsOff { session: 5 })
+    );
+    // The same request untagged runs.
+    req.session = None;
+    let r = kv.arrive(req).unwrap();
+    assert!(matches!(kv.admit(r).unwrap(), Admission::Ready(_)));
+}
+
+#[test]
+fn session_refusals_keep_their_type_through_cache_errors() {
+    use radixkv_radix::{CacheError, SessionFault};
+    use radixkv_session::SessionError;
+    let e = ManagerError::from(CacheError::Session(SessionFault::NotExtending {
+        id: 3,
+        history_len: 40,
+    }));
+    assert_eq!(
+        e,
+        ManagerError::Session(SessionError::NotExtending {
+            id: 3,
+            history_len: 40
+        })
+    );
+    assert_eq!(
+        ManagerError::from(CacheError::Session(SessionFault::Busy(3))),
+        ManagerError::Session(SessionError::Busy(3))
+    );
+    // Other cache errors stay cache errors.
+    assert_eq!(
+        ManagerError::from(CacheError::EmptyKey),
+        ManagerError::Cache(CacheError::EmptyKey)
+    );
 }
 
 /// A write-through HiCache manager whose 64-token device pool holds one 41-token request.
