@@ -55,6 +55,13 @@ pub enum ManagerError {
         /// What was wrong.
         what: &'static str,
     },
+    /// An operation that needs an idle manager (e.g. [`reset`](crate::KvCacheManager::reset))
+    /// while requests are still registered.
+    #[error("the manager is busy: {requests} requests are registered (finish or abort them first)")]
+    Busy {
+        /// Requests registered (running or waiting).
+        requests: usize,
+    },
     /// Not enough device memory even after evicting everything evictable.
     #[error("out of device memory: needed {needed} tokens, {available} available")]
     OutOfMemory {

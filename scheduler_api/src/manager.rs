@@ -582,6 +582,15 @@ impl KvCacheManager {
         Ok(self.cache.pools().rows.pages(row)?)
     }
 
+    /// [`Self::pages`] as the `u32` page indices a kernel's page table holds, without a copy
+    /// (see [`PageId::as_u32_slice`]): upload this slice as the request's row.
+    ///
+    /// # Errors
+    /// As [`Self::pages`].
+    pub fn pages_as_u32(&self, id: ReqId) -> Result<&[u32]> {
+        self.pages(id).map(PageId::as_u32_slice)
+    }
+
     /// Tokens of the request so far (prompt, then prompt + decoded tokens).
     ///
     /// # Errors
@@ -701,6 +710,38 @@ impl KvCacheManager {
         self.sessions_open.remove(&session);
         self.session_use.remove(&session);
         Ok(outcome)
+    }
+
+    /// Drops every cached KV, on every tier (the device pool and the host tier), as after a
+    /// weight update or when a router asks for a clean slate. Open sessions stay open but lose
+    /// their KV (it is demoted to the tree, then dropped with it): their next turn recomputes.
+    /// With events on, the cache reports [`KvEvent::AllBlocksCleared`], which supersedes
+    /// every event not drained yet. Counters keep counting (they never go backwards); the
+    /// pools are all free afterwards.
+    ///
+    /// # Errors
+    /// [`ManagerError::Busy`] while any request is registered, running or waiting (nothing
+    /// changes then); a cache error if a host transfer cannot be completed.
+    pub fn reset(&mut self) -> Result<()> {
+        if self.requests.len() > 0 {
+            return Err(ManagerError::Busy {
+                requests: self.requests.len(),
+            });
+        }
+        let mut ids: Vec<u64> = self.sessions_open.iter().copied().collect();
+        ids.sort_unstable();
+        for sid in ids {
+            if self.cache.demote_session(sid)? {
+                self.metrics.counters.session_demotions += 1;
+            }
+        }
+        self.cache.reset()?;
+        if self.cfg.events {
+            let ev = self.cache.take_events();
+            self.metrics.counters.kv_events += ev.len() as u64;
+            self.events.extend(ev);
+        }
+        Ok(())
     }
 
     /// Opens a session explicitly (requests carrying an unknown session id open it as a
