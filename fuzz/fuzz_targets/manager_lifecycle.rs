@@ -132,8 +132,7 @@ fn config(s: &Setup) -> ManagerConfig {
                 1 => WritePolicy::WriteThroughSelective { hits: 2 },
                 _ => WritePolicy::WriteBack,
             },
-            eviction: None,
-            storage: None,
+            ..HostTier::ratio(0, 0.0)
         }),
     };
     let budget = usize::from(s.budget_pages) * p;
@@ -261,7 +260,11 @@ impl Harness {
                 });
             }
             Err(e) => assert!(
-                t.is_empty() && matches!(e, ManagerError::Lifecycle { .. }),
+                (t.is_empty() && matches!(e, ManagerError::Lifecycle { .. }))
+                    || (!t.is_empty()
+                        && !self.sessions
+                        && session.is_some()
+                        && matches!(e, ManagerError::SessionsOff { .. })),
                 "{e}"
             ),
         }
@@ -420,13 +423,17 @@ impl Harness {
                     .kv
                     .open_session(u64::from(sid % 4), *streaming, ttl.map(u64::from));
                 if !self.sessions {
-                    assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
+                    assert!(matches!(r, Err(ManagerError::SessionsOff { .. })), "{r:?}");
                 }
             }
             Op::CloseSession(sid) => {
                 let r = self.kv.close_session(u64::from(sid % 4));
                 assert!(
-                    r.is_ok() || matches!(r, Err(ManagerError::Session(_))),
+                    if self.sessions {
+                        r.is_ok() || matches!(r, Err(ManagerError::Session(_)))
+                    } else {
+                        matches!(r, Err(ManagerError::SessionsOff { .. }))
+                    },
                     "{r:?}"
                 );
             }

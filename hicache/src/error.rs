@@ -6,7 +6,10 @@ use crate::backend::StreamKind;
 use crate::controller::PoolName;
 
 /// Errors of the host pool, the device backends and the controller.
+///
+/// Non-exhaustive: new failure kinds may be added, so a `match` needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum HiCacheError {
     /// Not enough free host pages.
     #[error("host pool full: needed {needed} pages, {available} free")]

@@ -79,8 +79,14 @@ impl KvGeometry {
     }
 }
 
-/// How the host pool orders its bytes.
+/// How the host pool orders its bytes. With the `serde` feature it (de)serializes as
+/// `"layer_first"` / `"page_first"`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum HostLayout {
     /// `[layer][page][page bytes]`, like the device pool: a run of pages in one layer is one
     /// contiguous copy. Best for per-layer loads.

@@ -4,7 +4,10 @@
 use crate::types::{NodeId, PageId, RowId};
 
 /// Errors returned by the allocators, the tree and every [`crate::PrefixCache`].
+///
+/// Non-exhaustive: new failure kinds may be added, so a `match` needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CacheError {
     /// A key that must hold at least one page was empty.
     #[error("empty key")]
@@ -70,9 +73,10 @@ pub enum CacheError {
     /// The request is not in a state that allows the operation.
     #[error("invalid request state: {0}")]
     InvalidRequestState(&'static str),
-    /// A session-level error (unknown session, non-extending prompt, ...).
+    /// A session-level refusal (unknown session, non-extending prompt, ...), typed, as a
+    /// session cache reports it through the [`crate::PrefixCache`] methods.
     #[error("session error: {0}")]
-    Session(String),
+    Session(SessionFault),
     /// A configuration value is impossible.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -90,6 +94,34 @@ pub enum CacheError {
         /// What it returned.
         node: NodeId,
     },
+}
+
+/// Why a session layer refused an operation, carried by [`CacheError::Session`]. The session
+/// crate's `SessionError` has the same cases (plus its inner cache's errors) and converts both
+/// ways, so the reason keeps its type through a [`crate::PrefixCache`] method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionFault {
+    /// No open session has this id.
+    #[error("unknown session {0}")]
+    Unknown(u64),
+    /// A session with this id is already open.
+    #[error("session {0} is already open")]
+    AlreadyOpen(u64),
+    /// A streaming turn whose prompt does not extend the session's previous tokens.
+    #[error("turn of session {id} does not extend its previous {history_len} tokens")]
+    NotExtending {
+        /// The session.
+        id: u64,
+        /// Tokens of the previous turns (prompt + output).
+        history_len: usize,
+    },
+    /// A streaming session already has a turn in flight.
+    #[error("session {0} already has a turn in flight")]
+    Busy(u64),
+    /// The session is closing.
+    #[error("session {0} is closing")]
+    Closing(u64),
 }
 
 /// Shorthand result type.

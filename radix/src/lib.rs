@@ -58,7 +58,7 @@ pub use alloc::{
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
 };
-pub use error::{CacheError, InvariantViolation, Result};
+pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};

@@ -7,10 +7,24 @@ use std::sync::Arc;
 pub type TokenId = u32;
 
 /// Index of one page in the device KV pool. A page holds `page_size` consecutive token slots.
+///
+/// `#[repr(transparent)]` over `u32`: a row of pages is laid out exactly like the `u32` page
+/// table an attention kernel reads, so [`PageId::as_u32_slice`] hands it over without a copy.
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
 pub struct PageId(pub u32);
 
 impl PageId {
+    /// The page indices of `pages` as `u32`s, without a copy: what a page table upload (a
+    /// host-to-device copy of a request's row) takes.
+    #[inline]
+    pub fn as_u32_slice(pages: &[PageId]) -> &[u32] {
+        // SAFETY: `PageId` is `#[repr(transparent)]` over `u32`, so `[PageId]` and `[u32]`
+        // have the same size, alignment and element layout, and every `u32` is a valid value.
+        // The slice keeps the pointer, the length and the borrow's lifetime of `pages`.
+        unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
+    }
+
     /// The first KV slot of this page for a pool with `page_size` tokens per page (saturating
     /// for a page and page size that no pool has: a pool's token count fits `usize`).
     #[inline]
@@ -243,4 +257,25 @@ pub fn align_down(n: usize, page_size: usize) -> usize {
 #[inline]
 pub fn pages_for(n: usize, page_size: usize) -> usize {
     n.div_ceil(page_size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PageId;
+
+    #[test]
+    fn a_row_of_pages_is_its_u32_page_table_without_a_copy() {
+        assert_eq!(size_of::<PageId>(), size_of::<u32>());
+        assert_eq!(align_of::<PageId>(), align_of::<u32>());
+        let row = [PageId(7), PageId(0), PageId(u32::MAX), PageId(42)];
+        let table = PageId::as_u32_slice(&row);
+        assert_eq!(table, &[7, 0, u32::MAX, 42]);
+        assert_eq!(
+            table.as_ptr().cast::<PageId>(),
+            row.as_ptr(),
+            "the same memory"
+        );
+        assert_eq!(PageId::as_u32_slice(&row[1..3]), &[0, u32::MAX]);
+        assert!(PageId::as_u32_slice(&[]).is_empty());
+    }
 }

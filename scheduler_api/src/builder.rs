@@ -79,7 +79,28 @@ impl ManagerBuilder {
         self
     }
 
-    /// A host tier (turns the cache into HiCache).
+    /// A host tier (turns the cache into HiCache). Every knob of the tier is a setter of
+    /// [`HostTier`], checked when the manager is built:
+    ///
+    /// ```
+    /// use radixkv_scheduler_api::{HostLayout, HostTier, KvCacheManager, ManagerError, WritePolicy};
+    ///
+    /// let tier = HostTier::ratio(4096, 4.0)
+    ///     .write_policy(WritePolicy::WriteThroughSelective { hits: 3 })
+    ///     .host_layout(HostLayout::LayerFirst)
+    ///     .load_back_min_tokens(32)
+    ///     .load_back_quota_tokens(Some(2048))
+    ///     .max_pending_ops(64);
+    /// let kv = KvCacheManager::builder().device_tokens(4096).host_tier(tier.clone()).build()?;
+    /// assert_eq!(kv.config().label(), "hicache-lru-wts3+host16K");
+    /// // A quota below the load-back minimum could never load anything: refused.
+    /// let bad = KvCacheManager::builder()
+    ///     .device_tokens(4096)
+    ///     .host_tier(tier.load_back_quota_tokens(Some(16)))
+    ///     .build();
+    /// assert!(matches!(bad, Err(ManagerError::Config(_))));
+    /// # Ok::<(), ManagerError>(())
+    /// ```
     pub fn host_tier(mut self, h: HostTier) -> Self {
         self.cfg.cache = CacheKind::HiCache(h);
         self

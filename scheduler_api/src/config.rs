@@ -13,10 +13,16 @@
 
 use std::path::Path;
 
+pub use radixkv_hicache::{HostLayout, WritePolicy};
 use radixkv_radix::PolicyKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ManagerError, Result};
+
+/// A commented example of a manager configuration in TOML, naming every key with its default
+/// and valid values: the same text the README shows and `radixkv config --example` prints.
+/// It parses ([`ManagerConfig::from_toml_str`]) and builds a manager (a HiCache with sessions).
+pub const EXAMPLE_TOML: &str = include_str!("../config.example.toml");
 
 /// Model geometry: what one token of KV costs and how the pools are paged.
 ///
@@ -103,11 +109,14 @@ pub enum CacheKind {
     /// Device-only radix cache.
     #[default]
     Radix,
-    /// Device + host tiers.
+    /// Device + host tiers (`kind = "hicache"`).
+    #[serde(rename = "hicache")]
     HiCache(HostTier),
 }
 
-/// The host tier (L2) of a hierarchical cache.
+/// The host tier (L2) of a hierarchical cache: every knob of the HiCache host tier the
+/// manager builds (`radixkv_hicache::HiCacheConfig`), except the extra (hybrid) pools, which
+/// are not wired yet.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostTier {
@@ -118,12 +127,28 @@ pub struct HostTier {
     /// a load waits ([`WaitReason::TransfersBusy`](crate::WaitReason::TransfersBusy)).
     #[serde(default = "default_max_pending_ops")]
     pub max_pending_ops: usize,
-    /// When device pages are written to the host.
-    #[serde(default)]
+    /// When device pages are written to the host: `"write_through"` (the default),
+    /// `"write_through_selective"` (after 2 hits) or `"write_through_selective:N"` (after `N`
+    /// hits, at least 1), `"write_back"`.
+    #[serde(default = "default_write_policy")]
     pub write_policy: WritePolicy,
     /// Eviction policy of the host tier (absent: the device tier's `eviction`).
     #[serde(default)]
     pub eviction: Option<Eviction>,
+    /// Byte order of the host pool: `"page_first"` (the default: all layers of a page
+    /// contiguous) or `"layer_first"` (like the device pool: a run of pages in one layer is
+    /// one copy).
+    #[serde(default = "default_host_layout")]
+    pub host_layout: HostLayout,
+    /// Host hits shorter than this many tokens (rounded up to whole pages) are recomputed
+    /// instead of loaded back (default 10: one page at most page sizes).
+    #[serde(default = "default_load_back_min_tokens")]
+    pub load_back_min_tokens: usize,
+    /// A host hit longer than this many tokens is not loaded back at all (the request
+    /// recomputes it); absent: no limit. At least one page and at least
+    /// `load_back_min_tokens` (rounded up to whole pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_back_quota_tokens: Option<usize>,
     /// Must stay `None`: the storage tier (L3) is not implemented yet, and
     /// [`ManagerConfig::validate`] refuses any value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -131,13 +156,17 @@ pub struct HostTier {
 }
 
 impl HostTier {
-    /// A host tier `ratio` times the size of a `device_tokens` pool, write-through.
+    /// A host tier `ratio` times the size of a `device_tokens` pool, write-through, every other
+    /// knob at its default.
     pub fn ratio(device_tokens: usize, ratio: f64) -> Self {
         HostTier {
             host_tokens: (device_tokens as f64 * ratio.max(0.0)) as usize,
             max_pending_ops: default_max_pending_ops(),
-            write_policy: WritePolicy::default(),
+            write_policy: default_write_policy(),
             eviction: None,
+            host_layout: default_host_layout(),
+            load_back_min_tokens: default_load_back_min_tokens(),
+            load_back_quota_tokens: None,
             storage: None,
         }
     }
@@ -153,50 +182,74 @@ impl HostTier {
         self.eviction = Some(Eviction(p));
         self
     }
+
+    /// The same tier with another host pool layout.
+    pub fn host_layout(mut self, l: HostLayout) -> Self {
+        self.host_layout = l;
+        self
+    }
+
+    /// The same tier with another load-back minimum (tokens).
+    pub fn load_back_min_tokens(mut self, n: usize) -> Self {
+        self.load_back_min_tokens = n;
+        self
+    }
+
+    /// The same tier with a load-back quota (tokens; `None`: no limit).
+    pub fn load_back_quota_tokens(mut self, n: Option<usize>) -> Self {
+        self.load_back_quota_tokens = n;
+        self
+    }
+
+    /// The same tier with another limit of pending transfers per direction.
+    pub fn max_pending_ops(mut self, n: usize) -> Self {
+        self.max_pending_ops = n;
+        self
+    }
+
+    /// Checks the tier's knobs against a pool of `page_size`-token pages.
+    fn validate(&self, page_size: usize) -> Result<()> {
+        let bad = |m: String| Err(ManagerError::Config(m));
+        if self.host_tokens < page_size {
+            return bad(format!(
+                "host pool of {} tokens is smaller than one page of {page_size} tokens",
+                self.host_tokens
+            ));
+        }
+        if let WritePolicy::WriteThroughSelective { hits: 0 } = self.write_policy {
+            return bad("write_through_selective needs a hit threshold of at least 1".into());
+        }
+        if self.max_pending_ops == 0 {
+            return bad("the host tier must allow at least one pending transfer".into());
+        }
+        if let Some(q) = self.load_back_quota_tokens {
+            let min_pages = self.load_back_min_tokens.div_ceil(page_size).max(1);
+            let floor = min_pages.saturating_mul(page_size);
+            if q < floor {
+                return bad(format!(
+                    "load_back_quota_tokens = {q} is below {floor} (one page and \
+                     load_back_min_tokens, in whole pages): nothing would ever be loaded back"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn default_max_pending_ops() -> usize {
     radixkv_hicache::DEFAULT_MAX_PENDING_OPS
 }
 
-/// When device KV is backed up to the host tier.
-#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(tag = "policy", rename_all = "snake_case", deny_unknown_fields)]
-pub enum WritePolicy {
-    /// Back up every inserted page at once.
-    #[default]
-    WriteThrough,
-    /// Back up a page once it has been hit `hits` times.
-    WriteThroughSelective {
-        /// Hit threshold.
-        hits: u32,
-    },
-    /// Back up a page only when it is evicted from the device.
-    WriteBack,
+fn default_write_policy() -> WritePolicy {
+    WritePolicy::WriteThrough
 }
 
-impl WritePolicy {
-    /// A short name for labels: `wt`, `wts2`, `wb`.
-    pub fn short_name(&self) -> String {
-        match self {
-            WritePolicy::WriteThrough => "wt".into(),
-            WritePolicy::WriteThroughSelective { hits } => format!("wts{hits}"),
-            WritePolicy::WriteBack => "wb".into(),
-        }
-    }
+fn default_host_layout() -> HostLayout {
+    HostLayout::PageFirst
+}
 
-    /// Parses `write_through`, `write_through_selective[:N]` or `write_back`.
-    pub fn from_name(s: &str) -> Option<Self> {
-        let (name, arg) = s.split_once(':').unwrap_or((s, ""));
-        match name.replace('-', "_").as_str() {
-            "write_through" => Some(WritePolicy::WriteThrough),
-            "write_back" => Some(WritePolicy::WriteBack),
-            "write_through_selective" => Some(WritePolicy::WriteThroughSelective {
-                hits: if arg.is_empty() { 2 } else { arg.parse().ok()? },
-            }),
-            _ => None,
-        }
-    }
+fn default_load_back_min_tokens() -> usize {
+    radixkv_hicache::HiCacheConfig::default().load_back_min_tokens
 }
 
 /// A storage tier (L3) below the host pool, as a config names one. **Not implemented yet**:
@@ -458,19 +511,8 @@ impl ManagerConfig {
                     what: "the storage tier (L3)",
                 });
             }
-            if h.host_tokens < p {
-                return bad(format!(
-                    "host pool of {} tokens is smaller than one page of {p} tokens",
-                    h.host_tokens
-                ));
-            }
+            h.validate(p)?;
             self.check_pool("host", h.host_tokens / p)?;
-            if let WritePolicy::WriteThroughSelective { hits: 0 } = h.write_policy {
-                return bad("write_through_selective needs a hit threshold of at least 1".into());
-            }
-            if h.max_pending_ops == 0 {
-                return bad("the host tier must allow at least one pending transfer".into());
-            }
         }
         if self.event_capacity == 0 {
             return bad("the KV event buffer must hold at least one event (event_capacity)".into());
@@ -568,9 +610,9 @@ mod tests {
             [model]
             page_size = 32
             [cache]
-            kind = "hi_cache"
+            kind = "hicache"
             host_tokens = 262144
-            write_policy = { policy = "write_through_selective", hits = 2 }
+            write_policy = "write_through_selective:2"
         "#;
         let c = ManagerConfig::from_toml_str(text).unwrap();
         assert_eq!(c.eviction.0, PolicyKind::Sieve);
@@ -585,9 +627,9 @@ mod tests {
         let text = r#"
             eviction = "lru"
             [cache]
-            kind = "hi_cache"
+            kind = "hicache"
             host_tokens = 262144
-            write_policy = { policy = "write_back" }
+            write_policy = "write_back"
             eviction = "reuse"
         "#;
         let c = ManagerConfig::from_toml_str(text).unwrap();
@@ -683,13 +725,13 @@ mod tests {
         };
         let toml = r#"
             [cache]
-            kind = "hi_cache"
+            kind = "hicache"
             host_tokens = 262144
             [cache.storage]
             backend = { type = "redis", url = "redis://localhost" }
         "#;
         refused(ManagerConfig::from_toml_str(toml));
-        let json = r#"{"cache": {"kind": "hi_cache", "host_tokens": 262144,
+        let json = r#"{"cache": {"kind": "hicache", "host_tokens": 262144,
             "storage": {"backend": {"type": "file", "dir": "kv-store"}}}}"#;
         refused(ManagerConfig::from_json_str(json));
         let mut tier = HostTier::ratio(1 << 20, 4.0);
@@ -712,6 +754,160 @@ mod tests {
         };
         c.validate().unwrap();
         assert!(!serde_json::to_string(&c).unwrap().contains("storage"));
+    }
+
+    #[test]
+    fn one_spelling_for_the_kind_and_plain_string_write_policies() {
+        let c = ManagerConfig::from_toml_str(
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\nwrite_policy = \"write_back\"\n",
+        )
+        .unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        assert_eq!(h.write_policy, WritePolicy::WriteBack);
+        // Defaults: write-through, page-first host layout, the tier's load-back minimum.
+        let c = ManagerConfig::from_toml_str("[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n")
+            .unwrap();
+        assert_eq!(
+            c.cache,
+            CacheKind::HiCache(HostTier {
+                host_tokens: 65536,
+                ..HostTier::ratio(0, 0.0)
+            })
+        );
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        assert_eq!(h.write_policy, WritePolicy::WriteThrough);
+        assert_eq!(h.host_layout, HostLayout::PageFirst);
+        // Selective: the bare name means 2 hits, `:N` names them; JSON writes the same string.
+        for (name, hits) in [
+            ("write_through_selective", 2),
+            ("write_through_selective:5", 5),
+        ] {
+            let t = format!(
+                "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\nwrite_policy = \"{name}\"\n"
+            );
+            let c = ManagerConfig::from_toml_str(&t).unwrap();
+            let CacheKind::HiCache(h) = &c.cache else {
+                panic!("{c:?}")
+            };
+            assert_eq!(h.write_policy, WritePolicy::WriteThroughSelective { hits });
+            let json = serde_json::to_string(&c).unwrap();
+            assert!(
+                json.contains(&format!("\"write_through_selective:{hits}\"")),
+                "{json}"
+            );
+        }
+        // The old spellings are refused, not silently mapped.
+        for old in [
+            "[cache]\nkind = \"hi_cache\"\nhost_tokens = 65536\n",
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\nwrite_policy = { policy = \"write_back\" }\n",
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\nwrite_policy = \"sometimes\"\n",
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\nwrite_policy = \"write_through_selective:0\"\n",
+        ] {
+            assert!(
+                matches!(
+                    ManagerConfig::from_toml_str(old),
+                    Err(ManagerError::Config(_))
+                ),
+                "{old}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_host_tier_knob_is_read_and_checked() {
+        let text = r#"
+            [model]
+            page_size = 16
+            [cache]
+            kind = "hicache"
+            host_tokens = 65536
+            max_pending_ops = 8
+            host_layout = "layer_first"
+            load_back_min_tokens = 64
+            load_back_quota_tokens = 4096
+        "#;
+        let c = ManagerConfig::from_toml_str(text).unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        assert_eq!(
+            *h,
+            HostTier::ratio(65536, 1.0)
+                .max_pending_ops(8)
+                .host_layout(HostLayout::LayerFirst)
+                .load_back_min_tokens(64)
+                .load_back_quota_tokens(Some(4096))
+        );
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(ManagerConfig::from_json_str(&json).unwrap(), c);
+        let refused = |from: &str, to: &str, says: &str| {
+            let e = ManagerConfig::from_toml_str(&text.replace(from, to)).unwrap_err();
+            assert!(
+                matches!(e, ManagerError::Config(_)) && e.to_string().contains(says),
+                "{from} -> {to}: {e}"
+            );
+        };
+        refused(
+            "max_pending_ops = 8",
+            "max_pending_ops = 0",
+            "pending transfer",
+        );
+        refused(
+            "\"layer_first\"",
+            "\"diagonal\"",
+            "expected `layer_first` or `page_first`",
+        );
+        // The quota must admit at least one load: a page, and the minimum in whole pages.
+        refused(
+            "load_back_quota_tokens = 4096",
+            "load_back_quota_tokens = 8",
+            "load_back_quota",
+        );
+        refused(
+            "load_back_quota_tokens = 4096",
+            "load_back_quota_tokens = 63",
+            "below 64",
+        );
+        let ok = text.replace(
+            "load_back_quota_tokens = 4096",
+            "load_back_quota_tokens = 64",
+        );
+        ManagerConfig::from_toml_str(&ok).unwrap();
+    }
+
+    #[test]
+    fn the_example_parses_builds_and_is_the_readme_s() {
+        let c = ManagerConfig::from_toml_str(EXAMPLE_TOML).unwrap();
+        // The defaults its comments name are the defaults.
+        let d = ManagerConfig::default();
+        assert_eq!(c.device_tokens, d.device_tokens);
+        assert_eq!(c.max_rows, d.max_rows);
+        assert_eq!(c.eviction, d.eviction);
+        assert_eq!(c.reserve_clip_tokens, d.reserve_clip_tokens);
+        assert_eq!(c.event_capacity, d.event_capacity);
+        assert_eq!(c.model, d.model);
+        assert_eq!(c.sim_geometry, d.sim_geometry);
+        assert_eq!(c.sessions, Some(SessionBudget::default()));
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("the example configures a host tier: {c:?}")
+        };
+        let defaults = HostTier::ratio(0, 0.0);
+        assert_eq!(h.write_policy, defaults.write_policy);
+        assert_eq!(h.host_layout, defaults.host_layout);
+        assert_eq!(h.max_pending_ops, defaults.max_pending_ops);
+        assert!(c.events);
+        let kv = crate::KvCacheManager::new(c).unwrap();
+        assert_eq!(kv.accounting().total, 1 << 20);
+        assert_eq!(kv.open_sessions(), 0);
+        let readme = include_str!("../../README.md");
+        assert!(
+            readme.contains(&format!("```toml\n{EXAMPLE_TOML}```")),
+            "README.md must show scheduler_api/config.example.toml verbatim in a toml block"
+        );
     }
 
     #[test]

@@ -4,7 +4,10 @@ use radixkv_radix::{CacheError, InvariantViolation};
 
 /// Everything the manager and the replay tool can refuse. Messages name the problem so the
 /// `radixkv` binary can print them as they are.
+///
+/// Non-exhaustive: new failure kinds may be added, so a `match` needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ManagerError {
     /// An impossible or malformed configuration.
     #[error("invalid configuration: {0}")]
@@ -33,12 +36,21 @@ pub enum ManagerError {
         /// What does not fit.
         mismatch: BackendMismatch,
     },
-    /// An error of the underlying cache.
+    /// An error of the underlying cache (never [`CacheError::Session`]: that converts to
+    /// [`ManagerError::Session`]).
     #[error(transparent)]
-    Cache(#[from] CacheError),
-    /// An error of the session layer (unknown session, already open, ...).
+    Cache(CacheError),
+    /// An error of the session layer (unknown session, already open, a turn that does not
+    /// extend its session, ...), typed, whichever call reported it.
     #[error(transparent)]
     Session(#[from] radixkv_session::SessionError),
+    /// A session call (a request tagged with a session, `open_session`, `close_session`) on a
+    /// manager configured without sessions.
+    #[error("session {session}: sessions are off in this configuration (no [sessions] section)")]
+    SessionsOff {
+        /// The session named.
+        session: u64,
+    },
     /// An error of the host tier (a failed or refused copy, a host-pool configuration).
     #[error("host tier: {0}")]
     Tier(#[from] radixkv_hicache::HiCacheError),
@@ -56,6 +68,13 @@ pub enum ManagerError {
         engine_id: Option<String>,
         /// What was wrong.
         what: &'static str,
+    },
+    /// An operation that needs an idle manager (e.g. [`reset`](crate::KvCacheManager::reset))
+    /// while requests are still registered.
+    #[error("the manager is busy: {requests} requests are registered (finish or abort them first)")]
+    Busy {
+        /// Requests registered (running or waiting).
+        requests: usize,
     },
     /// Not enough device memory even after evicting everything evictable.
     #[error("out of device memory: needed {needed} tokens, {available} available")]
@@ -105,6 +124,17 @@ fn request_name(id: u64, engine_id: Option<&str>) -> String {
     match engine_id {
         Some(e) => format!("{e:?} ({})", crate::ReqId(id)),
         None => crate::ReqId(id).to_string(),
+    }
+}
+
+/// A session refusal reported through a cache method keeps its type: it becomes
+/// [`ManagerError::Session`], every other cache error [`ManagerError::Cache`].
+impl From<CacheError> for ManagerError {
+    fn from(e: CacheError) -> Self {
+        match e {
+            CacheError::Session(f) => ManagerError::Session(f.into()),
+            other => ManagerError::Cache(other),
+        }
     }
 }
 

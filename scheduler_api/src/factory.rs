@@ -10,9 +10,9 @@
 //! |-------------------------------------|------------------------------------------------|
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `radix` + sessions                  | `SessionAwareCache<RadixCache, SimClock>`      |
-//! | `hi_cache`                          | [`Tiered`]: `HiRadixCache<HostSim>`            |
-//! | `hi_cache` + the engine's backend B | `Tiered<B>`: `HiRadixCache<B>`                 |
-//! | `hi_cache` + sessions               | `SessionAwareCache<Tiered<_>, SimClock>`       |
+//! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
+//! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
+//! | `hicache` + sessions                | `SessionAwareCache<Tiered<_>, SimClock>`       |
 //!
 //! **Device backends.** A host tier needs a [`DeviceBackend`] to copy KV between the device
 //! pool and the host pool. [`build_cache`] builds the one the config names
@@ -120,11 +120,9 @@ pub trait ManagedCache: PrefixCache + Send {
     /// Opens a session (`ttl_ms`: idle TTL overriding the configured one).
     ///
     /// # Errors
-    /// [`ManagerError::Config`] for a cache without sessions; session-layer errors.
-    fn open_session(&mut self, _id: u64, _streaming: bool, _ttl_ms: Option<u64>) -> Result<()> {
-        Err(ManagerError::Config(
-            "sessions are off in this configuration".into(),
-        ))
+    /// [`ManagerError::SessionsOff`] for a cache without sessions; session-layer errors.
+    fn open_session(&mut self, id: u64, _streaming: bool, _ttl_ms: Option<u64>) -> Result<()> {
+        Err(ManagerError::SessionsOff { session: id })
     }
     /// True when session `id` is open.
     fn has_session(&self, _id: u64) -> bool {
@@ -139,9 +137,9 @@ pub trait ManagedCache: PrefixCache + Send {
     /// Closes a session, releasing what it holds (deferred to the end of a turn in flight).
     ///
     /// # Errors
-    /// Session-layer errors.
-    fn close_session(&mut self, _id: u64) -> Result<CloseOutcome> {
-        Ok(CloseOutcome::Closed)
+    /// [`ManagerError::SessionsOff`] for a cache without sessions; session-layer errors.
+    fn close_session(&mut self, id: u64) -> Result<CloseOutcome> {
+        Err(ManagerError::SessionsOff { session: id })
     }
     /// Demotes idle session `id` now (its KV goes to the tree, its slot, row and lock are
     /// released; the session stays open). Returns false when it held nothing idle.
@@ -367,7 +365,15 @@ mod tests {
             assert_eq!(loads.pages, 0);
             assert!(loads.wait.is_none());
             assert_eq!(c.on_end_step().unwrap(), StepTransfers::default());
-            assert!(c.open_session(1, true, None).is_err(), "no sessions here");
+            assert_eq!(
+                c.open_session(1, true, None),
+                Err(ManagerError::SessionsOff { session: 1 }),
+                "no sessions here"
+            );
+            assert_eq!(
+                c.close_session(1),
+                Err(ManagerError::SessionsOff { session: 1 })
+            );
         }
         let budget = SessionBudget {
             max_held_tokens: 1024,

@@ -6,8 +6,12 @@
 //! ## The model
 //! - **Configuration** ([`ManagerConfig`], from a builder, TOML or JSON): model geometry
 //!   (layers, KV bytes per token, page size, optional hybrid pools), the device pool, the cache
-//!   kind (disabled / radix / HiCache with a host tier and a write policy), the eviction
-//!   policy, sessions and their budget, the device backend. A storage tier (L3) is refused
+//!   kind (`disabled` / `radix` / `hicache` with a [`HostTier`]: host pool size, write policy,
+//!   host eviction policy, host layout, load-back minimum and quota, pending-transfer limit),
+//!   the eviction policy, sessions and their budget, the device backend. [`config::EXAMPLE_TOML`]
+//!   is a commented example of every key (`radixkv config --example` prints it). The write
+//!   policy is `radixkv-hicache`'s [`WritePolicy`], written as a plain string
+//!   (`"write_back"`, `"write_through_selective:2"`). A storage tier (L3) is refused
 //!   ([`ManagerError::NotImplemented`]): it is not implemented yet.
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
@@ -27,8 +31,11 @@
 //!   model's transfer time) is *modeled*: pages × the model's page bytes. Over an engine's own
 //!   backend the two agree.
 //! - **Sessions**: a request carrying a session id opens it (streaming) on arrival, or call
-//!   [`KvCacheManager::open_session`]; [`KvCacheManager::close_session`] releases it. Idle TTLs
-//!   run on the manager's clock, which the scheduler sets ([`KvCacheManager::set_time_ms`]).
+//!   [`KvCacheManager::open_session`]; [`KvCacheManager::close_session`] releases it and says
+//!   whether the close was deferred to a turn in flight. Idle TTLs run on the manager's clock,
+//!   which the scheduler sets ([`KvCacheManager::set_time_ms`]). On a manager configured
+//!   without sessions, a session-tagged request and every session call are refused
+//!   ([`ManagerError::SessionsOff`]), never silently ignored.
 //! - **Lifecycle**: `arrive` → `admit` (match, temporary lock, budget check, load-back, lock) →
 //!   `extend` per prefill chunk (allocation evicts as needed) → `chunk_done` (the chunk enters
 //!   the cache at once) → `decode` per token (out of memory → `retract`) → `finish` / `abort`.
@@ -52,6 +59,10 @@
 //!   ([`ManagerConfig::event_capacity`]) until [`KvCacheManager::take_events`] drains them;
 //!   past it they are dropped and counted (`kv_events_dropped`), and a router that sees the
 //!   count move must resync its view of the cache.
+//! - **Reset**: [`KvCacheManager::reset`] drops every cached KV on every tier (only with no
+//!   request registered, else [`ManagerError::Busy`]) and reports `AllBlocksCleared`.
+//! - **Page-table upload**: [`KvCacheManager::pages_as_u32`] is a request's row of pages as
+//!   `&[u32]`, a view of the same memory (`PageId` is `#[repr(transparent)]` over `u32`).
 //! - **Back-pressure**: an admission that needs a host-tier load while the tier already holds
 //!   its limit of pending loads ([`HostTier::max_pending_ops`]) waits
 //!   ([`WaitReason::TransfersBusy`]).
@@ -83,6 +94,9 @@
 //! Every bad input (impossible configuration, out-of-order lifecycle call, unknown request)
 //! and every exhausted resource returns a typed [`ManagerError`]; nothing reachable from the
 //! public API panics.
+//! The error enums of every radixkv crate are `#[non_exhaustive]` (match them with a wildcard
+//! arm). A session refusal keeps its type whichever call reports it: [`ManagerError::Session`]
+//! carries the session crate's `SessionError`.
 
 #![warn(missing_docs)]
 
@@ -98,7 +112,9 @@ mod table;
 mod tiered;
 
 pub use builder::ManagerBuilder;
-pub use config::{CacheKind, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy};
+pub use config::{
+    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy,
+};
 pub use error::{BackendMismatch, ManagerError, Result};
 pub use manager::{
     Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,

@@ -351,7 +351,8 @@ impl KvCacheManager {
     /// Registers a request; it waits until [`Self::admit`] succeeds.
     ///
     /// # Errors
-    /// [`ManagerError::Lifecycle`] for an empty prompt.
+    /// [`ManagerError::Lifecycle`] for an empty prompt; [`ManagerError::SessionsOff`] for a
+    /// request tagged with a session on a manager without sessions.
     pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
         if req.tokens.is_empty() {
             return Err(ManagerError::Lifecycle {
@@ -369,13 +370,16 @@ impl KvCacheManager {
         let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
-        // Only a session layer gives the tag a meaning; without one it would be ignored anyway.
-        // A session is opened (streaming) the first time one of its requests arrives. A turn
-        // of a session whose close is still deferred (the cache knows it, this manager closed
-        // it) runs untagged: the session is on its way out, and a turn arriving after the
-        // close completes opens it afresh.
+        // Only a session layer gives the tag a meaning: without one, a tag is refused rather
+        // than ignored. A session is opened (streaming) the first time one of its requests
+        // arrives. A turn of a session whose close is still deferred (the cache knows it, this
+        // manager closed it) runs untagged: the session is on its way out, and a turn arriving
+        // after the close completes opens it afresh.
+        if let (None, Some(session)) = (&self.cfg.sessions, req.session) {
+            return Err(ManagerError::SessionsOff { session });
+        }
         let closing = |sid| !self.sessions_open.contains(&sid) && self.cache.has_session(sid);
-        if let (Some(_), Some(sid)) = (&self.cfg.sessions, req.session.filter(|&s| !closing(s))) {
+        if let Some(sid) = req.session.filter(|&s| !closing(s)) {
             if !self.sessions_open.contains(&sid) {
                 self.cache.open_session(sid, true, None)?;
                 self.sessions_open.insert(sid);
@@ -640,6 +644,15 @@ impl KvCacheManager {
         Ok(self.cache.pools().rows.pages(row)?)
     }
 
+    /// [`Self::pages`] as the `u32` page indices a kernel's page table holds, without a copy
+    /// (see [`PageId::as_u32_slice`]): upload this slice as the request's row.
+    ///
+    /// # Errors
+    /// As [`Self::pages`].
+    pub fn pages_as_u32(&self, id: ReqId) -> Result<&[u32]> {
+        self.pages(id).map(PageId::as_u32_slice)
+    }
+
     /// Tokens of the request so far (prompt, then prompt + decoded tokens).
     ///
     /// # Errors
@@ -750,11 +763,11 @@ impl KvCacheManager {
     /// Closes a session: whatever KV it holds is released to the cache. While a turn of it
     /// is running the close is deferred to that turn's end ([`CloseOutcome::Deferred`]);
     /// turns of the session arriving meanwhile run as ordinary requests (untagged), and one
-    /// arriving after the close opens the session afresh. Without a session layer there is
-    /// nothing to close and the answer is [`CloseOutcome::Closed`].
+    /// arriving after the close opens the session afresh.
     ///
     /// # Errors
-    /// Session-layer errors ([`ManagerError::Session`] for a session that is not open).
+    /// [`ManagerError::SessionsOff`] on a manager without sessions; session-layer errors
+    /// ([`ManagerError::Session`] for a session that is not open).
     pub fn close_session(&mut self, session: u64) -> Result<CloseOutcome> {
         let outcome = self.cache.close_session(session)?;
         self.sessions_open.remove(&session);
@@ -762,12 +775,44 @@ impl KvCacheManager {
         Ok(outcome)
     }
 
+    /// Drops every cached KV, on every tier (the device pool and the host tier), as after a
+    /// weight update or when a router asks for a clean slate. Open sessions stay open but lose
+    /// their KV (it is demoted to the tree, then dropped with it): their next turn recomputes.
+    /// With events on, the cache reports [`KvEvent::AllBlocksCleared`], which supersedes
+    /// every event not drained yet. Counters keep counting (they never go backwards); the
+    /// pools are all free afterwards.
+    ///
+    /// # Errors
+    /// [`ManagerError::Busy`] while any request is registered, running or waiting (nothing
+    /// changes then); a cache error if a host transfer cannot be completed.
+    pub fn reset(&mut self) -> Result<()> {
+        if self.requests.len() > 0 {
+            return Err(ManagerError::Busy {
+                requests: self.requests.len(),
+            });
+        }
+        let mut ids: Vec<u64> = self.sessions_open.iter().copied().collect();
+        ids.sort_unstable();
+        for sid in ids {
+            if self.cache.demote_session(sid)? {
+                self.metrics.counters.session_demotions += 1;
+            }
+        }
+        self.cache.reset()?;
+        if self.cfg.events {
+            let ev = self.cache.take_events();
+            self.metrics.counters.kv_events += ev.len() as u64;
+            self.events.extend(ev);
+        }
+        Ok(())
+    }
+
     /// Opens a session explicitly (requests carrying an unknown session id open it as a
     /// streaming session on arrival). `ttl_ms` overrides the configured idle TTL.
     ///
     /// # Errors
-    /// [`ManagerError::Config`] when sessions are off; [`ManagerError::Session`] when it is
-    /// already open.
+    /// [`ManagerError::SessionsOff`] when sessions are off; [`ManagerError::Session`] when it
+    /// is already open.
     pub fn open_session(
         &mut self,
         session: u64,

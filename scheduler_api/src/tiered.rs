@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use radixkv_hicache::{
     CopyEvent, DeviceBackend, HiCacheConfig, HiCacheStats, HiRadixCache, HostSim, HostSimConfig,
-    HostSize, KvGeometry, LayerDoneCounter, WritePolicy as HiWritePolicy,
+    HostSize, KvGeometry, LayerDoneCounter,
 };
 use radixkv_radix::{
     DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef, KvEvent,
@@ -25,7 +25,7 @@ use radixkv_radix::{
     TreeMatch,
 };
 
-use crate::config::{HostTier, ManagerConfig, WritePolicy};
+use crate::config::{HostTier, ManagerConfig};
 use crate::error::{BackendMismatch, ManagerError, Result};
 use crate::factory::{LayerWait, ManagedCache, StepLoads, StepTransfers};
 
@@ -100,19 +100,15 @@ impl<B: DeviceBackend> Tiered<B> {
         device: Arc<B>,
         backend_layers: u32,
     ) -> Result<Self> {
-        let write_policy = match host.write_policy {
-            WritePolicy::WriteThrough => HiWritePolicy::WriteThrough,
-            WritePolicy::WriteThroughSelective { hits } => {
-                HiWritePolicy::WriteThroughSelective { hits }
-            }
-            WritePolicy::WriteBack => HiWritePolicy::WriteBack,
-        };
         let page_size = radix.page_size;
         let hc = HiCacheConfig {
             radix,
             host_size: HostSize::Pages(host.host_tokens / page_size),
-            write_policy,
+            host_layout: host.host_layout,
+            write_policy: host.write_policy,
             host_policy: host.eviction.map(|e| e.0),
+            load_back_min_tokens: host.load_back_min_tokens,
+            load_back_quota_tokens: host.load_back_quota_tokens,
             max_pending_ops: host.max_pending_ops,
             ..Default::default()
         };

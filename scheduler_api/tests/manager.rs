@@ -406,7 +406,7 @@ fn kv_events_are_drained_for_routers() {
 #[test]
 fn config_files_build_every_wired_kind() {
     let cfg = radixkv_scheduler_api::ManagerConfig::from_toml_str(
-        "device_tokens = 8192\n[cache]\nkind = \"hi_cache\"\nhost_tokens = 32768\n",
+        "device_tokens = 8192\n[cache]\nkind = \"hicache\"\nhost_tokens = 32768\n",
     )
     .unwrap();
     let kv = KvCacheManager::new(cfg).unwrap();
@@ -567,8 +567,54 @@ fn session_ttl_runs_on_the_manager_clock() {
     let mut plain = plain;
     assert!(matches!(
         plain.open_session(1, true, None),
-        Err(ManagerError::Config(_))
+        Err(ManagerError::SessionsOff { session: 1 })
     ));
+}
+
+#[test]
+fn a_session_tag_on_a_manager_without_sessions_is_refused() {
+    let mut kv = manager(4096, 4);
+    let mut req = Request::new((0..12).collect()).max_new_tokens(4);
+    req.session = Some(5);
+    assert_eq!(
+        kv.arrive(req.clone()),
+        Err(ManagerError::SessionsOff { session: 5 })
+    );
+    assert_eq!(kv.metrics().counters.arrived, 0, "nothing was registered");
+    assert_eq!(
+        kv.close_session(5),
+        Err(ManagerError::SessionsOff { session: 5 })
+    );
+    // The same request untagged runs.
+    req.session = None;
+    let r = kv.arrive(req).unwrap();
+    assert!(matches!(kv.admit(r).unwrap(), Admission::Ready(_)));
+}
+
+#[test]
+fn session_refusals_keep_their_type_through_cache_errors() {
+    use radixkv_radix::{CacheError, SessionFault};
+    use radixkv_session::SessionError;
+    let e = ManagerError::from(CacheError::Session(SessionFault::NotExtending {
+        id: 3,
+        history_len: 40,
+    }));
+    assert_eq!(
+        e,
+        ManagerError::Session(SessionError::NotExtending {
+            id: 3,
+            history_len: 40
+        })
+    );
+    assert_eq!(
+        ManagerError::from(CacheError::Session(SessionFault::Busy(3))),
+        ManagerError::Session(SessionError::Busy(3))
+    );
+    // Other cache errors stay cache errors.
+    assert_eq!(
+        ManagerError::from(CacheError::EmptyKey),
+        ManagerError::Cache(CacheError::EmptyKey)
+    );
 }
 
 /// A write-through HiCache manager whose 64-token device pool holds one 41-token request.
@@ -851,4 +897,115 @@ fn retracted_session_turn_frees_its_row_and_readmission_hits_its_kv() {
         kv.close_all_sessions().unwrap();
         kv.check_invariants().unwrap();
     }
+}
+
+#[test]
+fn reset_drops_every_cached_kv_and_says_so() {
+    use radixkv_radix::KvEvent;
+    let budget = SessionBudget {
+        max_held_tokens: 1024,
+        ..Default::default()
+    };
+    let builders = [
+        ("radix", KvCacheManager::builder()),
+        (
+            "radix + sessions",
+            KvCacheManager::builder().sessions(budget.clone()),
+        ),
+        (
+            "hicache",
+            KvCacheManager::builder()
+                .host_tier(HostTier::ratio(4096, 2.0).write_policy(WritePolicy::WriteThrough)),
+        ),
+        (
+            "hicache + sessions",
+            KvCacheManager::builder()
+                .host_tier(HostTier::ratio(4096, 2.0).write_policy(WritePolicy::WriteThrough))
+                .sessions(budget),
+        ),
+    ];
+    for (name, b) in builders {
+        let mut kv = b
+            .device_tokens(4096)
+            .page_size(4)
+            .max_rows(8)
+            .events(true)
+            .build()
+            .unwrap();
+        let sessions = kv.config().sessions.is_some();
+        let prompt: Vec<u32> = (0..40).collect();
+        let mut req = Request::new(prompt.clone()).max_new_tokens(4);
+        req.session = sessions.then_some(1);
+        let r = kv.arrive(req).unwrap();
+        let n = ready(&mut kv, r);
+        // A request is registered: no reset, and nothing changes.
+        let before = kv.accounting();
+        assert_eq!(
+            kv.reset(),
+            Err(ManagerError::Busy { requests: 1 }),
+            "{name}"
+        );
+        assert_eq!(kv.accounting(), before, "{name}");
+        finish_in_one_step(&mut kv, r, n);
+        let cached = kv.accounting();
+        // In the tree, or (a session's first turn) locked by the session's slot.
+        assert_eq!(
+            cached.evictable + cached.protected + cached.session_held,
+            40,
+            "{name}: {cached:?}"
+        );
+        if name.starts_with("hicache") {
+            assert!(kv.metrics().gauges.host_tokens > 0, "{name}: backed up");
+        }
+        kv.take_events();
+
+        kv.reset().unwrap();
+        let a = kv.accounting();
+        assert_eq!(a.free, a.total, "{name}: {a:?}");
+        assert!(a.balanced(), "{name}");
+        assert_eq!(kv.metrics().gauges.host_tokens, 0, "{name}");
+        assert!(
+            kv.take_events().contains(&KvEvent::AllBlocksCleared),
+            "{name}"
+        );
+        assert_eq!(kv.open_sessions(), usize::from(sessions), "{name}");
+        kv.check_invariants().unwrap();
+        // The same prompt misses now, on every tier.
+        let r = kv.arrive(Request::new(prompt).max_new_tokens(4)).unwrap();
+        let a = admitted(&mut kv, r);
+        assert_eq!(a.cached_tokens(), 0, "{name}: {a:?}");
+        assert_eq!(a.extend_tokens, 40, "{name}");
+        kv.abort(r).unwrap();
+        if sessions {
+            kv.close_session(1).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_request_s_row_reads_as_a_u32_page_table() {
+    let mut kv = manager(4096, 4);
+    let r = kv
+        .arrive(Request::new((0..10).collect()).max_new_tokens(4))
+        .unwrap();
+    assert!(matches!(
+        kv.pages_as_u32(r),
+        Err(ManagerError::Lifecycle { .. })
+    ));
+    let n = ready(&mut kv, r);
+    kv.extend(r, n).unwrap();
+    let pages: Vec<u32> = kv.pages(r).unwrap().iter().map(|p| p.0).collect();
+    assert_eq!(pages.len(), 3, "10 tokens on 4-token pages");
+    let table = kv.pages_as_u32(r).unwrap();
+    assert_eq!(table, &pages[..]);
+    assert_eq!(
+        table.as_ptr().cast(),
+        kv.pages(r).unwrap().as_ptr(),
+        "a view of the row, not a copy"
+    );
+    kv.abort(r).unwrap();
+    assert!(matches!(
+        kv.pages_as_u32(r),
+        Err(ManagerError::UnknownRequest(_))
+    ));
 }

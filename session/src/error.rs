@@ -1,9 +1,15 @@
 //! Typed errors of the session API.
 
-use radixkv_radix::CacheError;
+use radixkv_radix::{CacheError, SessionFault};
 
 /// Errors of the session layer. Every one leaves the cache and the session unchanged.
+///
+/// Through the [`radixkv_radix::PrefixCache`] methods of a session cache these arrive as
+/// [`CacheError::Session`] with a typed [`SessionFault`], which converts back into this type
+/// (`SessionError::from(CacheError)`), so the reason is never reduced to a string.
+/// Non-exhaustive: a `match` needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SessionError {
     /// No open session has this id.
     #[error("unknown session {0}")]
@@ -28,14 +34,47 @@ pub enum SessionError {
     Closing(u64),
     /// An error of the inner cache.
     #[error(transparent)]
-    Cache(#[from] CacheError),
+    Cache(CacheError),
 }
 
 impl From<SessionError> for CacheError {
     fn from(e: SessionError) -> Self {
+        CacheError::Session(match e {
+            SessionError::Cache(c) => return c,
+            SessionError::Unknown(id) => SessionFault::Unknown(id),
+            SessionError::AlreadyOpen(id) => SessionFault::AlreadyOpen(id),
+            SessionError::NotExtending { id, history_len } => {
+                SessionFault::NotExtending { id, history_len }
+            }
+            SessionError::Busy(id) => SessionFault::Busy(id),
+            SessionError::Closing(id) => SessionFault::Closing(id),
+        })
+    }
+}
+
+impl From<SessionFault> for SessionError {
+    fn from(f: SessionFault) -> Self {
+        match f {
+            SessionFault::Unknown(id) => SessionError::Unknown(id),
+            SessionFault::AlreadyOpen(id) => SessionError::AlreadyOpen(id),
+            SessionFault::NotExtending { id, history_len } => {
+                SessionError::NotExtending { id, history_len }
+            }
+            SessionFault::Busy(id) => SessionError::Busy(id),
+            SessionFault::Closing(id) => SessionError::Closing(id),
+            // A fault this version of the session layer does not know keeps its message.
+            other => SessionError::Cache(CacheError::Session(other)),
+        }
+    }
+}
+
+/// Recovers the typed session reason from a cache error: [`CacheError::Session`] becomes the
+/// matching session error, anything else [`SessionError::Cache`].
+impl From<CacheError> for SessionError {
+    fn from(e: CacheError) -> Self {
         match e {
-            SessionError::Cache(c) => c,
-            other => CacheError::Session(other.to_string()),
+            CacheError::Session(f) => f.into(),
+            other => SessionError::Cache(other),
         }
     }
 }

@@ -174,10 +174,23 @@ fn a_turn_that_does_not_extend_is_a_typed_error_and_the_session_is_unchanged() {
             history_len: 12
         })
     );
-    assert!(matches!(
-        c.match_request(&mut bad),
-        Err(CacheError::Session(_))
-    ));
+    let e = c.match_request(&mut bad).unwrap_err();
+    assert!(matches!(e, CacheError::Session(_)));
+    // Through the cache trait the reason keeps its type, and converts back.
+    assert_eq!(
+        e,
+        CacheError::Session(radixkv_radix::SessionFault::NotExtending {
+            id: 1,
+            history_len: 12
+        })
+    );
+    assert_eq!(
+        SessionError::from(e),
+        SessionError::NotExtending {
+            id: 1,
+            history_len: 12
+        }
+    );
     assert!(bad.row.is_none() && !bad.kv_lent);
     // Same tokens in another namespace do not extend either.
     let mut other_ns = RequestKv {

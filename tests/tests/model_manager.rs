@@ -209,7 +209,7 @@ impl Harness {
             .device_tokens(DEVICE_TOKENS)
             .page_size(P)
             .max_rows(SLOTS + SESSIONS as usize + 1);
-        if let Some(w) = setup.hicache.clone() {
+        if let Some(w) = setup.hicache {
             b = b.host_tier(HostTier::ratio(DEVICE_TOKENS, 2.0).write_policy(w));
         }
         if setup.sessions {
@@ -263,8 +263,8 @@ impl Harness {
             Op::CloseSession { session } => {
                 let r = self.kv.close_session(session);
                 if !self.setup.sessions {
-                    // Without a session layer there is nothing to close.
-                    assert!(matches!(r, Ok(CloseOutcome::Closed)), "{r:?}");
+                    // Without a session layer a close is refused, and nothing changes.
+                    assert_eq!(r, Err(ManagerError::SessionsOff { session }), "{r:?}");
                 } else if self.open.remove(&session) {
                     // The close waits only for a turn that may hold the slot.
                     if r.unwrap() == CloseOutcome::Deferred {
@@ -365,6 +365,14 @@ impl Harness {
         // pending, or opens the session afresh after it: the model tracks neither.
         let mut req = Request::new(t.clone()).max_new_tokens(max_new);
         req.session = session;
+        if let (false, Some(s)) = (self.setup.sessions, session) {
+            // Without a session layer a tagged request is refused; the model sends it untagged.
+            assert_eq!(
+                self.kv.arrive(req.clone()),
+                Err(ManagerError::SessionsOff { session: s })
+            );
+            req.session = None;
+        }
         if session.is_some_and(|s| self.closing.contains(&s)) {
             self.bump("turn of a closing session");
         }

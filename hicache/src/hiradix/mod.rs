@@ -57,6 +57,7 @@ mod recovery;
 mod tiering;
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
 
 use radixkv_radix::{
@@ -76,7 +77,16 @@ use crate::layer_counter::LayerDoneCounter;
 use host_leaves::HostLeaves;
 
 /// When device KV is backed up to the host.
+///
+/// Written as a plain string ([`WritePolicy::from_name`], [`fmt::Display`]):
+/// `write_through`, `write_back`, or `write_through_selective[:N]` (`N` hits, default 2). With
+/// the `serde` feature it (de)serializes as that string.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(try_from = "String", into = "String")
+)]
 pub enum WritePolicy {
     /// Back up every new node at insert.
     WriteThrough,
@@ -92,6 +102,71 @@ pub enum WritePolicy {
 impl Default for WritePolicy {
     fn default() -> Self {
         WritePolicy::WriteThroughSelective { hits: 2 }
+    }
+}
+
+impl WritePolicy {
+    /// A short name for labels: `wt`, `wts2`, `wb`.
+    pub fn short_name(&self) -> String {
+        match self {
+            WritePolicy::WriteThrough => "wt".into(),
+            WritePolicy::WriteThroughSelective { hits } => format!("wts{hits}"),
+            WritePolicy::WriteBack => "wb".into(),
+        }
+    }
+
+    /// Parses `write_through`, `write_through_selective[:N]` (`N` hits, default 2) or
+    /// `write_back` (`-` may stand for `_`). `None` for anything else.
+    pub fn from_name(s: &str) -> Option<Self> {
+        let (name, arg) = s.split_once(':').unwrap_or((s, ""));
+        match (name.replace('-', "_").as_str(), arg) {
+            ("write_through", "") => Some(WritePolicy::WriteThrough),
+            ("write_back", "") => Some(WritePolicy::WriteBack),
+            ("write_through_selective", "") => Some(WritePolicy::WriteThroughSelective { hits: 2 }),
+            ("write_through_selective", n) => Some(WritePolicy::WriteThroughSelective {
+                hits: n.parse().ok()?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The name [`WritePolicy::from_name`] parses: `write_through`, `write_through_selective:N`,
+/// `write_back`.
+impl fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WritePolicy::WriteThrough => f.write_str("write_through"),
+            WritePolicy::WriteThroughSelective { hits } => {
+                write!(f, "write_through_selective:{hits}")
+            }
+            WritePolicy::WriteBack => f.write_str("write_back"),
+        }
+    }
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = HiCacheError;
+    fn from_str(s: &str) -> HiResult<Self> {
+        WritePolicy::from_name(s).ok_or_else(|| {
+            HiCacheError::Config(format!(
+                "unknown write policy {s:?}; known: write_through, \
+                 write_through_selective[:N], write_back"
+            ))
+        })
+    }
+}
+
+impl TryFrom<String> for WritePolicy {
+    type Error = HiCacheError;
+    fn try_from(s: String) -> HiResult<Self> {
+        s.parse()
+    }
+}
+
+impl From<WritePolicy> for String {
+    fn from(p: WritePolicy) -> String {
+        p.to_string()
     }
 }
 
@@ -637,5 +712,35 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             self.after_insert(req.key.prefix(aligned), pre)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod write_policy_names {
+    use super::WritePolicy;
+
+    #[test]
+    fn every_policy_round_trips_through_its_name() {
+        for p in [
+            WritePolicy::WriteThrough,
+            WritePolicy::WriteThroughSelective { hits: 1 },
+            WritePolicy::WriteThroughSelective { hits: 7 },
+            WritePolicy::WriteBack,
+        ] {
+            assert_eq!(WritePolicy::from_name(&p.to_string()), Some(p));
+            assert_eq!(p.to_string().parse::<WritePolicy>(), Ok(p));
+        }
+        assert_eq!(
+            WritePolicy::from_name("write_through_selective"),
+            Some(WritePolicy::WriteThroughSelective { hits: 2 })
+        );
+        assert_eq!(
+            WritePolicy::from_name("write-back"),
+            Some(WritePolicy::WriteBack)
+        );
+        for bad in ["sometimes", "write_back:3", "write_through_selective:x", ""] {
+            assert_eq!(WritePolicy::from_name(bad), None, "{bad}");
+            assert!(bad.parse::<WritePolicy>().is_err(), "{bad}");
+        }
     }
 }

@@ -448,7 +448,7 @@ fn config_files_with_a_storage_tier_or_an_overflowing_geometry_are_refused() {
     let f = dir.join("kv.toml");
     for (config, error) in [
         (
-            "[cache]\nkind = \"hi_cache\"\nhost_tokens = 65536\n\
+            "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
              [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
             "the storage tier (L3) is not implemented yet",
         ),
@@ -687,4 +687,36 @@ fn soak_flags_audit_check_leaks_and_read_memory() {
         )),
         "--max-rss-growth-mib applies to replays",
     );
+}
+
+#[test]
+fn config_prints_the_example_and_the_effective_configuration() {
+    use radixkv_scheduler_api::{CacheKind, ManagerConfig, config::EXAMPLE_TOML};
+    let o = radixkv(&["config", "--example"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), EXAMPLE_TOML);
+    let example = ManagerConfig::from_toml_str(&stdout(&o)).unwrap();
+    // The effective configuration: a config file, then flags over it, printed as TOML that
+    // reads back as the same configuration.
+    let f = common::write_temp("cli", "example.toml", EXAMPLE_TOML);
+    let o = radixkv(&[
+        "config",
+        "--config",
+        f.to_str().unwrap(),
+        "--device-tokens",
+        "2097152",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let effective = ManagerConfig::from_toml_str(&stdout(&o)).unwrap();
+    assert_eq!(effective.device_tokens, 2097152);
+    assert_eq!(effective.cache, example.cache);
+    assert!(matches!(effective.cache, CacheKind::HiCache(_)));
+    assert_eq!(
+        ManagerConfig {
+            device_tokens: 2097152,
+            ..example
+        },
+        effective
+    );
+    fails_with(&radixkv(&["config", "--page-size", "0"]), "page size");
 }

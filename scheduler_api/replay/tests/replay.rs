@@ -275,8 +275,7 @@ fn hicache(device: usize, host: usize, w: WritePolicy) -> SimConfig {
         host_tokens: host,
         max_pending_ops: radixkv_hicache::DEFAULT_MAX_PENDING_OPS,
         write_policy: w,
-        eviction: None,
-        storage: None,
+        ..HostTier::ratio(0, 0.0)
     });
     cfg
 }
@@ -297,10 +296,10 @@ fn hicache_slices_respect_the_invariants_under_every_write_policy() {
         WritePolicy::WriteThroughSelective { hits: 2 },
         WritePolicy::WriteBack,
     ] {
-        let r = replay(&moon, &hicache(128 << 10, 512 << 10, w.clone()), &mut ()).unwrap();
+        let r = replay(&moon, &hicache(128 << 10, 512 << 10, w), &mut ()).unwrap();
         check(&r, &moon);
         assert!(r.config.starts_with("hicache-lru-"));
-        let r = replay(&chat, &hicache(32 << 10, 128 << 10, w.clone()), &mut ()).unwrap();
+        let r = replay(&chat, &hicache(32 << 10, 128 << 10, w), &mut ()).unwrap();
         check(&r, &chat);
         assert!(
             r.counters.transfers.pages_written > 0,

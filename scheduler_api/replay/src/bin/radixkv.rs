@@ -4,7 +4,9 @@
 //! `radixkv` (or `radixkv demo`) runs the built-in synthetic multi-turn chat workload;
 //! `radixkv replay --trace FILE --format mooncake|weka|azure` replays a trace file;
 //! `radixkv analyze --trace FILE --format ... [--capacity-tokens N ...] [--json]` analyses one
-//! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy).
+//! offline (ideal hit ratio, block reuse, conversation structure, bounds for any policy);
+//! `radixkv config [--example]` prints the effective manager configuration as TOML, or a
+//! commented example of every key.
 //! Each command takes only its own flags; `--help` on each lists them with their defaults and
 //! valid values.
 
@@ -69,6 +71,16 @@ enum Cmd {
         /// Print the analysis as JSON on stdout.
         #[arg(long)]
         json: bool,
+    },
+    /// Print a manager configuration as TOML: the effective one (defaults, then --config, then
+    /// the flags), or with --example a commented example naming every key.
+    Config {
+        /// Print the commented example configuration (every key, its default and valid values).
+        #[arg(long, conflicts_with_all = ["config", "device_tokens", "page_size", "policy",
+            "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
+        example: bool,
+        #[command(flatten)]
+        manager: ManagerArgs,
     },
 }
 
@@ -202,19 +214,11 @@ fn with_default(text: &str, value: impl Display) -> String {
     format!("{text} [default: {value}]")
 }
 
-/// The name `--write-policy` takes for `w`.
-fn write_policy_flag(w: &WritePolicy) -> String {
-    match w {
-        WritePolicy::WriteThrough => "write_through".into(),
-        WritePolicy::WriteThroughSelective { hits } => format!("write_through_selective:{hits}"),
-        WritePolicy::WriteBack => "write_back".into(),
-    }
-}
-
-/// The flags of a replay (`demo` and `replay`). Each is optional: one not given keeps the
-/// `--config` file's value, or the default shown in `--help` without a file.
+/// The flags that make the manager's configuration (`demo`, `replay` and `config`). Each is
+/// optional: one not given keeps the `--config` file's value, or the default shown in `--help`
+/// without a file.
 #[derive(Args, Debug, Clone, Default)]
-struct RunArgs {
+struct ManagerArgs {
     /// Manager configuration file (TOML, or JSON by extension); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -235,7 +239,7 @@ struct RunArgs {
     #[arg(long, value_name = "TOKENS")]
     host_tokens: Option<usize>,
     #[arg(long, value_parser = write_policy_parser(),
-        help = with_default("When the host tier gets a copy of device pages", write_policy_flag(&WritePolicy::default())))]
+        help = with_default("When the host tier gets a copy of device pages", HostTier::ratio(0, 0.0).write_policy))]
     write_policy: Option<WritePolicy>,
     /// Eviction policy of the host tier [default: the device tier's --policy]
     #[arg(long, value_parser = policy_parser("host"))]
@@ -243,6 +247,14 @@ struct RunArgs {
     /// Enable streaming sessions holding at most this many tokens [default: no sessions]
     #[arg(long, value_name = "TOKENS")]
     session_tokens: Option<usize>,
+}
+
+/// The flags of a replay (`demo` and `replay`): the manager's, the scheduler's and the
+/// output's. Each is optional, as in [`ManagerArgs`].
+#[derive(Args, Debug, Clone, Default)]
+struct RunArgs {
+    #[command(flatten)]
+    manager: ManagerArgs,
     #[arg(long, value_name = "N",
         help = with_default("Maximum running requests (the decode batch)", SimConfig::default().max_running))]
     max_running: Option<usize>,
@@ -376,6 +388,17 @@ fn run(cli: Cli) -> Result<()> {
             let opts = input.read_options()?;
             return analyze(&input.trace, input.format, &capacity_tokens, &opts, json);
         }
+        Some(Cmd::Config { example, manager }) => {
+            if example {
+                print!("{}", radixkv_scheduler_api::config::EXAMPLE_TOML);
+            } else {
+                let m = manager_config(&manager)?;
+                let text =
+                    toml::to_string(&m).map_err(|e| ManagerError::Config(format!("TOML: {e}")))?;
+                print!("{text}");
+            }
+            return Ok(());
+        }
         None => (demo(&cli.demo)?, cli.demo.run),
         Some(Cmd::Demo(d)) => (demo(&d)?, d.run),
         Some(Cmd::Replay { input, run }) => {
@@ -504,55 +527,7 @@ fn demo(d: &DemoArgs) -> Result<Workload> {
 }
 
 fn sim_config(run: &RunArgs) -> Result<SimConfig> {
-    let mut m = match &run.config {
-        Some(p) => ManagerConfig::from_file(p)?,
-        None => ManagerConfig::default(),
-    };
-    if let Some(n) = run.device_tokens {
-        m.device_tokens = n;
-    }
-    if let Some(p) = run.page_size {
-        m.model.page_size = p;
-    }
-    if let Some(p) = run.policy {
-        m.eviction = Eviction(p);
-    }
-    match run.cache {
-        None => {}
-        Some(CacheFlag::Disabled) => m.cache = CacheKind::Disabled,
-        Some(CacheFlag::Radix) => m.cache = CacheKind::Radix,
-        Some(CacheFlag::HiCache) => {
-            m.cache = CacheKind::HiCache(HostTier::ratio(m.device_tokens, 4.0));
-        }
-    }
-    if let Some(h) = run.host_tokens {
-        let mut tier = match &m.cache {
-            CacheKind::HiCache(t) => t.clone(),
-            _ => HostTier::ratio(0, 0.0),
-        };
-        tier.host_tokens = h;
-        m.cache = CacheKind::HiCache(tier);
-    }
-    if let (Some(w), CacheKind::HiCache(t)) = (&run.write_policy, &mut m.cache) {
-        t.write_policy = w.clone();
-    }
-    if let Some(p) = run.host_policy {
-        match &mut m.cache {
-            CacheKind::HiCache(t) => t.eviction = Some(Eviction(p)),
-            _ => {
-                return Err(ManagerError::Config(
-                    "--host-policy needs a host tier (--cache hicache or --host-tokens)".into(),
-                ));
-            }
-        }
-    }
-    if let Some(s) = run.session_tokens {
-        m.sessions = Some(SessionBudget {
-            max_held_tokens: s,
-            ..Default::default()
-        });
-    }
-    m.validate()?;
+    let m = manager_config(&run.manager)?;
     let mut cfg = SimConfig {
         manager: m,
         ..Default::default()
@@ -594,6 +569,61 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         ));
     }
     Ok(cfg)
+}
+
+/// The manager configuration the flags describe: the `--config` file (or the defaults), then
+/// each flag given over it, validated.
+fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
+    let mut m = match &run.config {
+        Some(p) => ManagerConfig::from_file(p)?,
+        None => ManagerConfig::default(),
+    };
+    if let Some(n) = run.device_tokens {
+        m.device_tokens = n;
+    }
+    if let Some(p) = run.page_size {
+        m.model.page_size = p;
+    }
+    if let Some(p) = run.policy {
+        m.eviction = Eviction(p);
+    }
+    match run.cache {
+        None => {}
+        Some(CacheFlag::Disabled) => m.cache = CacheKind::Disabled,
+        Some(CacheFlag::Radix) => m.cache = CacheKind::Radix,
+        Some(CacheFlag::HiCache) => {
+            m.cache = CacheKind::HiCache(HostTier::ratio(m.device_tokens, 4.0));
+        }
+    }
+    if let Some(h) = run.host_tokens {
+        let mut tier = match &m.cache {
+            CacheKind::HiCache(t) => t.clone(),
+            _ => HostTier::ratio(0, 0.0),
+        };
+        tier.host_tokens = h;
+        m.cache = CacheKind::HiCache(tier);
+    }
+    if let (Some(w), CacheKind::HiCache(t)) = (&run.write_policy, &mut m.cache) {
+        t.write_policy = *w;
+    }
+    if let Some(p) = run.host_policy {
+        match &mut m.cache {
+            CacheKind::HiCache(t) => t.eviction = Some(Eviction(p)),
+            _ => {
+                return Err(ManagerError::Config(
+                    "--host-policy needs a host tier (--cache hicache or --host-tokens)".into(),
+                ));
+            }
+        }
+    }
+    if let Some(s) = run.session_tokens {
+        m.sessions = Some(SessionBudget {
+            max_held_tokens: s,
+            ..Default::default()
+        });
+    }
+    m.validate()?;
+    Ok(m)
 }
 
 fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>> {

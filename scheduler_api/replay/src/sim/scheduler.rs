@@ -294,7 +294,8 @@ impl Sim<'_> {
                 let r = &reqs[next];
                 let room = r.output_len as usize;
                 let mut q = Request::new(r.prompt_tokens_with_room(room)).max_new_tokens(room);
-                q.session = r.session;
+                // Conversations are sessions only when the configuration has them.
+                q.session = r.session.filter(|_| self.cfg.manager.sessions.is_some());
                 let t0 = Instant::now();
                 let id = kv.arrive(q)?;
                 self.cpu.add(Phase::Arrive, t0);
