@@ -65,7 +65,7 @@ fn check(cfg: &ManagerConfig) {
     let m = &cfg.model;
     assert!(
         m.kv_bytes_per_token_per_layer
-            .checked_mul(u64::from(m.layers))
+            .checked_mul(m.layer_counts().attention)
             .and_then(|b| b.checked_mul(m.page_size as u64))
             .is_some(),
         "a valid config whose modeled page bytes overflow: {m:?}"

@@ -141,8 +141,7 @@ fn config(s: &Setup) -> ManagerConfig {
             layers: 4,
             kv_bytes_per_token_per_layer: 64,
             page_size: p,
-            mamba: None,
-            swa: None,
+            ..ModelGeometry::default()
         },
         device_tokens: pages * p,
         max_rows: 2 + usize::from(s.rows % 8),

@@ -2,7 +2,8 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (hybrid pools) or not built at all (the CUDA backend):
+//! [`crate::factory::build_cache`] yet (hybrid models: sliding-window and Mamba layers, see
+//! [`crate::geometry`]) or not built at all (the CUDA backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
@@ -18,86 +19,35 @@ use radixkv_radix::PolicyKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ManagerError, Result};
+pub use crate::geometry::{
+    ComputeShape, LayerCounts, LayerKind, LayerPattern, MambaShape, ModelGeometry, PagedPool,
+    Pools, Preset, SlotPool,
+};
 
 /// A commented example of a manager configuration in TOML, naming every key with its default
 /// and valid values: the same text the README shows and `radixkv config --example` prints.
 /// It parses ([`ManagerConfig::from_toml_str`]) and builds a manager (a HiCache with sessions).
 pub const EXAMPLE_TOML: &str = include_str!("../config.example.toml");
 
-/// Model geometry: what one token of KV costs and how the pools are paged.
-///
-/// These are the *modeled* bytes: the cost model's transfer times and every byte count in the
-/// metrics and the replay report derive from them (pages × [`ModelGeometry::page_bytes`]). The
-/// HostSim backend allocates and copies a much smaller [`SimGeometry`] instead.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelGeometry {
-    /// Transformer layers (the unit of layer-pipelined loads).
-    pub layers: u32,
-    /// KV bytes per token per layer (K and V, all heads).
-    pub kv_bytes_per_token_per_layer: u64,
-    /// Tokens per page (at least 1).
-    pub page_size: usize,
-    /// Optional Mamba/SSM state pool (hybrid models).
-    pub mamba: Option<MambaPool>,
-    /// Optional sliding-window KV pool (hybrid models).
-    pub swa: Option<SwaPool>,
-}
-
-impl Default for ModelGeometry {
-    /// A Llama-3-8B-like geometry: 32 layers, 8 KV heads × 128 dims × 2 (K, V) × 2 bytes.
-    fn default() -> Self {
-        ModelGeometry {
-            layers: 32,
-            kv_bytes_per_token_per_layer: 4096,
-            page_size: 16,
-            mamba: None,
-            swa: None,
-        }
-    }
-}
-
-impl ModelGeometry {
-    /// KV bytes of one token across all layers. Saturates at `u64::MAX` for a geometry that
-    /// [`ManagerConfig::validate`] refuses (it checks that this and [`Self::page_bytes`] fit).
-    pub fn kv_bytes_per_token(&self) -> u64 {
-        self.kv_bytes_per_token_per_layer
-            .saturating_mul(u64::from(self.layers))
-    }
-
-    /// KV bytes of one page across all layers (saturating, like [`Self::kv_bytes_per_token`]).
-    pub fn page_bytes(&self) -> u64 {
-        self.kv_bytes_per_token()
-            .saturating_mul(self.page_size as u64)
-    }
-
-    /// KV bytes of `pages` pages, or `None` when that overflows `u64`.
-    pub fn checked_pool_bytes(&self, pages: usize) -> Option<u64> {
-        self.kv_bytes_per_token_per_layer
-            .checked_mul(u64::from(self.layers))?
-            .checked_mul(u64::try_from(self.page_size).ok()?)?
-            .checked_mul(u64::try_from(pages).ok()?)
-    }
-}
-
-/// A Mamba/SSM state pool: one slot per state checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// Byte budgets of the device pools a hybrid model adds to the full-attention KV pool (whose
+/// size is `device_tokens`). Pages and slots are derived from them
+/// ([`ManagerConfig::pools`]); a budget for a pool the model does not have is refused.
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct MambaPool {
-    /// State slots.
-    pub slots: u32,
-    /// Bytes of one state.
-    pub bytes_per_slot: u64,
+pub struct PoolBudgets {
+    /// Bytes of the sliding-window KV pool (default: the full-attention pool's bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swa_bytes: Option<u64>,
+    /// Bytes of the Mamba state slot pool (default: the full-attention pool's bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mamba_bytes: Option<u64>,
 }
 
-/// A sliding-window KV pool.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SwaPool {
-    /// Window length in tokens.
-    pub window: u32,
-    /// Pool capacity in tokens.
-    pub tokens: usize,
+impl PoolBudgets {
+    /// True when no budget is given (every pool takes its default).
+    pub fn is_unset(&self) -> bool {
+        self.swa_bytes.is_none() && self.mamba_bytes.is_none()
+    }
 }
 
 /// Which prefix cache backs the manager.
@@ -368,8 +318,12 @@ pub fn policy_names() -> String {
 pub struct ManagerConfig {
     /// Model geometry and page size.
     pub model: ModelGeometry,
-    /// Device KV pool capacity in tokens (rounded down to whole pages).
+    /// Device KV pool capacity in tokens (rounded down to whole pages): the full-attention KV
+    /// pool.
     pub device_tokens: usize,
+    /// Byte budgets of the other device pools of a hybrid model (see [`PoolBudgets`]).
+    #[serde(skip_serializing_if = "PoolBudgets::is_unset")]
+    pub pools: PoolBudgets,
     /// Request-pool rows: running requests plus held sessions.
     pub max_rows: usize,
     /// The cache kind and its tiers.
@@ -401,6 +355,7 @@ impl Default for ManagerConfig {
         ManagerConfig {
             model: ModelGeometry::default(),
             device_tokens: 1 << 20,
+            pools: PoolBudgets::default(),
             max_rows: 512,
             cache: CacheKind::Radix,
             eviction: Eviction::default(),
@@ -469,23 +424,8 @@ impl ManagerConfig {
     /// first impossible value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ManagerError::Config(m));
+        self.model.validate()?;
         let p = self.model.page_size;
-        if p == 0 {
-            return bad("page size must be at least 1 token (got 0)".into());
-        }
-        if self.model.layers == 0 {
-            return bad("the model must have at least one layer".into());
-        }
-        if self.model.kv_bytes_per_token_per_layer == 0 {
-            return bad("KV bytes per token per layer must be positive".into());
-        }
-        if self.model.checked_pool_bytes(1).is_none() {
-            return bad(format!(
-                "a page of the model ({} bytes per token per layer × {} layers × {p} tokens) \
-                 overflows a 64-bit byte count",
-                self.model.kv_bytes_per_token_per_layer, self.model.layers
-            ));
-        }
         if self.device_tokens < p {
             return bad(format!(
                 "device pool of {} tokens is smaller than one page of {p} tokens",
@@ -514,6 +454,7 @@ impl ManagerConfig {
             h.validate(p)?;
             self.check_pool("host", h.host_tokens / p)?;
         }
+        self.pools()?;
         if self.event_capacity == 0 {
             return bad("the KV event buffer must hold at least one event (event_capacity)".into());
         }
@@ -529,6 +470,71 @@ impl ManagerConfig {
             }
         }
         Ok(())
+    }
+
+    /// The device pools this configuration derives: the full-attention KV pool of
+    /// [`ManagerConfig::device_pages`] pages, and for a hybrid model the SWA KV pool and the
+    /// Mamba slot pool from their budgets ([`PoolBudgets`]; a budget left out is the
+    /// full-attention pool's bytes). Counts come from checked arithmetic.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] for an invalid geometry, a budget for a pool the model does not
+    /// have, a budget that fits no page or slot, or a count that overflows or that a pool
+    /// cannot address.
+    pub fn pools(&self) -> Result<Pools> {
+        self.model.validate()?;
+        let m = &self.model;
+        let n = m.layer_counts();
+        let pages = u64::try_from(self.device_pages()).unwrap_or(u64::MAX);
+        let full_budget = m.page_bytes().checked_mul(pages).ok_or_else(|| {
+            ManagerError::Config("the device pool overflows a 64-bit byte count".into())
+        })?;
+        let full = crate::geometry::paged_pool(
+            "full-attention",
+            full_budget,
+            m.kv_bytes_per_token(),
+            m.page_size,
+        )?;
+        let budget = |given: Option<u64>, name: &str, has: bool, layer: &str| match (given, has) {
+            (Some(b), false) => Err(ManagerError::Config(format!(
+                "pools.{name} = {b} is set but the model has no {layer} layer"
+            ))),
+            (b, _) => Ok(b.unwrap_or(full.bytes)),
+        };
+        let swa_budget = budget(
+            self.pools.swa_bytes,
+            "swa_bytes",
+            n.sliding_window > 0,
+            "sliding-window",
+        )?;
+        let mamba_budget = budget(self.pools.mamba_bytes, "mamba_bytes", n.mamba > 0, "Mamba")?;
+        let swa = if n.sliding_window > 0 {
+            let per_token = m.checked_swa_bytes_per_token().ok_or_else(|| {
+                ManagerError::Config("SWA bytes per token overflow a 64-bit byte count".into())
+            })?;
+            Some(crate::geometry::paged_pool(
+                "SWA",
+                swa_budget,
+                per_token,
+                m.page_size,
+            )?)
+        } else {
+            None
+        };
+        let mamba = if n.mamba > 0 {
+            let slot = m.checked_mamba_slot_bytes().ok_or_else(|| {
+                ManagerError::Config("a Mamba slot overflows a 64-bit byte count".into())
+            })?;
+            Some(crate::geometry::slot_pool(mamba_budget, slot)?)
+        } else {
+            None
+        };
+        Ok(Pools {
+            full,
+            swa,
+            sliding_window: m.sliding_window.filter(|_| n.sliding_window > 0),
+            mamba,
+        })
     }
 
     /// Checks a pool of `pages` pages: addressable by the page allocators (32-bit page ids),
@@ -908,6 +914,161 @@ mod tests {
             readme.contains(&format!("```toml\n{EXAMPLE_TOML}```")),
             "README.md must show scheduler_api/config.example.toml verbatim in a toml block"
         );
+    }
+
+    #[test]
+    fn derived_pools_of_both_presets_match_hand_computed_sizes() {
+        // Jamba-like, default budgets: 2^20 tokens / 16 = 65536 full-attention pages of
+        // 4 layers × 4096 B × 16 tokens = 262144 B: 16 GiB. A Mamba slot is 28 layers ×
+        // (49152 + 262144) B = 8716288 B; the default Mamba budget (the full pool's 16 GiB)
+        // holds 17179869184 / 8716288 = 1971 slots (17179803648 B).
+        let mut c = ManagerConfig::from_toml_str("[model]\npreset = \"jamba-like\"\n").unwrap();
+        let p = c.pools().unwrap();
+        assert_eq!(
+            p.full,
+            PagedPool {
+                bytes_per_token: 16384,
+                page_bytes: 262_144,
+                pages: 65536,
+                tokens: 1 << 20,
+                bytes: 17_179_869_184,
+            }
+        );
+        assert_eq!(p.swa, None);
+        assert_eq!(p.sliding_window, None);
+        assert_eq!(
+            p.mamba,
+            Some(SlotPool {
+                slot_bytes: 8_716_288,
+                slots: 1971,
+                bytes: 17_179_803_648,
+            })
+        );
+        assert_eq!(p.total_bytes(), 17_179_869_184 + 17_179_803_648);
+        // A budget of 1 GiB: 123 slots.
+        c.pools.mamba_bytes = Some(1 << 30);
+        assert_eq!(c.pools().unwrap().mamba.unwrap().slots, 123);
+        // Gemma-like: 8 global layers × 8192 B = 65536 B per token, pages of 1 MiB, 64 GiB.
+        // 40 local layers × 8192 B = 327680 B per token, SWA pages of 5242880 B; the default
+        // budget (64 GiB) holds 13107 of them (209712 tokens, 68718428160 B); 8 GiB 1638.
+        let mut c = ManagerConfig::from_toml_str("[model]\npreset = \"gemma-like\"\n").unwrap();
+        let p = c.pools().unwrap();
+        assert_eq!(
+            (
+                p.full.bytes_per_token,
+                p.full.page_bytes,
+                p.full.pages,
+                p.full.bytes
+            ),
+            (65536, 1_048_576, 65536, 68_719_476_736)
+        );
+        assert_eq!(
+            p.swa,
+            Some(PagedPool {
+                bytes_per_token: 327_680,
+                page_bytes: 5_242_880,
+                pages: 13107,
+                tokens: 209_712,
+                bytes: 68_718_428_160,
+            })
+        );
+        assert_eq!(p.sliding_window, Some(1024));
+        assert_eq!(p.mamba, None);
+        c.pools.swa_bytes = Some(8 << 30);
+        assert_eq!(c.pools().unwrap().swa.unwrap().pages, 1638);
+        // The dense default: the full-attention pool only, as before.
+        let p = ManagerConfig::default().pools().unwrap();
+        assert_eq!(
+            (p.full.pages, p.full.bytes),
+            (65536, 65536 * 16 * 32 * 4096)
+        );
+        assert!(p.swa.is_none() && p.mamba.is_none());
+    }
+
+    #[test]
+    fn the_model_section_reads_presets_patterns_and_overrides() {
+        // A preset with a key overridden; it serializes to every key and reads back the same.
+        let c = ManagerConfig::from_toml_str(
+            "[model]\npreset = \"gemma-like\"\npage_size = 32\nsliding_window = 512\n",
+        )
+        .unwrap();
+        let mut want = Preset::GemmaLike.geometry();
+        want.page_size = 32;
+        want.sliding_window = Some(512);
+        assert_eq!(c.model, want);
+        let text = toml::to_string(&c).unwrap();
+        assert!(text.contains("layer_pattern = \"SSSSSA\""), "{text}");
+        assert!(!text.contains("preset"), "{text}");
+        assert_eq!(ManagerConfig::from_toml_str(&text).unwrap(), c);
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(ManagerConfig::from_json_str(&json).unwrap(), c);
+        // A pattern written out: the Jamba-like preset, without the FLOPs dimensions.
+        let c = ManagerConfig::from_toml_str(
+            r#"
+            [model]
+            layers = 32
+            layer_pattern = "MMMMAMMM"
+            kv_bytes_per_token_per_layer = 4096
+            mamba_conv_state_bytes = 49152
+            mamba_ssm_state_bytes = 262144
+            [pools]
+            mamba_bytes = 1073741824
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.model,
+            ModelGeometry {
+                compute: None,
+                ..Preset::JambaLike.geometry()
+            }
+        );
+        assert_eq!(c.pools().unwrap().mamba.unwrap().slots, 123);
+        // The dense keys keep their meaning: every layer is full attention.
+        let c = ManagerConfig::from_toml_str("[model]\nlayers = 8\n").unwrap();
+        assert_eq!(c.model.layer_counts().attention, 8);
+        assert_eq!(c.model.page_bytes(), 8 * 4096 * 16);
+        // Refused: unknown presets and letters, and keys no layer uses.
+        for (text, says) in [
+            ("[model]\npreset = \"llama\"\n", "unknown variant"),
+            (
+                "[model]\nlayer_pattern = \"MAX\"\nlayers = 3\n",
+                "unknown layer kind",
+            ),
+            ("[model]\nlayer_pattern = \"\"\n", "empty"),
+            (
+                "[model]\nsliding_window = 128\n",
+                "no layer is a sliding-window",
+            ),
+            (
+                "[model]\nmamba_ssm_state_bytes = 128\n",
+                "no layer is a Mamba",
+            ),
+            (
+                "[model]\nlayer_pattern = \"SSSSSA\"\n",
+                "whole number of repeats",
+            ),
+            ("[pools]\nmamba_bytes = 1024\n", "no Mamba layer"),
+            ("[pools]\nswa_bytes = 1024\n", "no sliding-window layer"),
+            (
+                "[model]\npreset = \"jamba-like\"\n[pools]\nmamba_bytes = 8716287\n",
+                "fits no state slot of 8716288 bytes",
+            ),
+            (
+                "[model]\npreset = \"gemma-like\"\n[pools]\nswa_bytes = 5242879\n",
+                "fits no page of 5242880 bytes",
+            ),
+            (
+                "[model]\npreset = \"jamba-like\"\n[pools]\nmamba_bytes = 18446744073709551615\n",
+                "slots a pool can address",
+            ),
+            ("[pools]\nbogus = 1\n", "unknown field"),
+        ] {
+            match ManagerConfig::from_toml_str(text) {
+                Err(ManagerError::Config(m)) => assert!(m.contains(says), "{text}: {m}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -24,8 +24,9 @@
 //! ([`BackendMismatch::NoHostTier`]): nothing would ever use it.
 //!
 //! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
-//! [`ManagerError::NotImplemented`]. The hybrid (Mamba / SWA) pools are still
-//! [`ManagerError::NotWired`]; the storage tier (L3) exists in no crate yet and is
+//! [`ManagerError::NotImplemented`]. A hybrid model (Mamba or sliding-window layers, see
+//! [`crate::geometry`]) is still [`ManagerError::NotWired`]: its pools are sized
+//! ([`ManagerConfig::pools`]) but no cache carries them yet; the storage tier (L3) exists in no crate yet and is
 //! [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
@@ -194,7 +195,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
-/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for hybrid pools;
+/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a hybrid model (Mamba or sliding-window layers);
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -282,12 +283,7 @@ fn build<B: DeviceBackend>(
         }
         _ => {}
     }
-    if cfg.model.mamba.is_some() || cfg.model.swa.is_some() {
-        return Err(ManagerError::NotWired {
-            kind: "hybrid pools (mamba / swa)",
-            needs: "radixkv-hicache",
-        });
-    }
+    refuse_hybrid(cfg)?;
     let radix = RadixConfig {
         page_size: cfg.model.page_size,
         total_pages: cfg.device_pages(),
@@ -320,6 +316,32 @@ fn build<B: DeviceBackend>(
     })
 }
 
+/// A hybrid model (sliding-window or Mamba layers) is described, validated and sized
+/// ([`ManagerConfig::pools`]) but no cache carries its extra pools yet: refuse it, naming the
+/// missing component, rather than build a cache that would ignore them. The prefix tree
+/// (`radixkv-radix`) has no Mamba or SWA component yet, and the host tier (`radixkv-hicache`)
+/// does not move their pools.
+fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
+    let n = cfg.model.layer_counts();
+    let needs = match cfg.cache {
+        CacheKind::HiCache(_) => "radixkv-hicache",
+        _ => "radixkv-radix",
+    };
+    if n.mamba > 0 {
+        return Err(ManagerError::NotWired {
+            kind: "a model with Mamba layers (a Mamba state slot pool)",
+            needs,
+        });
+    }
+    if n.sliding_window > 0 {
+        return Err(ManagerError::NotWired {
+            kind: "a model with sliding-window layers (an SWA KV pool)",
+            needs,
+        });
+    }
+    Ok(())
+}
+
 /// `cache`, wrapped in a session layer reading `clock` when `sessions` is on.
 fn with_sessions<C: ManagedCache + 'static>(
     cache: C,
@@ -335,7 +357,7 @@ fn with_sessions<C: ManagedCache + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{HostTier, MambaPool, SessionBudget, WritePolicy};
+    use crate::config::{HostTier, Preset, SessionBudget, WritePolicy};
 
     fn base() -> ManagerConfig {
         ManagerConfig {
@@ -413,12 +435,27 @@ mod tests {
         let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
-        let mut hybrid = base();
-        hybrid.model.mamba = Some(MambaPool {
-            slots: 4,
-            bytes_per_slot: 64,
-        });
-        let e = build_cache(&hybrid).err().unwrap().to_string();
-        assert!(e.contains("radixkv-hicache"), "{e}");
+        // A hybrid model is sized but refused, naming what is missing, on every cache kind.
+        for (preset, layers) in [
+            (Preset::JambaLike, "Mamba layers"),
+            (Preset::GemmaLike, "sliding-window layers"),
+        ] {
+            for (cache, needs) in [
+                (CacheKind::Radix, "radixkv-radix"),
+                (CacheKind::Disabled, "radixkv-radix"),
+                (
+                    CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
+                    "radixkv-hicache",
+                ),
+            ] {
+                let mut hybrid = ManagerConfig { cache, ..base() };
+                hybrid.model = preset.geometry();
+                assert!(hybrid.pools().is_ok(), "{preset}: its pools are sized");
+                let e = build_cache(&hybrid).err().unwrap();
+                assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
+                let e = e.to_string();
+                assert!(e.contains(needs) && e.contains(layers), "{preset}: {e}");
+            }
+        }
     }
 }

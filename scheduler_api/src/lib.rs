@@ -5,7 +5,9 @@
 //!
 //! ## The model
 //! - **Configuration** ([`ManagerConfig`], from a builder, TOML or JSON): model geometry
-//!   (layers, KV bytes per token, page size, optional hybrid pools), the device pool, the cache
+//!   ([`geometry`]: every layer full attention, sliding window or Mamba, as a repeated pattern;
+//!   KV bytes per token, page size; presets `dense`, `jamba-like`, `gemma-like`; FLOPs per
+//!   token), the device pools it derives ([`ManagerConfig::pools`]), the cache
 //!   kind (`disabled` / `radix` / `hicache` with a [`HostTier`]: host pool size, write policy,
 //!   host eviction policy, host layout, load-back minimum and quota, pending-transfer limit),
 //!   the eviction policy, sessions and their budget, the device backend. [`config::EXAMPLE_TOML`]
@@ -16,8 +18,9 @@
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
-//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. Hybrid pools fail with
-//!   [`ManagerError::NotWired`], naming the crate.
+//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. A hybrid model (sliding-window
+//!   or Mamba layers) is validated and sized but fails to build with
+//!   [`ManagerError::NotWired`], naming the crate that does not carry its pools yet.
 //! - **Bring your own device**: the host tier copies KV through a
 //!   [`radixkv_hicache::DeviceBackend`]. By default it is HostSim; an engine hands the manager
 //!   its own (its GPU backend, or any wrapper) with [`ManagerBuilder::device_backend`], and
@@ -104,6 +107,7 @@ mod builder;
 pub mod config;
 pub mod error;
 pub mod factory;
+pub mod geometry;
 mod manager;
 pub mod metrics;
 mod request;
@@ -113,7 +117,8 @@ mod tiered;
 
 pub use builder::ManagerBuilder;
 pub use config::{
-    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, SessionBudget, WritePolicy,
+    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, PoolBudgets, Preset,
+    SessionBudget, WritePolicy,
 };
 pub use error::{BackendMismatch, ManagerError, Result};
 pub use manager::{

@@ -273,6 +273,7 @@ fn help_shows_defaults_and_valid_values_and_only_the_commands_own_flags() {
         "[default: 7]",
         "[possible values: mooncake, weka, azure]",
         "[possible values: disabled, radix, hicache]",
+        "[possible values: dense, jamba-like, gemma-like]",
         "lru, lfu, fifo",
         "write_through_selective[:N]",
         "--trace",
@@ -719,4 +720,60 @@ fn config_prints_the_example_and_the_effective_configuration() {
         effective
     );
     fails_with(&radixkv(&["config", "--page-size", "0"]), "page size");
+}
+
+#[test]
+fn model_presets_print_their_pools_and_hybrid_runs_are_refused_as_not_wired() {
+    use radixkv_scheduler_api::{ManagerConfig, Preset};
+    // Jamba-like: 4 attention layers × 4 KiB per token; 28 Mamba layers of 304 KiB per slot.
+    let o = radixkv(&["config", "--model", "jamba-like"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("layer_pattern = \"MMMMAMMM\""), "{out}");
+    assert!(
+        out.contains("full-attention KV: 65,536 pages, 1,048,576 tokens, 16 KiB per token"),
+        "{out}"
+    );
+    assert!(
+        out.contains("Mamba states: 1,971 slots of 8.3 MiB"),
+        "{out}"
+    );
+    let c = ManagerConfig::from_toml_str(&out).unwrap();
+    assert_eq!(c.model, Preset::JambaLike.geometry());
+    // Gemma-like with pages of 32 tokens: the page size is kept, the SWA pool sized.
+    let o = radixkv(&["config", "--model", "gemma-like", "--page-size", "32"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("sliding-window KV (window 1024 tokens): 6,553 pages"),
+        "{out}"
+    );
+    let c = ManagerConfig::from_toml_str(&out).unwrap();
+    assert_eq!(c.model.page_size, 32);
+    assert_eq!(c.model.sliding_window, Some(1024));
+    // A replay of a hybrid model is refused, naming what is missing.
+    let o = radixkv(&["demo", "--conversations", "2", "--model", "jamba-like"]);
+    fails_with(&o, "Mamba layers");
+    fails_with(&o, "radixkv-radix");
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "gemma-like",
+        "--cache",
+        "hicache",
+    ]);
+    fails_with(&o, "sliding-window layers");
+    fails_with(&o, "radixkv-hicache");
+    fails_with(
+        &radixkv(&["config", "--model", "llama"]),
+        "known: dense, jamba-like, gemma-like",
+    );
+    // dense is the default geometry.
+    let o = radixkv(&["config", "--model", "dense"]);
+    assert_eq!(
+        ManagerConfig::from_toml_str(&stdout(&o)).unwrap(),
+        ManagerConfig::default()
+    );
 }

@@ -27,7 +27,7 @@ use radixkv_replay::sim::{
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, ModelGeometry, human_tokens};
+use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset, human_tokens};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -76,8 +76,8 @@ enum Cmd {
     /// the flags), or with --example a commented example naming every key.
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
-        #[arg(long, conflicts_with_all = ["config", "device_tokens", "page_size", "policy",
-            "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
+        #[arg(long, conflicts_with_all = ["config", "model", "device_tokens", "page_size",
+            "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
         example: bool,
         #[command(flatten)]
         manager: ManagerArgs,
@@ -194,6 +194,16 @@ fn cache_parser() -> Named<CacheFlag> {
     }
 }
 
+fn model_parser() -> Named<Preset> {
+    Named {
+        shown: Preset::ALL.map(Preset::name).to_vec(),
+        parse: |s| {
+            Preset::from_name(s)
+                .ok_or_else(|| unknown("model preset", s, "dense, jamba-like, gemma-like"))
+        },
+    }
+}
+
 fn write_policy_parser() -> Named<WritePolicy> {
     Named {
         shown: vec!["write_through", "write_through_selective[:N]", "write_back"],
@@ -222,8 +232,14 @@ struct ManagerArgs {
     /// Manager configuration file (TOML, or JSON by extension); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Model geometry preset; replaces the --config file's [model], keeping its page size.
+    /// Hybrid models (jamba-like: Mamba layers, gemma-like: sliding-window layers) are sized
+    /// (`radixkv config` prints their pools) but no cache carries their extra pools yet, so
+    /// a replay refuses them [default: the --config file's [model], else dense]
+    #[arg(long, value_parser = model_parser())]
+    model: Option<Preset>,
     #[arg(long, value_name = "TOKENS",
-        help = with_default("Device KV pool in tokens", ManagerConfig::default().device_tokens))]
+        help = with_default("Device KV pool in tokens (the full-attention KV pool)", ManagerConfig::default().device_tokens))]
     device_tokens: Option<usize>,
     #[arg(long, value_name = "TOKENS",
         help = with_default("Tokens per KV page", ModelGeometry::default().page_size))]
@@ -396,6 +412,7 @@ fn run(cli: Cli) -> Result<()> {
                 let text =
                     toml::to_string(&m).map_err(|e| ManagerError::Config(format!("TOML: {e}")))?;
                 print!("{text}");
+                print!("{}", pools_comment(&m.pools()?));
             }
             return Ok(());
         }
@@ -448,6 +465,36 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Fails a run that leaked: pages still held after the drain, sessions still open, or
 /// accounting that does not balance.
+/// The device pools a configuration derives, as TOML comments after `radixkv config`'s
+/// output.
+fn pools_comment(p: &Pools) -> String {
+    let paged = |what: &str, pool: &radixkv_scheduler_api::config::PagedPool| {
+        format!(
+            "#   {what}: {} pages, {} tokens, {} per token, {} per page, {}\n",
+            fmt_count(pool.pages),
+            fmt_count(pool.tokens),
+            fmt_bytes(pool.bytes_per_token),
+            fmt_bytes(pool.page_bytes),
+            fmt_bytes(pool.bytes)
+        )
+    };
+    let mut s = String::from("\n# Device pools derived from [model], device_tokens and [pools]:\n");
+    s += &paged("full-attention KV", &p.full);
+    if let (Some(swa), Some(w)) = (&p.swa, p.sliding_window) {
+        s += &paged(&format!("sliding-window KV (window {w} tokens)"), swa);
+    }
+    if let Some(m) = &p.mamba {
+        s += &format!(
+            "#   Mamba states: {} slots of {}, {}\n",
+            fmt_count(m.slots),
+            fmt_bytes(m.slot_bytes),
+            fmt_bytes(m.bytes)
+        );
+    }
+    s += &format!("#   total: {}\n", fmt_bytes(p.total_bytes()));
+    s
+}
+
 fn leak_check(r: &Report) -> Result<()> {
     if r.leaked_tokens == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
         return Ok(());
@@ -578,6 +625,12 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
         Some(p) => ManagerConfig::from_file(p)?,
         None => ManagerConfig::default(),
     };
+    if let Some(preset) = run.model {
+        m.model = ModelGeometry {
+            page_size: m.model.page_size,
+            ..preset.geometry()
+        };
+    }
     if let Some(n) = run.device_tokens {
         m.device_tokens = n;
     }
