@@ -176,7 +176,8 @@ pub struct LayerCounts {
 }
 
 /// A built-in model geometry (`preset = "jamba-like"` in `[model]`, `--model jamba-like` on
-/// `radixkv`). Sizes from the models' published configurations, in bf16 (2 bytes per value).
+/// `radixkv`). Sizes from the models' published configurations (the `config.json` of
+/// `ai21labs/Jamba-v0.1` and of Gemma-3-12B), in bf16 (2 bytes per value, states included).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Preset {
