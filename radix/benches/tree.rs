@@ -51,6 +51,7 @@ fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
         events: false,
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
+        mamba_slots: None,
     })
     .unwrap()
 }
