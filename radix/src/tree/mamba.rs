@@ -28,12 +28,16 @@ struct MambaNode {
     lock: u32,
     /// The component's own recency tick (the LRU key while unlocked).
     tick: u64,
+    /// The generation of the node that got the state: the audit catches a state left behind
+    /// by a removed node whose arena index was reused.
+    generation: u32,
 }
 
 const NO_STATE: MambaNode = MambaNode {
     slot: NIL,
     lock: 0,
     tick: 0,
+    generation: 0,
 };
 
 /// The Mamba component of a [`RadixTree`] (see the module docs).
@@ -243,7 +247,15 @@ impl RadixTree {
             .iter()
             .enumerate()
             .filter(|(_, e)| e.slot != NIL)
-            .map(|(i, e)| (self.id_of(i as u32), e.slot))
+            // The generation the state was stored under: a state left behind by a removed node
+            // shows as a stale handle, not as the node that reuses the index.
+            .map(|(i, e)| {
+                let id = NodeId {
+                    idx: i as u32,
+                    generation: e.generation,
+                };
+                (id, e.slot)
+            })
             .collect())
     }
 
@@ -405,6 +417,7 @@ impl RadixTree {
                 "a Mamba state needs a node whose KV is on device",
             ));
         }
+        let generation = self.generations[idx as usize];
         let m = self.mamba_mut()?;
         if m.get(idx).slot != NIL {
             m.pool.free_request(slot)?;
@@ -414,6 +427,7 @@ impl RadixTree {
         m.pool.request_to_tree(slot)?;
         let e = m.entry(idx);
         e.slot = slot;
+        e.generation = generation;
         debug_assert_eq!(e.lock, 0);
         let now = m.tick();
         m.entry(idx).tick = now;
@@ -475,7 +489,8 @@ impl RadixTree {
                 );
                 continue;
             }
-            let live = self.nodes.get(i).is_some_and(|_| k != self.root);
+            let live = self.nodes.get(i).is_some_and(|_| k != self.root)
+                && self.generations[i] == e.generation;
             ensure_inv!(live, "Mamba slot {} held by dead node or root {k}", e.slot);
             let n = &self.nodes[i];
             ensure_inv!(
