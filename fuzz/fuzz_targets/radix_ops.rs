@@ -199,6 +199,7 @@ impl Harness {
             events: s.events,
             event_capacity,
             disabled,
+            mamba_slots: None,
         };
         let cache = RadixCache::new(cfg.clone()).ok()?;
         let other = RadixCache::new(RadixConfig {

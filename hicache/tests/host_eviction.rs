@@ -161,3 +161,22 @@ fn host_stored_event_waits_for_the_backup_ack() {
     );
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn a_radix_config_with_mamba_slots_is_refused_until_the_tiered_cache_supports_them() {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let backend = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+    let cfg = HiCacheConfig {
+        radix: RadixConfig {
+            page_size: 2,
+            total_pages: 16,
+            mamba_slots: Some(4),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    assert!(matches!(
+        HiRadixCache::new(cfg, backend),
+        Err(radixkv_hicache::HiCacheError::Config(_))
+    ));
+}

@@ -9,6 +9,10 @@
 //! - `match_fanout/{3,6,12}`: match a random root-to-leaf path in a tree whose every inner node
 //!   has that many single-page children (tens of thousands of leaves; per matched page): the
 //!   child lookup below the root, inline list or table, is the whole cost.
+//! - `mamba/match_2048`: `match/2048`'s shape with the Mamba component and a state at the end
+//!   of every chain (per matched page: the walk back to the deepest state is included);
+//! - `mamba/alloc_evict`: allocate a request slot from a full pool of 1,024 unlocked states
+//!   (evicting the least recently used one) and store it back as a state (per slot).
 //!
 //! Each group builds its tree the first time it runs, so a filtered run (`-- evict/1M`) builds
 //! only what it measures. Criterion reports time per iteration; the per-page/per-leaf figures are that time divided by
@@ -42,8 +46,8 @@ impl Rng {
     }
 }
 
-fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
-    RadixCache::new(RadixConfig {
+fn cache_config(pages: usize, policy: PolicyKind) -> RadixConfig {
+    RadixConfig {
         page_size: P,
         total_pages: pages,
         max_rows: 16,
@@ -51,6 +55,18 @@ fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
         events: false,
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
+        mamba_slots: None,
+    }
+}
+
+fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
+    RadixCache::new(cache_config(pages, policy)).unwrap()
+}
+
+fn mamba_cache(pages: usize, slots: u32) -> RadixCache {
+    RadixCache::new(RadixConfig {
+        mamba_slots: Some(slots),
+        ..cache_config(pages, PolicyKind::Lru)
     })
     .unwrap()
 }
@@ -288,9 +304,72 @@ fn bench_evict_policies(cr: &mut Criterion) {
     g.finish();
 }
 
+/// The Mamba component: a match cut back to the deepest state, and slot allocation under
+/// pressure.
+fn bench_mamba(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("mamba");
+    let setup = || {
+        let mut rng = Rng::new(1);
+        let root = rng.tokens(ROOT_LEN);
+        let mut c = mamba_cache(
+            2 * ROOT_LEN / P + CHAINS * (CHAIN_LEN - ROOT_LEN) / P,
+            CHAINS as u32,
+        );
+        let mut ends = Vec::with_capacity(CHAINS);
+        let mut all = Vec::with_capacity(CHAINS);
+        for _ in 0..CHAINS {
+            let mut t = root.clone();
+            t.extend(rng.tokens(CHAIN_LEN - ROOT_LEN));
+            let pages = c.pools_mut().pages.alloc(t.len() / P).unwrap();
+            let r = c
+                .insert(KeyRef::new(&t), &pages, InsertOptions::default())
+                .unwrap();
+            c.pools_mut().pages.free(&r.duplicates).unwrap();
+            let (tree, _) = c.parts_mut();
+            let slot = tree.alloc_mamba_slot().unwrap();
+            tree.insert_mamba_state(r.last_node, slot).unwrap();
+            ends.push(r.last_node);
+            all.push(t);
+        }
+        (c, all, ends)
+    };
+    let mut tree = None;
+    let mut out: Vec<PageId> = Vec::with_capacity(CHAIN_LEN / P);
+    let mut i = 0usize;
+    g.throughput(Throughput::Elements((CHAIN_LEN / P) as u64));
+    g.bench_function("match_2048", |b| {
+        let (c, all, _) = tree.get_or_insert_with(setup);
+        b.iter(|| {
+            out.clear();
+            i = (i + 7919) % CHAINS;
+            let m = c.match_prefix(KeyRef::new(black_box(&all[i])), &mut out);
+            debug_assert_eq!(m.as_ref().map(|m| m.device_len), Ok(CHAIN_LEN));
+            black_box(m).ok();
+        })
+    });
+    g.throughput(Throughput::Elements(1));
+    let mut fresh = None;
+    let mut k = 0usize;
+    g.bench_function("alloc_evict", |b| {
+        let (c, _, ends) = fresh.get_or_insert_with(setup);
+        let (t, _) = c.parts_mut();
+        b.iter(|| {
+            // The pool is full and nothing touches the states but this loop, so the victim is
+            // always the state stored longest ago: `ends[k]`, which gets the slot back.
+            let slot = t.alloc_mamba_slot().unwrap();
+            let node = ends[k];
+            k = (k + 1) % CHAINS;
+            debug_assert_eq!(t.mamba_state(node), Ok(None));
+            black_box(t.insert_mamba_state(node, slot)).ok();
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
-    targets = bench_match, bench_insert, bench_evict, bench_evict_policies, bench_match_fanout
+    targets = bench_match, bench_insert, bench_evict, bench_evict_policies, bench_match_fanout,
+        bench_mamba
 }
 criterion_main!(benches);

@@ -18,6 +18,7 @@ use crate::alloc::DevicePools;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
+use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
 
@@ -125,8 +126,19 @@ pub struct RequestKv {
     pub allocated_len: usize,
     /// Leading tokens owned by the tree (page-aligned); the rest of the row is the request's.
     pub cache_protected_len: usize,
-    /// Mamba state slot (hybrid models; carried by sessions).
+    /// The request's own Mamba state slot (hybrid models), from `begin_request` on. At the end
+    /// of the request a cache with the Mamba component stores it as the checkpoint of the
+    /// inserted key or frees it.
     pub mamba_slot: Option<u32>,
+    /// A Mamba hit's copy on write: the device backend copies the cached state `src` into the
+    /// request's slot `dst` (= `mamba_slot`) before the request's first forward. Set by
+    /// `begin_request`, cleared by the first `cache_unfinished_req` (the copy has run by then).
+    pub mamba_cow: Option<MambaCow>,
+    /// How far the device KV match went, set by a cache with the Mamba component (≥
+    /// `prefix_len`; 0 from other caches). The usable prefix stops at the deepest cached state;
+    /// when this is longer, the forward pass should checkpoint the state at this length so
+    /// that the next request on the path hits there.
+    pub kv_match_len: usize,
     /// Tokens before the sliding-window frontier whose SWA KV was released (hybrid models).
     pub swa_evicted_len: usize,
     /// True while the KV is lent by a session slot (the slot, not the request, owns it).
@@ -186,6 +198,8 @@ impl RequestKv {
         self.allocated_len = 0;
         self.cache_protected_len = 0;
         self.mamba_slot = None;
+        self.mamba_cow = None;
+        self.kv_match_len = 0;
         self.swa_evicted_len = 0;
         self.kv_lent = false;
     }

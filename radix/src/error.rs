@@ -84,6 +84,33 @@ pub enum CacheError {
     /// it applies to (no pool can satisfy it).
     #[error("size overflow: {0}")]
     SizeOverflow(&'static str),
+    /// A state slot index outside its pool.
+    #[error("state slot {slot} is outside the pool of {total} slots")]
+    SlotOutOfRange {
+        /// The slot.
+        slot: u32,
+        /// Slots in the pool.
+        total: usize,
+    },
+    /// A state slot freed twice, or handed over while not held by the caller.
+    #[error("state slot {slot} is not in the expected state ({expected})")]
+    SlotState {
+        /// The slot.
+        slot: u32,
+        /// What state the operation needed it in.
+        expected: &'static str,
+    },
+    /// No free state slot, and every cached state is locked (nothing could be evicted).
+    #[error("out of {component} state slots ({capacity} in the pool, none free or evictable)")]
+    OutOfStateSlots {
+        /// Which component's pool (`"mamba"`).
+        component: &'static str,
+        /// Slots in the pool.
+        capacity: usize,
+    },
+    /// The operation needs a tree component that this cache was not configured with.
+    #[error("the {0} component is not configured for this cache")]
+    ComponentDisabled(&'static str),
     /// An [`crate::EvictionPolicy`] answered with a node that is not an evictable leaf (a stale
     /// handle, a locked or inner node, one already given). The tree rebuilt the policy's
     /// contents from its own leaf set, so it stays consistent; the policy has a bug.

@@ -22,6 +22,50 @@
 //! session row — and [`PrefixCache::accounting`] reports
 //! `free + evictable + protected + session_held + request_owned == total`.
 //!
+//! ## Components: one tree for hybrid models
+//! Hybrid Transformer–Mamba models keep more than KV per prefix. The tree stays one tree; a
+//! node carries *components* beside its full KV, each with its own pool, its own lock counts,
+//! its own eviction order and its own audit. The full KV is always there; the others are
+//! optional per cache and live in side tables indexed by arena index, so a KV-only tree keeps
+//! its node layout and pays a single branch on a `None` where a node leaves the device.
+//!
+//! **Mamba** ([`RadixConfig::mamba_slots`], [`RadixTree::enable_mamba`]): a fixed pool of
+//! state slots ([`StateSlotPool`]; a slot holds the states of all Mamba layers, the crate only
+//! keeps slot ids). A node may carry one slot: the state after its last token.
+//! - *Split*: a state cannot be split, so only the lower node (which keeps the node's id and
+//!   last token) keeps it.
+//! - *Match* ([`RadixTree::match_mamba`]): usable only up to the deepest device node on the
+//!   path that carries a state; [`MambaMatch::kv`] says how far the KV went, which is where the
+//!   forward pass should checkpoint for the next request.
+//! - *Copy on write* ([`RadixTree::cow_mamba`]): a hit locks the state
+//!   ([`RadixTree::inc_lock_ref_mamba`]; the receipt records that it did) and allocates the
+//!   request's own slot; the tree returns `(src, dst)` ([`MambaCow`]) and the device backend
+//!   copies the bytes.
+//! - *Insert* ([`RadixTree::insert_mamba_state`]): at request end the request's slot becomes
+//!   the node's state, or is freed when the node already has one (the SGLang-style baseline:
+//!   a checkpoint at every request end; [`RadixCache`] stores it only where the request's
+//!   computed tokens end a page, i.e. a node boundary).
+//! - *Locks*: a receipt locks the KV path to its anchor and, optionally, the anchor's state
+//!   (Mamba lock ≤ KV lock on every node).
+//! - *Eviction and the cascade*: evicting a node's device KV evicts its state (a state cannot
+//!   be resumed without the KV before it); evicting a state under slot pressure
+//!   ([`RadixTree::evict_mamba`], least recently used unlocked state first, and automatically
+//!   when [`RadixTree::alloc_mamba_slot`] finds the pool full) keeps the KV: the node becomes a
+//!   tombstone for the Mamba component. With no free slot and every state locked, allocation
+//!   fails with [`CacheError::OutOfStateSlots`].
+//! - *Accounting* ([`RadixTree::mamba_accounting`]): every slot is exactly one of free, held by
+//!   a node (evictable or protected) or held by a request; the audit checks it, and that no
+//!   slot is held twice or freed twice.
+//!
+//! A sliding-window (SWA) component is meant to take the same shape: a second paged pool, a
+//! side table of per-node window pages that may be tombstoned while the full KV stays, its own
+//! lock counts recorded in the receipt, its own LRU, a match validator (a full window of live
+//! window KV before the match end) and the same cascade from the full KV. It is not built yet.
+//!
+//! The Mamba component is not yet carried by the session layer or the host tier
+//! (`HiRadixCache` refuses a configuration with Mamba slots), and `KvCacheManager` refuses
+//! hybrid models until the whole path is wired.
+//!
 //! ## Errors
 //! No panic is reachable from the public API. Bad input (empty or misaligned keys, mismatched
 //! lengths, stale handles, foreign receipts) and exhausted resources (pages, rows) return a
@@ -49,6 +93,7 @@ mod error;
 pub mod events;
 pub mod policy;
 mod radix_cache;
+mod slots;
 mod tree;
 mod types;
 
@@ -62,6 +107,8 @@ pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};
+pub use slots::{SlotAccounting, SlotState, StateSlotPool};
+pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{

@@ -6,6 +6,8 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent};
 use crate::policy::PolicyKind;
+use crate::slots::{SlotAccounting, SlotState};
+use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, align_down};
 
@@ -29,6 +31,12 @@ pub struct RadixConfig {
     pub event_capacity: usize,
     /// Disabled mode: nothing is shared or cached (a baseline for comparison).
     pub disabled: bool,
+    /// Slots of the Mamba state pool (hybrid Transformer–Mamba models; one slot holds the
+    /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
+    /// deepest cached state, every running request holds its own slot, and a finished request
+    /// stores its state as the checkpoint of its inserted key (see the crate docs). Not yet
+    /// supported under a session layer (its slots do not free Mamba slots) or the host tier.
+    pub mamba_slots: Option<u32>,
 }
 
 impl Default for RadixConfig {
@@ -41,6 +49,7 @@ impl Default for RadixConfig {
             events: false,
             event_capacity: EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
+            mamba_slots: None,
         }
     }
 }
@@ -84,6 +93,9 @@ impl RadixCache {
         let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
         let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
         tree.set_event_capacity(cfg.event_capacity)?;
+        if let Some(slots) = cfg.mamba_slots {
+            tree.enable_mamba(slots)?;
+        }
         Ok(RadixCache {
             tree,
             pools,
@@ -114,6 +126,51 @@ impl RadixCache {
         {
             panic!("radixkv internal invariant violated: {e}");
         }
+    }
+
+    /// Where every Mamba slot is (`None` for a KV-only cache).
+    pub fn mamba_accounting(&self) -> Option<SlotAccounting> {
+        self.tree.mamba_accounting().ok()
+    }
+
+    /// Audits one request's Mamba slot: a running request of a cache with the Mamba component
+    /// holds exactly one slot, in the request state (the counterpart of
+    /// [`PrefixCache::check_request`] for the Mamba pool).
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    pub fn check_request_mamba(
+        &self,
+        req: &RequestKv,
+    ) -> std::result::Result<(), InvariantViolation> {
+        let Ok(pool) = self.tree.mamba_pool() else {
+            ensure_inv!(
+                req.mamba_slot.is_none(),
+                "a KV-only cache's request holds a Mamba slot"
+            );
+            return Ok(());
+        };
+        ensure_inv!(
+            req.mamba_slot.is_some() == req.row.is_some(),
+            "request row {:?} with Mamba slot {:?}",
+            req.row,
+            req.mamba_slot
+        );
+        if let Some(slot) = req.mamba_slot {
+            ensure_inv!(
+                pool.state(slot) == Ok(SlotState::Request),
+                "request's Mamba slot {slot} is {:?}",
+                pool.state(slot)
+            );
+        }
+        if let Some(cow) = req.mamba_cow {
+            ensure_inv!(
+                Some(cow.dst) == req.mamba_slot,
+                "copy-on-write destination {} is not the request's slot",
+                cow.dst
+            );
+        }
+        Ok(())
     }
 
     /// True in disabled (no sharing) mode.
@@ -229,6 +286,15 @@ impl PrefixCache for RadixCache {
                 host_len: 0,
                 last_device: root,
                 last_node: root,
+            });
+        }
+        if self.tree.mamba_enabled() {
+            let m = self.tree.match_mamba(key, out)?;
+            return Ok(TreeMatch {
+                device_len: m.usable_len,
+                host_len: 0,
+                last_device: m.anchor,
+                last_node: m.anchor,
             });
         }
         Ok(self.tree.match_prefix(key, out))
@@ -382,6 +448,17 @@ impl PrefixCache for RadixCache {
                 last_device: root,
                 last_node: root,
             }
+        } else if self.tree.mamba_enabled() {
+            let m = self
+                .tree
+                .match_mamba(req.key.prefix(limit), &mut req.prefix_pages)?;
+            req.kv_match_len = m.kv.device_len;
+            TreeMatch {
+                device_len: m.usable_len,
+                host_len: 0,
+                last_device: m.anchor,
+                last_node: m.anchor,
+            }
         } else {
             self.tree
                 .match_prefix(req.key.prefix(limit), &mut req.prefix_pages)
@@ -403,22 +480,40 @@ impl PrefixCache for RadixCache {
                 "begin_request called twice",
             ));
         }
+        let mamba = self.tree.mamba_enabled();
+        if mamba && req.mamba_slot.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "begin_request on a request that already holds a Mamba slot",
+            ));
+        }
+        let root = self.tree.root();
         let anchor_ok = req.last_node.is_some_and(|n| {
             self.tree.contains(n)
-                && (n == self.tree.root() || self.tree.device_pages(n).is_ok_and(|p| !p.is_empty()))
+                && (n == root || self.tree.device_pages(n).is_ok_and(|p| !p.is_empty()))
+                // A Mamba hit needs its state still there (it may have been evicted since).
+                && (!mamba || n == root || self.tree.mamba_state(n).is_ok_and(|s| s.is_some()))
         });
         if !anchor_ok {
             self.match_request(req)?;
         }
-        let anchor = req.last_node.unwrap_or(self.tree.root());
-        let receipt = self.tree.inc_lock_ref(anchor)?;
+        let anchor = req.last_node.unwrap_or(root);
+        let (receipt, slot, cow) = if mamba {
+            self.lock_with_mamba_slot(anchor)?
+        } else {
+            (self.tree.inc_lock_ref(anchor)?, None, None)
+        };
         let row = match self.pools.rows.alloc() {
             Ok(r) => r,
             Err(e) => {
+                if let Some(s) = slot {
+                    self.tree.free_mamba_slot(s)?;
+                }
                 self.tree.dec_lock_ref(receipt)?;
                 return Err(e);
             }
         };
+        req.mamba_slot = slot;
+        req.mamba_cow = cow;
         let (pages, protected) = self.pools.rows.parts_mut(row)?;
         pages.extend_from_slice(&req.prefix_pages);
         *protected = req.prefix_pages.len();
@@ -450,6 +545,9 @@ impl PrefixCache for RadixCache {
             self.tree.dec_lock_ref(old)?;
         }
         req.last_node = Some(r.last_node);
+        // The chunk's forward has run, so a hit's state copy is done (and its source no
+        // longer locked).
+        req.mamba_cow = None;
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
         self.debug_audit();
@@ -459,6 +557,9 @@ impl PrefixCache for RadixCache {
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
         let Some(row) = req.row else {
             // Never began: nothing held but a possible stray lock.
+            if let Some(s) = req.mamba_slot.take() {
+                self.tree.free_mamba_slot(s)?;
+            }
             if let Some(l) = req.lock.take() {
                 self.tree.dec_lock_ref(l)?;
             }
@@ -468,8 +569,23 @@ impl PrefixCache for RadixCache {
         let p = self.pools.page_size;
         let aligned = align_down(req.committed_len, p);
         let mut result = Ok(());
+        let mut end = None;
         if kind == FinishKind::Finished && !self.disabled && aligned > 0 {
-            result = self.insert_request_prefix(req, aligned, false).map(|_| ());
+            result = self
+                .insert_request_prefix(req, aligned, false)
+                .map(|r| end = Some(r.last_node));
+        }
+        // Checkpoint at every request end (the SGLang-style baseline): the request's state is
+        // the state after its last computed token, so it is cached only where that token ends
+        // a page (a node boundary); otherwise, and on abort, the slot is freed.
+        if let Some(slot) = req.mamba_slot.take() {
+            let cached = match end {
+                Some(node) if aligned == req.committed_len => {
+                    self.tree.insert_mamba_state(node, slot).map(|_| ())
+                }
+                _ => self.tree.free_mamba_slot(slot),
+            };
+            result = result.and(cached);
         }
         // Free everything the row still owns (the unaligned tail, over-allocation, or all of it
         // on abort), release the lock and the row.
@@ -485,6 +601,34 @@ impl PrefixCache for RadixCache {
 }
 
 impl RadixCache {
+    /// Locks `anchor` (and its Mamba state, unless it is the root) and gives the request its
+    /// own Mamba slot: a copy-on-write destination on a hit, a fresh slot otherwise. Nothing is
+    /// held on error.
+    #[allow(clippy::type_complexity)]
+    fn lock_with_mamba_slot(
+        &mut self,
+        anchor: NodeId,
+    ) -> Result<(LockReceipt, Option<u32>, Option<MambaCow>)> {
+        let hit = anchor != self.tree.root();
+        let receipt = if hit {
+            self.tree.inc_lock_ref_mamba(anchor)?
+        } else {
+            self.tree.inc_lock_ref(anchor)?
+        };
+        let slot = if hit {
+            self.tree.cow_mamba(&receipt).map(|c| (c.dst, Some(c)))
+        } else {
+            self.tree.alloc_mamba_slot().map(|s| (s, None))
+        };
+        match slot {
+            Ok((s, cow)) => Ok((receipt, Some(s), cow)),
+            Err(e) => {
+                self.tree.dec_lock_ref(receipt)?;
+                Err(e)
+            }
+        }
+    }
+
     /// Matches `key` into a caller-provided buffer without the `len − 1` rule (hot path for
     /// benchmarks and routers).
     pub fn match_prefix_into(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {

@@ -41,12 +41,20 @@ static NEXT_TREE_ID: AtomicU64 = AtomicU64::new(1);
 pub struct LockReceipt {
     anchor: NodeId,
     tree_id: u64,
+    /// The receipt also holds a lock on the anchor's Mamba state.
+    mamba: bool,
 }
 
 impl LockReceipt {
     /// The node whose root path is locked.
     pub fn anchor(&self) -> NodeId {
         self.anchor
+    }
+
+    /// True when the receipt also locks the anchor's Mamba state
+    /// ([`RadixTree::inc_lock_ref_mamba`]).
+    pub fn locks_mamba_state(&self) -> bool {
+        self.mamba
     }
 }
 
@@ -138,6 +146,8 @@ pub struct RadixTree {
     bufs: BufferPool,
     /// The first bad answer of the policy not yet taken (see [`RadixTree::pop_victim`]).
     policy_fault: Option<CacheError>,
+    /// The Mamba component (hybrid models only); `None` for a KV-only tree.
+    mamba: Option<Box<mamba::MambaComponent>>,
 }
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
@@ -235,6 +245,7 @@ impl RadixTree {
             outstanding_locks: 0,
             bufs: BufferPool::default(),
             policy_fault: None,
+            mamba: None,
         };
         t.root = t.alloc_node(Node {
             parent: NIL,
@@ -538,6 +549,9 @@ impl RadixTree {
         if self.outstanding_locks > 0 {
             return Err(CacheError::Busy("lock receipts are outstanding"));
         }
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.clear_tree_states();
+        }
         let keys: Vec<usize> = self.nodes.iter().map(|(k, _)| k).collect();
         for k in keys {
             if k as u32 == self.root {
@@ -615,6 +629,7 @@ fn common_pages(a: &[TokenId], b: &[TokenId], p: usize) -> usize {
 mod check;
 mod children;
 mod locks;
+pub(crate) mod mamba;
 #[cfg(test)]
 mod tests;
 pub(crate) mod tier;

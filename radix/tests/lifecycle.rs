@@ -17,6 +17,7 @@ fn cache_with(page_size: usize, total_pages: usize, policy: PolicyKind) -> Radix
         events: true,
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
+        mamba_slots: None,
     })
     .unwrap()
 }

@@ -580,6 +580,7 @@ impl StateMachineTest for Sut {
             events: true,
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
+            mamba_slots: None,
         })
         .expect("config");
         Sut {

@@ -292,6 +292,8 @@ fn build<B: DeviceBackend>(
         events: cfg.events,
         event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
+        // Hybrid models are refused above until the whole path is wired.
+        mamba_slots: None,
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
         max_held_tokens: b.max_held_tokens,

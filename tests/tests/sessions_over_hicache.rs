@@ -32,6 +32,7 @@ fn build(layout: HostLayout) -> Cache {
                 events: true,
                 event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
                 disabled: false,
+                mamba_slots: None,
             },
             host_size: HostSize::Ratio(4.0),
             host_layout: layout,

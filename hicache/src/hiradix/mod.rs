@@ -343,7 +343,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// pages).
     ///
     /// # Errors
-    /// [`HiCacheError::Config`] for mismatched or impossible sizes.
+    /// [`HiCacheError::Config`] for mismatched or impossible sizes, and for a `cfg.radix` with
+    /// Mamba slots (not supported by the tiered cache yet).
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -354,6 +355,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 cfg.radix.total_pages,
                 cfg.radix.page_size
             )));
+        }
+        if cfg.radix.mamba_slots.is_some() {
+            // The tree's Mamba component has no host tier, backup or load-back yet.
+            return Err(HiCacheError::Config(
+                "the Mamba state component is not supported by the tiered cache yet".into(),
+            ));
         }
         if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
             return Err(HiCacheError::Config(

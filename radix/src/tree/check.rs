@@ -128,6 +128,7 @@ impl RadixTree {
             "policy holds {} leaves, tree has {leaves}",
             self.policy.len()
         );
+        self.check_mamba()?;
         Ok(())
     }
 }

@@ -29,6 +29,7 @@ impl RadixTree {
         Ok(LockReceipt {
             anchor: node,
             tree_id: self.tree_id,
+            mamba: false,
         })
     }
 
@@ -44,12 +45,18 @@ impl RadixTree {
         let start = self
             .resolve(receipt.anchor)
             .map_err(|_| CacheError::StaleReceipt)?;
+        if receipt.mamba && self.mamba_lock_at(start) == 0 {
+            return Err(CacheError::LockUnderflow(receipt.anchor));
+        }
         let mut i = start;
         while i != self.root {
             if self.nodes[i as usize].lock_ref == 0 {
                 return Err(CacheError::LockUnderflow(self.id_of(i)));
             }
             i = self.nodes[i as usize].parent;
+        }
+        if receipt.mamba {
+            self.mamba_unlock(start);
         }
         let mut i = start;
         while i != self.root {
@@ -150,6 +157,10 @@ impl RadixTree {
         }
         if let Some(tok) = self.nodes[idx as usize].leaf.take() {
             self.policy.remove(id, tok);
+        }
+        // The cascade: a state cannot be resumed without the KV before it.
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.drop_state(idx);
         }
         let n = &mut self.nodes[idx as usize];
         let len = n.key.len();

@@ -1,0 +1,542 @@
+//! The Mamba component of the tree: state checkpoints on nodes, their slot pool, their locks
+//! and their own eviction order.
+//!
+//! A Mamba (SSM) state is a *point* checkpoint: the recurrent state after the last token of a
+//! node. It cannot be split, so when a node is split only the lower node (which keeps the
+//! node's id and its last token) keeps the state; the new upper node has none. A match is
+//! usable only up to the deepest node on the path that carries a state, even when the KV goes
+//! deeper. A node's state may be dropped (a *tombstone*) while its KV stays; dropping a node's
+//! device KV always drops its state (the cascade), because a state without the KV before it
+//! cannot be resumed.
+//!
+//! The component lives beside the nodes, indexed by arena index, instead of in them: a tree
+//! without the component (KV-only models) keeps its node layout and pays one branch on a
+//! `None` where a node leaves the device. Its own counters, lock counts and LRU order are
+//! independent of the KV's, which is the shape a further component (sliding-window KV) takes
+//! too (see the crate docs).
+
+use std::collections::BTreeSet;
+
+use super::*;
+use crate::slots::{SlotAccounting, SlotState, StateSlotPool};
+
+/// Per-node Mamba data, indexed by the node's arena index. `slot == NIL`: no state.
+#[derive(Copy, Clone, Debug)]
+struct MambaNode {
+    slot: u32,
+    /// Requests that locked this node's state (each also locks the node's KV path).
+    lock: u32,
+    /// The component's own recency tick (the LRU key while unlocked).
+    tick: u64,
+    /// The generation of the node that got the state: the audit catches a state left behind
+    /// by a removed node whose arena index was reused.
+    generation: u32,
+}
+
+const NO_STATE: MambaNode = MambaNode {
+    slot: NIL,
+    lock: 0,
+    tick: 0,
+    generation: 0,
+};
+
+/// The Mamba component of a [`RadixTree`] (see the module docs).
+#[derive(Debug)]
+pub(crate) struct MambaComponent {
+    pool: StateSlotPool,
+    nodes: Vec<MambaNode>,
+    /// Unlocked states by (tick, node index): the eviction order under slot pressure.
+    lru: BTreeSet<(u64, u32)>,
+    /// Tree-held states that are locked.
+    protected: usize,
+    clock: u64,
+}
+
+impl MambaComponent {
+    fn new(slots: u32) -> Result<Self> {
+        Ok(MambaComponent {
+            pool: StateSlotPool::new(slots)?,
+            nodes: Vec::new(),
+            lru: BTreeSet::new(),
+            protected: 0,
+            clock: 0,
+        })
+    }
+
+    #[inline]
+    fn get(&self, idx: u32) -> MambaNode {
+        self.nodes.get(idx as usize).copied().unwrap_or(NO_STATE)
+    }
+
+    fn entry(&mut self, idx: u32) -> &mut MambaNode {
+        if idx as usize >= self.nodes.len() {
+            self.nodes.resize(idx as usize + 1, NO_STATE);
+        }
+        &mut self.nodes[idx as usize]
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Refreshes the recency of `idx`'s (unlocked or locked) state.
+    fn touch(&mut self, idx: u32) {
+        let now = self.tick();
+        let e = self.entry(idx);
+        let old = std::mem::replace(&mut e.tick, now);
+        if e.lock == 0 {
+            self.lru.remove(&(old, idx));
+            self.lru.insert((now, idx));
+        }
+    }
+
+    /// Drops the state of node `idx` (which must be unlocked), freeing its slot. Returns
+    /// whether there was one.
+    pub(super) fn drop_state(&mut self, idx: u32) -> bool {
+        let e = self.get(idx);
+        if e.slot == NIL {
+            return false;
+        }
+        debug_assert_eq!(e.lock, 0, "dropping a locked Mamba state");
+        self.lru.remove(&(e.tick, idx));
+        // The slot is tree-held by the component's invariant; a failure here is a bug the
+        // audit reports (the slot stays where it is).
+        let freed = self.pool.free_tree(e.slot);
+        debug_assert!(freed.is_ok(), "Mamba slot {} was not tree-held", e.slot);
+        self.nodes[idx as usize] = NO_STATE;
+        true
+    }
+
+    /// Frees every tree-held state (a reset: no lock is outstanding).
+    pub(super) fn clear_tree_states(&mut self) {
+        for i in 0..self.nodes.len() as u32 {
+            self.drop_state(i);
+        }
+        self.nodes.clear();
+        self.lru.clear();
+        self.protected = 0;
+    }
+}
+
+/// Result of [`RadixTree::match_mamba`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MambaMatch {
+    /// The KV match as [`RadixTree::match_prefix`] found it: `kv.device_len` is how far the
+    /// device KV went. When it passes `usable_len`, the forward pass should checkpoint the
+    /// state at `kv.device_len` so that the next request on this path hits there.
+    pub kv: TreeMatch,
+    /// Leading tokens the request may reuse: the depth of the deepest device node on the path
+    /// that carries a Mamba state (0 when none does). The pages appended to `out` cover
+    /// exactly this prefix.
+    pub usable_len: usize,
+    /// The node that ends `usable_len` (the root when 0): the lock anchor.
+    pub anchor: NodeId,
+    /// The state slot of `anchor` (`None` when `usable_len` is 0).
+    pub state_slot: Option<u32>,
+}
+
+/// A copy the device backend must perform before the request's first forward: the cached state
+/// in `src` into the request's own slot `dst` (copy on write; the tree never copies bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MambaCow {
+    /// The tree-held state (locked by the receipt that asked for the copy).
+    pub src: u32,
+    /// The request's new slot.
+    pub dst: u32,
+}
+
+/// What [`RadixTree::insert_mamba_state`] did with the request's slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MambaInsert {
+    /// The slot became the node's state.
+    Stored,
+    /// The node already had a state: the request's slot was freed (and the cached state's
+    /// recency refreshed).
+    AlreadyCached,
+}
+
+impl RadixTree {
+    /// Adds the Mamba component with a pool of `slots` state slots. Only an empty tree can
+    /// gain it.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] for 0 slots, a tree that already has the component, or one that
+    /// holds nodes.
+    pub fn enable_mamba(&mut self, slots: u32) -> Result<()> {
+        if self.mamba.is_some() {
+            return Err(CacheError::Config(
+                "the Mamba component is already enabled".into(),
+            ));
+        }
+        if self.nodes.len() > 1 {
+            return Err(CacheError::Config(
+                "the Mamba component can only be added to an empty tree".into(),
+            ));
+        }
+        self.mamba = Some(Box::new(MambaComponent::new(slots)?));
+        Ok(())
+    }
+
+    /// True when the tree has the Mamba component.
+    pub fn mamba_enabled(&self) -> bool {
+        self.mamba.is_some()
+    }
+
+    fn mamba_ref(&self) -> Result<&MambaComponent> {
+        self.mamba
+            .as_deref()
+            .ok_or(CacheError::ComponentDisabled("mamba"))
+    }
+
+    fn mamba_mut(&mut self) -> Result<&mut MambaComponent> {
+        self.mamba
+            .as_deref_mut()
+            .ok_or(CacheError::ComponentDisabled("mamba"))
+    }
+
+    /// The Mamba slot pool.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`] without the component.
+    pub fn mamba_pool(&self) -> Result<&StateSlotPool> {
+        Ok(&self.mamba_ref()?.pool)
+    }
+
+    /// Where every Mamba slot is.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`] without the component.
+    pub fn mamba_accounting(&self) -> Result<SlotAccounting> {
+        let m = self.mamba_ref()?;
+        Ok(SlotAccounting {
+            total: m.pool.total(),
+            free: m.pool.available(),
+            evictable: m.lru.len(),
+            protected: m.protected,
+            request_owned: m.pool.request_slots(),
+        })
+    }
+
+    /// The Mamba state slot of node `id` (`None`: no state, or a tombstone).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
+    pub fn mamba_state(&self, id: NodeId) -> Result<Option<u32>> {
+        let idx = self.resolve(id)?;
+        let e = self.mamba_ref()?.get(idx);
+        Ok((e.slot != NIL).then_some(e.slot))
+    }
+
+    /// The Mamba lock count of node `id`.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
+    pub fn mamba_lock_ref(&self, id: NodeId) -> Result<u32> {
+        let idx = self.resolve(id)?;
+        Ok(self.mamba_ref()?.get(idx).lock)
+    }
+
+    /// Every node that carries a Mamba state, with its slot (`O(nodes)`, for audits and tests).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`].
+    pub fn mamba_states(&self) -> Result<Vec<(NodeId, u32)>> {
+        let m = self.mamba_ref()?;
+        Ok(m.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.slot != NIL)
+            // The generation the state was stored under: a state left behind by a removed node
+            // shows as a stale handle, not as the node that reuses the index.
+            .map(|(i, e)| {
+                let id = NodeId {
+                    idx: i as u32,
+                    generation: e.generation,
+                };
+                (id, e.slot)
+            })
+            .collect())
+    }
+
+    /// Longest prefix of `key` whose KV is on device **and** that ends at a Mamba state:
+    /// the KV match of [`RadixTree::match_prefix`] cut back to the deepest device node on its
+    /// path that carries a state. Appends the pages of the usable prefix only to `out`. The
+    /// used state's recency is refreshed (the KV path's as in `match_prefix`). Takes no lock.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`] without the component (nothing changes then).
+    pub fn match_mamba(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<MambaMatch> {
+        self.mamba_ref()?;
+        let start = out.len();
+        let kv = self.match_prefix(key, out);
+        let mut i = self.resolve(kv.last_device)?;
+        let mut depth = kv.device_len;
+        {
+            let m = self.mamba_ref()?;
+            while i != self.root && m.get(i).slot == NIL {
+                depth -= self.nodes[i as usize].key.len();
+                i = self.nodes[i as usize].parent;
+            }
+        }
+        out.truncate(start + depth / self.page_size);
+        let at_root = i == self.root;
+        let m = self.mamba_mut()?;
+        let slot = (!at_root).then(|| {
+            m.touch(i);
+            m.get(i).slot
+        });
+        Ok(MambaMatch {
+            kv,
+            usable_len: depth,
+            anchor: self.id_of(i),
+            state_slot: slot,
+        })
+    }
+
+    /// Locks the root path of `node` like [`RadixTree::inc_lock_ref`] **and** the node's Mamba
+    /// state, so that neither its KV nor its state can be evicted until the receipt is handed
+    /// back to [`RadixTree::dec_lock_ref`].
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`];
+    /// [`CacheError::InvalidRequestState`] when the node carries no state. Nothing changes on
+    /// error.
+    pub fn inc_lock_ref_mamba(&mut self, node: NodeId) -> Result<LockReceipt> {
+        let idx = self.resolve(node)?;
+        if self.mamba_ref()?.get(idx).slot == NIL {
+            return Err(CacheError::InvalidRequestState(
+                "the node carries no Mamba state to lock",
+            ));
+        }
+        let mut receipt = self.inc_lock_ref(node)?;
+        let m = self.mamba_mut()?;
+        let e = *m.entry(idx);
+        if e.lock == 0 {
+            m.lru.remove(&(e.tick, idx));
+            m.protected += 1;
+        }
+        m.entry(idx).lock += 1;
+        receipt.mamba = true;
+        Ok(receipt)
+    }
+
+    /// Releases the Mamba lock a receipt holds (validation happens before; see
+    /// [`RadixTree::dec_lock_ref`]).
+    pub(super) fn mamba_unlock(&mut self, idx: u32) {
+        if let Some(m) = self.mamba.as_deref_mut() {
+            let e = m.entry(idx);
+            e.lock -= 1;
+            if e.lock == 0 {
+                let t = e.tick;
+                m.lru.insert((t, idx));
+                m.protected -= 1;
+            }
+        }
+    }
+
+    /// The Mamba lock count of `idx` (0 without the component).
+    pub(super) fn mamba_lock_at(&self, idx: u32) -> u32 {
+        self.mamba.as_deref().map_or(0, |m| m.get(idx).lock)
+    }
+
+    /// A fresh slot for a request's running state. When none is free, the least recently used
+    /// unlocked state in the tree is evicted (its node keeps its KV).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`]; [`CacheError::OutOfStateSlots`] when no slot is free
+    /// and every cached state is locked (nothing changes then).
+    pub fn alloc_mamba_slot(&mut self) -> Result<u32> {
+        let m = self.mamba_mut()?;
+        if m.pool.available() == 0 && self.evict_mamba(1) == 0 {
+            let m = self.mamba_ref()?;
+            return Err(CacheError::OutOfStateSlots {
+                component: "mamba",
+                capacity: m.pool.total(),
+            });
+        }
+        let m = self.mamba_mut()?;
+        m.pool.alloc_request().ok_or(CacheError::OutOfStateSlots {
+            component: "mamba",
+            capacity: m.pool.total(),
+        })
+    }
+
+    /// Returns a request's slot to the pool (abort, retract, or a finish that caches no state).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::SlotOutOfRange`];
+    /// [`CacheError::SlotState`] for a slot no request holds (a double free).
+    pub fn free_mamba_slot(&mut self, slot: u32) -> Result<()> {
+        self.mamba_mut()?.pool.free_request(slot)
+    }
+
+    /// Copy on write for a hit: allocates the request's own slot (evicting an unlocked state
+    /// if the pool is full; the receipt's state is locked, so it is never the victim) and
+    /// returns the copy the device backend must perform.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`]; [`CacheError::StaleReceipt`] for a receipt of another
+    /// tree, whose anchor is gone, or that holds no Mamba lock;
+    /// [`CacheError::OutOfStateSlots`] (nothing changes then).
+    pub fn cow_mamba(&mut self, receipt: &LockReceipt) -> Result<MambaCow> {
+        if receipt.tree_id != self.tree_id || !receipt.mamba {
+            return Err(CacheError::StaleReceipt);
+        }
+        let idx = self
+            .resolve(receipt.anchor)
+            .map_err(|_| CacheError::StaleReceipt)?;
+        let src = self.mamba_ref()?.get(idx).slot;
+        if src == NIL {
+            return Err(CacheError::StaleReceipt);
+        }
+        let dst = self.alloc_mamba_slot()?;
+        Ok(MambaCow { src, dst })
+    }
+
+    /// Stores a request's state `slot` as the checkpoint of `node` (the state after the node's
+    /// last token), at the end of the request. When the node already carries a state, the
+    /// request's slot is freed instead. Either way the request no longer holds the slot.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`],
+    /// [`CacheError::SlotOutOfRange`], [`CacheError::SlotState`] for a slot no request holds;
+    /// [`CacheError::InvalidRequestState`] for the root or a node whose KV is not on device.
+    /// Nothing changes on error.
+    pub fn insert_mamba_state(&mut self, node: NodeId, slot: u32) -> Result<MambaInsert> {
+        let idx = self.resolve(node)?;
+        let m = self.mamba_ref()?;
+        if m.pool.state(slot)? != SlotState::Request {
+            return Err(CacheError::SlotState {
+                slot,
+                expected: "held by a request",
+            });
+        }
+        if idx == self.root || !self.nodes[idx as usize].on_device() {
+            return Err(CacheError::InvalidRequestState(
+                "a Mamba state needs a node whose KV is on device",
+            ));
+        }
+        let generation = self.generations[idx as usize];
+        let m = self.mamba_mut()?;
+        if m.get(idx).slot != NIL {
+            m.pool.free_request(slot)?;
+            m.touch(idx);
+            return Ok(MambaInsert::AlreadyCached);
+        }
+        m.pool.request_to_tree(slot)?;
+        let e = m.entry(idx);
+        e.slot = slot;
+        e.generation = generation;
+        debug_assert_eq!(e.lock, 0);
+        let now = m.tick();
+        m.entry(idx).tick = now;
+        m.lru.insert((now, idx));
+        Ok(MambaInsert::Stored)
+    }
+
+    /// Evicts up to `n` unlocked Mamba states, least recently used first. Their nodes keep
+    /// their KV (they become tombstones for the Mamba component). Returns the states evicted;
+    /// 0 without the component.
+    pub fn evict_mamba(&mut self, n: usize) -> usize {
+        let Some(m) = self.mamba.as_deref_mut() else {
+            return 0;
+        };
+        let mut done = 0;
+        while done < n {
+            let Some(&(_, idx)) = m.lru.first() else {
+                break;
+            };
+            m.drop_state(idx);
+            done += 1;
+        }
+        done
+    }
+
+    /// Evicts the Mamba state of `node` only (its KV stays).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`];
+    /// [`CacheError::InvalidRequestState`] when the node has no state or it is locked.
+    pub fn evict_mamba_state(&mut self, node: NodeId) -> Result<()> {
+        let idx = self.resolve(node)?;
+        let m = self.mamba_mut()?;
+        let e = m.get(idx);
+        if e.slot == NIL || e.lock > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "only an unlocked Mamba state can be evicted",
+            ));
+        }
+        m.drop_state(idx);
+        Ok(())
+    }
+
+    /// The Mamba part of [`RadixTree::check`].
+    pub(super) fn check_mamba(&self) -> std::result::Result<(), InvariantViolation> {
+        let Some(m) = self.mamba.as_deref() else {
+            return Ok(());
+        };
+        m.pool.check()?;
+        let mut seen = vec![false; m.pool.total()];
+        let (mut states, mut protected, mut unlocked) = (0usize, 0usize, 0usize);
+        for (i, e) in m.nodes.iter().enumerate() {
+            let k = i as u32;
+            if e.slot == NIL {
+                ensure_inv!(
+                    e.lock == 0,
+                    "node {k}: Mamba lock {} without a state",
+                    e.lock
+                );
+                continue;
+            }
+            let live = self.nodes.get(i).is_some_and(|_| k != self.root)
+                && self.generations[i] == e.generation;
+            ensure_inv!(live, "Mamba slot {} held by dead node or root {k}", e.slot);
+            let n = &self.nodes[i];
+            ensure_inv!(
+                n.on_device(),
+                "node {k} holds Mamba slot {} without device KV",
+                e.slot
+            );
+            ensure_inv!(
+                m.pool.state(e.slot) == Ok(SlotState::Tree),
+                "node {k}: Mamba slot {} is not tree-held",
+                e.slot
+            );
+            ensure_inv!(
+                !seen[e.slot as usize],
+                "Mamba slot {} held by two nodes",
+                e.slot
+            );
+            seen[e.slot as usize] = true;
+            ensure_inv!(
+                e.lock <= n.lock_ref,
+                "node {k}: Mamba lock {} > KV lock {}",
+                e.lock,
+                n.lock_ref
+            );
+            states += 1;
+            if e.lock > 0 {
+                protected += 1;
+            } else {
+                unlocked += 1;
+                ensure_inv!(
+                    m.lru.contains(&(e.tick, k)),
+                    "node {k}: unlocked Mamba state missing from the LRU"
+                );
+            }
+        }
+        ensure_inv!(
+            states == m.pool.tree_slots(),
+            "{states} nodes hold Mamba states, the pool has {} tree-held slots",
+            m.pool.tree_slots()
+        );
+        ensure_inv!(
+            unlocked == m.lru.len() && protected == m.protected,
+            "Mamba LRU holds {} (tree: {unlocked} unlocked), protected counter {} (tree: {protected})",
+            m.lru.len(),
+            m.protected
+        );
+        Ok(())
+    }
+}

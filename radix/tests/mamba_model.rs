@@ -1,0 +1,502 @@
+//! State-machine test of the tree's Mamba component against a deliberately simple reference
+//! model.
+//!
+//! The model keeps every cached page-aligned prefix (with the page that holds its last page),
+//! the Mamba states by the prefix they checkpoint (slot and recency), and the running requests
+//! (their locked prefix, whether they lock its state, their own slot). It predicts exactly:
+//! match lengths (KV and usable), the pages of the usable prefix, copy-on-write sources, which
+//! state slot-pressure eviction takes (least recently used unlocked), whether a slot can be had
+//! at all, and what an insert at request end does with the request's slot. KV eviction order
+//! belongs to the KV policy, so the model learns it from the tree and checks it: only cached,
+//! unlocked prefixes disappear, the cache stays prefix-closed, and every state on a vanished
+//! prefix is freed with it (the cascade). After every step the tree's states (by prefix) and
+//! slot accounting must equal the model's, and the tree's own audit must pass.
+//!
+//! Splits happen whenever a match or insert ends inside an edge; since states are compared by
+//! the prefix they end, a state that moved to the upper half of a split would show.
+//!
+//! `PROPTEST_CASES` sets the number of cases (default 64, up to 60 transitions each).
+
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+use proptest::test_runner::Config;
+use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
+use radixkv_radix::{
+    CacheError, InsertOptions, KeyRef, LockReceipt, MambaInsert, NodeId, PageId, PolicyKind,
+    RadixTree, SlotState, TokenId,
+};
+
+const P: usize = 2;
+const STEMS: [&[TokenId]; 3] = [&[], &[0, 1, 2, 0], &[0, 1, 2, 0, 1, 1, 2, 2]];
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// A request ends with `key` computed and caches its state (alloc + KV insert + state).
+    Insert { key: Vec<TokenId>, state: bool },
+    /// A bare match.
+    Match { key: Vec<TokenId> },
+    /// A request starts: match, lock the usable prefix (and its state), get its own slot.
+    Begin { key: Vec<TokenId> },
+    /// A running request ends: inserts `path + extend` with its state, or aborts.
+    End {
+        i: usize,
+        extend: Vec<TokenId>,
+        store: bool,
+    },
+    /// KV eviction of at least `tokens`.
+    EvictKv { tokens: usize },
+    /// Slot-pressure eviction of up to `n` states.
+    EvictMamba { n: usize },
+    /// Evicts the state of the `i`-th cached state (by prefix order).
+    EvictState { i: usize },
+}
+
+#[derive(Clone, Debug)]
+struct RefState {
+    slots: u32,
+}
+
+struct MambaMachine;
+
+fn key_strategy() -> impl Strategy<Value = Vec<TokenId>> {
+    (0..STEMS.len(), prop::collection::vec(0u32..3, 0..8)).prop_map(|(s, tail)| {
+        let mut k = STEMS[s].to_vec();
+        k.extend(tail);
+        k
+    })
+}
+
+impl ReferenceStateMachine for MambaMachine {
+    type State = RefState;
+    type Transition = Op;
+
+    fn init_state() -> BoxedStrategy<RefState> {
+        (1u32..6).prop_map(|slots| RefState { slots }).boxed()
+    }
+
+    fn transitions(_: &RefState) -> BoxedStrategy<Op> {
+        prop_oneof![
+            4 => (key_strategy(), prop::bool::weighted(0.8))
+                .prop_map(|(key, state)| Op::Insert { key, state }),
+            3 => key_strategy().prop_map(|key| Op::Match { key }),
+            3 => key_strategy().prop_map(|key| Op::Begin { key }),
+            3 => (0usize..8, prop::collection::vec(0u32..3, 0..6), prop::bool::weighted(0.8))
+                .prop_map(|(i, extend, store)| Op::End { i, extend, store }),
+            2 => (1usize..12).prop_map(|tokens| Op::EvictKv { tokens }),
+            1 => (1usize..3).prop_map(|n| Op::EvictMamba { n }),
+            1 => (0usize..8).prop_map(|i| Op::EvictState { i }),
+        ]
+        .boxed()
+    }
+
+    fn apply(state: RefState, _: &Op) -> RefState {
+        state
+    }
+}
+
+struct Req {
+    receipt: LockReceipt,
+    /// The locked (usable) prefix.
+    path: Vec<TokenId>,
+    /// Whether the receipt locks the state at `path`.
+    state_locked: bool,
+    slot: u32,
+}
+
+#[derive(Default)]
+struct Model {
+    /// Every cached prefix, with the page that holds its last page.
+    cached: HashMap<Vec<TokenId>, PageId>,
+    /// Mamba states by the prefix they end: (slot, recency).
+    states: HashMap<Vec<TokenId>, (u32, u64)>,
+    tick: u64,
+    slots: usize,
+}
+
+struct Sut {
+    tree: RadixTree,
+    model: Model,
+    reqs: Vec<Req>,
+    next_page: u32,
+}
+
+fn aligned(k: &[TokenId]) -> &[TokenId] {
+    &k[..k.len() - k.len() % P]
+}
+
+impl Sut {
+    fn kv_locked(&self, prefix: &[TokenId]) -> bool {
+        self.reqs.iter().any(|r| r.path.starts_with(prefix))
+    }
+
+    fn state_locked(&self, prefix: &[TokenId]) -> bool {
+        self.reqs.iter().any(|r| r.state_locked && r.path == prefix)
+    }
+
+    fn touch(&mut self, prefix: &[TokenId]) {
+        self.model.tick += 1;
+        let t = self.model.tick;
+        if let Some(e) = self.model.states.get_mut(prefix) {
+            e.1 = t;
+        }
+    }
+
+    /// The model's prediction for `alloc_mamba_slot`: `Ok(victim)` (the state it must evict,
+    /// if any) or `Err` when no slot can be had.
+    fn predict_alloc(&self) -> Result<Option<Vec<TokenId>>, ()> {
+        // A request being set up (slot `u32::MAX`) holds no slot yet.
+        let holding = self.reqs.iter().filter(|r| r.slot != u32::MAX).count();
+        let used = self.model.states.len() + holding;
+        if used < self.model.slots {
+            return Ok(None);
+        }
+        self.model
+            .states
+            .iter()
+            .filter(|(k, _)| !self.state_locked(k))
+            .min_by_key(|(_, (_, t))| *t)
+            .map(|(k, _)| Some(k.clone()))
+            .ok_or(())
+    }
+
+    /// `alloc_mamba_slot` on both sides; checks the prediction.
+    fn alloc_slot(&mut self) -> Option<u32> {
+        let want = self.predict_alloc();
+        let got = self.tree.alloc_mamba_slot();
+        match (want, got) {
+            (Ok(victim), Ok(slot)) => {
+                if let Some(v) = victim {
+                    self.model.states.remove(&v);
+                }
+                Some(slot)
+            }
+            (Err(()), Err(CacheError::OutOfStateSlots { .. })) => None,
+            (w, g) => panic!("alloc_mamba_slot: model {w:?}, tree {g:?}"),
+        }
+    }
+
+    /// KV insert of `key` (page-aligned, non-empty) on both sides; returns the end node.
+    fn insert_kv(&mut self, key: &[TokenId]) -> NodeId {
+        let mut pages: Vec<PageId> = (0..key.len() / P)
+            .map(|i| PageId(self.next_page + i as u32))
+            .collect();
+        self.next_page += pages.len() as u32;
+        let mut replaced = Vec::new();
+        let r = self
+            .tree
+            .insert(
+                KeyRef::new(key),
+                &mut pages,
+                &mut replaced,
+                InsertOptions::default(),
+            )
+            .expect("insert");
+        for (i, pg) in pages.iter().enumerate() {
+            let prefix = key[..(i + 1) * P].to_vec();
+            let known = *self.model.cached.entry(prefix).or_insert(*pg);
+            assert_eq!(known, *pg, "insert changed a cached page");
+        }
+        r.last_node
+    }
+
+    /// Stores the request slot `slot` at the end of `key` on both sides.
+    fn insert_state(&mut self, node: NodeId, key: &[TokenId], slot: u32) {
+        let got = self
+            .tree
+            .insert_mamba_state(node, slot)
+            .expect("state insert");
+        if self.model.states.contains_key(key) {
+            assert_eq!(got, MambaInsert::AlreadyCached);
+            assert_eq!(
+                self.tree.mamba_pool().unwrap().state(slot),
+                Ok(SlotState::Free),
+                "a duplicate state's slot is freed"
+            );
+        } else {
+            assert_eq!(got, MambaInsert::Stored);
+            self.model.states.insert(key.to_vec(), (slot, 0));
+        }
+        self.touch(key);
+    }
+
+    /// Match on both sides; returns (usable prefix, anchor, slot) after checking them.
+    fn do_match(&mut self, key: &[TokenId]) -> (Vec<TokenId>, NodeId, Option<u32>) {
+        let key = aligned(key);
+        let mut kv_len = 0;
+        while kv_len < key.len() && self.model.cached.contains_key(&key[..kv_len + P]) {
+            kv_len += P;
+        }
+        let mut usable = kv_len;
+        while usable > 0 && !self.model.states.contains_key(&key[..usable]) {
+            usable -= P;
+        }
+        let mut out = Vec::new();
+        let m = self.tree.match_mamba(KeyRef::new(key), &mut out).unwrap();
+        assert_eq!(m.kv.device_len, kv_len, "KV match length of {key:?}");
+        assert_eq!(
+            m.usable_len, usable,
+            "usable length of {key:?}: must end at the deepest state"
+        );
+        let pages: Vec<PageId> = (1..=usable / P)
+            .map(|i| self.model.cached[&key[..i * P]])
+            .collect();
+        assert_eq!(out, pages, "pages of the usable prefix");
+        assert_eq!(self.tree.depth_tokens(m.anchor).unwrap(), usable);
+        let prefix = key[..usable].to_vec();
+        let slot = self.model.states.get(&prefix).map(|e| e.0);
+        assert_eq!(m.state_slot, slot, "state slot at {prefix:?}");
+        if usable > 0 {
+            self.touch(&prefix);
+        }
+        (prefix, m.anchor, slot)
+    }
+
+    fn path_of(&self, id: NodeId) -> Vec<TokenId> {
+        let mut parts = Vec::new();
+        let mut cur = id;
+        while let Some(parent) = self.tree.parent(cur).expect("live node") {
+            parts.push(self.tree.node_key(cur).unwrap().to_vec());
+            cur = parent;
+        }
+        parts.reverse();
+        parts.concat()
+    }
+
+    /// The tree node ending exactly at the cached prefix `prefix`.
+    fn node_at(&self, prefix: &[TokenId]) -> Option<NodeId> {
+        let w = self.tree.tier_walk(KeyRef::new(prefix));
+        w.nodes
+            .last()
+            .copied()
+            .filter(|&n| self.tree.depth_tokens(n).ok() == Some(prefix.len()))
+    }
+}
+
+impl StateMachineTest for Sut {
+    type SystemUnderTest = Sut;
+    type Reference = MambaMachine;
+
+    fn init_test(state: &RefState) -> Sut {
+        let mut tree = RadixTree::new(P, PolicyKind::Lru, false).unwrap();
+        tree.enable_mamba(state.slots).unwrap();
+        Sut {
+            tree,
+            model: Model {
+                slots: state.slots as usize,
+                ..Model::default()
+            },
+            reqs: Vec::new(),
+            next_page: 0,
+        }
+    }
+
+    fn apply(mut sut: Sut, _: &RefState, op: Op) -> Sut {
+        match op {
+            Op::Insert { key, state } => {
+                let key = aligned(&key).to_vec();
+                if key.is_empty() {
+                    return sut;
+                }
+                let slot = if state { sut.alloc_slot() } else { None };
+                let node = sut.insert_kv(&key);
+                if let Some(slot) = slot {
+                    sut.insert_state(node, &key, slot);
+                }
+            }
+            Op::Match { key } => {
+                sut.do_match(&key);
+            }
+            Op::Begin { key } => {
+                let (path, anchor, src) = sut.do_match(&key);
+                let (receipt, slot) = if let Some(src) = src {
+                    let receipt = sut.tree.inc_lock_ref_mamba(anchor).unwrap();
+                    // Locked first: the hit's own state is never the slot-pressure victim.
+                    sut.reqs.push(Req {
+                        receipt,
+                        path: path.clone(),
+                        state_locked: true,
+                        slot: u32::MAX,
+                    });
+                    let want = sut.predict_alloc();
+                    let got = sut.tree.cow_mamba(&sut.reqs.last().unwrap().receipt);
+                    let req = sut.reqs.pop().unwrap();
+                    match (want, got) {
+                        (Ok(victim), Ok(cow)) => {
+                            assert_eq!(cow.src, src, "copy-on-write source");
+                            if let Some(v) = victim {
+                                sut.model.states.remove(&v);
+                            }
+                            (req.receipt, Some(cow.dst))
+                        }
+                        (Err(()), Err(CacheError::OutOfStateSlots { .. })) => (req.receipt, None),
+                        (w, g) => panic!("cow_mamba: model {w:?}, tree {g:?}"),
+                    }
+                } else {
+                    let receipt = sut.tree.inc_lock_ref(anchor).unwrap();
+                    (receipt, sut.alloc_slot())
+                };
+                match slot {
+                    Some(slot) => sut.reqs.push(Req {
+                        state_locked: receipt.locks_mamba_state(),
+                        receipt,
+                        path,
+                        slot,
+                    }),
+                    None => sut.tree.dec_lock_ref(receipt).unwrap(),
+                }
+            }
+            Op::End { i, extend, store } => {
+                if sut.reqs.is_empty() {
+                    return sut;
+                }
+                let req = sut.reqs.remove(i % sut.reqs.len());
+                let mut key = req.path.clone();
+                key.extend(extend);
+                let key = aligned(&key).to_vec();
+                if store && !key.is_empty() {
+                    // Insert while the request still holds its lock, as a cache does.
+                    let node = sut.insert_kv(&key);
+                    sut.insert_state(node, &key, req.slot);
+                } else {
+                    sut.tree.free_mamba_slot(req.slot).unwrap();
+                    assert!(
+                        matches!(
+                            sut.tree.free_mamba_slot(req.slot),
+                            Err(CacheError::SlotState { .. })
+                        ),
+                        "a slot freed twice must be refused"
+                    );
+                }
+                sut.tree.dec_lock_ref(req.receipt).unwrap();
+            }
+            Op::EvictKv { tokens } => {
+                let mut out = Vec::new();
+                let freed = sut.tree.evict(tokens, &mut out);
+                let gone: Vec<Vec<TokenId>> = sut
+                    .model
+                    .cached
+                    .keys()
+                    .filter(|k| sut.tree.tier_walk(KeyRef::new(k)).device_len != k.len())
+                    .cloned()
+                    .collect();
+                assert_eq!(freed, gone.len() * P, "tokens freed");
+                assert_eq!(out.len(), gone.len(), "pages freed");
+                for k in &gone {
+                    assert!(!sut.kv_locked(k), "evicted locked prefix {k:?}");
+                    let pg = sut.model.cached.remove(k).unwrap();
+                    assert!(out.contains(&pg), "page of {k:?} not reported");
+                    // The cascade: the state of a vanished prefix goes with it.
+                    sut.model.states.remove(k);
+                }
+                for k in sut.model.cached.keys() {
+                    for l in (P..k.len()).step_by(P) {
+                        assert!(sut.model.cached.contains_key(&k[..l]), "not prefix-closed");
+                    }
+                }
+            }
+            Op::EvictMamba { n } => {
+                let mut unlocked: Vec<(u64, Vec<TokenId>)> = sut
+                    .model
+                    .states
+                    .iter()
+                    .filter(|(k, _)| !sut.state_locked(k))
+                    .map(|(k, (_, t))| (*t, k.clone()))
+                    .collect();
+                unlocked.sort();
+                let done = sut.tree.evict_mamba(n);
+                assert_eq!(done, n.min(unlocked.len()), "states evicted");
+                for (_, k) in unlocked.into_iter().take(done) {
+                    sut.model.states.remove(&k);
+                    assert!(sut.model.cached.contains_key(&k), "KV stays");
+                }
+            }
+            Op::EvictState { i } => {
+                let mut keys: Vec<Vec<TokenId>> = sut.model.states.keys().cloned().collect();
+                if keys.is_empty() {
+                    return sut;
+                }
+                keys.sort();
+                let k = keys.swap_remove(i % keys.len());
+                let node = sut.node_at(&k).expect("a state's node ends at its prefix");
+                let r = sut.tree.evict_mamba_state(node);
+                if sut.state_locked(&k) {
+                    assert!(r.is_err(), "a locked state was evicted");
+                } else {
+                    r.unwrap();
+                    sut.model.states.remove(&k);
+                    assert!(sut.tree.on_device(node).unwrap(), "KV stays (tombstone)");
+                }
+            }
+        }
+        sut
+    }
+
+    fn check_invariants(sut: &Sut, _: &RefState) {
+        if let Err(e) = sut.tree.check() {
+            panic!("{e}");
+        }
+        let mut states: HashMap<Vec<TokenId>, u32> = HashMap::new();
+        for (node, slot) in sut.tree.mamba_states().unwrap() {
+            assert!(sut.tree.contains(node), "state on a dead node {node:?}");
+            states.insert(sut.path_of(node), slot);
+        }
+        let want: HashMap<Vec<TokenId>, u32> = sut
+            .model
+            .states
+            .iter()
+            .map(|(k, (s, _))| (k.clone(), *s))
+            .collect();
+        assert_eq!(states, want, "states by prefix");
+        let pool = sut.tree.mamba_pool().unwrap();
+        let mut held = HashSet::new();
+        for (_, &s) in want.iter() {
+            assert!(held.insert(s), "slot {s} held twice");
+            assert_eq!(pool.state(s), Ok(SlotState::Tree));
+        }
+        for r in &sut.reqs {
+            assert!(held.insert(r.slot), "slot {} held twice", r.slot);
+            assert_eq!(pool.state(r.slot), Ok(SlotState::Request));
+        }
+        let acc = sut.tree.mamba_accounting().unwrap();
+        assert!(acc.balanced(), "{acc:?}");
+        assert_eq!(acc.request_owned, sut.reqs.len());
+        assert_eq!(acc.free, sut.model.slots - held.len());
+        let protected = want.keys().filter(|k| sut.state_locked(k)).count();
+        assert_eq!(
+            (acc.protected, acc.evictable),
+            (protected, want.len() - protected)
+        );
+        assert_eq!(sut.tree.device_tokens(), sut.model.cached.len() * P);
+    }
+
+    fn teardown(mut sut: Sut, _: RefState) {
+        for r in std::mem::take(&mut sut.reqs) {
+            sut.tree.free_mamba_slot(r.slot).unwrap();
+            sut.tree.dec_lock_ref(r.receipt).unwrap();
+        }
+        let mut out = Vec::new();
+        sut.tree.reset(&mut out).unwrap();
+        let acc = sut.tree.mamba_accounting().unwrap();
+        assert_eq!(acc.free, acc.total, "every slot is free after a reset");
+        sut.tree.check().unwrap();
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(Config {
+        cases: cases(),
+        max_shrink_iters: 4096,
+        .. Config::default()
+    })]
+
+    #[test]
+    fn mamba_component_matches_reference_model(sequential 1..60 => Sut);
+}
