@@ -218,6 +218,13 @@ pub trait PrefixCache {
     fn pools(&self) -> &DevicePools;
     /// The device pools, mutably (allocate and free owned pages, rows).
     fn pools_mut(&mut self) -> &mut DevicePools;
+    /// True when requests of this cache own per-request state slots (a Mamba slot in
+    /// [`RequestKv::mamba_slot`]) that the cache frees at finish. A decorator that keeps a
+    /// request's resources past its finish (a session) must hand those slots back too, so it
+    /// refuses a cache it cannot do that for.
+    fn has_state_slots(&self) -> bool {
+        false
+    }
 
     // ----- tree level -----
 

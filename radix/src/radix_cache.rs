@@ -35,7 +35,8 @@ pub struct RadixConfig {
     /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
     /// deepest cached state, every running request holds its own slot, and a finished request
     /// stores its state as the checkpoint of its inserted key (see the crate docs). Not yet
-    /// supported under a session layer (its slots do not free Mamba slots) or the host tier.
+    /// supported under a session layer (which refuses to open a session over it, see
+    /// [`PrefixCache::has_state_slots`]) or the host tier (which refuses it).
     pub mamba_slots: Option<u32>,
 }
 
@@ -265,6 +266,10 @@ impl RadixCache {
 impl PrefixCache for RadixCache {
     fn page_size(&self) -> usize {
         self.pools.page_size
+    }
+
+    fn has_state_slots(&self) -> bool {
+        self.mamba_accounting().is_some()
     }
 
     fn pools(&self) -> &DevicePools {

@@ -190,8 +190,15 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     /// Opens a session. `ttl` overrides the configured idle TTL (in clock ticks).
     ///
     /// # Errors
-    /// [`SessionError::AlreadyOpen`].
+    /// [`SessionError::AlreadyOpen`]; [`SessionError::Cache`] with [`CacheError::Config`] over
+    /// a cache whose requests own state slots (Mamba): sessions do not keep or hand back those
+    /// slots yet, so a held turn would leak its slot.
     pub fn open(&mut self, id: u64, streaming: bool, ttl: Option<u64>) -> Result<(), SessionError> {
+        if self.inner.has_state_slots() {
+            return Err(SessionError::Cache(CacheError::Config(
+                "sessions over a cache with Mamba state slots are not supported yet".into(),
+            )));
+        }
         if self.sessions.contains_key(&id) {
             return Err(SessionError::AlreadyOpen(id));
         }

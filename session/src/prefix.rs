@@ -215,6 +215,10 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.page_size()
     }
 
+    fn has_state_slots(&self) -> bool {
+        self.inner.has_state_slots()
+    }
+
     fn pools(&self) -> &DevicePools {
         self.inner.pools()
     }

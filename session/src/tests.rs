@@ -641,3 +641,34 @@ fn overflowing_counts_are_errors_with_an_idle_session_present() {
     assert_eq!((c.accounting(), c.session_held_tokens()), before);
     ok(&c);
 }
+
+#[test]
+fn sessions_refuse_a_cache_whose_requests_own_mamba_slots() {
+    let inner = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 16,
+        mamba_slots: Some(4),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(inner.has_state_slots());
+    let mut c = SessionAwareCache::with_clock(
+        inner,
+        SessionConfig::with_budget(1 << 20),
+        ManualClock::new(0),
+    );
+    assert!(c.has_state_slots());
+    // Sessions would hold a turn's Mamba slot past its finish and never hand it back: refused,
+    // and nothing is opened.
+    assert!(matches!(
+        c.open(1, true, None),
+        Err(SessionError::Cache(CacheError::Config(_)))
+    ));
+    assert_eq!(c.open_sessions(), 0);
+    ok(&c);
+    // A KV-only cache has no state slots and opens sessions as before.
+    let (mut kv_only, _) = cache();
+    assert!(!kv_only.has_state_slots());
+    kv_only.open(1, true, None).unwrap();
+}

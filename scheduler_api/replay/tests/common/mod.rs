@@ -24,7 +24,8 @@ pub const AZURE: &str = "azure_llm_2023/AzureLLMInferenceTrace_conv.csv";
 
 /// The directory of the real traces (it may not exist).
 pub fn traces_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // This crate is `scheduler_api/replay/`: the workspace root is two levels up.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     match std::env::var_os("RADIXKV_TRACES") {
         Some(dir) => root.join(dir),
         None => root.join("../shared/traces"),
