@@ -232,10 +232,10 @@ struct ManagerArgs {
     /// Manager configuration file (TOML, or JSON by extension); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Model geometry preset; replaces the --config file's [model], keeping its page size.
+    /// Model geometry preset; replaces the --config file's model section, keeping its page size.
     /// Hybrid models (jamba-like: Mamba layers, gemma-like: sliding-window layers) are sized
     /// (`radixkv config` prints their pools) but no cache carries their extra pools yet, so
-    /// a replay refuses them [default: the --config file's [model], else dense]
+    /// a replay refuses them [default: the --config file's model, else dense]
     #[arg(long, value_parser = model_parser())]
     model: Option<Preset>,
     #[arg(long, value_name = "TOKENS",
