@@ -57,10 +57,32 @@
 //!   a node (evictable or protected) or held by a request; the audit checks it, and that no
 //!   slot is held twice or freed twice.
 //!
-//! A sliding-window (SWA) component is meant to take the same shape: a second paged pool, a
-//! side table of per-node window pages that may be tombstoned while the full KV stays, its own
-//! lock counts recorded in the receipt, its own LRU, a match validator (a full window of live
-//! window KV before the match end) and the same cascade from the full KV. It is not built yet.
+//! **Sliding window** ([`RadixTree::enable_swa`], tree level only): a second paged pool for the
+//! window KV of sliding-window layers (same page size; a [`PageAllocator`] owned by the
+//! component). A node may carry one window page per page of its key, or none (a *tombstone*;
+//! its full KV stays).
+//! - *Match* ([`RadixTree::match_swa`]): cut back to the deepest node boundary `L` with a full
+//!   window of live window KV before it (`[L - window, L)`, or all of `[0, L)` when shorter);
+//!   [`SwaMatch::kv`] says how far the full KV went.
+//! - *Insert* ([`RadixTree::insert_swa`]): the full-KV insert plus one window page per page of
+//!   the key; tombstones on the key's path are revived with the caller's pages, caller pages that
+//!   duplicate live window KV are freed.
+//! - *Locks* ([`RadixTree::inc_lock_ref_swa`]): the receipt locks the KV path and the window KV
+//!   of the nodes the window before the anchor's end touches; the top of that walk carries a
+//!   mark the receipt records, which a split moves to the new upper node (with the lock count),
+//!   so the release always undoes exactly what was locked (SWA lock ≤ KV lock on every node).
+//! - *Eviction and the cascade*: evicting a node's full KV frees its window KV; tombstoning
+//!   ([`RadixTree::evict_swa`], least recently used unlocked window KV first, automatically in
+//!   [`RadixTree::alloc_swa_pages`] when the pool is short; [`RadixTree::evict_swa_node`]) keeps
+//!   the full KV.
+//! - *Accounting* ([`RadixTree::swa_accounting`]): every SWA page is free, tree-held (evictable
+//!   or protected) or held by a caller; the audit checks it, that no page is held twice, and
+//!   that every live node holds one window page per page of its key.
+//!
+//! Not built yet for the sliding window: freeing window KV that slides out during decode (an
+//! insert still needs window pages for every page of its key), a [`RadixConfig`] option and the
+//! [`RadixCache`] request lifecycle, and everything above the tree (sessions, host tier,
+//! scheduler API).
 //!
 //! The Mamba component is not yet carried by the session layer or the host tier
 //! (`HiRadixCache` refuses a configuration with Mamba slots), and `KvCacheManager` refuses
@@ -109,6 +131,7 @@ pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPol
 pub use radix_cache::{RadixCache, RadixConfig};
 pub use slots::{SlotAccounting, SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
+pub use tree::swa::{SwaAccounting, SwaInsert, SwaMatch};
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{

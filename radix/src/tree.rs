@@ -43,6 +43,9 @@ pub struct LockReceipt {
     tree_id: u64,
     /// The receipt also holds a lock on the anchor's Mamba state.
     mamba: bool,
+    /// The receipt also holds SWA locks: on the anchor's path up to the node carrying this
+    /// mark (0: up to the root). See [`RadixTree::inc_lock_ref_swa`].
+    swa: Option<u64>,
 }
 
 impl LockReceipt {
@@ -55,6 +58,12 @@ impl LockReceipt {
     /// ([`RadixTree::inc_lock_ref_mamba`]).
     pub fn locks_mamba_state(&self) -> bool {
         self.mamba
+    }
+
+    /// True when the receipt also locks the sliding-window KV before its anchor
+    /// ([`RadixTree::inc_lock_ref_swa`]).
+    pub fn locks_swa_window(&self) -> bool {
+        self.swa.is_some()
     }
 }
 
@@ -148,6 +157,8 @@ pub struct RadixTree {
     policy_fault: Option<CacheError>,
     /// The Mamba component (hybrid models only); `None` for a KV-only tree.
     mamba: Option<Box<mamba::MambaComponent>>,
+    /// The sliding-window KV component (SWA models only); `None` for a KV-only tree.
+    swa: Option<Box<swa::SwaComponent>>,
 }
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
@@ -246,6 +257,7 @@ impl RadixTree {
             bufs: BufferPool::default(),
             policy_fault: None,
             mamba: None,
+            swa: None,
         };
         t.root = t.alloc_node(Node {
             parent: NIL,
@@ -552,6 +564,9 @@ impl RadixTree {
         if let Some(m) = self.mamba.as_deref_mut() {
             m.clear_tree_states();
         }
+        if let Some(w) = self.swa.as_deref_mut() {
+            w.clear_tree_pages();
+        }
         let keys: Vec<usize> = self.nodes.iter().map(|(k, _)| k).collect();
         for k in keys {
             if k as u32 == self.root {
@@ -630,6 +645,7 @@ mod check;
 mod children;
 mod locks;
 pub(crate) mod mamba;
+pub(crate) mod swa;
 #[cfg(test)]
 mod tests;
 pub(crate) mod tier;

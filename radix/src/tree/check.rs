@@ -129,6 +129,7 @@ impl RadixTree {
             self.policy.len()
         );
         self.check_mamba()?;
+        self.check_swa()?;
         Ok(())
     }
 }

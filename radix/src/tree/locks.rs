@@ -30,6 +30,7 @@ impl RadixTree {
             anchor: node,
             tree_id: self.tree_id,
             mamba: false,
+            swa: None,
         })
     }
 
@@ -48,6 +49,9 @@ impl RadixTree {
         if receipt.mamba && self.mamba_lock_at(start) == 0 {
             return Err(CacheError::LockUnderflow(receipt.anchor));
         }
+        if let Some(mark) = receipt.swa {
+            self.swa_check_unlock(start, mark)?;
+        }
         let mut i = start;
         while i != self.root {
             if self.nodes[i as usize].lock_ref == 0 {
@@ -57,6 +61,9 @@ impl RadixTree {
         }
         if receipt.mamba {
             self.mamba_unlock(start);
+        }
+        if let Some(mark) = receipt.swa {
+            self.swa_unlock(start, mark);
         }
         let mut i = start;
         while i != self.root {
@@ -161,6 +168,10 @@ impl RadixTree {
         // The cascade: a state cannot be resumed without the KV before it.
         if let Some(m) = self.mamba.as_deref_mut() {
             m.drop_state(idx);
+        }
+        // And window KV is useless without the full KV of the same tokens.
+        if let Some(w) = self.swa.as_deref_mut() {
+            w.drop_pages(idx);
         }
         let n = &mut self.nodes[idx as usize];
         let len = n.key.len();

@@ -121,6 +121,12 @@ impl RadixTree {
             page_hashes: head_hashes,
         };
         let mid = self.alloc_node(mid_node);
+        if self.swa.is_some() {
+            let generation = self.generations[mid as usize];
+            if let Some(w) = self.swa.as_deref_mut() {
+                w.split(child, mid, pages_at, generation);
+            }
+        }
         self.replace_child(parent, child, mid);
         let new_hash = self.child_hash(
             mid,
@@ -168,7 +174,7 @@ impl RadixTree {
     }
 
     /// A key must be whole pages with one page per page of tokens.
-    fn check_key_pages(&self, tokens: &[TokenId], pages: &[PageId]) -> Result<()> {
+    pub(super) fn check_key_pages(&self, tokens: &[TokenId], pages: &[PageId]) -> Result<()> {
         let p = self.page_size;
         if !tokens.len().is_multiple_of(p) {
             return Err(CacheError::Misaligned {
