@@ -78,11 +78,15 @@
 //! - *Accounting* ([`RadixTree::swa_accounting`]): every SWA page is free, tree-held (evictable
 //!   or protected) or held by a caller; the audit checks it, that no page is held twice, and
 //!   that every live node holds one window page per page of its key.
+//! - *Decode* (the tree's side of it): a request frees its own window pages that slid out
+//!   ([`RadixTree::free_swa_pages`]), drops its SWA locks once it is a window past its cached
+//!   prefix ([`RadixTree::release_swa_lock`]; the KV locks stay) and inserts with the window
+//!   pages it still has ([`RadixTree::insert_swa_from`]: nodes before them stay or become
+//!   tombstones, splitting a node that straddles the first one).
 //!
-//! Not built yet for the sliding window: freeing window KV that slides out during decode (an
-//! insert still needs window pages for every page of its key), a [`RadixConfig`] option and the
-//! [`RadixCache`] request lifecycle, and everything above the tree (sessions, host tier,
-//! scheduler API).
+//! Not built yet for the sliding window: a [`RadixConfig`] option and the [`RadixCache`] request
+//! lifecycle (match, begin, per-step sliding frees, finish), and everything above the tree
+//! (sessions, host tier, scheduler API).
 //!
 //! The Mamba component is not yet carried by the session layer or the host tier
 //! (`HiRadixCache` refuses a configuration with Mamba slots), and `KvCacheManager` refuses

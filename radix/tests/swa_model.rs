@@ -240,15 +240,86 @@ fn bad_swa_input_is_a_typed_error_and_changes_nothing() {
     t.check().unwrap();
 }
 
+#[test]
+fn window_kv_that_slid_out_is_not_inserted_and_a_slid_request_drops_its_swa_locks() {
+    // Window of 2 tokens. A request computed 8 tokens but kept window pages for the last 4.
+    let mut t = tree(2, 16);
+    let key = [1, 1, 2, 2, 3, 3, 4, 4];
+    let mut kv: Vec<PageId> = (0..4).map(PageId).collect();
+    let mut swa = Vec::new();
+    t.alloc_swa_pages(2, &mut swa).unwrap();
+    let opts = InsertOptions::default();
+    let mut replaced = Vec::new();
+    for (from, n, want) in [
+        (3, 2, "misaligned"),
+        (10, 0, "past the end"),
+        (4, 1, "length"),
+    ] {
+        let e = t.insert_swa_from(
+            KeyRef::new(&key),
+            &mut kv,
+            from,
+            &swa[..n],
+            &mut replaced,
+            opts,
+        );
+        let ok = match want {
+            "misaligned" => matches!(e, Err(CacheError::Misaligned { len: 3, .. })),
+            "past the end" => matches!(e, Err(CacheError::InvalidRequestState(_))),
+            _ => matches!(e, Err(CacheError::LengthMismatch { .. })),
+        };
+        assert!(ok, "{want}: {e:?}");
+    }
+    assert_eq!(t.node_count(), 1);
+    let r = t
+        .insert_swa_from(KeyRef::new(&key), &mut kv, 4, &swa, &mut replaced, opts)
+        .unwrap();
+    assert_eq!(r.adopted_pages, 2);
+    t.check().unwrap();
+    // The new leaf was split at token 4: the upper half is a tombstone, the lower half live.
+    let mut out = Vec::new();
+    let m = t.match_swa(KeyRef::new(&key), &mut out).unwrap();
+    assert_eq!((m.kv.device_len, m.usable_len), (8, 8));
+    assert_eq!(t.swa_pages(m.anchor).unwrap(), Some(&swa[..]));
+    let upper = t.parent(m.anchor).unwrap().unwrap();
+    assert_eq!(t.depth_tokens(upper).unwrap(), 4);
+    assert_eq!(t.swa_pages(upper).unwrap(), None);
+    let m4 = t
+        .match_swa(KeyRef::new(&key[..4]), &mut Vec::new())
+        .unwrap();
+    assert_eq!((m4.kv.device_len, m4.usable_len), (4, 0));
+
+    // A request on the full key locks the window; after sliding past it, it keeps only KV.
+    let mut r = t.inc_lock_ref_swa(m.anchor).unwrap();
+    assert_eq!(t.swa_accounting().unwrap().protected, 2);
+    t.release_swa_lock(&mut r).unwrap();
+    assert!(!r.locks_swa_window());
+    assert_eq!(
+        t.release_swa_lock(&mut r),
+        Err(CacheError::StaleReceipt),
+        "nothing left to release"
+    );
+    assert_eq!(t.swa_accounting().unwrap().protected, 0);
+    assert_eq!(t.lock_ref(m.anchor).unwrap(), 1, "the KV lock stays");
+    assert_eq!(t.evict_swa(8), 2, "the window KV is evictable again");
+    let mut freed = Vec::new();
+    assert_eq!(t.evict(8, &mut freed), 0, "the KV is still locked");
+    t.dec_lock_ref(r).unwrap();
+    t.check().unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reference model
 
 #[derive(Clone, Debug)]
 enum Op {
-    Insert(Vec<TokenId>),
+    /// A request ends with `key` computed; its window KV of the first `.1` pages slid out.
+    Insert(Vec<TokenId>, usize),
     Match(Vec<TokenId>),
     Begin(Vec<TokenId>),
     End(usize),
+    /// A running request decoded a window past its prefix and drops its SWA locks.
+    Slide(usize),
     EvictKv(usize),
     EvictSwa(usize),
     Tombstone(Vec<TokenId>),
@@ -266,10 +337,12 @@ fn key() -> impl Strategy<Value = Vec<TokenId>> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => key().prop_map(Op::Insert),
+        3 => key().prop_map(|k| Op::Insert(k, 0)),
+        2 => (key(), 0usize..6).prop_map(|(k, f)| Op::Insert(k, f)),
         2 => key().prop_map(Op::Match),
         2 => key().prop_map(Op::Begin),
         2 => (0usize..8).prop_map(Op::End),
+        1 => (0usize..8).prop_map(Op::Slide),
         1 => (1usize..12).prop_map(Op::EvictKv),
         1 => (1usize..6).prop_map(Op::EvictSwa),
         1 => key().prop_map(Op::Tombstone),
@@ -286,8 +359,8 @@ struct Harness {
     model: View,
     /// Every key ever inserted: the tree's view is read along these.
     keys: Vec<Vec<TokenId>>,
-    /// Running requests: usable prefix and receipt.
-    running: Vec<(Vec<TokenId>, LockReceipt)>,
+    /// Running requests: usable prefix, receipt, whether it still holds SWA locks.
+    running: Vec<(Vec<TokenId>, LockReceipt, bool)>,
 }
 
 impl Harness {
@@ -319,11 +392,11 @@ impl Harness {
     /// Prefixes whose full KV / window KV the running requests need.
     fn locked(&self, k: &[TokenId]) -> (bool, bool) {
         let (mut kv, mut swa) = (false, false);
-        for (u, _) in &self.running {
+        for (u, _, w) in &self.running {
             if u.len() >= k.len() && u[..k.len()] == *k {
                 kv = true;
                 // The window [|u| - window, |u|) touches this page.
-                swa |= k.len() + self.window > u.len();
+                swa |= *w && k.len() + self.window > u.len();
             }
         }
         (kv, swa)
@@ -397,8 +470,9 @@ impl Harness {
     }
 
     /// A request that computed `k` inserts it with fresh full-KV and window pages.
-    fn insert(&mut self, k: Vec<TokenId>) {
+    fn insert(&mut self, k: Vec<TokenId>, swa_from: usize) {
         let n = k.len() / P;
+        let n_swa = n - swa_from / P;
         if self.kv_pool.available() < n {
             let mut out = Vec::new();
             self.t.evict((n - self.kv_pool.available()) * P, &mut out);
@@ -409,14 +483,14 @@ impl Harness {
         }
         let a = self.t.swa_accounting().unwrap();
         let mut swa = Vec::new();
-        match self.t.alloc_swa_pages(n, &mut swa) {
+        match self.t.alloc_swa_pages(n_swa, &mut swa) {
             Ok(()) => self.learn(false),
             Err(e) => {
-                assert!(n > a.free + a.evictable, "{e:?}");
+                assert!(n_swa > a.free + a.evictable, "{e:?}");
                 assert_eq!(
                     e,
                     CacheError::OutOfPages {
-                        needed: n,
+                        needed: n_swa,
                         available: a.free + a.evictable
                     }
                 );
@@ -427,9 +501,10 @@ impl Harness {
         let mut pages = mine.clone();
         let mut replaced = Vec::new();
         self.t
-            .insert_swa(
+            .insert_swa_from(
                 KeyRef::new(&k),
                 &mut pages,
+                swa_from,
                 &swa,
                 &mut replaced,
                 InsertOptions::default(),
@@ -449,7 +524,9 @@ impl Harness {
                 .entry(k[..j * P].to_vec())
                 .or_insert((pages[j - 1], None));
             assert_eq!(e.0, pages[j - 1]);
-            e.1 = e.1.or(Some(swa[j - 1]));
+            if (j - 1) * P >= swa_from {
+                e.1 = e.1.or(Some(swa[j - 1 - swa_from / P]));
+            }
         }
         self.keys.push(k);
         assert_eq!(self.observe(), self.model);
@@ -457,18 +534,29 @@ impl Harness {
 
     fn step(&mut self, op: Op) {
         match op {
-            Op::Insert(k) if !k.is_empty() => self.insert(k),
+            Op::Insert(k, from) if !k.is_empty() => {
+                let from = (from * P).min(k.len());
+                self.insert(k, from);
+            }
             Op::Match(k) if !k.is_empty() => {
                 self.matched(&k);
             }
             Op::Begin(k) => {
                 let (usable, anchor) = self.matched(&k);
                 let r = self.t.inc_lock_ref_swa(anchor).unwrap();
-                self.running.push((usable, r));
+                self.running.push((usable, r, true));
             }
             Op::End(i) if !self.running.is_empty() => {
-                let (_, r) = self.running.remove(i % self.running.len());
+                let (_, r, _) = self.running.remove(i % self.running.len());
                 self.t.dec_lock_ref(r).unwrap();
+            }
+            Op::Slide(i) if !self.running.is_empty() => {
+                let i = i % self.running.len();
+                let (_, r, w) = &mut self.running[i];
+                let res = self.t.release_swa_lock(r);
+                assert_eq!(res.is_ok(), *w, "{res:?}");
+                *w = false;
+                assert!(!r.locks_swa_window());
             }
             Op::EvictKv(tokens) => {
                 let mut out = Vec::new();
@@ -516,7 +604,7 @@ fn run(window: usize, ops: Vec<Op>) {
         assert_eq!(a.request_owned, 0);
         assert_eq!(h.observe(), h.model);
     }
-    for (_, r) in h.running.drain(..) {
+    for (_, r, _) in h.running.drain(..) {
         h.t.dec_lock_ref(r).unwrap();
     }
     h.t.check().unwrap();

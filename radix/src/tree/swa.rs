@@ -548,18 +548,38 @@ impl RadixTree {
     /// the caller's pages; where it has live window KV, a caller page that differs is a
     /// duplicate and is freed. Either way the caller holds none of `swa_pages` afterwards.
     ///
-    /// Window pages are needed for every page of the key: a request whose early window KV slid
-    /// out during decode cannot insert it yet.
-    ///
     /// # Errors
-    /// Those of [`RadixTree::insert`]; [`CacheError::ComponentDisabled`];
-    /// [`CacheError::LengthMismatch`] when `swa_pages` and `pages` differ in length;
-    /// [`CacheError::PageOutOfRange`] / [`CacheError::PageState`] for an SWA page that is free,
-    /// listed twice, or tree-held at another position. Nothing changes on error.
+    /// See [`RadixTree::insert_swa_from`] (with `swa_from` 0).
     pub fn insert_swa(
         &mut self,
         key: KeyRef<'_>,
         pages: &mut [PageId],
+        swa_pages: &[PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<SwaInsert> {
+        self.insert_swa_from(key, pages, 0, swa_pages, replaced, opts)
+    }
+
+    /// Like [`RadixTree::insert_swa`] for a request whose window KV before token `swa_from`
+    /// (page-aligned) slid out during decode and was freed: `swa_pages` covers
+    /// `key[swa_from..]` only. Nodes before `swa_from` keep their window KV if they have it and
+    /// stay (or are created as) tombstones otherwise; a node without window KV that straddles
+    /// `swa_from` is split there, so that its lower part can take the caller's pages.
+    ///
+    /// # Errors
+    /// Those of [`RadixTree::insert`]; [`CacheError::ComponentDisabled`];
+    /// [`CacheError::Misaligned`] for an unaligned `swa_from`;
+    /// [`CacheError::InvalidRequestState`] for `swa_from` past the key;
+    /// [`CacheError::LengthMismatch`] when `swa_pages` does not hold one page per page of
+    /// `key[swa_from..]`; [`CacheError::PageOutOfRange`] / [`CacheError::PageState`] for an SWA
+    /// page that is free, listed twice, or tree-held at another position. Nothing changes on
+    /// error.
+    pub fn insert_swa_from(
+        &mut self,
+        key: KeyRef<'_>,
+        pages: &mut [PageId],
+        swa_from: usize,
         swa_pages: &[PageId],
         replaced: &mut Vec<PageId>,
         opts: InsertOptions,
@@ -569,14 +589,26 @@ impl RadixTree {
             return Err(CacheError::EmptyKey);
         }
         self.check_key_pages(key.tokens, pages)?;
-        if swa_pages.len() != pages.len() {
-            return Err(CacheError::LengthMismatch {
-                tokens: key.tokens.len(),
-                pages: swa_pages.len(),
-                page_size: self.page_size,
+        let p = self.page_size;
+        if !swa_from.is_multiple_of(p) {
+            return Err(CacheError::Misaligned {
+                len: swa_from,
+                page_size: p,
             });
         }
-        self.check_swa_insert(key, swa_pages)?;
+        if swa_from > key.tokens.len() {
+            return Err(CacheError::InvalidRequestState(
+                "the window KV starts past the end of the key",
+            ));
+        }
+        if swa_pages.len() != pages.len() - swa_from / p {
+            return Err(CacheError::LengthMismatch {
+                tokens: key.tokens.len() - swa_from,
+                pages: swa_pages.len(),
+                page_size: p,
+            });
+        }
+        self.check_swa_insert(key, swa_from, swa_pages)?;
         let kv = self.insert(key, pages, replaced, opts)?;
         let mut path = Vec::new();
         let mut i = self.resolve(kv.last_node)?;
@@ -584,7 +616,6 @@ impl RadixTree {
             path.push(i);
             i = self.nodes[i as usize].parent;
         }
-        let p = self.page_size;
         let mut res = SwaInsert {
             kv,
             adopted_pages: 0,
@@ -594,18 +625,34 @@ impl RadixTree {
         let mut pos = 0;
         for &i in path.iter().rev() {
             let len = self.nodes[i as usize].key.len();
+            let end = pos + len;
+            if end <= swa_from {
+                // Before the window KV the caller has: keep whatever the node has.
+                pos = end;
+                continue;
+            }
+            let live = self.swa.as_deref().is_some_and(|w| w.live(i));
+            if pos < swa_from && !live {
+                // The upper part (before `swa_from`) stays a tombstone.
+                self.split(i, swa_from - pos);
+                pos = swa_from;
+            }
             let generation = self.generations[i as usize];
-            let seg = &swa_pages[pos / p..(pos + len) / p];
-            pos += len;
+            // A live node may straddle `swa_from`: its pages before it are not the caller's.
+            let from = pos.max(swa_from);
+            let seg = &swa_pages[(from - swa_from) / p..(end - swa_from) / p];
+            let skip = (from - pos) / p;
+            pos = end;
             let Some(w) = self.swa.as_deref_mut() else {
                 break;
             };
             let now = w.tick();
             let e = w.entry(i);
             if e.live() {
+                let theirs = &e.pages[skip..];
                 let dups = seg
                     .iter()
-                    .zip(&e.pages)
+                    .zip(theirs)
                     .filter(|(m, t)| m != t)
                     .map(|(&m, _)| m);
                 let dups: Vec<PageId> = dups.collect();
@@ -633,12 +680,42 @@ impl RadixTree {
         Ok(res)
     }
 
+    /// Releases the SWA locks a receipt holds, keeping its KV locks: once a request has decoded
+    /// a full window past its cached prefix, it no longer reads that window KV. Afterwards the
+    /// receipt is a plain KV receipt.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleReceipt`] for a receipt of another tree, whose anchor is gone, or that
+    /// holds no SWA lock; [`CacheError::LockUnderflow`] when its locks are not held (nothing
+    /// changes on error).
+    pub fn release_swa_lock(&mut self, receipt: &mut LockReceipt) -> Result<()> {
+        let Some(mark) = receipt.swa else {
+            return Err(CacheError::StaleReceipt);
+        };
+        if receipt.tree_id != self.tree_id {
+            return Err(CacheError::StaleReceipt);
+        }
+        let start = self
+            .resolve(receipt.anchor)
+            .map_err(|_| CacheError::StaleReceipt)?;
+        self.swa_check_unlock(start, mark)?;
+        self.swa_unlock(start, mark);
+        receipt.swa = None;
+        Ok(())
+    }
+
     /// Validates the SWA pages of an insert without changing anything: every page is in the
     /// pool, caller-owned pages are listed once, and a tree-held page is the tree's own window
-    /// page at that position.
-    fn check_swa_insert(&self, key: KeyRef<'_>, swa_pages: &[PageId]) -> Result<()> {
+    /// page at that position. `swa_pages` covers `key[swa_from..]`.
+    fn check_swa_insert(
+        &self,
+        key: KeyRef<'_>,
+        swa_from: usize,
+        swa_pages: &[PageId],
+    ) -> Result<()> {
         let w = self.swa_ref()?;
         let p = self.page_size;
+        let first = swa_from / p;
         // The tree's window page at each position of the existing path (read-only walk).
         let mut existing: Vec<Option<PageId>> = vec![None; swa_pages.len()];
         let tokens = key.tokens;
@@ -651,7 +728,9 @@ impl RadixTree {
             let common = common_pages(ck, &tokens[pos..], p);
             if let Some(e) = w.get(c).filter(|e| e.live()) {
                 for (j, &pg) in e.pages.iter().take(common / p).enumerate() {
-                    existing[pos / p + j] = Some(pg);
+                    if let Some(slot) = (pos / p + j).checked_sub(first) {
+                        existing[slot] = Some(pg);
+                    }
                 }
             }
             pos += common;
