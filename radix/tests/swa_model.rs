@@ -155,6 +155,22 @@ fn swa_locks_protect_the_window_and_kv_eviction_cascades() {
     let a = t.swa_accounting().unwrap();
     assert_eq!((a.free, a.evictable, a.protected), (32, 0, 0));
     t.check().unwrap();
+
+    // A reset frees every window page too, and is refused while an SWA receipt is out.
+    insert(&mut t, &key, 40);
+    let m = t.match_swa(KeyRef::new(&key), &mut Vec::new()).unwrap();
+    let r = t.inc_lock_ref_swa(m.anchor).unwrap();
+    assert_eq!(
+        t.reset(&mut Vec::new()),
+        Err(CacheError::Busy("lock receipts are outstanding"))
+    );
+    t.dec_lock_ref(r).unwrap();
+    let mut out = Vec::new();
+    t.reset(&mut out).unwrap();
+    assert_eq!(out.len(), 4);
+    let a = t.swa_accounting().unwrap();
+    assert_eq!((a.free, a.evictable, a.protected), (32, 0, 0));
+    t.check().unwrap();
 }
 
 #[test]
