@@ -133,11 +133,12 @@ pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};
-pub use slots::{SlotAccounting, SlotState, StateSlotPool};
+pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
-pub use tree::swa::{SwaAccounting, SwaInsert, SwaMatch};
+pub use tree::swa::{SwaInsert, SwaMatch};
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{
-    KeyRef, Medium, Namespace, NodeId, PageId, RadixKey, RowId, TokenId, align_down, pages_for,
+    ComponentAccounting, KeyRef, Medium, Namespace, NodeId, PageId, RadixKey, RowId, TokenId,
+    align_down, pages_for,
 };

@@ -6,10 +6,10 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent};
 use crate::policy::PolicyKind;
-use crate::slots::{SlotAccounting, SlotState};
+use crate::slots::SlotState;
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
-use crate::types::{KeyRef, NodeId, PageId, align_down};
+use crate::types::{ComponentAccounting, KeyRef, NodeId, PageId, align_down};
 
 /// Configuration of a [`RadixCache`].
 #[derive(Clone, Debug)]
@@ -130,7 +130,7 @@ impl RadixCache {
     }
 
     /// Where every Mamba slot is (`None` for a KV-only cache).
-    pub fn mamba_accounting(&self) -> Option<SlotAccounting> {
+    pub fn mamba_accounting(&self) -> Option<ComponentAccounting> {
         self.tree.mamba_accounting().ok()
     }
 

@@ -22,30 +22,6 @@ pub enum SlotState {
     Request,
 }
 
-/// Where every slot of a state pool is, as counts.
-///
-/// `free + evictable + protected + request_owned == total` always holds.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct SlotAccounting {
-    /// Slots in the pool.
-    pub total: usize,
-    /// Free slots.
-    pub free: usize,
-    /// Tree-held states that no request has locked (evictable under slot pressure).
-    pub evictable: usize,
-    /// Tree-held states locked by at least one request.
-    pub protected: usize,
-    /// Slots held by requests.
-    pub request_owned: usize,
-}
-
-impl SlotAccounting {
-    /// True when the four parts add up to the total.
-    pub fn balanced(&self) -> bool {
-        self.free + self.evictable + self.protected + self.request_owned == self.total
-    }
-}
-
 /// A fixed number of state slots, each [`SlotState::Free`], [`SlotState::Tree`] or
 /// [`SlotState::Request`].
 #[derive(Debug, Clone)]

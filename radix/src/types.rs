@@ -259,6 +259,33 @@ pub fn pages_for(n: usize, page_size: usize) -> usize {
     n.div_ceil(page_size)
 }
 
+/// Where every unit of a tree component's pool is, as counts: Mamba state slots
+/// ([`crate::RadixTree::mamba_accounting`]) or sliding-window KV pages
+/// ([`crate::RadixTree::swa_accounting`]).
+///
+/// `free + evictable + protected + request_owned == total` always holds.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComponentAccounting {
+    /// Units in the pool.
+    pub total: usize,
+    /// Free units.
+    pub free: usize,
+    /// Tree-held units no receipt has locked: evictable under pressure (the nodes keep their
+    /// full KV).
+    pub evictable: usize,
+    /// Tree-held units locked by at least one receipt.
+    pub protected: usize,
+    /// Units held by requests (or any caller that allocated them).
+    pub request_owned: usize,
+}
+
+impl ComponentAccounting {
+    /// True when the four parts add up to the total.
+    pub fn balanced(&self) -> bool {
+        self.free + self.evictable + self.protected + self.request_owned == self.total
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::PageId;

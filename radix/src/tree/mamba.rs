@@ -18,7 +18,8 @@
 use std::collections::BTreeSet;
 
 use super::*;
-use crate::slots::{SlotAccounting, SlotState, StateSlotPool};
+use crate::slots::{SlotState, StateSlotPool};
+use crate::types::ComponentAccounting;
 
 /// Per-node Mamba data, indexed by the node's arena index. `slot == NIL`: no state.
 #[derive(Copy, Clone, Debug)]
@@ -207,9 +208,9 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`] without the component.
-    pub fn mamba_accounting(&self) -> Result<SlotAccounting> {
+    pub fn mamba_accounting(&self) -> Result<ComponentAccounting> {
         let m = self.mamba_ref()?;
-        Ok(SlotAccounting {
+        Ok(ComponentAccounting {
             total: m.pool.total(),
             free: m.pool.available(),
             evictable: m.lru.len(),

@@ -26,6 +26,7 @@ use std::collections::BTreeSet;
 
 use super::*;
 use crate::alloc::{PageAllocator, PageState};
+use crate::types::ComponentAccounting;
 
 /// Per-node window data, indexed by the node's arena index. `pages` empty: a tombstone (or a
 /// node that never had window KV).
@@ -167,30 +168,6 @@ impl SwaComponent {
     }
 }
 
-/// Where every page of the SWA pool is, as counts.
-///
-/// `free + evictable + protected + request_owned == total` always holds.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct SwaAccounting {
-    /// Pages in the SWA pool.
-    pub total: usize,
-    /// Free pages.
-    pub free: usize,
-    /// Tree-held window pages no receipt has locked (evictable: tombstoning keeps the full KV).
-    pub evictable: usize,
-    /// Tree-held window pages locked by at least one receipt.
-    pub protected: usize,
-    /// Pages held by requests (or any caller that allocated them).
-    pub request_owned: usize,
-}
-
-impl SwaAccounting {
-    /// True when the four parts add up to the total.
-    pub fn balanced(&self) -> bool {
-        self.free + self.evictable + self.protected + self.request_owned == self.total
-    }
-}
-
 /// Result of [`RadixTree::match_swa`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SwaMatch {
@@ -291,9 +268,9 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`] without the component.
-    pub fn swa_accounting(&self) -> Result<SwaAccounting> {
+    pub fn swa_accounting(&self) -> Result<ComponentAccounting> {
         let w = self.swa_ref()?;
-        Ok(SwaAccounting {
+        Ok(ComponentAccounting {
             total: w.pool.total(),
             free: w.pool.available(),
             evictable: w.evictable,
