@@ -453,6 +453,22 @@ impl RadixTree {
         }
     }
 
+    /// Refuses to add the component `name` (`present`: the tree already has it) unless the
+    /// tree is empty: a component added later would miss the nodes already there.
+    fn check_can_add_component(&self, name: &str, present: bool) -> Result<()> {
+        if present {
+            return Err(CacheError::Config(format!(
+                "the {name} component is already enabled"
+            )));
+        }
+        if self.nodes.len() > 1 {
+            return Err(CacheError::Config(format!(
+                "the {name} component can only be added to an empty tree"
+            )));
+        }
+        Ok(())
+    }
+
     #[inline]
     fn is_live(&self, idx: u32, generation: u32) -> bool {
         self.generations[idx as usize] == generation && self.nodes.contains(idx as usize)

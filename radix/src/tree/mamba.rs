@@ -165,16 +165,7 @@ impl RadixTree {
     /// [`CacheError::Config`] for 0 slots, a tree that already has the component, or one that
     /// holds nodes.
     pub fn enable_mamba(&mut self, slots: u32) -> Result<()> {
-        if self.mamba.is_some() {
-            return Err(CacheError::Config(
-                "the Mamba component is already enabled".into(),
-            ));
-        }
-        if self.nodes.len() > 1 {
-            return Err(CacheError::Config(
-                "the Mamba component can only be added to an empty tree".into(),
-            ));
-        }
+        self.check_can_add_component("Mamba", self.mamba.is_some())?;
         self.mamba = Some(Box::new(MambaComponent::new(slots)?));
         Ok(())
     }
@@ -490,9 +481,11 @@ impl RadixTree {
                 );
                 continue;
             }
-            let live = self.nodes.get(i).is_some_and(|_| k != self.root)
-                && self.generations[i] == e.generation;
-            ensure_inv!(live, "Mamba slot {} held by dead node or root {k}", e.slot);
+            ensure_inv!(
+                k != self.root && self.is_live(k, e.generation),
+                "Mamba slot {} held by dead node or root {k}",
+                e.slot
+            );
             let n = &self.nodes[i];
             ensure_inv!(
                 n.on_device(),

@@ -203,16 +203,7 @@ impl RadixTree {
     /// [`CacheError::Config`] for a window of 0, a pool size outside `1..=u32::MAX`, a tree
     /// that already has the component, or one that holds nodes.
     pub fn enable_swa(&mut self, window: usize, pages: usize) -> Result<()> {
-        if self.swa.is_some() {
-            return Err(CacheError::Config(
-                "the SWA component is already enabled".into(),
-            ));
-        }
-        if self.nodes.len() > 1 {
-            return Err(CacheError::Config(
-                "the SWA component can only be added to an empty tree".into(),
-            ));
-        }
+        self.check_can_add_component("SWA", self.swa.is_some())?;
         if window == 0 {
             return Err(CacheError::Config(
                 "the sliding window must be at least one token".into(),
@@ -752,9 +743,10 @@ impl RadixTree {
                 ensure_inv!(e.lock == 0, "node {k}: SWA lock {} on a tombstone", e.lock);
                 continue;
             }
-            let live =
-                k != self.root && self.nodes.contains(i) && self.generations[i] == e.generation;
-            ensure_inv!(live, "window KV held by a dead node or the root ({k})");
+            ensure_inv!(
+                k != self.root && self.is_live(k, e.generation),
+                "window KV held by a dead node or the root ({k})"
+            );
             let n = &self.nodes[i];
             ensure_inv!(n.on_device(), "node {k} holds window KV without full KV");
             ensure_inv!(

@@ -121,11 +121,8 @@ impl RadixTree {
             page_hashes: head_hashes,
         };
         let mid = self.alloc_node(mid_node);
-        if self.swa.is_some() {
-            let generation = self.generations[mid as usize];
-            if let Some(w) = self.swa.as_deref_mut() {
-                w.split(child, mid, pages_at, generation);
-            }
+        if let Some(w) = self.swa.as_deref_mut() {
+            w.split(child, mid, pages_at, self.generations[mid as usize]);
         }
         self.replace_child(parent, child, mid);
         let new_hash = self.child_hash(
