@@ -269,7 +269,7 @@ impl PrefixCache for RadixCache {
     }
 
     fn has_state_slots(&self) -> bool {
-        self.mamba_accounting().is_some()
+        self.tree.mamba_enabled()
     }
 
     fn pools(&self) -> &DevicePools {
@@ -293,16 +293,7 @@ impl PrefixCache for RadixCache {
                 last_node: root,
             });
         }
-        if self.tree.mamba_enabled() {
-            let m = self.tree.match_mamba(key, out)?;
-            return Ok(TreeMatch {
-                device_len: m.usable_len,
-                host_len: 0,
-                last_device: m.anchor,
-                last_node: m.anchor,
-            });
-        }
-        Ok(self.tree.match_prefix(key, out))
+        self.match_tree(key, out).map(|(m, _)| m)
     }
 
     fn insert(
@@ -453,20 +444,10 @@ impl PrefixCache for RadixCache {
                 last_device: root,
                 last_node: root,
             }
-        } else if self.tree.mamba_enabled() {
-            let m = self
-                .tree
-                .match_mamba(req.key.prefix(limit), &mut req.prefix_pages)?;
-            req.kv_match_len = m.kv.device_len;
-            TreeMatch {
-                device_len: m.usable_len,
-                host_len: 0,
-                last_device: m.anchor,
-                last_node: m.anchor,
-            }
         } else {
-            self.tree
-                .match_prefix(req.key.prefix(limit), &mut req.prefix_pages)
+            let (m, kv_len) = self.match_tree(req.key.prefix(limit), &mut req.prefix_pages)?;
+            req.kv_match_len = kv_len;
+            m
         };
         req.prefix_len = m.device_len;
         req.host_hit_len = m.host_len;
@@ -503,7 +484,8 @@ impl PrefixCache for RadixCache {
         }
         let anchor = req.last_node.unwrap_or(root);
         let (receipt, slot, cow) = if mamba {
-            self.lock_with_mamba_slot(anchor)?
+            let (r, s, cow) = self.lock_with_mamba_slot(anchor)?;
+            (r, Some(s), cow)
         } else {
             (self.tree.inc_lock_ref(anchor)?, None, None)
         };
@@ -606,14 +588,30 @@ impl PrefixCache for RadixCache {
 }
 
 impl RadixCache {
+    /// The tree match of `key`: with the Mamba component, cut back to the deepest cached state
+    /// ([`RadixTree::match_mamba`]), paired with how far the device KV went; 0 for that length
+    /// without the component (see [`RequestKv::kv_match_len`]).
+    fn match_tree(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<(TreeMatch, usize)> {
+        if !self.tree.mamba_enabled() {
+            return Ok((self.tree.match_prefix(key, out), 0));
+        }
+        let m = self.tree.match_mamba(key, out)?;
+        let usable = TreeMatch {
+            device_len: m.usable_len,
+            host_len: 0,
+            last_device: m.anchor,
+            last_node: m.anchor,
+        };
+        Ok((usable, m.kv.device_len))
+    }
+
     /// Locks `anchor` (and its Mamba state, unless it is the root) and gives the request its
     /// own Mamba slot: a copy-on-write destination on a hit, a fresh slot otherwise. Nothing is
     /// held on error.
-    #[allow(clippy::type_complexity)]
     fn lock_with_mamba_slot(
         &mut self,
         anchor: NodeId,
-    ) -> Result<(LockReceipt, Option<u32>, Option<MambaCow>)> {
+    ) -> Result<(LockReceipt, u32, Option<MambaCow>)> {
         let hit = anchor != self.tree.root();
         let receipt = if hit {
             self.tree.inc_lock_ref_mamba(anchor)?
@@ -626,7 +624,7 @@ impl RadixCache {
             self.tree.alloc_mamba_slot().map(|s| (s, None))
         };
         match slot {
-            Ok((s, cow)) => Ok((receipt, Some(s), cow)),
+            Ok((s, cow)) => Ok((receipt, s, cow)),
             Err(e) => {
                 self.tree.dec_lock_ref(receipt)?;
                 Err(e)
