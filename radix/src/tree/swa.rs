@@ -303,17 +303,12 @@ impl RadixTree {
         self.swa_ref()?;
         let start = out.len();
         let kv = self.match_prefix(key, out);
-        let mut path = Vec::new();
-        let mut i = self.resolve(kv.last_device)?;
-        while i != self.root {
-            path.push(i);
-            i = self.nodes[i as usize].parent;
-        }
+        let path = self.path_from_root(self.resolve(kv.last_device)?);
         let (mut best, mut anchor) = (0, self.root);
         {
             let w = self.swa_ref()?;
             let (mut depth, mut run) = (0usize, 0usize);
-            for &i in path.iter().rev() {
+            for &i in &path {
                 let len = self.nodes[i as usize].key.len();
                 depth += len;
                 run = if w.live(i) { run + len } else { 0 };
@@ -329,6 +324,18 @@ impl RadixTree {
             usable_len: best,
             anchor: self.id_of(anchor),
         })
+    }
+
+    /// The nodes from below the root down to `idx` (empty for the root).
+    fn path_from_root(&self, idx: u32) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut i = idx;
+        while i != self.root {
+            path.push(i);
+            i = self.nodes[i as usize].parent;
+        }
+        path.reverse();
+        path
     }
 
     /// Calls `f` on each node that the window before the end of `idx` touches, bottom-up;
@@ -578,12 +585,7 @@ impl RadixTree {
         }
         self.check_swa_insert(key, swa_from, swa_pages)?;
         let kv = self.insert(key, pages, replaced, opts)?;
-        let mut path = Vec::new();
-        let mut i = self.resolve(kv.last_node)?;
-        while i != self.root {
-            path.push(i);
-            i = self.nodes[i as usize].parent;
-        }
+        let path = self.path_from_root(self.resolve(kv.last_node)?);
         let mut res = SwaInsert {
             kv,
             adopted_pages: 0,
@@ -591,7 +593,7 @@ impl RadixTree {
             freed_duplicates: 0,
         };
         let mut pos = 0;
-        for &i in path.iter().rev() {
+        for &i in &path {
             let len = self.nodes[i as usize].key.len();
             let end = pos + len;
             if end <= swa_from {
