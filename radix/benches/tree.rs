@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use radixkv_radix::{
-    InsertOptions, KeyRef, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
+    InsertOptions, KeyRef, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
 };
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
@@ -71,29 +71,39 @@ fn mamba_cache(pages: usize, slots: u32) -> RadixCache {
     .unwrap()
 }
 
-fn insert(c: &mut RadixCache, tokens: &[u32]) {
+/// Inserts `tokens`; returns the node that ends them.
+fn insert(c: &mut RadixCache, tokens: &[u32]) -> NodeId {
     let pages = c.pools_mut().pages.alloc(tokens.len() / P).unwrap();
     let r = c
         .insert(KeyRef::new(tokens), &pages, InsertOptions::default())
         .unwrap();
     c.pools_mut().pages.free(&r.duplicates).unwrap();
+    r.last_node
 }
 
-/// 1024 chains of 2048 tokens sharing a 1024-token root.
-fn chains(rng: &mut Rng) -> (RadixCache, Vec<u32>, Vec<Vec<u32>>) {
+/// Pages of [`chains`]' tree, with a slack of one root: each insert allocates the whole chain
+/// before its duplicates are freed.
+const CHAINS_PAGES: usize = 2 * ROOT_LEN / P + CHAINS * (CHAIN_LEN - ROOT_LEN) / P;
+
+/// 1024 chains of 2048 tokens sharing a 1024-token root, in `c` (of [`CHAINS_PAGES`] pages).
+/// Returns the root tokens, each chain's tokens and the node that ends it.
+fn chains_in(c: &mut RadixCache, rng: &mut Rng) -> (Vec<u32>, Vec<Vec<u32>>, Vec<NodeId>) {
     let root = rng.tokens(ROOT_LEN);
-    // Slack of one root: each insert allocates the whole chain before its duplicates are freed.
-    let mut c = cache(
-        2 * ROOT_LEN / P + CHAINS * (CHAIN_LEN - ROOT_LEN) / P,
-        PolicyKind::Lru,
-    );
     let mut all = Vec::with_capacity(CHAINS);
+    let mut ends = Vec::with_capacity(CHAINS);
     for _ in 0..CHAINS {
         let mut t = root.clone();
         t.extend(rng.tokens(CHAIN_LEN - ROOT_LEN));
-        insert(&mut c, &t);
+        ends.push(insert(c, &t));
         all.push(t);
     }
+    (root, all, ends)
+}
+
+/// [`chains_in`] a fresh KV-only LRU cache.
+fn chains(rng: &mut Rng) -> (RadixCache, Vec<u32>, Vec<Vec<u32>>) {
+    let mut c = cache(CHAINS_PAGES, PolicyKind::Lru);
+    let (root, all, _) = chains_in(&mut c, rng);
     (c, root, all)
 }
 
@@ -309,27 +319,13 @@ fn bench_evict_policies(cr: &mut Criterion) {
 fn bench_mamba(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("mamba");
     let setup = || {
-        let mut rng = Rng::new(1);
-        let root = rng.tokens(ROOT_LEN);
-        let mut c = mamba_cache(
-            2 * ROOT_LEN / P + CHAINS * (CHAIN_LEN - ROOT_LEN) / P,
-            CHAINS as u32,
-        );
-        let mut ends = Vec::with_capacity(CHAINS);
-        let mut all = Vec::with_capacity(CHAINS);
-        for _ in 0..CHAINS {
-            let mut t = root.clone();
-            t.extend(rng.tokens(CHAIN_LEN - ROOT_LEN));
-            let pages = c.pools_mut().pages.alloc(t.len() / P).unwrap();
-            let r = c
-                .insert(KeyRef::new(&t), &pages, InsertOptions::default())
-                .unwrap();
-            c.pools_mut().pages.free(&r.duplicates).unwrap();
-            let (tree, _) = c.parts_mut();
+        let mut c = mamba_cache(CHAINS_PAGES, CHAINS as u32);
+        // A split keeps a node's id on its lower half, so every end stays valid.
+        let (_, all, ends) = chains_in(&mut c, &mut Rng::new(1));
+        let (tree, _) = c.parts_mut();
+        for &end in &ends {
             let slot = tree.alloc_mamba_slot().unwrap();
-            tree.insert_mamba_state(r.last_node, slot).unwrap();
-            ends.push(r.last_node);
-            all.push(t);
+            tree.insert_mamba_state(end, slot).unwrap();
         }
         (c, all, ends)
     };
