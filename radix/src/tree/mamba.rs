@@ -339,13 +339,9 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`]; [`CacheError::OutOfStateSlots`] when no slot is free
     /// and every cached state is locked (nothing changes then).
     pub fn alloc_mamba_slot(&mut self) -> Result<u32> {
-        let m = self.mamba_mut()?;
-        if m.pool.available() == 0 && self.evict_mamba(1) == 0 {
-            let m = self.mamba_ref()?;
-            return Err(CacheError::OutOfStateSlots {
-                component: "mamba",
-                capacity: m.pool.total(),
-            });
+        if self.mamba_ref()?.pool.available() == 0 {
+            // Nothing evicted (every state locked) leaves the pool empty: the error below.
+            self.evict_mamba(1);
         }
         let m = self.mamba_mut()?;
         m.pool.alloc_request().ok_or(CacheError::OutOfStateSlots {
