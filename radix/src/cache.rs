@@ -286,37 +286,14 @@ pub trait PrefixCache {
     /// Audits one request's KV state against the pools: its row is live, and
     /// `committed_len <= allocated_len <=` the tokens its row's pages can hold. Whoever tracks
     /// the running requests (the scheduler) calls it next to [`PrefixCache::check_invariants`].
+    /// A cache with per-request state of its own audits that too ([`RadixCache`]'s Mamba slot).
+    ///
+    /// [`RadixCache`]: crate::RadixCache
     ///
     /// # Errors
     /// The first violated invariant.
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
-        let Some(row) = req.row else {
-            ensure_inv!(
-                req.allocated_len == 0 && req.committed_len == 0 && req.lock.is_none(),
-                "a request without a row holds KV (allocated {}, committed {})",
-                req.allocated_len,
-                req.committed_len
-            );
-            return Ok(());
-        };
-        let pools = self.pools();
-        let pages = pools.rows.pages(row).map_err(|e| {
-            InvariantViolation(format!("request row {row:?} is not a live row: {e}"))
-        })?;
-        let capacity = pages.len() * pools.page_size;
-        ensure_inv!(
-            req.committed_len <= req.allocated_len,
-            "request row {row:?}: committed {} > allocated {}",
-            req.committed_len,
-            req.allocated_len
-        );
-        ensure_inv!(
-            req.allocated_len <= capacity,
-            "request row {row:?}: allocated {} tokens but its {} pages hold {capacity}",
-            req.allocated_len,
-            pages.len()
-        );
-        Ok(())
+        check_request_kv(self, req)
     }
 
     // ----- request level -----
@@ -429,4 +406,43 @@ pub trait PrefixCache {
             request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
         }
     }
+}
+
+/// The request audit every [`PrefixCache`] shares ([`PrefixCache::check_request`]'s default): a
+/// cache that audits more of a request (its own per-request state) calls it first.
+///
+/// # Errors
+/// The first violated invariant.
+pub(crate) fn check_request_kv<C: PrefixCache + ?Sized>(
+    cache: &C,
+    req: &RequestKv,
+) -> std::result::Result<(), InvariantViolation> {
+    let Some(row) = req.row else {
+        ensure_inv!(
+            req.allocated_len == 0 && req.committed_len == 0 && req.lock.is_none(),
+            "a request without a row holds KV (allocated {}, committed {})",
+            req.allocated_len,
+            req.committed_len
+        );
+        return Ok(());
+    };
+    let pools = cache.pools();
+    let pages = pools
+        .rows
+        .pages(row)
+        .map_err(|e| InvariantViolation(format!("request row {row:?} is not a live row: {e}")))?;
+    let capacity = pages.len() * pools.page_size;
+    ensure_inv!(
+        req.committed_len <= req.allocated_len,
+        "request row {row:?}: committed {} > allocated {}",
+        req.committed_len,
+        req.allocated_len
+    );
+    ensure_inv!(
+        req.allocated_len <= capacity,
+        "request row {row:?}: allocated {} tokens but its {} pages hold {capacity}",
+        req.allocated_len,
+        pages.len()
+    );
+    Ok(())
 }

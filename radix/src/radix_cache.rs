@@ -1,7 +1,9 @@
 //! [`RadixCache`]: the device-only prefix cache over a [`RadixTree`] and the device pools.
 
 use crate::alloc::{DevicePools, PageState, RowHolder};
-use crate::cache::{FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch};
+use crate::cache::{
+    FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch, check_request_kv,
+};
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent};
@@ -135,8 +137,8 @@ impl RadixCache {
     }
 
     /// Audits one request's Mamba slot: a running request of a cache with the Mamba component
-    /// holds exactly one slot, in the request state (the counterpart of
-    /// [`PrefixCache::check_request`] for the Mamba pool).
+    /// holds exactly one slot, in the request state (the Mamba part of
+    /// [`PrefixCache::check_request`], which runs it).
     ///
     /// # Errors
     /// The first violated invariant.
@@ -270,6 +272,11 @@ impl PrefixCache for RadixCache {
 
     fn has_state_slots(&self) -> bool {
         self.tree.mamba_enabled()
+    }
+
+    fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
+        check_request_kv(self, req)?;
+        self.check_request_mamba(req)
     }
 
     fn pools(&self) -> &DevicePools {

@@ -272,3 +272,26 @@ fn a_split_leaves_the_state_on_the_lower_node() {
     t.dec_lock_ref(r).unwrap();
     t.check().unwrap();
 }
+
+#[test]
+fn check_request_audits_the_requests_mamba_slot() {
+    let mut c = cache(4);
+    let toks: Vec<u32> = (0..8).collect();
+    let mut r = run(&mut c, &toks);
+    c.check_request(&r).unwrap();
+    let slot = r.mamba_slot.take().unwrap();
+    assert!(
+        c.check_request(&r).is_err(),
+        "a running request without its Mamba slot"
+    );
+    r.mamba_slot = Some(slot + 1);
+    assert!(
+        c.check_request(&r).is_err(),
+        "a Mamba slot the request does not hold"
+    );
+    r.mamba_slot = Some(slot);
+    c.check_request(&r).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.check_request(&r).unwrap();
+    audit(&c);
+}
