@@ -533,19 +533,16 @@ impl ModelGeometry {
         if self.layers == 0 {
             return bad("the model must have at least one layer".into());
         }
-        if let Some(pat) = &self.layer_pattern {
-            if pat.is_empty() {
-                return bad("layer_pattern is empty: it needs at least one layer".into());
-            }
-            if u64::from(self.layers) % pat.len() as u64 != 0 {
-                return bad(format!(
-                    "layers = {} is not a whole number of repeats of layer_pattern {:?} ({} \
-                     layers)",
-                    self.layers,
-                    pat.to_string(),
-                    pat.len()
-                ));
-            }
+        // A pattern is never empty (`LayerPattern::new` refuses one), so this divides.
+        if let Some(pat) = &self.layer_pattern
+            && u64::from(self.layers) % pat.len() as u64 != 0
+        {
+            return bad(format!(
+                "layers = {} is not a whole number of repeats of layer_pattern {:?} ({} layers)",
+                self.layers,
+                pat.to_string(),
+                pat.len()
+            ));
         }
         let counts = self.layer_counts();
         if counts.attention == 0 {
@@ -810,18 +807,7 @@ pub(crate) fn paged_pool(
     let page_bytes = bytes_per_token
         .checked_mul(page_tokens)
         .ok_or_else(overflow)?;
-    let pages = budget.checked_div(page_bytes).unwrap_or(0);
-    if pages == 0 {
-        return Err(ManagerError::Config(format!(
-            "the {what} pool budget of {budget} bytes fits no page of {page_bytes} bytes"
-        )));
-    }
-    if pages > u64::from(u32::MAX) {
-        return Err(ManagerError::Config(format!(
-            "the {what} pool of {pages} pages is more than the {} pages a pool can address",
-            u32::MAX
-        )));
-    }
+    let pages = units_in_budget(what, budget, page_bytes, "page", "pages")?;
     Ok(PagedPool {
         bytes_per_token,
         page_bytes,
@@ -833,24 +819,37 @@ pub(crate) fn paged_pool(
 
 /// A slot pool of `budget` bytes with slots of `slot_bytes`.
 pub(crate) fn slot_pool(budget: u64, slot_bytes: u64) -> Result<SlotPool> {
-    let slots = budget.checked_div(slot_bytes).unwrap_or(0);
-    if slots == 0 {
-        return Err(ManagerError::Config(format!(
-            "the Mamba pool budget of {budget} bytes fits no state slot of {slot_bytes} bytes"
-        )));
-    }
-    if slots > u64::from(u32::MAX) {
-        return Err(ManagerError::Config(format!(
-            "the Mamba pool of {slots} slots is more than the {} slots a pool can address",
-            u32::MAX
-        )));
-    }
+    let slots = units_in_budget("Mamba", budget, slot_bytes, "state slot", "slots")?;
     Ok(SlotPool {
         slot_bytes,
         slots,
         // slots ≤ budget / slot_bytes, so this is at most the budget.
         bytes: slots.saturating_mul(slot_bytes),
     })
+}
+
+/// How many units of `unit_bytes` the `what` pool's `budget` holds: at least one, and no more
+/// than a pool can address (32-bit ids).
+fn units_in_budget(
+    what: &str,
+    budget: u64,
+    unit_bytes: u64,
+    unit: &str,
+    units: &str,
+) -> Result<u64> {
+    let n = budget.checked_div(unit_bytes).unwrap_or(0);
+    if n == 0 {
+        return Err(ManagerError::Config(format!(
+            "the {what} pool budget of {budget} bytes fits no {unit} of {unit_bytes} bytes"
+        )));
+    }
+    if n > u64::from(u32::MAX) {
+        return Err(ManagerError::Config(format!(
+            "the {what} pool of {n} {units} is more than the {} {units} a pool can address",
+            u32::MAX
+        )));
+    }
+    Ok(n)
 }
 
 #[cfg(test)]
