@@ -618,46 +618,39 @@ impl ModelGeometry {
     /// tokens), feed-forward blocks included; `None` without [`ModelGeometry::compute`].
     /// Saturates at `u128::MAX`.
     pub fn flops_per_token(&self, ctx: u64) -> Option<u128> {
-        let c = self.compute.as_ref()?;
-        let n = self.layer_counts();
         let window = u64::from(self.sliding_window.unwrap_or(0));
-        let mamba = if n.mamba > 0 {
-            c.mamba_flops_per_token()?
-        } else {
-            0
-        };
-        Some(sum(&[
-            c.attention_flops_per_token(ctx)
-                .saturating_mul(u128::from(n.attention)),
-            c.attention_flops_per_token(ctx.min(window))
-                .saturating_mul(u128::from(n.sliding_window)),
-            mamba.saturating_mul(u128::from(n.mamba)),
-            u128::from(c.ffn_flops_per_token),
-        ]))
+        self.flops_of(1, u128::from(ctx), u128::from(ctx.min(window)))
     }
 
     /// FLOPs of prefilling `len` tokens from nothing: the sum of
     /// [`ModelGeometry::flops_per_token`] over positions `1..=len`, in closed form. It is what a
     /// cache hit of `len` tokens saves. `None` without [`ModelGeometry::compute`]. Saturates.
     pub fn prefill_flops(&self, len: u64) -> Option<u128> {
-        let c = self.compute.as_ref()?;
-        let n = self.layer_counts();
         let l = u128::from(len);
         let w = u128::from(self.sliding_window.unwrap_or(0));
         // Σ_{p=1..L} p, and Σ_{p=1..L} min(p, w).
         let triangle = |x: u128| x.saturating_mul(x.saturating_add(1)) / 2;
-        let attended_full = triangle(l);
         let attended_window = if l <= w {
             triangle(l)
         } else {
             triangle(w).saturating_add((l - w).saturating_mul(w))
         };
-        let proj = c.attention_projection_flops().saturating_mul(l);
+        self.flops_of(l, triangle(l), attended_window)
+    }
+
+    /// FLOPs of `tokens` tokens that together attend to `attended_full` tokens in each
+    /// full-attention layer and `attended_window` in each sliding-window layer: what every
+    /// token costs (projections, Mamba layers, feed-forward) plus the scores per attended
+    /// token. `None` without [`ModelGeometry::compute`]. Saturates.
+    fn flops_of(&self, tokens: u128, attended_full: u128, attended_window: u128) -> Option<u128> {
+        let c = self.compute.as_ref()?;
+        let n = self.layer_counts();
+        let proj = c.attention_projection_flops().saturating_mul(tokens);
         let score = c.attention_score_flops();
         let full = proj.saturating_add(score.saturating_mul(attended_full));
         let swa = proj.saturating_add(score.saturating_mul(attended_window));
         let mamba = if n.mamba > 0 {
-            c.mamba_flops_per_token()?.saturating_mul(l)
+            c.mamba_flops_per_token()?.saturating_mul(tokens)
         } else {
             0
         };
@@ -665,7 +658,7 @@ impl ModelGeometry {
             full.saturating_mul(u128::from(n.attention)),
             swa.saturating_mul(u128::from(n.sliding_window)),
             mamba.saturating_mul(u128::from(n.mamba)),
-            u128::from(c.ffn_flops_per_token).saturating_mul(l),
+            u128::from(c.ffn_flops_per_token).saturating_mul(tokens),
         ]))
     }
 }
