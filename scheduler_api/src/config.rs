@@ -195,7 +195,7 @@ fn default_write_policy() -> WritePolicy {
 }
 
 fn default_host_layout() -> HostLayout {
-    HostLayout::PageFirst
+    radixkv_hicache::HiCacheConfig::default().host_layout
 }
 
 fn default_load_back_min_tokens() -> usize {

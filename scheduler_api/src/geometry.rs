@@ -533,19 +533,16 @@ impl ModelGeometry {
         if self.layers == 0 {
             return bad("the model must have at least one layer".into());
         }
-        if let Some(pat) = &self.layer_pattern {
-            if pat.is_empty() {
-                return bad("layer_pattern is empty: it needs at least one layer".into());
-            }
-            if u64::from(self.layers) % pat.len() as u64 != 0 {
-                return bad(format!(
-                    "layers = {} is not a whole number of repeats of layer_pattern {:?} ({} \
-                     layers)",
-                    self.layers,
-                    pat.to_string(),
-                    pat.len()
-                ));
-            }
+        // A pattern is never empty (`LayerPattern::new` refuses one), so this divides.
+        if let Some(pat) = &self.layer_pattern
+            && u64::from(self.layers) % pat.len() as u64 != 0
+        {
+            return bad(format!(
+                "layers = {} is not a whole number of repeats of layer_pattern {:?} ({} layers)",
+                self.layers,
+                pat.to_string(),
+                pat.len()
+            ));
         }
         let counts = self.layer_counts();
         if counts.attention == 0 {
@@ -621,46 +618,39 @@ impl ModelGeometry {
     /// tokens), feed-forward blocks included; `None` without [`ModelGeometry::compute`].
     /// Saturates at `u128::MAX`.
     pub fn flops_per_token(&self, ctx: u64) -> Option<u128> {
-        let c = self.compute.as_ref()?;
-        let n = self.layer_counts();
         let window = u64::from(self.sliding_window.unwrap_or(0));
-        let mamba = if n.mamba > 0 {
-            c.mamba_flops_per_token()?
-        } else {
-            0
-        };
-        Some(sum(&[
-            c.attention_flops_per_token(ctx)
-                .saturating_mul(u128::from(n.attention)),
-            c.attention_flops_per_token(ctx.min(window))
-                .saturating_mul(u128::from(n.sliding_window)),
-            mamba.saturating_mul(u128::from(n.mamba)),
-            u128::from(c.ffn_flops_per_token),
-        ]))
+        self.flops_of(1, u128::from(ctx), u128::from(ctx.min(window)))
     }
 
     /// FLOPs of prefilling `len` tokens from nothing: the sum of
     /// [`ModelGeometry::flops_per_token`] over positions `1..=len`, in closed form. It is what a
     /// cache hit of `len` tokens saves. `None` without [`ModelGeometry::compute`]. Saturates.
     pub fn prefill_flops(&self, len: u64) -> Option<u128> {
-        let c = self.compute.as_ref()?;
-        let n = self.layer_counts();
         let l = u128::from(len);
         let w = u128::from(self.sliding_window.unwrap_or(0));
         // Σ_{p=1..L} p, and Σ_{p=1..L} min(p, w).
         let triangle = |x: u128| x.saturating_mul(x.saturating_add(1)) / 2;
-        let attended_full = triangle(l);
         let attended_window = if l <= w {
             triangle(l)
         } else {
             triangle(w).saturating_add((l - w).saturating_mul(w))
         };
-        let proj = c.attention_projection_flops().saturating_mul(l);
+        self.flops_of(l, triangle(l), attended_window)
+    }
+
+    /// FLOPs of `tokens` tokens that together attend to `attended_full` tokens in each
+    /// full-attention layer and `attended_window` in each sliding-window layer: what every
+    /// token costs (projections, Mamba layers, feed-forward) plus the scores per attended
+    /// token. `None` without [`ModelGeometry::compute`]. Saturates.
+    fn flops_of(&self, tokens: u128, attended_full: u128, attended_window: u128) -> Option<u128> {
+        let c = self.compute.as_ref()?;
+        let n = self.layer_counts();
+        let proj = c.attention_projection_flops().saturating_mul(tokens);
         let score = c.attention_score_flops();
         let full = proj.saturating_add(score.saturating_mul(attended_full));
         let swa = proj.saturating_add(score.saturating_mul(attended_window));
         let mamba = if n.mamba > 0 {
-            c.mamba_flops_per_token()?.saturating_mul(l)
+            c.mamba_flops_per_token()?.saturating_mul(tokens)
         } else {
             0
         };
@@ -668,7 +658,7 @@ impl ModelGeometry {
             full.saturating_mul(u128::from(n.attention)),
             swa.saturating_mul(u128::from(n.sliding_window)),
             mamba.saturating_mul(u128::from(n.mamba)),
-            u128::from(c.ffn_flops_per_token).saturating_mul(l),
+            u128::from(c.ffn_flops_per_token).saturating_mul(tokens),
         ]))
     }
 }
@@ -810,18 +800,7 @@ pub(crate) fn paged_pool(
     let page_bytes = bytes_per_token
         .checked_mul(page_tokens)
         .ok_or_else(overflow)?;
-    let pages = budget.checked_div(page_bytes).unwrap_or(0);
-    if pages == 0 {
-        return Err(ManagerError::Config(format!(
-            "the {what} pool budget of {budget} bytes fits no page of {page_bytes} bytes"
-        )));
-    }
-    if pages > u64::from(u32::MAX) {
-        return Err(ManagerError::Config(format!(
-            "the {what} pool of {pages} pages is more than the {} pages a pool can address",
-            u32::MAX
-        )));
-    }
+    let pages = units_in_budget(what, budget, page_bytes, "page", "pages")?;
     Ok(PagedPool {
         bytes_per_token,
         page_bytes,
@@ -833,24 +812,37 @@ pub(crate) fn paged_pool(
 
 /// A slot pool of `budget` bytes with slots of `slot_bytes`.
 pub(crate) fn slot_pool(budget: u64, slot_bytes: u64) -> Result<SlotPool> {
-    let slots = budget.checked_div(slot_bytes).unwrap_or(0);
-    if slots == 0 {
-        return Err(ManagerError::Config(format!(
-            "the Mamba pool budget of {budget} bytes fits no state slot of {slot_bytes} bytes"
-        )));
-    }
-    if slots > u64::from(u32::MAX) {
-        return Err(ManagerError::Config(format!(
-            "the Mamba pool of {slots} slots is more than the {} slots a pool can address",
-            u32::MAX
-        )));
-    }
+    let slots = units_in_budget("Mamba", budget, slot_bytes, "state slot", "slots")?;
     Ok(SlotPool {
         slot_bytes,
         slots,
         // slots ≤ budget / slot_bytes, so this is at most the budget.
         bytes: slots.saturating_mul(slot_bytes),
     })
+}
+
+/// How many units of `unit_bytes` the `what` pool's `budget` holds: at least one, and no more
+/// than a pool can address (32-bit ids).
+fn units_in_budget(
+    what: &str,
+    budget: u64,
+    unit_bytes: u64,
+    unit: &str,
+    units: &str,
+) -> Result<u64> {
+    let n = budget.checked_div(unit_bytes).unwrap_or(0);
+    if n == 0 {
+        return Err(ManagerError::Config(format!(
+            "the {what} pool budget of {budget} bytes fits no {unit} of {unit_bytes} bytes"
+        )));
+    }
+    if n > u64::from(u32::MAX) {
+        return Err(ManagerError::Config(format!(
+            "the {what} pool of {n} {units} is more than the {} {units} a pool can address",
+            u32::MAX
+        )));
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

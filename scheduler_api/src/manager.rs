@@ -296,12 +296,25 @@ impl KvCacheManager {
     fn take_numbered_events(&mut self) -> (u64, Vec<KvEvent>) {
         let mut out = self.events.take();
         // Events since the last step end are handed over now, not held: no bound applies.
-        let late = self.cache.take_events();
-        self.metrics.counters.kv_events += late.len() as u64;
-        out.extend(late);
+        out.extend(self.take_cache_events());
         let seq = self.events_handed_out.saturating_add(self.events_dropped());
         self.events_handed_out = self.events_handed_out.saturating_add(out.len() as u64);
         (seq, out)
+    }
+
+    /// The events the cache recorded since the last take, counted in `kv_events`.
+    fn take_cache_events(&mut self) -> Vec<KvEvent> {
+        let ev = self.cache.take_events();
+        self.metrics.counters.kv_events += ev.len() as u64;
+        ev
+    }
+
+    /// With events on, moves the cache's events into the bounded buffer (step end, reset).
+    fn buffer_cache_events(&mut self) {
+        if self.cfg.events {
+            let ev = self.take_cache_events();
+            self.events.extend(ev);
+        }
     }
 
     /// KV events dropped since the manager was built, by its own buffer or the cache's,
@@ -799,11 +812,7 @@ impl KvCacheManager {
             }
         }
         self.cache.reset()?;
-        if self.cfg.events {
-            let ev = self.cache.take_events();
-            self.metrics.counters.kv_events += ev.len() as u64;
-            self.events.extend(ev);
-        }
+        self.buffer_cache_events();
         Ok(())
     }
 
@@ -956,13 +965,8 @@ impl KvCacheManager {
             h.step_load_bytes.observe(transfers.bytes_loaded);
             h.step_write_bytes.observe(transfers.bytes_written);
         }
-        let c = &mut self.metrics.counters;
-        c.steps += 1;
-        if self.cfg.events {
-            let ev = self.cache.take_events();
-            c.kv_events += ev.len() as u64;
-            self.events.extend(ev);
-        }
+        self.metrics.counters.steps += 1;
+        self.buffer_cache_events();
         if self.check_every_step {
             self.check_invariants()?;
         }

@@ -192,7 +192,7 @@ impl StepLoadSet {
         self.pages.fetch_add(pages, Ordering::Relaxed);
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         if let Some(w) = wait {
-            self.waits.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+            self.locked_waits().push(w);
         }
     }
 
@@ -201,9 +201,14 @@ impl StepLoadSet {
         self.bytes.load(Ordering::Relaxed)
     }
 
+    /// The waits so far, locked (never held across a blocking wait).
+    fn locked_waits(&self) -> std::sync::MutexGuard<'_, Vec<Arc<dyn LayerWait>>> {
+        self.waits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The waits so far, copied out so that nobody blocks while holding the lock.
     fn waits(&self) -> Vec<Arc<dyn LayerWait>> {
-        self.waits.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.locked_waits().clone()
     }
 }
 
@@ -250,7 +255,11 @@ impl StepHandle {
 
     /// True when layer `layer`'s load is complete (or there is none).
     pub fn is_layer_done(&self, layer: u32) -> bool {
-        self.loads.waits().iter().all(|w| w.is_layer_done(layer))
+        // A non-blocking poll: no need to copy the waits out of the lock.
+        self.loads
+            .locked_waits()
+            .iter()
+            .all(|w| w.is_layer_done(layer))
     }
 
     /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`
