@@ -24,10 +24,11 @@ use indicatif::{HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{
     self, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes, fmt_count,
+    fmt_pool,
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset, human_tokens};
+use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -677,15 +678,7 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
     let m = &cfg.manager;
     if table {
         let page_bytes = m.model.page_bytes();
-        let pool = |tokens: usize| {
-            let pages = (tokens / m.model.page_size.max(1)) as u64;
-            format!(
-                "{} tokens ({} pages, {} modeled)",
-                human_tokens(tokens),
-                fmt_count(pages),
-                fmt_bytes(pages.saturating_mul(page_bytes))
-            )
-        };
+        let pool = |tokens: usize| fmt_pool(tokens, m.model.page_size, page_bytes);
         let host = configs.iter().find_map(|c| match &c.cache {
             CacheKind::HiCache(t) => Some(t.host_tokens),
             _ => None,
