@@ -453,8 +453,6 @@ fn run(cli: Cli) -> Result<()> {
     file.runs.iter().try_for_each(leak_check)
 }
 
-/// Fails a run that leaked: pages still held after the drain, sessions still open, or
-/// accounting that does not balance.
 /// The device pools a configuration derives, as TOML comments after `radixkv config`'s
 /// output.
 fn pools_comment(p: &Pools) -> String {
@@ -485,6 +483,8 @@ fn pools_comment(p: &Pools) -> String {
     s
 }
 
+/// Fails a run that leaked: pages still held after the drain, sessions still open, or
+/// accounting that does not balance.
 fn leak_check(r: &Report) -> Result<()> {
     if r.leaked_tokens == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
         return Ok(());
