@@ -104,7 +104,7 @@ impl CpuClock {
 
 /// Observes replay progress (a progress bar, or nothing).
 pub trait Progress {
-    /// `n` more requests finished.
+    /// `n` more requests finished (called only after a step that finished some).
     fn advance(&mut self, n: u64);
 }
 
@@ -340,8 +340,8 @@ impl Sim<'_> {
                 continue;
             }
             let finished = self.step(kv)?;
-            progress.advance(finished);
             if finished > 0 {
+                progress.advance(finished);
                 self.finished += finished;
                 if let Some(m) = &mut self.memory {
                     m.on_progress(self.finished);
