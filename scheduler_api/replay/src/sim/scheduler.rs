@@ -379,7 +379,6 @@ impl Sim<'_> {
         }
 
         // Admission, FCFS: the head of the queue blocks the rest.
-        let mut admitted = Vec::new();
         let mut dropped = 0;
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(job) = self.waiting.front_mut() else {
@@ -416,8 +415,16 @@ impl Sim<'_> {
                 break;
             };
             if !job.first_admitted {
+                // Infinite-cache ideal and per-tier hits at the first admission; the output
+                // goes with the job, which a retraction later in this step may send back to
+                // the queue.
                 job.first_admitted = true;
-                admitted.push((job.index, a));
+                let r = &self.trace.requests[job.index];
+                job.output = r.output_tokens();
+                self.report.ideal_hit_tokens += self.ideal_hits[job.index];
+                self.report.hit_tokens_device += a.device_tokens as u64;
+                self.report.hit_tokens_host += a.host_tokens as u64;
+                self.report.prompt_tokens += r.prompt_len;
             }
             job.prefill_left = a.extend_tokens;
             if ok {
@@ -509,19 +516,6 @@ impl Sim<'_> {
                     needed,
                     capacity: kv.accounting().total,
                 });
-            }
-        }
-
-        // Infinite-cache ideal and per-tier hits of the requests admitted for the first time.
-        for (index, a) in admitted {
-            let r = &self.trace.requests[index];
-            let output = r.output_tokens();
-            self.report.ideal_hit_tokens += self.ideal_hits[index];
-            self.report.hit_tokens_device += a.device_tokens as u64;
-            self.report.hit_tokens_host += a.host_tokens as u64;
-            self.report.prompt_tokens += r.prompt_len;
-            if let Some(job) = self.running.iter_mut().find(|j| j.index == index) {
-                job.output = output;
             }
         }
 
