@@ -24,10 +24,11 @@ use indicatif::{HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{
     self, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes, fmt_count,
+    fmt_pool,
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset, human_tokens};
+use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -106,8 +107,9 @@ struct TraceArgs {
     trace: PathBuf,
     /// The trace's format (weka: agentic multi-turn, gzip'd JSONL).
     #[arg(long, value_parser = Named {
+        what: "trace format",
         shown: vec!["mooncake", "weka", "azure"],
-        parse: |s| TraceFormat::from_name(s).map_err(|e| e.to_string()),
+        parse: |s| TraceFormat::from_name(s).ok(),
     })]
     format: TraceFormat,
     /// Read at most this many requests (conversations for weka) [default: all]
@@ -132,11 +134,14 @@ enum CacheFlag {
     HiCache,
 }
 
-/// A flag's value parsed by `parse`, with `shown` listed as its valid values in `--help`.
+/// A flag's value parsed by `parse`, with `shown` listed as its valid values in `--help` and in
+/// the error for any other value.
 #[derive(Clone)]
 struct Named<T> {
+    /// What the value names, for the error: `unknown {what} "x"; known: ...`.
+    what: &'static str,
     shown: Vec<&'static str>,
-    parse: fn(&str) -> std::result::Result<T, String>,
+    parse: fn(&str) -> Option<T>,
 }
 
 impl<T: Clone + Send + Sync + 'static> TypedValueParser for Named<T> {
@@ -152,8 +157,13 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Named<T> {
         let s = value.to_str().ok_or_else(|| {
             clap::Error::raw(ErrorKind::InvalidUtf8, format!("{flag}: not UTF-8\n")).with_cmd(cmd)
         })?;
-        (self.parse)(s).map_err(|m| {
-            clap::Error::raw(ErrorKind::InvalidValue, format!("{flag}: {m}\n")).with_cmd(cmd)
+        (self.parse)(s).ok_or_else(|| {
+            let (what, known) = (self.what, self.shown.join(", "));
+            clap::Error::raw(
+                ErrorKind::InvalidValue,
+                format!("{flag}: unknown {what} {s:?}; known: {known}\n"),
+            )
+            .with_cmd(cmd)
         })
     }
 
@@ -163,59 +173,39 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Named<T> {
 }
 
 fn policy_parser(what: &'static str) -> Named<PolicyKind> {
-    let parse: fn(&str) -> std::result::Result<PolicyKind, String> = if what == "host" {
-        |s| PolicyKind::from_name(s).ok_or_else(|| unknown("host eviction policy", s, &policies()))
-    } else {
-        |s| PolicyKind::from_name(s).ok_or_else(|| unknown("eviction policy", s, &policies()))
-    };
     Named {
+        what,
         shown: PolicyKind::ALL.map(PolicyKind::name).to_vec(),
-        parse,
+        parse: PolicyKind::from_name,
     }
-}
-
-fn policies() -> String {
-    PolicyKind::ALL.map(PolicyKind::name).join(", ")
-}
-
-fn unknown(what: &str, s: &str, known: &str) -> String {
-    format!("unknown {what} {s:?}; known: {known}")
 }
 
 fn cache_parser() -> Named<CacheFlag> {
     Named {
+        what: "cache kind",
         shown: vec!["disabled", "radix", "hicache"],
         parse: |s| match s {
-            "disabled" => Ok(CacheFlag::Disabled),
-            "radix" => Ok(CacheFlag::Radix),
-            "hicache" => Ok(CacheFlag::HiCache),
-            _ => Err(unknown("cache kind", s, "disabled, radix, hicache")),
+            "disabled" => Some(CacheFlag::Disabled),
+            "radix" => Some(CacheFlag::Radix),
+            "hicache" => Some(CacheFlag::HiCache),
+            _ => None,
         },
     }
 }
 
 fn model_parser() -> Named<Preset> {
     Named {
+        what: "model preset",
         shown: Preset::ALL.map(Preset::name).to_vec(),
-        parse: |s| {
-            Preset::from_name(s)
-                .ok_or_else(|| unknown("model preset", s, "dense, jamba-like, gemma-like"))
-        },
+        parse: Preset::from_name,
     }
 }
 
 fn write_policy_parser() -> Named<WritePolicy> {
     Named {
+        what: "write policy",
         shown: vec!["write_through", "write_through_selective[:N]", "write_back"],
-        parse: |s| {
-            WritePolicy::from_name(s).ok_or_else(|| {
-                unknown(
-                    "write policy",
-                    s,
-                    "write_through, write_through_selective[:N], write_back",
-                )
-            })
-        },
+        parse: WritePolicy::from_name,
     }
 }
 
@@ -244,7 +234,7 @@ struct ManagerArgs {
     #[arg(long, value_name = "TOKENS",
         help = with_default("Tokens per KV page", ModelGeometry::default().page_size))]
     page_size: Option<usize>,
-    #[arg(long, value_parser = policy_parser("device"),
+    #[arg(long, value_parser = policy_parser("eviction policy"),
         help = with_default("Eviction policy of the device tier", Eviction::default().0.name()))]
     policy: Option<PolicyKind>,
     #[arg(long, value_parser = cache_parser(),
@@ -258,7 +248,7 @@ struct ManagerArgs {
         help = with_default("When the host tier gets a copy of device pages", HostTier::ratio(0, 0.0).write_policy))]
     write_policy: Option<WritePolicy>,
     /// Eviction policy of the host tier [default: the device tier's --policy]
-    #[arg(long, value_parser = policy_parser("host"))]
+    #[arg(long, value_parser = policy_parser("host eviction policy"))]
     host_policy: Option<PolicyKind>,
     /// Enable streaming sessions holding at most this many tokens [default: no sessions]
     #[arg(long, value_name = "TOKENS")]
@@ -463,8 +453,6 @@ fn run(cli: Cli) -> Result<()> {
     file.runs.iter().try_for_each(leak_check)
 }
 
-/// Fails a run that leaked: pages still held after the drain, sessions still open, or
-/// accounting that does not balance.
 /// The device pools a configuration derives, as TOML comments after `radixkv config`'s
 /// output.
 fn pools_comment(p: &Pools) -> String {
@@ -495,6 +483,8 @@ fn pools_comment(p: &Pools) -> String {
     s
 }
 
+/// Fails a run that leaked: pages still held after the drain, sessions still open, or
+/// accounting that does not balance.
 fn leak_check(r: &Report) -> Result<()> {
     if r.leaked_tokens == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
         return Ok(());
@@ -688,15 +678,7 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
     let m = &cfg.manager;
     if table {
         let page_bytes = m.model.page_bytes();
-        let pool = |tokens: usize| {
-            let pages = (tokens / m.model.page_size.max(1)) as u64;
-            format!(
-                "{} tokens ({} pages, {} modeled)",
-                human_tokens(tokens),
-                fmt_count(pages),
-                fmt_bytes(pages.saturating_mul(page_bytes))
-            )
-        };
+        let pool = |tokens: usize| fmt_pool(tokens, m.model.page_size, page_bytes);
         let host = configs.iter().find_map(|c| match &c.cache {
             CacheKind::HiCache(t) => Some(t.host_tokens),
             _ => None,

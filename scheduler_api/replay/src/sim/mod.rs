@@ -13,7 +13,7 @@ pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
     CpuBreakdown, OccupancySample, REPORT_SCHEMA_VERSION, Report, ReportFile, TierRatios,
-    fmt_bytes, fmt_count,
+    fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 

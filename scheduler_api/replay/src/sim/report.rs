@@ -246,8 +246,9 @@ pub fn fmt_count(n: u64) -> String {
     out
 }
 
-/// A pool of `tokens`: `1M tokens (65,536 pages, 128 GiB modeled)`.
-fn fmt_pool(tokens: usize, page_size: usize, page_bytes: u64) -> String {
+/// A pool of `tokens` in pages of `page_size` tokens of `page_bytes` each, as the report and
+/// the comparison's header print it: `1M tokens (65,536 pages, 128 GiB modeled)`.
+pub fn fmt_pool(tokens: usize, page_size: usize, page_bytes: u64) -> String {
     let pages = tokens.checked_div(page_size).unwrap_or(0) as u64;
     format!(
         "{} tokens ({} pages, {} modeled)",

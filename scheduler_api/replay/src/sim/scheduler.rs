@@ -104,7 +104,7 @@ impl CpuClock {
 
 /// Observes replay progress (a progress bar, or nothing).
 pub trait Progress {
-    /// `n` more requests finished.
+    /// `n` more requests finished (called only after a step that finished some).
     fn advance(&mut self, n: u64);
 }
 
@@ -161,12 +161,11 @@ pub(super) fn replay_with_ideal(
     }
     let mut kv = KvCacheManager::new(cfg.manager.clone())?;
     // Requests left per session: the last one's finish closes the session.
-    let mut turns_left: HashMap<u64, u32> = HashMap::default();
-    if cfg.manager.sessions.is_some() {
-        for s in trace.requests.iter().filter_map(|r| r.session) {
-            *turns_left.entry(s).or_default() += 1;
-        }
-    }
+    let turns_left = if cfg.manager.sessions.is_some() {
+        TurnsLeft::of(trace)
+    } else {
+        TurnsLeft::default()
+    };
     let mut sim = Sim {
         turns_left,
         decode_batch: Vec::new(),
@@ -216,10 +215,7 @@ pub(super) fn replay_with_ideal(
 /// then reach only the page-aligned part of it).
 pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
     let mut ideal = IdealCache::new(page_size);
-    let mut left: HashMap<u64, u32> = HashMap::default();
-    for s in trace.requests.iter().filter_map(|r| r.session) {
-        *left.entry(s).or_default() += 1;
-    }
+    let mut left = TurnsLeft::of(trace);
     trace
         .requests
         .iter()
@@ -229,12 +225,8 @@ pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
             let hit = match r.session {
                 Some(s) => {
                     let hit = ideal.admit_turn(s, &prompt, &output);
-                    if let Some(n) = left.get_mut(&s) {
-                        *n -= 1;
-                        if *n == 0 {
-                            left.remove(&s);
-                            ideal.close_session(s);
-                        }
+                    if left.over(s) {
+                        ideal.close_session(s);
                     }
                     hit
                 }
@@ -243,6 +235,36 @@ pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
             hit as u64
         })
         .collect()
+}
+
+/// Requests left per conversation (session) of a trace: the replay closes a session, and the
+/// ideal forgets a conversation's history, once its last request is over.
+#[derive(Default)]
+struct TurnsLeft(HashMap<u64, u32>);
+
+impl TurnsLeft {
+    /// Every conversation of `trace` with all its requests to come.
+    fn of(trace: &Trace) -> Self {
+        let mut left = HashMap::default();
+        for s in trace.requests.iter().filter_map(|r| r.session) {
+            *left.entry(s).or_default() += 1;
+        }
+        TurnsLeft(left)
+    }
+
+    /// A request of session `s` is over: whether it was that conversation's last (a session
+    /// this does not count is never over).
+    fn over(&mut self, s: u64) -> bool {
+        let Some(n) = self.0.get_mut(&s) else {
+            return false;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return false;
+        }
+        self.0.remove(&s);
+        true
+    }
 }
 
 /// Rejects a trace with a request that could never be admitted.
@@ -265,7 +287,7 @@ fn check_fits(trace: &Trace, m: &ManagerConfig) -> Result<()> {
 }
 
 struct Sim<'a> {
-    turns_left: HashMap<u64, u32>,
+    turns_left: TurnsLeft,
     decode_batch: Vec<(usize, ReqId, TokenId)>,
     trace: &'a Trace,
     cfg: &'a SimConfig,
@@ -318,8 +340,8 @@ impl Sim<'_> {
                 continue;
             }
             let finished = self.step(kv)?;
-            progress.advance(finished);
             if finished > 0 {
+                progress.advance(finished);
                 self.finished += finished;
                 if let Some(m) = &mut self.memory {
                     m.on_progress(self.finished);
@@ -357,7 +379,6 @@ impl Sim<'_> {
         }
 
         // Admission, FCFS: the head of the queue blocks the rest.
-        let mut admitted = Vec::new();
         let mut dropped = 0;
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(job) = self.waiting.front_mut() else {
@@ -394,8 +415,16 @@ impl Sim<'_> {
                 break;
             };
             if !job.first_admitted {
+                // Infinite-cache ideal and per-tier hits at the first admission; the output
+                // goes with the job, which a retraction later in this step may send back to
+                // the queue.
                 job.first_admitted = true;
-                admitted.push((job.index, a));
+                let r = &self.trace.requests[job.index];
+                job.output = r.output_tokens();
+                self.report.ideal_hit_tokens += self.ideal_hits[job.index];
+                self.report.hit_tokens_device += a.device_tokens as u64;
+                self.report.hit_tokens_host += a.host_tokens as u64;
+                self.report.prompt_tokens += r.prompt_len;
             }
             job.prefill_left = a.extend_tokens;
             if ok {
@@ -490,19 +519,6 @@ impl Sim<'_> {
             }
         }
 
-        // Infinite-cache ideal and per-tier hits of the requests admitted for the first time.
-        for (index, a) in admitted {
-            let r = &self.trace.requests[index];
-            let output = r.output_tokens();
-            self.report.ideal_hit_tokens += self.ideal_hits[index];
-            self.report.hit_tokens_device += a.device_tokens as u64;
-            self.report.hit_tokens_host += a.host_tokens as u64;
-            self.report.prompt_tokens += r.prompt_len;
-            if let Some(job) = self.running.iter_mut().find(|j| j.index == index) {
-                job.output = output;
-            }
-        }
-
         let dt = self
             .cfg
             .cost
@@ -573,13 +589,9 @@ impl Sim<'_> {
     /// last turn.
     fn turn_over(&mut self, kv: &mut KvCacheManager, session: Option<u64>) -> Result<()> {
         if let Some(s) = session
-            && let Some(n) = self.turns_left.get_mut(&s)
+            && self.turns_left.over(s)
         {
-            *n -= 1;
-            if *n == 0 {
-                self.turns_left.remove(&s);
-                kv.close_session(s)?;
-            }
+            kv.close_session(s)?;
         }
         Ok(())
     }
