@@ -5,20 +5,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn radixkv(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_radixkv"))
-        .args(args)
-        .output()
-        .expect("the binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+use common::{fails_with, radixkv, stderr, stdout};
 
 /// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
 fn temp_dir() -> PathBuf {
@@ -35,14 +22,6 @@ fn mooncake() -> String {
 /// The arguments of `cmd` over the Mooncake-format trace at `trace`, then `extra`.
 fn on_mooncake<'a>(cmd: &'a str, trace: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     [&[cmd, "--trace", trace, "--format", "mooncake"][..], extra].concat()
-}
-
-/// Asserts a failure with a message on stderr, and no panic.
-fn fails_with(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(err.contains(needle), "expected {needle:?} in: {err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
