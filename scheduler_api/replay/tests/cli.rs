@@ -304,37 +304,29 @@ fn missing_file_is_a_clear_error() {
 fn malformed_line_names_the_line() {
     let dir = temp_dir();
     let f = dir.join("bad.jsonl");
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n{not json\n",
-    )
-    .unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "bad.jsonl:2:");
-    // Hash ids that do not cover the input are malformed too.
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 6000, \"output_length\": 5, \"hash_ids\": [0]}\n",
-    )
-    .unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "hash_ids");
-    std::fs::write(
-        &f,
-        "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n",
-    )
-    .unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "azure",
-    ]);
-    fails_with(&o, "bad timestamp");
-    std::fs::write(&f, "").unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "no requests");
+    for (text, format, needle) in [
+        (
+            "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n{not json\n",
+            "mooncake",
+            "bad.jsonl:2:",
+        ),
+        // Hash ids that do not cover the input are malformed too.
+        (
+            "{\"timestamp\": 0, \"input_length\": 6000, \"output_length\": 5, \"hash_ids\": [0]}\n",
+            "mooncake",
+            "hash_ids",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n",
+            "azure",
+            "bad timestamp",
+        ),
+        ("", "mooncake", "no requests"),
+    ] {
+        std::fs::write(&f, text).unwrap();
+        let o = radixkv(&["replay", "--trace", f.to_str().unwrap(), "--format", format]);
+        fails_with(&o, needle);
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -371,46 +363,29 @@ fn impossible_configs_are_rejected() {
 
 #[test]
 fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "2",
-        "--device-tokens",
-        "32768",
-        "--cache",
-        "hicache",
-        "--write-policy",
-        "write_back",
-        "--session-tokens",
-        "4096",
-        "--quiet",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains("hicache-lru-wb+host128K+sessions"),
-        "{}",
-        stdout(&o)
-    );
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "2",
-        "--device-tokens",
-        "32768",
-        "--cache",
-        "hicache",
-        "--write-policy",
-        "write_back",
-        "--host-policy",
-        "reuse",
-        "--quiet",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains("hicache-lru/reuse-wb+host128K"),
-        "{}",
-        stdout(&o)
-    );
+    for (extra, label) in [
+        (
+            ["--session-tokens", "4096"],
+            "hicache-lru-wb+host128K+sessions",
+        ),
+        (["--host-policy", "reuse"], "hicache-lru/reuse-wb+host128K"),
+    ] {
+        let demo = [
+            "demo",
+            "--conversations",
+            "2",
+            "--device-tokens",
+            "32768",
+            "--cache",
+            "hicache",
+            "--write-policy",
+            "write_back",
+            "--quiet",
+        ];
+        let o = radixkv(&[&demo[..], &extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains(label), "{}", stdout(&o));
+    }
     let dir = temp_dir();
     let f = dir.join("cuda.toml");
     std::fs::write(&f, "[backend]\ntype = \"cuda\"\ndevice = 0\n").unwrap();
