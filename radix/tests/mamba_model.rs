@@ -17,10 +17,11 @@
 //!
 //! `PROPTEST_CASES` sets the number of cases (default 64, up to 60 transitions each).
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
-use proptest::test_runner::Config;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::{
     CacheError, InsertOptions, KeyRef, LockReceipt, MambaInsert, NodeId, PageId, PolicyKind,
@@ -29,13 +30,6 @@ use radixkv_radix::{
 
 const P: usize = 2;
 const STEMS: [&[TokenId]; 3] = [&[], &[0, 1, 2, 0], &[0, 1, 2, 0, 1, 1, 2, 2]];
-
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64)
-}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -491,11 +485,7 @@ impl StateMachineTest for Sut {
 }
 
 prop_state_machine! {
-    #![proptest_config(Config {
-        cases: cases(),
-        max_shrink_iters: 4096,
-        .. Config::default()
-    })]
+    #![proptest_config(common::state_machine_config())]
 
     #[test]
     fn mamba_component_matches_reference_model(sequential 1..60 => Sut);

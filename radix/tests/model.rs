@@ -11,10 +11,11 @@
 //!
 //! `PROPTEST_CASES` sets the number of cases (default 64, up to 60 transitions each).
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
-use proptest::test_runner::Config;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::events::{namespace_seed, page_hash};
 use radixkv_radix::{
@@ -773,19 +774,8 @@ impl StateMachineTest for Sut {
     }
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64)
-}
-
 prop_state_machine! {
-    #![proptest_config(Config {
-        cases: cases(),
-        max_shrink_iters: 4096,
-        .. Config::default()
-    })]
+    #![proptest_config(common::state_machine_config())]
 
     #[test]
     fn radix_cache_matches_reference_model(sequential 1..60 => Sut);

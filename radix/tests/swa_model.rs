@@ -14,6 +14,8 @@
 //!
 //! `PROPTEST_CASES` sets the number of cases (default 64).
 
+mod common;
+
 use std::collections::HashMap;
 
 use proptest::prelude::*;
@@ -627,15 +629,8 @@ fn run(window: usize, ops: Vec<Op>) {
     assert_eq!(h.t.swa_accounting().unwrap().protected, 0);
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64)
-}
-
 proptest! {
-    #![proptest_config(Config::with_cases(cases()))]
+    #![proptest_config(Config::with_cases(common::cases()))]
 
     #[test]
     fn swa_tree_follows_the_reference_model(

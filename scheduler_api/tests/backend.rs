@@ -1,6 +1,9 @@
 //! Bring your own device: a backend the engine defines, handed to the manager through the
 //! builder, carries the host tier's copies; backends that do not fit are typed errors.
 
+mod common;
+
+use common::admitted;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -11,7 +14,7 @@ use radixkv_hicache::{
 use radixkv_radix::PageId;
 use radixkv_scheduler_api::config::BackendKind;
 use radixkv_scheduler_api::{
-    Admission, BackendMismatch, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError,
+    BackendMismatch, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError,
     ModelGeometry, Request, SessionBudget, WritePolicy,
 };
 
@@ -162,9 +165,7 @@ fn serve(kv: &mut KvCacheManager, backend: &Counting, tokens: &[u32]) -> (usize,
     let id = kv
         .arrive(Request::new(tokens.to_vec()).max_new_tokens(1))
         .unwrap();
-    let Admission::Ready(adm) = kv.admit(id).unwrap() else {
-        panic!("not admitted");
-    };
+    let adm = admitted(kv, id);
     let cached = tokens.len() - adm.extend_tokens;
     kv.extend(id, adm.extend_tokens).unwrap();
     let step = kv.begin_step();

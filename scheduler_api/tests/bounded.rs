@@ -2,6 +2,9 @@
 //! what it drops, and a full host-tier load queue makes admission wait instead of failing or
 //! silently skipping the load.
 
+mod common;
+
+use common::admitted;
 use radixkv_radix::{KvEvent, KvEventBatch};
 use radixkv_scheduler_api::{
     Admission, CacheKind, HostTier, KvCacheManager, ReqId, Request, WaitReason, WritePolicy,
@@ -10,16 +13,9 @@ use radixkv_scheduler_api::{
 /// Prefill in one step, no decode, finish.
 fn serve(kv: &mut KvCacheManager, tokens: Vec<u32>) -> radixkv_scheduler_api::Admitted {
     let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
-    let a = admit(kv, id);
+    let a = admitted(kv, id);
     run(kv, id, a.extend_tokens);
     a
-}
-
-fn admit(kv: &mut KvCacheManager, id: ReqId) -> radixkv_scheduler_api::Admitted {
-    match kv.admit(id).unwrap() {
-        Admission::Ready(a) => a,
-        other => panic!("expected admission, got {other:?}"),
-    }
 }
 
 fn run(kv: &mut KvCacheManager, id: ReqId, extend: usize) {
@@ -174,7 +170,7 @@ fn an_admission_that_needs_a_load_waits_while_the_load_queue_is_full() {
     let rb = kv
         .arrive(Request::new(extend(&b)).max_new_tokens(1))
         .unwrap();
-    let first = admit(&mut kv, ra);
+    let first = admitted(&mut kv, ra);
     assert_eq!(first.host_tokens, 16, "A's load is queued: {first:?}");
     // B needs a load too, and the one pending load fills the queue: B waits, holding nothing.
     let before = kv.accounting();
@@ -191,7 +187,7 @@ fn an_admission_that_needs_a_load_waits_while_the_load_queue_is_full() {
     assert_eq!(kv.metrics().counters.admission_waits, waits + 1);
     // The step runs A's load; its ack at the step's end frees the queue, and B gets its load.
     run(&mut kv, ra, first.extend_tokens);
-    let second = admit(&mut kv, rb);
+    let second = admitted(&mut kv, rb);
     assert_eq!(second.host_tokens, 16, "{second:?}");
     run(&mut kv, rb, second.extend_tokens);
     kv.drain().unwrap();

@@ -1,5 +1,9 @@
 //! The KvCacheManager lifecycle, budgets, errors and metrics.
 
+mod common;
+
+use common::admitted;
+
 use radixkv_scheduler_api::{
     Admission, Admitted, HostTier, KvCacheManager, ManagerError, NeverReason, ReqId, Request,
     SessionBudget, WaitReason, WritePolicy,
@@ -12,14 +16,6 @@ fn manager(device_tokens: usize, page: usize) -> KvCacheManager {
         .max_rows(8)
         .build()
         .unwrap()
-}
-
-/// Admits `id`, which must not have to wait.
-fn admitted(kv: &mut KvCacheManager, id: ReqId) -> Admitted {
-    match kv.admit(id).unwrap() {
-        Admission::Ready(a) => a,
-        other => panic!("expected admission, got {other:?}"),
-    }
 }
 
 /// Admits `id` and returns how many tokens its prefill extends.

@@ -1,10 +1,13 @@
 //! The manager's `tracing` spans (one per request, one per step) and the request identity in
 //! its errors: both name the engine's own id for a request.
 
+mod common;
+
+use common::admitted;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use radixkv_scheduler_api::{Admission, KvCacheManager, ManagerError, Request};
+use radixkv_scheduler_api::{KvCacheManager, ManagerError, Request};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Subscriber};
@@ -118,9 +121,7 @@ fn request_and_step_spans_carry_the_engine_id_and_the_step() {
                     .engine_id("chat-42"),
             )
             .unwrap();
-        let Admission::Ready(a) = kv.admit(r).unwrap() else {
-            panic!("a 10-token request fits 256 tokens");
-        };
+        let a = admitted(&mut kv, r);
         kv.extend(r, a.extend_tokens).unwrap();
         let step = kv.begin_step();
         kv.chunk_done(r).unwrap();
@@ -160,9 +161,7 @@ fn retract_and_abort_show_in_the_request_span() {
                     .engine_id("r-1"),
             )
             .unwrap();
-        let Admission::Ready(a) = kv.admit(r).unwrap() else {
-            panic!("fits");
-        };
+        let a = admitted(&mut kv, r);
         kv.extend(r, a.extend_tokens).unwrap();
         kv.retract(r).unwrap();
         kv.abort(r).unwrap();
@@ -205,9 +204,7 @@ fn errors_name_the_engine_id() {
     // Without an engine id, the handle is shown as slot and generation.
     let e = kv.pages(first).unwrap_err().to_string();
     assert_eq!(e, "unknown request #0");
-    let Admission::Ready(_) = kv.admit(r).unwrap() else {
-        panic!("fits");
-    };
+    admitted(&mut kv, r);
     kv.abort(r).unwrap();
     let e = kv.finish(r).unwrap_err().to_string();
     assert_eq!(e, "unknown request #0.1");

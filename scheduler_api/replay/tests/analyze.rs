@@ -5,30 +5,14 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 
+use common::{fails_with, radixkv, stderr, stdout};
 use radixkv_replay::analysis::{Analysis, PrefixAnalysis, analyze};
 use radixkv_replay::trace::{ReadOptions, TraceFormat, read_trace};
 
-fn radixkv(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_radixkv"))
-        .args(args)
-        .output()
-        .expect("the binary runs")
-}
-
+/// `text` written to `name` in a fresh temp dir.
 fn temp_file(name: &str, text: &str) -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "radixkv-analyze-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    let p = d.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
+    common::write_temp("analyze", name, text)
 }
 
 /// Five requests over 512-token blocks (timestamps in ms):
@@ -154,8 +138,8 @@ fn cli_prints_text_and_json() {
     let path = temp_file("tiny.jsonl", TINY);
     let path = path.to_str().unwrap();
     let o = radixkv(&["analyze", "--trace", path, "--format", "mooncake"]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
     for needle in [
         "total 17   unique 7",
         "token hit ratio 0.5940",
@@ -200,19 +184,11 @@ fn traces_without_prefix_info_get_lengths_only() {
         "--format",
         "azure",
     ]);
-    let out = String::from_utf8_lossy(&o.stdout);
+    let out = stdout(&o);
     assert!(o.status.success());
     assert!(out.contains("no prefix information"), "{out}");
     assert!(out.contains("requests 2   input tokens 400"), "{out}");
     assert!(!out.contains("belady"), "{out}");
-}
-
-/// Asserts a failure with a message on stderr, and no panic.
-fn fails_with(o: &Output, needle: &str) {
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(err.contains(needle), "expected {needle:?} in: {err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

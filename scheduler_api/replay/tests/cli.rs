@@ -5,20 +5,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn radixkv(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_radixkv"))
-        .args(args)
-        .output()
-        .expect("the binary runs")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+use common::{fails_with, radixkv, stderr, stdout};
 
 /// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
 fn temp_dir() -> PathBuf {
@@ -35,14 +22,6 @@ fn mooncake() -> String {
 /// The arguments of `cmd` over the Mooncake-format trace at `trace`, then `extra`.
 fn on_mooncake<'a>(cmd: &'a str, trace: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     [&[cmd, "--trace", trace, "--format", "mooncake"][..], extra].concat()
-}
-
-/// Asserts a failure with a message on stderr, and no panic.
-fn fails_with(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert!(!o.status.success(), "expected failure, stderr: {err}");
-    assert!(err.contains(needle), "expected {needle:?} in: {err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
@@ -325,37 +304,29 @@ fn missing_file_is_a_clear_error() {
 fn malformed_line_names_the_line() {
     let dir = temp_dir();
     let f = dir.join("bad.jsonl");
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n{not json\n",
-    )
-    .unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "bad.jsonl:2:");
-    // Hash ids that do not cover the input are malformed too.
-    std::fs::write(
-        &f,
-        "{\"timestamp\": 0, \"input_length\": 6000, \"output_length\": 5, \"hash_ids\": [0]}\n",
-    )
-    .unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "hash_ids");
-    std::fs::write(
-        &f,
-        "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n",
-    )
-    .unwrap();
-    let o = radixkv(&[
-        "replay",
-        "--trace",
-        f.to_str().unwrap(),
-        "--format",
-        "azure",
-    ]);
-    fails_with(&o, "bad timestamp");
-    std::fs::write(&f, "").unwrap();
-    let o = radixkv(&on_mooncake("replay", f.to_str().unwrap(), &[]));
-    fails_with(&o, "no requests");
+    for (text, format, needle) in [
+        (
+            "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 1]}\n{not json\n",
+            "mooncake",
+            "bad.jsonl:2:",
+        ),
+        // Hash ids that do not cover the input are malformed too.
+        (
+            "{\"timestamp\": 0, \"input_length\": 6000, \"output_length\": 5, \"hash_ids\": [0]}\n",
+            "mooncake",
+            "hash_ids",
+        ),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n",
+            "azure",
+            "bad timestamp",
+        ),
+        ("", "mooncake", "no requests"),
+    ] {
+        std::fs::write(&f, text).unwrap();
+        let o = radixkv(&["replay", "--trace", f.to_str().unwrap(), "--format", format]);
+        fails_with(&o, needle);
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -392,46 +363,29 @@ fn impossible_configs_are_rejected() {
 
 #[test]
 fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "2",
-        "--device-tokens",
-        "32768",
-        "--cache",
-        "hicache",
-        "--write-policy",
-        "write_back",
-        "--session-tokens",
-        "4096",
-        "--quiet",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains("hicache-lru-wb+host128K+sessions"),
-        "{}",
-        stdout(&o)
-    );
-    let o = radixkv(&[
-        "demo",
-        "--conversations",
-        "2",
-        "--device-tokens",
-        "32768",
-        "--cache",
-        "hicache",
-        "--write-policy",
-        "write_back",
-        "--host-policy",
-        "reuse",
-        "--quiet",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains("hicache-lru/reuse-wb+host128K"),
-        "{}",
-        stdout(&o)
-    );
+    for (extra, label) in [
+        (
+            ["--session-tokens", "4096"],
+            "hicache-lru-wb+host128K+sessions",
+        ),
+        (["--host-policy", "reuse"], "hicache-lru/reuse-wb+host128K"),
+    ] {
+        let demo = [
+            "demo",
+            "--conversations",
+            "2",
+            "--device-tokens",
+            "32768",
+            "--cache",
+            "hicache",
+            "--write-policy",
+            "write_back",
+            "--quiet",
+        ];
+        let o = radixkv(&[&demo[..], &extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains(label), "{}", stdout(&o));
+    }
     let dir = temp_dir();
     let f = dir.join("cuda.toml");
     std::fs::write(&f, "[backend]\ntype = \"cuda\"\ndevice = 0\n").unwrap();

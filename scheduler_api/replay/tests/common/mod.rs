@@ -13,6 +13,7 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The real trace files the tests know, relative to the traces directory.
@@ -170,4 +171,30 @@ pub fn write_temp(tag: &str, name: &str, text: &str) -> PathBuf {
     let p = temp_dir(tag).join(name);
     std::fs::write(&p, text).expect("write a temp trace");
     p
+}
+
+/// Runs the `radixkv` binary with `args`.
+pub fn radixkv(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_radixkv"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+/// What a run of the binary wrote to stderr.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// What a run of the binary wrote to stdout.
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts a failure with a message on stderr, and no panic.
+pub fn fails_with(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, stderr: {err}");
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
