@@ -18,6 +18,7 @@ use crate::alloc::DevicePools;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
+use crate::mamba_policy::MambaCheckpoint;
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
@@ -128,12 +129,21 @@ pub struct RequestKv {
     pub cache_protected_len: usize,
     /// The request's own Mamba state slot (hybrid models), from `begin_request` on. At the end
     /// of the request a cache with the Mamba component stores it as the checkpoint of the
-    /// inserted key or frees it.
+    /// inserted key or frees it, as its [`MambaPolicy`](crate::MambaPolicy) says.
     pub mamba_slot: Option<u32>,
     /// A Mamba hit's copy on write: the device backend copies the cached state `src` into the
     /// request's slot `dst` (= `mamba_slot`) before the request's first forward. Set by
     /// `begin_request`, cleared by the first `cache_unfinished_req` (the copy has run by then).
     pub mamba_cow: Option<MambaCow>,
+    /// Mamba checkpoints the forward pass must take (hybrid models, [`MambaPolicy::Marconi`]):
+    /// at each `pos` the engine copies the request's running state into `slot`. Set by
+    /// `begin_request` (ascending positions past the cached prefix, each with its own slot);
+    /// the cache stores each one in the tree when it inserts the KV up to its position
+    /// (a chunk or the finish) and removes it from here, and frees the slots of those left
+    /// when the request ends.
+    ///
+    /// [`MambaPolicy::Marconi`]: crate::MambaPolicy::Marconi
+    pub mamba_checkpoints: Vec<MambaCheckpoint>,
     /// How far the device KV match went, set by a cache with the Mamba component (≥
     /// `prefix_len`; 0 from other caches). The usable prefix stops at the deepest cached state;
     /// when this is longer, the forward pass should checkpoint the state at this length so
@@ -199,6 +209,7 @@ impl RequestKv {
         self.cache_protected_len = 0;
         self.mamba_slot = None;
         self.mamba_cow = None;
+        self.mamba_checkpoints.clear();
         self.kv_match_len = 0;
         self.swa_evicted_len = 0;
         self.kv_lent = false;
