@@ -371,29 +371,17 @@ pub trait PrefixCache {
         self.make_room(n)?;
         self.pools_mut().pages.alloc(n)
     }
-    /// Evicts cached pages until `n` pages are free. Nothing is evicted when even evicting
-    /// everything evictable would not be enough.
+    /// Makes `n` pages free. The default evicts cached pages ([`make_room_by_evicting`]); a
+    /// cache that can unpin KV first (a tiered cache completing the backups that pin it)
+    /// overrides it, and a decorator forwards it to the cache it wraps.
     ///
     /// # Errors
-    /// [`CacheError::OutOfPages`] in that case.
+    /// [`CacheError::OutOfPages`] when even that cannot free enough; nothing is evicted then.
     fn make_room(&mut self, n: usize) -> Result<()> {
-        let free = self.pools().pages.available();
-        if free < n {
-            let p = self.page_size();
-            // Fail before evicting: flushing cached prefixes for an allocation that fails anyway
-            // would change the cache on an error path. Tree nodes are page-aligned, so the
-            // evictable tokens are exactly the pages eviction can free.
-            if free + self.evictable_tokens() / p < n {
-                return Err(CacheError::OutOfPages {
-                    needed: n,
-                    available: free,
-                });
-            }
-            self.evict((n - free) * p);
-        }
-        Ok(())
+        make_room_by_evicting(self, n)
     }
-    /// Tokens available for new work: free plus evictable.
+    /// Tokens available for new work: free plus evictable (plus, for a cache whose
+    /// [`PrefixCache::make_room`] can unpin KV, what it would unpin).
     fn available_tokens(&self) -> usize {
         self.pools().pages.available() * self.page_size() + self.evictable_tokens()
     }
@@ -417,6 +405,30 @@ pub trait PrefixCache {
             request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
         }
     }
+}
+
+/// [`PrefixCache::make_room`]'s default: evicts cached pages until `n` pages are free. Nothing
+/// is evicted when even evicting everything evictable would not be enough. Public so that a
+/// cache overriding `make_room` (to unpin KV first) can finish with it.
+///
+/// # Errors
+/// [`CacheError::OutOfPages`] in that case.
+pub fn make_room_by_evicting<C: PrefixCache + ?Sized>(cache: &mut C, n: usize) -> Result<()> {
+    let free = cache.pools().pages.available();
+    if free < n {
+        let p = cache.page_size();
+        // Fail before evicting: flushing cached prefixes for an allocation that fails anyway
+        // would change the cache on an error path. Tree nodes are page-aligned, so the
+        // evictable tokens are exactly the pages eviction can free.
+        if free + cache.evictable_tokens() / p < n {
+            return Err(CacheError::OutOfPages {
+                needed: n,
+                available: free,
+            });
+        }
+        cache.evict((n - free) * p);
+    }
+    Ok(())
 }
 
 /// The request audit every [`PrefixCache`] shares ([`PrefixCache::check_request`]'s default): a

@@ -136,6 +136,7 @@ pub use alloc::{
 };
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
+    make_room_by_evicting,
 };
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
