@@ -49,7 +49,7 @@ fn main() {
     ];
     print!("| workload | slots | ideal | sglang |");
     for (name, _) in &policies {
-        print!(" {name} (× sglang) |");
+        print!(" {name} |");
     }
     println!();
     println!("|{}", " --- |".repeat(4 + policies.len()));
