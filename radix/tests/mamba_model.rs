@@ -694,20 +694,20 @@ impl StateMachineTest for CacheSut {
         }
     }
 
-    fn apply(mut sut: CacheSut, state: &CacheRef, op: CacheOp) -> CacheSut {
+    fn apply(mut sut: CacheSut, _state: &CacheRef, op: CacheOp) -> CacheSut {
         match op {
             CacheOp::Run { key, decode } => {
                 let before = sut.reqs.len();
-                sut = Self::apply(sut, state, CacheOp::Start { key });
+                sut = Self::apply(sut, _state, CacheOp::Start { key });
                 if sut.reqs.len() == before {
                     return sut;
                 }
                 let i = sut.reqs.len() - 1;
-                sut = Self::apply(sut, state, CacheOp::Chunk { i, n: usize::MAX });
+                sut = Self::apply(sut, _state, CacheOp::Chunk { i, n: usize::MAX });
                 if !decode.is_empty() {
-                    sut = Self::apply(sut, state, CacheOp::Decode { i, tokens: decode });
+                    sut = Self::apply(sut, _state, CacheOp::Decode { i, tokens: decode });
                 }
-                sut = Self::apply(sut, state, CacheOp::Finish { i, abort: false });
+                sut = Self::apply(sut, _state, CacheOp::Finish { i, abort: false });
             }
             CacheOp::Start { key } => {
                 let mut r = RequestKv::new(RadixKey::new(key));
