@@ -47,7 +47,7 @@
 //!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline: its running
 //!   state at its end, where its computed tokens end a page (a node boundary).
 //!   [`MambaPolicy::Marconi`], the default: checkpoints at the branch point where the request
-//!   leaves a cached path, at its prompt end and at its end, handed to the engine as
+//!   leaves a cached path, at its end and (optionally) at its prompt end, handed to the engine as
 //!   [`RequestKv::mamba_checkpoints`] (one slot each; stored with the KV that reaches them,
 //!   freed when the request ends first), with hit-driven admission per kind
 //!   ([`MambaStats`]).

@@ -587,7 +587,11 @@ impl PrefixCache for RadixCache {
         // The chunk's forward has run, so a hit's state copy is done (and its source no
         // longer locked), and the checkpoints it passed are taken.
         req.mamba_cow = None;
-        let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
+        let stored = if req.mamba_checkpoints.is_empty() {
+            Ok(())
+        } else {
+            self.mamba.store_checkpoints(&mut self.tree, req, aligned)
+        };
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
         self.debug_audit();
@@ -600,7 +604,9 @@ impl PrefixCache for RadixCache {
             if let Some(s) = req.mamba_slot.take() {
                 self.tree.free_mamba_slot(s)?;
             }
-            MambaAdmission::free_checkpoints(&mut self.tree, req)?;
+            if !req.mamba_checkpoints.is_empty() {
+                MambaAdmission::free_checkpoints(&mut self.tree, req)?;
+            }
             if let Some(l) = req.lock.take() {
                 self.tree.dec_lock_ref(l)?;
             }
@@ -620,11 +626,13 @@ impl PrefixCache for RadixCache {
         // them on abort) are freed. The running state is the state after the last computed
         // token, so it is cached (where the policy keeps it) only where that token ends a page
         // (a node boundary); otherwise, and on abort, the slot is freed.
-        if end.is_some() {
-            let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
-            result = result.and(stored);
+        if !req.mamba_checkpoints.is_empty() {
+            if end.is_some() {
+                let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
+                result = result.and(stored);
+            }
+            result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         }
-        result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         if let Some(slot) = req.mamba_slot.take() {
             let at_page = aligned == req.committed_len;
             let cached = self.mamba.finish_state(&mut self.tree, slot, end, at_page);

@@ -512,6 +512,11 @@ enum CacheOp {
     Start {
         key: Vec<TokenId>,
     },
+    /// A whole request: start, prefill in one chunk, decode `decode` tokens, finish.
+    Run {
+        key: Vec<TokenId>,
+        decode: Vec<TokenId>,
+    },
     /// A bare match.
     Match {
         key: Vec<TokenId>,
@@ -588,6 +593,8 @@ impl ReferenceStateMachine for CacheMachine {
         };
         prop_oneof![
             4 => key().prop_map(|key| CacheOp::Start { key }),
+            4 => (key(), prop::collection::vec(0u32..3, 0..5))
+                .prop_map(|(key, decode)| CacheOp::Run { key, decode }),
             2 => key().prop_map(|key| CacheOp::Match { key }),
             4 => (0usize..8, 1usize..9).prop_map(|(i, n)| CacheOp::Chunk { i, n }),
             2 => (0usize..8, prop::collection::vec(0u32..3, 1..6))
@@ -674,7 +681,7 @@ impl StateMachineTest for CacheSut {
     fn init_test(state: &CacheRef) -> CacheSut {
         let cache = RadixCache::new(RadixConfig {
             page_size: P,
-            total_pages: 24,
+            total_pages: 64,
             max_rows: 4,
             mamba_slots: Some(state.slots),
             mamba_policy: state.policy,
@@ -687,8 +694,21 @@ impl StateMachineTest for CacheSut {
         }
     }
 
-    fn apply(mut sut: CacheSut, _: &CacheRef, op: CacheOp) -> CacheSut {
+    fn apply(mut sut: CacheSut, _state: &CacheRef, op: CacheOp) -> CacheSut {
         match op {
+            CacheOp::Run { key, decode } => {
+                let before = sut.reqs.len();
+                sut = Self::apply(sut, _state, CacheOp::Start { key });
+                if sut.reqs.len() == before {
+                    return sut;
+                }
+                let i = sut.reqs.len() - 1;
+                sut = Self::apply(sut, _state, CacheOp::Chunk { i, n: usize::MAX });
+                if !decode.is_empty() {
+                    sut = Self::apply(sut, _state, CacheOp::Decode { i, tokens: decode });
+                }
+                sut = Self::apply(sut, _state, CacheOp::Finish { i, abort: false });
+            }
             CacheOp::Start { key } => {
                 let mut r = RequestKv::new(RadixKey::new(key));
                 let m = sut.cache.match_request(&mut r).unwrap();

@@ -10,8 +10,10 @@ use radixkv_radix::{
 
 const P: usize = 4;
 
+/// Marconi with every checkpoint kind and without hit-driven admission.
 fn marconi() -> MarconiParams {
     MarconiParams {
+        prompt_end: true,
         min_hit_ratio: 0.0,
         ..MarconiParams::default()
     }

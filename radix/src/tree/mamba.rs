@@ -248,32 +248,25 @@ impl RadixTree {
     /// 0 when there is none (nothing shared, the key stays on a cached path to its end, or it
     /// only extends a cached leaf). Read-only: no split, no recency change.
     pub fn mamba_branch_point(&self, key: KeyRef<'_>) -> usize {
-        let p = self.page_size;
-        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
-        let mut node = self.root;
-        let mut pos = 0;
-        while pos < tokens.len() {
-            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
-                break;
-            };
-            let n = &self.nodes[child as usize];
-            if !n.on_device() {
-                break;
-            }
-            let common = common_pages(&n.key, &tokens[pos..], p);
-            pos += common;
-            if common < n.key.len() {
-                // Diverges (or ends) inside the edge.
-                return if pos < tokens.len() { pos } else { 0 };
-            }
-            node = child;
+        // Through the tiers' read-only walk: one more caller of the child lookup would change
+        // how the compiler inlines it on the KV-only hot paths.
+        let walk = self.tier_walk(key);
+        let whole = key.tokens.len() - key.tokens.len() % self.page_size;
+        let pos = walk.device_len;
+        if pos == 0 || pos >= whole {
+            return 0;
         }
-        let branches = node != self.root && self.nodes[node as usize].device_children > 0;
-        if branches && pos < tokens.len() {
-            pos
-        } else {
-            0
-        }
+        let full: usize = walk
+            .nodes
+            .iter()
+            .filter_map(|&n| self.resolve(n).ok())
+            .map(|i| self.nodes[i as usize].key.len())
+            .sum();
+        // Diverges inside an edge, or at the end of a node whose path continues elsewhere.
+        let last = walk.nodes.last().and_then(|&n| self.resolve(n).ok());
+        let branches =
+            pos > full || last.is_some_and(|i| self.nodes[i as usize].device_children > 0);
+        if branches { pos } else { 0 }
     }
 
     /// The device node that ends exactly `len` tokens into `key` (page-aligned), splitting the
@@ -294,23 +287,14 @@ impl RadixTree {
         }
         let tokens = &key.tokens[..len];
         // Check first (read-only), so that a failure splits nothing.
-        let (mut node, mut pos) = (self.root, 0);
-        while pos < len {
-            let Some(c) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
-                break;
-            };
-            let n = &self.nodes[c as usize];
-            if !n.on_device() {
-                break;
-            }
-            let common = common_pages(&n.key, &tokens[pos..], p);
-            pos += common;
-            if common < n.key.len() {
-                break;
-            }
-            node = c;
-        }
-        if pos < len {
+        if self
+            .tier_walk(KeyRef {
+                namespace: key.namespace,
+                tokens,
+            })
+            .device_len
+            < len
+        {
             return Err(CacheError::InvalidRequestState(
                 "the checkpoint position is past the device KV",
             ));

@@ -22,3 +22,4 @@ pub fn state_machine_config() -> Config {
         ..Config::default()
     }
 }
+pub mod mamba_traffic;
