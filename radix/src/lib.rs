@@ -132,7 +132,7 @@ pub use cache::{
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
-pub use radix_cache::{RadixCache, RadixConfig};
+pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};
 pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
 pub use tree::swa::{SwaInsert, SwaMatch};

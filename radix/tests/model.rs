@@ -582,6 +582,7 @@ impl StateMachineTest for Sut {
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
             mamba_slots: None,
+            swa: None,
         })
         .expect("config");
         Sut {

@@ -33,6 +33,7 @@ fn build(layout: HostLayout) -> Cache {
                 event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
                 disabled: false,
                 mamba_slots: None,
+                swa: None,
             },
             host_size: HostSize::Ratio(4.0),
             host_layout: layout,
