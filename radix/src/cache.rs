@@ -7,7 +7,9 @@
 //! 2. [`PrefixCache::begin_request`]: locks the matched path, allocates the request-pool row
 //!    and installs the matched pages as the row's tree-owned prefix.
 //! 3. [`PrefixCache::alloc_tokens`] before each forward (evicting as needed), then
-//!    [`RequestKv::commit`] once the KV of those tokens is computed.
+//!    [`RequestKv::commit`] once the KV of those tokens is computed. A model with
+//!    sliding-window layers calls [`PrefixCache::slide_window`] after each commit to free the
+//!    window KV that no later token reads.
 //! 4. [`PrefixCache::cache_unfinished_req`] after every prefill chunk: the computed pages enter
 //!    the tree at once so concurrent requests can share them; duplicates are freed; the lock
 //!    moves to the new end.
