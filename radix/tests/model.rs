@@ -582,7 +582,7 @@ impl StateMachineTest for Sut {
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
             mamba_slots: None,
-            swa: None,
+            ..Default::default()
         })
         .expect("config");
         Sut {

@@ -294,7 +294,7 @@ fn build<B: DeviceBackend>(
         disabled: matches!(cfg.cache, CacheKind::Disabled),
         // Hybrid models are refused above until the whole path is wired.
         mamba_slots: None,
-        swa: None,
+        ..Default::default()
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
         max_held_tokens: b.max_held_tokens,
