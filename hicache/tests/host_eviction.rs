@@ -180,3 +180,25 @@ fn a_radix_config_with_mamba_slots_is_refused_until_the_tiered_cache_supports_th
         Err(radixkv_hicache::HiCacheError::Config(_))
     ));
 }
+
+#[test]
+fn a_radix_config_with_sliding_window_layers_is_refused_until_the_tiered_cache_supports_them() {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let backend = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+    let cfg = HiCacheConfig {
+        radix: RadixConfig {
+            page_size: 2,
+            total_pages: 16,
+            swa: Some(radixkv_radix::SwaConfig {
+                window: 4,
+                pages: 16,
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    assert!(matches!(
+        HiRadixCache::new(cfg, backend),
+        Err(radixkv_hicache::HiCacheError::Config(_))
+    ));
+}

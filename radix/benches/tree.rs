@@ -56,6 +56,7 @@ fn cache_config(pages: usize, policy: PolicyKind) -> RadixConfig {
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
         mamba_slots: None,
+        swa: None,
         mamba_policy: Default::default(),
     }
 }

@@ -7,7 +7,9 @@
 //! 2. [`PrefixCache::begin_request`]: locks the matched path, allocates the request-pool row
 //!    and installs the matched pages as the row's tree-owned prefix.
 //! 3. [`PrefixCache::alloc_tokens`] before each forward (evicting as needed), then
-//!    [`RequestKv::commit`] once the KV of those tokens is computed.
+//!    [`RequestKv::commit`] once the KV of those tokens is computed. A model with
+//!    sliding-window layers calls [`PrefixCache::slide_window`] after each commit to free the
+//!    window KV that no later token reads.
 //! 4. [`PrefixCache::cache_unfinished_req`] after every prefill chunk: the computed pages enter
 //!    the tree at once so concurrent requests can share them; duplicates are freed; the lock
 //!    moves to the new end.
@@ -149,8 +151,16 @@ pub struct RequestKv {
     /// when this is longer, the forward pass should checkpoint the state at this length so
     /// that the next request on the path hits there.
     pub kv_match_len: usize,
-    /// Tokens before the sliding-window frontier whose SWA KV was released (hybrid models).
+    /// Tokens before the sliding-window frontier whose SWA KV the request no longer holds
+    /// (page-aligned; sliding-window models): [`RequestKv::swa_pages`] starts here.
     pub swa_evicted_len: usize,
+    /// The request's sliding-window page table (a cache with the SWA component), from
+    /// `begin_request` on: one page of the SWA pool per page of tokens from
+    /// [`RequestKv::swa_evicted_len`] to the end of the row, in step with the row's full-KV
+    /// pages. The pages before `cache_protected_len` are the tree's (the window of the cached
+    /// prefix, locked by the request's receipt), the rest are the request's own.
+    /// [`PrefixCache::slide_window`] drops the pages that slid out of the window.
+    pub swa_pages: Vec<PageId>,
     /// True while the KV is lent by a session slot (the slot, not the request, owns it).
     pub kv_lent: bool,
 }
@@ -212,6 +222,7 @@ impl RequestKv {
         self.mamba_checkpoints.clear();
         self.kv_match_len = 0;
         self.swa_evicted_len = 0;
+        self.swa_pages.clear();
         self.kv_lent = false;
     }
 }
@@ -229,9 +240,10 @@ pub trait PrefixCache {
     fn pools(&self) -> &DevicePools;
     /// The device pools, mutably (allocate and free owned pages, rows).
     fn pools_mut(&mut self) -> &mut DevicePools;
-    /// True when requests of this cache own per-request state slots (a Mamba slot in
-    /// [`RequestKv::mamba_slot`]) that the cache frees at finish. A decorator that keeps a
-    /// request's resources past its finish (a session) must hand those slots back too, so it
+    /// True when requests of this cache own per-request state beyond their full-KV row (a
+    /// Mamba slot in [`RequestKv::mamba_slot`], sliding-window pages in
+    /// [`RequestKv::swa_pages`]) that the cache frees at finish. A decorator that keeps a
+    /// request's resources past its finish (a session) must hand that state back too, so it
     /// refuses a cache it cannot do that for.
     fn has_state_slots(&self) -> bool {
         false
@@ -326,27 +338,7 @@ pub trait PrefixCache {
     /// [`CacheError::OutOfPages`] (the request is unchanged), [`CacheError::SizeOverflow`] when
     /// `allocated_len + n` overflows, or a request without a row.
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
-        let row = req.row.ok_or(CacheError::InvalidRequestState(
-            "alloc_tokens before begin_request",
-        ))?;
-        let p = self.page_size();
-        let have = self.pools().rows.pages(row)?.len();
-        let total = req
-            .allocated_len
-            .checked_add(n)
-            .ok_or(CacheError::SizeOverflow(
-                "alloc_tokens: allocated_len + n overflows usize",
-            ))?;
-        let need = pages_for(total, p).saturating_sub(have);
-        if need > 0 {
-            self.make_room(need)?;
-            // Straight into the row's page table: no temporary page list on this hot path.
-            let pools = self.pools_mut();
-            let (pages, _) = pools.rows.parts_mut(row)?;
-            pools.pages.alloc_into(need, pages)?;
-        }
-        req.allocated_len = total;
-        Ok(())
+        alloc_tokens_kv(self, req, n)
     }
     /// Inserts the computed, page-aligned part of a running request (after a prefill chunk).
     ///
@@ -359,6 +351,19 @@ pub trait PrefixCache {
     /// # Errors
     /// Stale handles; the request is cleared as far as possible.
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()>;
+    /// During decode (or between prefill chunks) of a sliding-window model: frees the
+    /// request's own SWA pages that slid out of the window (every page wholly before
+    /// `committed_len − window`) and, once the window has passed the request's cached prefix,
+    /// releases the SWA locks of its receipt (its full-KV locks stay). Returns the pages freed.
+    /// A cache without the SWA component has nothing to slide: the default returns 0.
+    ///
+    /// # Errors
+    /// A request without a row, or pool state that does not match the request (nothing
+    /// changes then).
+    fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
+        let _ = req;
+        Ok(0)
+    }
 
     // ----- pool level -----
 
@@ -405,6 +410,53 @@ pub trait PrefixCache {
             request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
         }
     }
+}
+
+/// [`PrefixCache::alloc_tokens`] for the full-KV pool alone (the trait's default; a cache with
+/// more per-token pools runs it for the first one).
+///
+/// # Errors
+/// Those of [`PrefixCache::alloc_tokens`].
+pub(crate) fn alloc_tokens_kv<C: PrefixCache + ?Sized>(
+    cache: &mut C,
+    req: &mut RequestKv,
+    n: usize,
+) -> Result<()> {
+    let row = req.row.ok_or(CacheError::InvalidRequestState(
+        "alloc_tokens before begin_request",
+    ))?;
+    let need = pages_to_alloc(cache, req, n)?;
+    if need > 0 {
+        cache.make_room(need)?;
+        // Straight into the row's page table: no temporary page list on this hot path.
+        let pools = cache.pools_mut();
+        let (pages, _) = pools.rows.parts_mut(row)?;
+        pools.pages.alloc_into(need, pages)?;
+    }
+    req.allocated_len += n;
+    Ok(())
+}
+
+/// The pages a request's row needs for `n` more tokens.
+///
+/// # Errors
+/// A request without a row; [`CacheError::SizeOverflow`] when `allocated_len + n` overflows.
+pub(crate) fn pages_to_alloc<C: PrefixCache + ?Sized>(
+    cache: &C,
+    req: &RequestKv,
+    n: usize,
+) -> Result<usize> {
+    let row = req.row.ok_or(CacheError::InvalidRequestState(
+        "alloc_tokens before begin_request",
+    ))?;
+    let have = cache.pools().rows.pages(row)?.len();
+    let total = req
+        .allocated_len
+        .checked_add(n)
+        .ok_or(CacheError::SizeOverflow(
+            "alloc_tokens: allocated_len + n overflows usize",
+        ))?;
+    Ok(pages_for(total, cache.page_size()).saturating_sub(have))
 }
 
 /// [`PrefixCache::make_room`]'s default: evicts cached pages until `n` pages are free. Nothing

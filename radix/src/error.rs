@@ -108,6 +108,19 @@ pub enum CacheError {
         /// Slots in the pool.
         capacity: usize,
     },
+    /// Not enough free pages in a tree component's own page pool (`"swa"`: the
+    /// sliding-window pool), even after evicting that component's evictable pages; nothing is
+    /// allocated or evicted in either pool then. A full-KV pool that is short is
+    /// [`CacheError::OutOfPages`].
+    #[error("out of {component} pages: needed {needed}, available {available}")]
+    OutOfComponentPages {
+        /// Which component's pool.
+        component: &'static str,
+        /// Pages requested.
+        needed: usize,
+        /// Pages that could be made free (free plus evictable).
+        available: usize,
+    },
     /// The operation needs a tree component that this cache was not configured with.
     #[error("the {0} component is not configured for this cache")]
     ComponentDisabled(&'static str),

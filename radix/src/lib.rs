@@ -64,7 +64,7 @@
 //!   a node (evictable or protected) or held by a request; the audit checks it, and that no
 //!   slot is held twice or freed twice.
 //!
-//! **Sliding window** ([`RadixTree::enable_swa`], tree level only): a second paged pool for the
+//! **Sliding window** ([`RadixConfig::swa`], [`RadixTree::enable_swa`]): a second paged pool for the
 //! window KV of sliding-window layers (same page size; a [`PageAllocator`] owned by the
 //! component). A node may carry one window page per page of its key, or none (a *tombstone*;
 //! its full KV stays).
@@ -91,9 +91,23 @@
 //!   pages it still has ([`RadixTree::insert_swa_from`]: nodes before them stay or become
 //!   tombstones, splitting a node that straddles the first one).
 //!
-//! Not built yet for the sliding window: a [`RadixConfig`] option and the [`RadixCache`] request
-//! lifecycle (match, begin, per-step sliding frees, finish), and everything above the tree
-//! (sessions, host tier, scheduler API).
+//! - *Requests* ([`RadixCache`] with [`SwaConfig`]; the window a multiple of the page size): a
+//!   request's SWA page table ([`RequestKv::swa_pages`]) covers its tokens from
+//!   [`RequestKv::swa_evicted_len`] on, one SWA page per full-KV page of its row. `begin_request`
+//!   locks the window KV before the match end and puts the tree's window pages first in it;
+//!   [`PrefixCache::alloc_tokens`] takes pages from both pools or from neither
+//!   ([`CacheError::OutOfComponentPages`] names the SWA pool); chunk inserts hand the request's
+//!   window pages to the tree and keep only the (canonical) window before the cached end;
+//!   [`PrefixCache::slide_window`] frees the request's own pages that left the window and, once
+//!   the window has passed the cached prefix, releases the receipt's SWA locks; the finish inserts
+//!   what the request still holds (what slid out is a tombstone), abort frees it all.
+//!   [`RadixCache::swa_accounting`] and the audits (after every operation in debug builds) cover
+//!   the SWA pool like the full-KV pool.
+//!
+//! Not built yet for the sliding window: SWA together with Mamba slots in one cache (refused by
+//! [`RadixCache::new`]) and everything above the cache (sessions refuse it through
+//! [`PrefixCache::has_state_slots`], the host tier refuses it, the scheduler API does not build
+//! it).
 //!
 //! The Mamba component is not yet carried by the session layer or the host tier
 //! (`HiRadixCache` refuses a configuration with Mamba slots), and `KvCacheManager` refuses
@@ -144,7 +158,7 @@ pub use mamba_policy::{
     CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MarconiParams,
 };
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
-pub use radix_cache::{RadixCache, RadixConfig};
+pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};
 pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
 pub use tree::swa::{SwaInsert, SwaMatch};

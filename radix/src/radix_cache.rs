@@ -2,7 +2,8 @@
 
 use crate::alloc::{DevicePools, PageState, RowHolder};
 use crate::cache::{
-    FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch, check_request_kv,
+    FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch, alloc_tokens_kv,
+    check_request_kv,
 };
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
@@ -13,6 +14,9 @@ use crate::slots::SlotState;
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 use crate::types::{ComponentAccounting, KeyRef, NodeId, PageId, align_down};
+
+mod swa;
+pub use swa::SwaConfig;
 
 /// Configuration of a [`RadixCache`].
 #[derive(Clone, Debug)]
@@ -44,6 +48,14 @@ pub struct RadixConfig {
     /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
     /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
     pub mamba_policy: MambaPolicy,
+    /// Sliding-window attention layers (Gemma- or GPT-OSS-style models): the window in tokens
+    /// and the pages of the second, SWA page pool. `None`: no SWA layers. With it, matches stop
+    /// where a full window of live window KV precedes their end, every running request holds
+    /// SWA pages beside its full-KV row ([`RequestKv::swa_pages`], freed as they slide out of
+    /// the window by [`PrefixCache::slide_window`]), and inserts cache both (see
+    /// [`SwaConfig`] and the crate docs). Not yet supported together with `mamba_slots`, under
+    /// a session layer or the host tier (each refuses it with a typed error).
+    pub swa: Option<SwaConfig>,
 }
 
 impl Default for RadixConfig {
@@ -58,6 +70,7 @@ impl Default for RadixConfig {
             disabled: false,
             mamba_slots: None,
             mamba_policy: MambaPolicy::default(),
+            swa: None,
         }
     }
 }
@@ -97,9 +110,11 @@ impl RadixCache {
     /// A cache with fresh pools.
     ///
     /// # Errors
-    /// [`CacheError::Config`] for a zero page size, pool or row count;
-    /// [`CacheError::PolicyParam`] for a bad [`RadixConfig::mamba_policy`].
+    /// [`CacheError::Config`] for a zero page size, pool or row count, or an impossible
+    /// [`SwaConfig`] (see there); [`CacheError::PolicyParam`] for a bad
+    /// [`RadixConfig::mamba_policy`].
     pub fn new(cfg: RadixConfig) -> Result<Self> {
+        swa::check_config(&cfg)?;
         let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
         let mamba = MambaAdmission::new(cfg.mamba_policy)?;
         let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
@@ -107,6 +122,9 @@ impl RadixCache {
         if let Some(slots) = cfg.mamba_slots {
             tree.enable_mamba(slots)?;
             tree.set_mamba_policy(&cfg.mamba_policy)?;
+        }
+        if let Some(w) = cfg.swa {
+            tree.enable_swa(w.window, w.pages)?;
         }
         Ok(RadixCache {
             tree,
@@ -313,12 +331,13 @@ impl PrefixCache for RadixCache {
     }
 
     fn has_state_slots(&self) -> bool {
-        self.tree.mamba_enabled()
+        self.tree.mamba_enabled() || self.tree.swa_enabled()
     }
 
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
         check_request_kv(self, req)?;
-        self.check_request_mamba(req)
+        self.check_request_mamba(req)?;
+        self.check_request_swa(req)
     }
 
     fn pools(&self) -> &DevicePools {
@@ -474,7 +493,7 @@ impl PrefixCache for RadixCache {
             "pool accounting does not balance: {:?}",
             self.accounting()
         );
-        Ok(())
+        self.check_swa_pool()
     }
 
     fn match_request(&mut self, req: &mut RequestKv) -> Result<RequestMatch> {
@@ -510,6 +529,9 @@ impl PrefixCache for RadixCache {
     }
 
     fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
+        if self.tree.swa_enabled() {
+            return self.begin_request_swa(req);
+        }
         if req.row.is_some() || req.lock.is_some() {
             return Err(CacheError::InvalidRequestState(
                 "begin_request called twice",
@@ -571,6 +593,9 @@ impl PrefixCache for RadixCache {
                 "cache_unfinished_req without a row",
             ));
         }
+        if self.tree.swa_enabled() {
+            return self.cache_unfinished_req_swa(req);
+        }
         let aligned = align_down(req.committed_len, self.pools.page_size);
         if self.disabled || aligned <= req.cache_protected_len {
             return Ok(());
@@ -598,7 +623,21 @@ impl PrefixCache for RadixCache {
         stored
     }
 
+    fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
+        if self.tree.swa_enabled() {
+            return self.alloc_tokens_swa(req, n);
+        }
+        alloc_tokens_kv(self, req, n)
+    }
+
+    fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
+        self.slide_window_swa(req)
+    }
+
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        if self.tree.swa_enabled() {
+            return self.cache_finished_req_swa(req, kind);
+        }
         let Some(row) = req.row else {
             // Never began: nothing held but a possible stray lock.
             if let Some(s) = req.mamba_slot.take() {
@@ -656,6 +695,9 @@ impl RadixCache {
     /// ([`RadixTree::match_mamba`]), paired with how far the device KV went; 0 for that length
     /// without the component (see [`RequestKv::kv_match_len`]).
     fn match_tree(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> Result<(TreeMatch, usize)> {
+        if self.tree.swa_enabled() {
+            return self.match_tree_swa(key, out);
+        }
         if !self.tree.mamba_enabled() {
             return Ok((self.tree.match_prefix(key, out), 0));
         }

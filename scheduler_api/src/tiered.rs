@@ -334,6 +334,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     ) -> radixkv_radix::Result<()> {
         self.cache.cache_finished_req(req, kind)
     }
+    fn slide_window(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<usize> {
+        self.cache.slide_window(req)
+    }
     fn alloc_pages(&mut self, n: usize) -> radixkv_radix::Result<Vec<PageId>> {
         self.cache.alloc_pages(n)
     }

@@ -191,12 +191,15 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     ///
     /// # Errors
     /// [`SessionError::AlreadyOpen`]; [`SessionError::Cache`] with [`CacheError::Config`] over
-    /// a cache whose requests own state slots (Mamba): sessions do not keep or hand back those
-    /// slots yet, so a held turn would leak its slot.
+    /// a cache whose requests own per-request state beyond their row (Mamba slots,
+    /// sliding-window pages): sessions do not keep or hand back that state yet, so a held turn
+    /// would leak it.
     pub fn open(&mut self, id: u64, streaming: bool, ttl: Option<u64>) -> Result<(), SessionError> {
         if self.inner.has_state_slots() {
             return Err(SessionError::Cache(CacheError::Config(
-                "sessions over a cache with Mamba state slots are not supported yet".into(),
+                "sessions over a cache with per-request state (Mamba slots, sliding-window pages) \
+                 are not supported yet"
+                    .into(),
             )));
         }
         if self.sessions.contains_key(&id) {

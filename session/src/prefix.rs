@@ -447,6 +447,12 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         }
     }
 
+    /// Forwarded: sessions refuse a cache with sliding-window layers
+    /// ([`PrefixCache::has_state_slots`]), so only requests outside sessions reach it.
+    fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
+        self.inner.slide_window(req)
+    }
+
     fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
         match self.inner.alloc_pages(n) {
             Err(CacheError::OutOfPages { .. })

@@ -667,6 +667,38 @@ fn sessions_refuse_a_cache_whose_requests_own_mamba_slots() {
     ));
     assert_eq!(c.open_sessions(), 0);
     ok(&c);
+    // Nor are a cache's sliding-window pages kept or handed back: refused the same way.
+    let swa = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 16,
+        swa: Some(radixkv_radix::SwaConfig {
+            window: P,
+            pages: 64,
+        }),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut c = SessionAwareCache::with_clock(
+        swa,
+        SessionConfig::with_budget(1 << 20),
+        ManualClock::new(0),
+    );
+    assert!(c.has_state_slots());
+    assert!(matches!(
+        c.open(1, true, None),
+        Err(SessionError::Cache(CacheError::Config(_)))
+    ));
+    assert_eq!(c.open_sessions(), 0);
+    // Requests outside sessions still run, and the window slides through the session layer.
+    let mut r = RequestKv::new(RadixKey::new((0..3 * P as u32 + 1).collect()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, 3 * P + 1).unwrap();
+    r.commit(3 * P + 1).unwrap();
+    assert_eq!(c.slide_window(&mut r).unwrap(), 2);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    ok(&c);
     // A KV-only cache has no state slots and opens sessions as before.
     let (mut kv_only, _) = cache();
     assert!(!kv_only.has_state_slots());

@@ -356,7 +356,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     ///
     /// # Errors
     /// [`HiCacheError::Config`] for mismatched or impossible sizes, and for a `cfg.radix` with
-    /// Mamba slots (not supported by the tiered cache yet).
+    /// Mamba slots or sliding-window layers (not supported by the tiered cache yet).
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -372,6 +372,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             // The tree's Mamba component has no host tier, backup or load-back yet.
             return Err(HiCacheError::Config(
                 "the Mamba state component is not supported by the tiered cache yet".into(),
+            ));
+        }
+        if cfg.radix.swa.is_some() {
+            // Nor has the sliding-window component (window pages are not backed up or loaded).
+            return Err(HiCacheError::Config(
+                "the sliding-window component is not supported by the tiered cache yet".into(),
             ));
         }
         if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
