@@ -580,7 +580,8 @@ impl PrefixCache for RadixCache {
         req.committed_len = req.prefix_len;
         req.allocated_len = req.prefix_len;
         req.cache_protected_len = req.prefix_len;
-        if mamba {
+        // Disabled mode caches nothing, so it takes no checkpoint either.
+        if mamba && !self.disabled {
             self.mamba.plan(&mut self.tree, req);
         }
         self.debug_audit();
