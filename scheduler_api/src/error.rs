@@ -2,6 +2,8 @@
 
 use radixkv_radix::{CacheError, InvariantViolation};
 
+use crate::request::WaitReason;
+
 /// Everything the manager and the replay tool can refuse. Messages name the problem so the
 /// `radixkv` binary can print them as they are.
 ///
@@ -96,6 +98,24 @@ pub enum ManagerError {
         /// Pool capacity in tokens.
         capacity: usize,
     },
+    /// A replay that can make no more progress although every request fits the pool: the
+    /// request at `index` cannot be admitted or allocated, and nothing is running whose finish
+    /// or retraction would free memory. (A request that could never fit is
+    /// [`ManagerError::PoolTooSmall`] instead.)
+    #[error(
+        "the replay stalled at request {index} ({needed} tokens of KV; the device pool holds \
+         {capacity}): {cause}, and nothing running can free memory"
+    )]
+    Stalled {
+        /// Index of the blocked request in the trace.
+        index: usize,
+        /// Tokens the request needs in all (prompt + output).
+        needed: usize,
+        /// Pool capacity in tokens.
+        capacity: usize,
+        /// The refusal that blocked it last.
+        cause: StallCause,
+    },
     /// A violated internal invariant (a bug).
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
@@ -117,6 +137,46 @@ pub enum ManagerError {
         /// What is wrong.
         message: String,
     },
+}
+
+/// Why a replay stalled ([`ManagerError::Stalled`]): the last refusal the blocked request got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StallCause {
+    /// Its admission had to wait.
+    Admission(WaitReason),
+    /// The allocation of its next prefill chunk or decode token failed: out of device memory.
+    OutOfMemory {
+        /// Tokens the allocation asked for.
+        needed: usize,
+        /// Tokens that were available (free + evictable).
+        available: usize,
+    },
+    /// No refusal was recorded (no manager call was refused, yet nothing ran).
+    NoProgress,
+}
+
+impl std::fmt::Display for StallCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StallCause::Admission(WaitReason::NoRoom { needed, available }) => write!(
+                f,
+                "its admission waits for room ({needed} tokens needed, {available} available)"
+            ),
+            StallCause::Admission(WaitReason::NoRow) => {
+                f.write_str("its admission waits for a request row (every row is in use)")
+            }
+            StallCause::Admission(WaitReason::TransfersBusy) => {
+                f.write_str("its admission waits for the host tier's pending loads")
+            }
+            StallCause::OutOfMemory { needed, available } => write!(
+                f,
+                "allocating {needed} tokens for it ran out of device memory ({available} \
+                 available)"
+            ),
+            StallCause::NoProgress => f.write_str("no request could run"),
+        }
+    }
 }
 
 /// How an error names a request: the engine's id (quoted) when there is one, else the handle.

@@ -120,7 +120,7 @@ pub use config::{
     CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, PoolBudgets, Preset,
     SessionBudget, WritePolicy,
 };
-pub use error::{BackendMismatch, ManagerError, Result};
+pub use error::{BackendMismatch, ManagerError, Result, StallCause};
 pub use manager::{
     Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,
     WaitReason,

@@ -1005,3 +1005,90 @@ fn a_request_s_row_reads_as_a_u32_page_table() {
         Err(ManagerError::UnknownRequest(_))
     ));
 }
+
+/// Sessions over a host tier: demoting an idle session puts its KV into the tree, where a
+/// write-through backup locks it until the copy is acknowledged. A request that needs the
+/// session's pages is admitted and allocated all the same (the backup is completed, then the
+/// KV evicted); it used to fail out of memory although the pool was large enough.
+#[test]
+fn sessions_over_hicache_allocate_through_a_demoted_sessions_pending_backup() {
+    for policy in [
+        WritePolicy::WriteThrough,
+        WritePolicy::WriteThroughSelective { hits: 1 },
+        WritePolicy::WriteBack,
+    ] {
+        let mut kv = KvCacheManager::builder()
+            .device_tokens(256)
+            .page_size(4)
+            .max_rows(8)
+            .sessions(SessionBudget {
+                max_held_tokens: 128,
+                idle_ttl_ms: 1_000_000,
+                per_session_cap_tokens: 128,
+            })
+            .host_tier(HostTier::ratio(256, 4.0).write_policy(policy))
+            .build()
+            .unwrap();
+        // Two turns of session 1: the second one's KV stays in the session's row.
+        let t1: Vec<u32> = (0..40).collect();
+        turn(&mut kv, 1, t1.clone(), 2);
+        let mut t2 = t1.clone();
+        t2.extend([9_000, 9_001]);
+        t2.extend(100..170);
+        turn(&mut kv, 1, t2, 2);
+        kv.drain().unwrap();
+        let held = kv.accounting().session_held;
+        assert!(held > 64, "{policy}: {:?}", kv.accounting());
+        // A request that needs more than the free pages: the session must give its KV up.
+        let big: Vec<u32> = (50_000..50_200).collect();
+        let free = kv.accounting().free;
+        assert!(big.len() > free, "{policy}");
+        let id = kv
+            .arrive(Request::new(big.clone()).max_new_tokens(1))
+            .unwrap();
+        let a = admitted(&mut kv, id);
+        assert_eq!(a.extend_tokens, big.len(), "{policy}");
+        kv.extend(id, a.extend_tokens)
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert_eq!(kv.accounting().session_held, 0, "{policy}: demoted");
+        kv.check_invariants().unwrap();
+        let step = kv.begin_step();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.end_step(step).unwrap();
+        kv.close_all_sessions().unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        let acc = kv.accounting();
+        assert_eq!(acc.free + acc.evictable, acc.total, "{policy}: {acc:?}");
+        assert_eq!(kv.reserved_tokens(), 0);
+    }
+}
+
+/// The host-tier cache the factory builds forwards `make_room` to the tiered cache, whose
+/// override completes the backups pinning device KV: without the forwarding the trait's
+/// default would only evict, and fail while the KV waits for its backup.
+#[test]
+fn the_tiered_cache_forwards_make_room_to_the_tiered_override() {
+    use radixkv_radix::{FinishKind, RadixKey, RequestKv};
+    let cfg = radixkv_scheduler_api::ManagerConfig {
+        device_tokens: 64,
+        cache: radixkv_scheduler_api::CacheKind::HiCache(HostTier::ratio(64, 4.0)),
+        ..Default::default()
+    };
+    let mut c = radixkv_scheduler_api::factory::build_cache(&cfg).unwrap();
+    let p = c.page_size();
+    let tokens: Vec<u32> = (0..48).collect();
+    let mut r = RequestKv::new(RadixKey::new(tokens.clone()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, tokens.len()).unwrap();
+    r.commit(tokens.len()).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    // Written through: the KV is in the tree, locked until its backup is acknowledged.
+    assert_eq!(c.evictable_tokens(), 0);
+    assert_eq!(c.available_tokens(), 64);
+    c.make_room(64 / p).unwrap();
+    assert_eq!(c.pools().pages.available(), 64 / p);
+    c.check_invariants().unwrap();
+}

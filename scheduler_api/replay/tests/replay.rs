@@ -11,7 +11,9 @@ use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{CompareOutcome, Report, SimConfig, compare, compare_configs, replay};
 use radixkv_replay::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::config::Eviction;
-use radixkv_scheduler_api::{CacheKind, HostTier, SessionBudget, WritePolicy};
+use radixkv_scheduler_api::{
+    CacheKind, HostTier, ManagerError, SessionBudget, StallCause, WaitReason, WritePolicy,
+};
 
 fn read(path: &Path, format: TraceFormat, opts: &ReadOptions) -> Trace {
     read_trace(path, format, opts).expect("the trace reads")
@@ -433,4 +435,69 @@ fn full_mooncake_conversation_trace_with_hicache() {
     assert!(r.hit_tokens_host > 0);
     assert!(r.hit_ratio.overall > 0.1, "{}", r.hit_ratio.overall);
     println!("{r}");
+}
+
+/// Sessions over a write-through host tier in a pool the sessions' KV can fill: demoting an
+/// idle session puts its KV in the tree, locked by its backup until the ack, and the
+/// allocation that demoted it must still succeed. The replay used to stop with an
+/// out-of-memory stall (reported as a pool too small) although every request fits.
+#[test]
+fn sessions_over_write_through_hicache_replay_in_a_small_pool() {
+    let t = SyntheticChat {
+        conversations: 8,
+        ..Default::default()
+    }
+    .generate()
+    .unwrap();
+    for w in [WritePolicy::WriteThrough, WritePolicy::WriteBack] {
+        let mut cfg = hicache(16 << 10, 64 << 10, w);
+        cfg.manager.sessions = Some(SessionBudget {
+            max_held_tokens: 4 << 10,
+            ..Default::default()
+        });
+        cfg.check_invariants_every = 16;
+        let r = replay(&t, &cfg, &mut ()).unwrap_or_else(|e| panic!("{w:?}: {e}"));
+        check(&r, &t);
+        assert!(r.hit_tokens_host > 0, "{w:?}: the host tier serves hits");
+        assert!(
+            r.counters.session_demotions > 0,
+            "{w:?}: sessions were demoted"
+        );
+    }
+}
+
+/// A replay that cannot progress although every request fits the pool ends with a typed
+/// stall naming the blocked request and the refusal behind it, not with "pool too small":
+/// here one request row, kept by an idle session, so the next conversation waits for a row
+/// that nothing frees.
+#[test]
+fn a_replay_that_cannot_progress_is_a_typed_stall() {
+    let t = SyntheticChat {
+        conversations: 3,
+        ..Default::default()
+    }
+    .generate()
+    .unwrap();
+    let mut cfg = sim(64 << 10, 16);
+    cfg.manager.max_rows = 1;
+    cfg.manager.sessions = Some(SessionBudget {
+        max_held_tokens: 16 << 10,
+        ..Default::default()
+    });
+    let e = replay(&t, &cfg, &mut ()).unwrap_err();
+    match &e {
+        ManagerError::Stalled {
+            index,
+            needed,
+            capacity,
+            cause: StallCause::Admission(WaitReason::NoRow),
+        } => {
+            let r = &t.requests[*index];
+            assert_eq!(*needed, (r.prompt_len + u64::from(r.output_len)) as usize);
+            assert!(*needed <= *capacity, "it fits: not a pool too small");
+            assert_eq!(*capacity, 64 << 10);
+        }
+        other => panic!("expected a stall waiting for a row, got {other:?}"),
+    }
+    assert!(e.to_string().contains("request row"), "{e}");
 }

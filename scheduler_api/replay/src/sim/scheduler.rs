@@ -17,7 +17,7 @@ use super::memory::MemoryUse;
 use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{CacheKind, ManagerConfig};
-use radixkv_scheduler_api::error::{ManagerError, Result};
+use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
 use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request};
 
 /// Scheduler and simulation parameters.
@@ -116,8 +116,10 @@ impl Progress for () {
 ///
 /// # Errors
 /// [`ManagerError::Trace`] for a trace without requests (as the trace readers refuse one),
-/// [`ManagerError::PoolTooSmall`] when some request can never fit, configuration errors, and
-/// any error of the manager (which would be a bug).
+/// [`ManagerError::PoolTooSmall`] when some request can never fit,
+/// [`ManagerError::Stalled`] when the replay cannot progress although every request fits (a
+/// request is refused and nothing running could free memory), configuration errors, and any
+/// error of the manager (which would be a bug).
 pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
     let ideal = ideal_hits(trace, cfg.manager.model.page_size);
     replay_with_ideal(trace, cfg, &ideal, progress)
@@ -267,6 +269,21 @@ impl TurnsLeft {
     }
 }
 
+/// The outcome of an allocation the scheduler may see refused: `None` when it succeeded, the
+/// refusal when the device is out of memory (the step goes on without it).
+///
+/// # Errors
+/// Any other error, which ends the replay.
+fn out_of_memory<T>(r: Result<T>) -> Result<Option<StallCause>> {
+    match r {
+        Ok(_) => Ok(None),
+        Err(ManagerError::OutOfMemory { needed, available }) => {
+            Ok(Some(StallCause::OutOfMemory { needed, available }))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Rejects a trace with a request that could never be admitted.
 fn check_fits(trace: &Trace, m: &ManagerConfig) -> Result<()> {
     let p = m.model.page_size.max(1);
@@ -357,8 +374,12 @@ impl Sim<'_> {
         let mut budget = self.cfg.prefill_budget;
         let mut prefill_tokens = 0;
 
+        // The first refusal of the step (trace index, cause): what a stall reports.
+        let mut refused: Option<(usize, StallCause)> = None;
+
         // Chunks of requests already prefilling, oldest first. The clock starts at the first
-        // manager call: most steps have no chunk to continue.
+        // manager call: most steps have no chunk to continue. A chunk that finds no memory is
+        // refused for this step; any other error is a bug and ends the replay.
         let mut t0 = None;
         for job in self.running.iter_mut().filter(|j| j.prefill_left > 0) {
             let take = job.prefill_left.min(budget);
@@ -366,7 +387,8 @@ impl Sim<'_> {
                 break;
             }
             t0.get_or_insert_with(Instant::now);
-            if kv.extend(job.id, take).is_err() {
+            if let Some(cause) = out_of_memory(kv.extend(job.id, take))? {
+                refused.get_or_insert((job.index, cause));
                 break;
             }
             job.prefill_left -= take;
@@ -389,8 +411,9 @@ impl Sim<'_> {
             let adm = kv.admit(id)?;
             let a = match adm {
                 Admission::Ready(a) => a,
-                Admission::Wait(_) => {
+                Admission::Wait(reason) => {
                     self.cpu.add(Phase::Admit, t0);
+                    refused.get_or_insert((job.index, StallCause::Admission(reason)));
                     break;
                 }
                 Admission::Never(_) => {
@@ -409,11 +432,20 @@ impl Sim<'_> {
             // opens the extend's.
             let take = a.extend_tokens.min(budget);
             let t1 = self.cpu.lap(Phase::Admit, t0);
-            let ok = take > 0 && kv.extend(id, take).is_ok();
+            let refusal = if take > 0 {
+                out_of_memory(kv.extend(id, take))
+            } else {
+                Ok(None)
+            };
             self.cpu.add(Phase::Extend, t1);
             let Some(mut job) = self.waiting.pop_front() else {
                 break;
             };
+            let refusal = refusal?;
+            let ok = take > 0 && refusal.is_none();
+            if let Some(cause) = refusal {
+                refused.get_or_insert((job.index, cause));
+            }
             if !job.first_admitted {
                 // Infinite-cache ideal and per-tier hits at the first admission; the output
                 // goes with the job, which a retraction later in this step may send back to
@@ -455,7 +487,10 @@ impl Sim<'_> {
                 for (k, &(_, id, token)) in batch.iter().enumerate() {
                     match kv.decode(id, token) {
                         Ok(_) => {}
-                        Err(ManagerError::OutOfMemory { .. }) => {
+                        Err(ManagerError::OutOfMemory { needed, available }) => {
+                            let index = self.running[batch[k].0].index;
+                            let cause = StallCause::OutOfMemory { needed, available };
+                            refused.get_or_insert((index, cause));
                             failed = Some(k);
                             break;
                         }
@@ -497,24 +532,26 @@ impl Sim<'_> {
         // no copy holds pages any more.
         if prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 {
             // Nothing could run: free memory by retracting the youngest, or give up. (A step
-            // that dropped a request made progress.)
+            // that dropped a request made progress.) Every request fits the pool (checked
+            // before the replay), so giving up is a stall, reported with the refusal behind it.
             if self.running.len() > 1 {
                 let victim = self.running.len() - 1;
                 self.retract(kv, victim)?;
             } else {
-                let (index, needed) = self
-                    .running
-                    .first()
-                    .or(self.waiting.front())
-                    .map(|j| {
-                        let r = &self.trace.requests[j.index];
-                        (j.index, (r.prompt_len + u64::from(r.output_len)) as usize)
-                    })
-                    .unwrap_or_default();
-                return Err(ManagerError::PoolTooSmall {
+                let (index, cause) = refused.unwrap_or_else(|| {
+                    let index = self
+                        .running
+                        .first()
+                        .or(self.waiting.front())
+                        .map_or(0, |j| j.index);
+                    (index, StallCause::NoProgress)
+                });
+                let r = &self.trace.requests[index];
+                return Err(ManagerError::Stalled {
                     index,
-                    needed,
+                    needed: (r.prompt_len + u64::from(r.output_len)) as usize,
                     capacity: kv.accounting().total,
+                    cause,
                 });
             }
         }
