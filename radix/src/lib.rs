@@ -155,7 +155,8 @@ pub use cache::{
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use mamba_policy::{
-    CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MarconiParams,
+    CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MambaTrack,
+    MarconiParams,
 };
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};

@@ -83,6 +83,7 @@
 use crate::cache::RequestKv;
 use crate::error::{CacheError, Result};
 use crate::tree::RadixTree;
+use crate::tree::mamba::MambaInsert;
 use crate::types::{NodeId, align_down};
 
 /// Prefill FLOPs of a prefix as a function of its length `L`:
@@ -323,6 +324,32 @@ pub struct MambaCheckpoint {
     pub kind: CheckpointKind,
 }
 
+/// A running request's *tracking* slot (hybrid models; [`RadixConfig::mamba_track`]): a copy
+/// of the request's running state at the last page boundary its forward pass has reached, so
+/// that a request whose computed length does not end a page can still leave a request-end
+/// state behind, at that length floored to a page.
+///
+/// The engine's contract: after every forward step of the request (a prefill chunk or a
+/// decode step), the tracking slot holds the running state after token `b − 1`, where `b` is
+/// the last page boundary at or below the request's computed length (a boundary passed inside
+/// a chunk: the state there, which kernels that write intermediate states produce in the same
+/// pass; no boundary passed yet: the state at the cached prefix, i.e. the copy-on-write
+/// source or the initial state). The cache keeps [`MambaTrack::pos`] at that boundary (it
+/// updates it from the computed length at every `cache_unfinished_req` and at the finish) and,
+/// at a finish whose computed length does not end a page, stores the slot as the
+/// [`CheckpointKind::RequestEnd`] state at `pos` and frees the running slot; at a finish that
+/// ends a page it stores the running slot and frees this one; an abort frees both.
+///
+/// [`RadixConfig::mamba_track`]: crate::RadixConfig::mamba_track
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MambaTrack {
+    /// The state slot the engine keeps the tracked state in.
+    pub slot: u32,
+    /// The page boundary whose state the slot holds: page-aligned, at most the computed
+    /// length, at least the cached prefix at `begin_request`.
+    pub pos: usize,
+}
+
 /// Counters of one [`CheckpointKind`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KindStats {
@@ -343,6 +370,13 @@ pub struct KindStats {
 pub struct MambaStats {
     /// Indexed by [`CheckpointKind::index`].
     pub kinds: [KindStats; 3],
+    /// Requests that ran without a tracking slot ([`MambaTrack`]) because none could be had
+    /// without taking the last obtainable slot: they leave a request-end state only where
+    /// their computed length ends a page.
+    pub tracks_skipped: u64,
+    /// [`CheckpointKind::RequestEnd`] states stored from a tracking slot (the request ended
+    /// off a page boundary); also counted in that kind's `stored`.
+    pub tracked_stored: u64,
 }
 
 impl MambaStats {
@@ -395,15 +429,19 @@ pub(crate) fn admit(params: &MarconiParams, k: &KindStats, sample: &mut u64) -> 
 #[derive(Debug)]
 pub(crate) struct MambaAdmission {
     policy: MambaPolicy,
+    /// Give running requests a tracking slot ([`MambaTrack`]) where the policy keeps
+    /// request-end states.
+    track: bool,
     /// Per kind: how many checkpoints hit-driven admission judged (see [`admit`]).
     samples: [u64; 3],
 }
 
 impl MambaAdmission {
-    pub(crate) fn new(policy: MambaPolicy) -> Result<Self> {
+    pub(crate) fn new(policy: MambaPolicy, track: bool) -> Result<Self> {
         policy.validate()?;
         Ok(MambaAdmission {
             policy,
+            track,
             samples: [0; 3],
         })
     }
@@ -427,10 +465,51 @@ impl MambaAdmission {
         ok
     }
 
+    /// Whether the policy keeps request-end states (the baseline always; Marconi with
+    /// [`MarconiParams::output_end`]).
+    fn keeps_request_end(&self) -> bool {
+        match self.policy {
+            MambaPolicy::Sglang => true,
+            MambaPolicy::Marconi(p) => p.output_end,
+        }
+    }
+
+    /// A slot for an optional use (a checkpoint or a tracking slot): only while at least one
+    /// more stays obtainable (free or evictable) for a request that needs its running slot.
+    fn spare_slot(tree: &mut RadixTree) -> Option<u32> {
+        let obtainable = tree.mamba_accounting().map_or(0, |a| a.free + a.evictable);
+        if obtainable >= 2 {
+            tree.alloc_mamba_slot().ok()
+        } else {
+            None
+        }
+    }
+
     /// After `begin_request`: the checkpoints the forward pass of `req` takes (Marconi only),
-    /// each with a slot of its own. A checkpoint that cannot have a slot without taking the
-    /// last one a new request could get is skipped (counted), never an error.
+    /// each with a slot of its own, then its tracking slot (where the policy keeps request-end
+    /// states and tracking is on). A checkpoint or tracking slot that cannot have a slot
+    /// without taking the last one a new request could get is skipped (counted), never an
+    /// error.
     pub(crate) fn plan(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
+        self.plan_checkpoints(tree, req);
+        if self.track && self.keeps_request_end() {
+            match Self::spare_slot(tree) {
+                Some(slot) => {
+                    req.mamba_track = Some(MambaTrack {
+                        slot,
+                        pos: req.cache_protected_len,
+                    });
+                }
+                None => {
+                    if let Some(st) = tree.mamba_stats_mut() {
+                        st.tracks_skipped += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn plan_checkpoints(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         let Some(params) = self.policy.marconi().copied() else {
             return;
         };
@@ -455,13 +534,7 @@ impl MambaAdmission {
             if !self.admit(tree, kind) {
                 continue;
             }
-            let obtainable = tree.mamba_accounting().map_or(0, |a| a.free + a.evictable);
-            let slot = if obtainable >= 2 {
-                tree.alloc_mamba_slot().ok()
-            } else {
-                None
-            };
-            match slot {
+            match Self::spare_slot(tree) {
                 Some(slot) => {
                     req.mamba_checkpoints
                         .push(MambaCheckpoint { pos, slot, kind });
@@ -504,31 +577,52 @@ impl MambaAdmission {
         result
     }
 
-    /// At request end: the running state `slot` becomes the [`CheckpointKind::RequestEnd`]
-    /// state of `end` (the node ending the inserted key, `None` when nothing was inserted)
-    /// where the policy keeps it and the computed length ends a page (`aligned`); otherwise
-    /// it is freed.
+    /// At request end: the request's running slot `running` and its tracking slot `track`.
+    /// Where the computed length ends a page (`at_page`) the running state is the state at
+    /// the end of `end` (the node ending the inserted key, `None` when nothing was inserted)
+    /// and the tracking slot is freed; otherwise the tracked state is (its position is the
+    /// computed length floored to a page, where `end` ends) and the running slot is freed.
+    /// That state becomes the [`CheckpointKind::RequestEnd`] state of `end` where the policy
+    /// keeps it; otherwise it is freed too. Every slot is released, errors or not.
     pub(crate) fn finish_state(
         &mut self,
         tree: &mut RadixTree,
-        slot: u32,
+        running: u32,
+        track: Option<u32>,
         end: Option<NodeId>,
-        aligned: bool,
+        at_page: bool,
     ) -> Result<()> {
-        let keep = match self.policy {
-            MambaPolicy::Sglang => true,
-            MambaPolicy::Marconi(p) => p.output_end,
+        let (state, spare) = if at_page {
+            (Some(running), track)
+        } else {
+            (track, Some(running))
         };
-        match end {
-            Some(node) if aligned && keep && self.admit(tree, CheckpointKind::RequestEnd) => {
+        let mut result = match spare {
+            Some(s) => tree.free_mamba_slot(s),
+            None => Ok(()),
+        };
+        let Some(slot) = state else {
+            return result;
+        };
+        let keep = self.keeps_request_end();
+        let stored = match end {
+            Some(node) if keep && self.admit(tree, CheckpointKind::RequestEnd) => {
                 match tree.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd) {
-                    Ok(_) => Ok(()),
+                    Ok(MambaInsert::Stored) => {
+                        if !at_page && let Some(st) = tree.mamba_stats_mut() {
+                            st.tracked_stored += 1;
+                        }
+                        Ok(())
+                    }
+                    Ok(MambaInsert::AlreadyCached) => Ok(()),
                     // Nothing changed: the request still holds the slot.
                     Err(e) => tree.free_mamba_slot(slot).and(Err(e)),
                 }
             }
             _ => tree.free_mamba_slot(slot),
-        }
+        };
+        result = result.and(stored);
+        result
     }
 }
 

@@ -617,13 +617,19 @@ struct CacheSut {
     reqs: Vec<RequestKv>,
 }
 
-/// Every slot a request holds: its running slot and its pending checkpoints.
+/// Every slot a request holds: its running slot, its tracking slot and its pending
+/// checkpoints.
 fn held_slots(r: &RequestKv) -> Vec<u32> {
-    r.mamba_slot
+    let held: Vec<u32> = r
+        .mamba_slot
         .iter()
         .copied()
+        .chain(r.mamba_track.map(|t| t.slot))
         .chain(r.mamba_checkpoints.iter().map(|c| c.slot))
-        .collect()
+        .collect();
+    assert_eq!(held.len(), r.mamba_slots_held());
+    assert!(held.len() <= RequestKv::MAX_MAMBA_SLOTS);
+    held
 }
 
 impl CacheSut {

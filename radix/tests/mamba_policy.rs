@@ -119,7 +119,12 @@ fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
             Ok(SlotState::Request)
         );
     }
-    assert_eq!(c.mamba_accounting().unwrap().request_owned, 3);
+    // The running slot, the tracking slot and the two checkpoints.
+    let track = rb.mamba_track.expect("a tracking slot");
+    assert_eq!(track.pos, 0, "nothing computed yet");
+    assert!(!slots.contains(&track.slot) && Some(track.slot) != rb.mamba_slot);
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 4);
+    assert_eq!(rb.mamba_slots_held(), 4);
     prefill(&mut c, &mut rb);
     c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
     audit(&c);
@@ -130,7 +135,7 @@ fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
     assert_eq!(stats.kind(CheckpointKind::Branch).stored, 1);
     assert_eq!(stats.kind(CheckpointKind::PromptEnd).stored, 2);
     // A's running state duplicated its prompt-end state, and B ended at 18 (not a page end):
-    // both running states were freed, not stored.
+    // its tracked state at 16 duplicated its prompt-end state too. Nothing was stored.
     assert_eq!(stats.kind(CheckpointKind::RequestEnd).stored, 0);
 
     // C diverges from both at 8: it hits the branch state.
