@@ -492,7 +492,9 @@ impl MambaAdmission {
     /// error.
     pub(crate) fn plan(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         self.plan_checkpoints(tree, req);
-        if self.track && self.keeps_request_end() {
+        // Hit-driven admission judges the request-end state here, before a slot is held for
+        // it; a tracked request's state is stored at its finish without being judged again.
+        if self.track && self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd) {
             match Self::spare_slot(tree) {
                 Some(slot) => {
                     req.mamba_track = Some(MambaTrack {
@@ -583,7 +585,8 @@ impl MambaAdmission {
     /// and the tracking slot is freed; otherwise the tracked state is (its position is the
     /// computed length floored to a page, where `end` ends) and the running slot is freed.
     /// That state becomes the [`CheckpointKind::RequestEnd`] state of `end` where the policy
-    /// keeps it; otherwise it is freed too. Every slot is released, errors or not.
+    /// keeps it (hit-driven admission judged a tracked request at its begin, an untracked one
+    /// here); otherwise it is freed too. Every slot is released, errors or not.
     pub(crate) fn finish_state(
         &mut self,
         tree: &mut RadixTree,
@@ -606,7 +609,9 @@ impl MambaAdmission {
         };
         let keep = self.keeps_request_end();
         let stored = match end {
-            Some(node) if keep && self.admit(tree, CheckpointKind::RequestEnd) => {
+            Some(node)
+                if keep && (track.is_some() || self.admit(tree, CheckpointKind::RequestEnd)) =>
+            {
                 match tree.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd) {
                     Ok(MambaInsert::Stored) => {
                         if !at_page && let Some(st) = tree.mamba_stats_mut() {
