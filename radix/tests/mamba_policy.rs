@@ -701,3 +701,37 @@ fn the_tracking_slot_is_skipped_when_slots_are_short_or_it_is_off() {
     assert_eq!(r.mamba_track, None);
     assert_eq!(c.mamba_stats().unwrap().tracks_skipped, 0);
 }
+
+#[test]
+fn hit_driven_admission_refuses_the_tracking_slot_of_a_rarely_hit_request_end() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 512,
+        max_rows: 8,
+        mamba_slots: Some(256),
+        mamba_policy: MambaPolicy::default(),
+        ..Default::default()
+    })
+    .unwrap();
+    // 64 request-end states, never hit (every key starts elsewhere; 6 tokens end off a page).
+    let mut tracked = 0;
+    for i in 0..64 + 32 {
+        let mut r = begin(&mut c, &seq(i * 100..i * 100 + 6));
+        assert!(r.mamba_checkpoints.is_empty());
+        if i >= 64 {
+            tracked += usize::from(r.mamba_track.is_some());
+        } else {
+            assert!(r.mamba_track.is_some(), "admitted before the warm-up");
+        }
+        prefill(&mut c, &mut r);
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    }
+    audit(&c);
+    // Judged rarely hit: one request in 16 gets a tracking slot (and stores its state).
+    assert_eq!(tracked, 2);
+    let st = c.mamba_stats().unwrap();
+    let end = st.kind(CheckpointKind::RequestEnd);
+    assert_eq!((end.stored, end.skipped, end.hits), (66, 30, 0));
+    assert_eq!((st.tracked_stored, st.tracks_skipped), (66, 0));
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+}
