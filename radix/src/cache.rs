@@ -277,8 +277,9 @@ pub trait PrefixCache {
     fn pools(&self) -> &DevicePools;
     /// The device pools, mutably (allocate and free owned pages, rows).
     fn pools_mut(&mut self) -> &mut DevicePools;
-    /// True when requests of this cache own per-request state beyond their full-KV row (a
-    /// Mamba slot in [`RequestKv::mamba_slot`], sliding-window pages in
+    /// True when requests of this cache own per-request state beyond their full-KV row (Mamba
+    /// slots: [`RequestKv::mamba_slot`] and the tracking and checkpoint slots beside it;
+    /// sliding-window pages in
     /// [`RequestKv::swa_pages`]) that the cache frees at finish. A decorator that keeps a
     /// request's resources past its finish (a session) must hand that state back too, so it
     /// refuses a cache it cannot do that for.
