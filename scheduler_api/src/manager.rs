@@ -29,8 +29,8 @@ use std::sync::Arc;
 
 use ahash::HashSet;
 use radixkv_radix::{
-    CacheError, EventBuffer, FinishKind, KvEvent, KvEventBatch, PageId, PoolAccounting, RadixKey,
-    RequestKv, SessionTag, TokenId,
+    CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch, MambaCow,
+    PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -143,6 +143,8 @@ pub struct KvCacheManager {
     open_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
+    /// The cache has the Mamba component (read once): state counters are tracked.
+    has_mamba: bool,
 }
 
 // The threading model (crate docs): the manager moves to the one thread or task that owns it,
@@ -188,6 +190,7 @@ impl KvCacheManager {
             None => build_cache_with_clock(&cfg, clock.clone())?,
         };
         let page_granular = cache.page_granular();
+        let has_mamba = cache.mamba_accounting().is_some();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
             cache,
@@ -209,6 +212,7 @@ impl KvCacheManager {
             step_error: None,
             open_step: None,
             ended_step: 0,
+            has_mamba,
         })
     }
 
@@ -261,7 +265,55 @@ impl KvCacheManager {
         m.gauges.running_requests = self.running;
         m.gauges.held_sessions = self.cache.held_sessions();
         m.counters.kv_events_dropped = self.events_dropped();
+        if let Some(a) = self.cache.mamba_accounting() {
+            m.gauges.set_mamba(&a);
+        }
         m
+    }
+
+    /// Where every Mamba state slot is (free, held by running requests, cached and evictable,
+    /// cached and locked); `None` on a model without Mamba layers.
+    pub fn mamba_accounting(&self) -> Option<ComponentAccounting> {
+        self.cache.mamba_accounting()
+    }
+
+    /// The Mamba state slot a running request holds (the forward pass reads and writes its
+    /// recurrent state there); `None` on a model without Mamba layers and for a waiting
+    /// request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_slot(&self, id: ReqId) -> Result<Option<u32>> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_slot)
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// The copy on write a running request's first forward still needs (the cached state
+    /// `src` into the request's slot `dst`), as [`Admitted::mamba_cow`] said; `None` once a
+    /// chunk is done (the copy has run by then), on a miss, and on other models.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_cow(&self, id: ReqId) -> Result<Option<MambaCow>> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_cow)
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// Cached Mamba states (evictable and locked), 0 without the component.
+    fn mamba_held(&self) -> usize {
+        mamba_held(self.has_mamba, self.cache.as_ref())
+    }
+
+    /// Counts the change of cached Mamba states since `before` ([`Self::mamba_held`]).
+    fn count_states(&mut self, before: usize) {
+        if self.has_mamba {
+            let after = self.mamba_held();
+            count_state_change(&mut self.metrics, before, after);
+        }
     }
 
     /// Drains the KV events collected at step ends (empty unless events are enabled).
@@ -465,7 +517,18 @@ impl KvCacheManager {
         if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
             t.kv.session = None;
         }
+        let states_before = mamba_held(self.has_mamba, self.cache.as_ref());
         let mut m = self.cache.match_request(&mut t.kv)?;
+        // A Mamba hit keeps the cached state and copies it into a slot of the request's own:
+        // two slots. A one-slot pool can never serve one, so its cached state goes (the KV
+        // stays) and the request runs as a miss rather than wait forever.
+        if self.has_mamba
+            && t.kv.prefix_len > 0
+            && self.cache.mamba_accounting().is_some_and(|a| a.total < 2)
+        {
+            self.cache.evict_mamba_states(usize::MAX);
+            m = self.cache.match_request(&mut t.kv)?;
+        }
         // Saturating: `output_left` comes from the caller and the config, and a sum past
         // `usize::MAX` can only wait.
         let mut needed = (len - m.prefix_len)
@@ -505,10 +568,19 @@ impl KvCacheManager {
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
+            self.count_states(states_before);
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
             Ok(()) => {}
+            // Every Mamba slot is held by a running request or a locked state: nothing was
+            // held or changed; a finishing request frees one.
+            Err(CacheError::OutOfStateSlots { .. }) => {
+                self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: no state slot");
+                self.count_states(states_before);
+                return Ok(Admission::Wait(WaitReason::NoStateSlot));
+            }
             // The host tier's load queue is full: nothing was held or changed, and the loads
             // in flight are acknowledged at the next step.
             Err(CacheError::Busy(_)) => {
@@ -525,10 +597,12 @@ impl KvCacheManager {
             self.start_loads(&set);
         }
         let forward_step = self.forward_step();
+        self.count_states(states_before);
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
         let device = m.prefix_len.min(t.kv.prefix_len);
+        let kv_match = t.kv.kv_match_len.max(device);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
@@ -546,6 +620,8 @@ impl KvCacheManager {
             c.prompt_tokens += t.prompt_len as u64;
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
+            c.kv_match_tokens += kv_match as u64;
+            c.mamba_state_hits += u64::from(t.kv.mamba_cow.is_some());
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
         }
@@ -561,6 +637,9 @@ impl KvCacheManager {
             device_tokens: device,
             host_tokens: host,
             extend_tokens: extend,
+            kv_match_tokens: kv_match,
+            mamba_slot: t.kv.mamba_slot,
+            mamba_cow: t.kv.mamba_cow,
         }))
     }
 
@@ -601,8 +680,10 @@ impl KvCacheManager {
         commit_pending(&mut t.kv)?;
         // Inserting may rewrite the row; the next allocation asks the cache again.
         t.row_capacity = 0;
-        self.cache.cache_unfinished_req(&mut t.kv)?;
-        Ok(())
+        let before = mamba_held(self.has_mamba, self.cache.as_ref());
+        let r = self.cache.cache_unfinished_req(&mut t.kv);
+        self.count_states(before);
+        Ok(r?)
     }
 
     /// Appends a sampled token and allocates its slot (evicting as needed). Returns the slot's
@@ -695,9 +776,11 @@ impl KvCacheManager {
             self.session_use.insert(tag.id, self.use_seq);
         }
         let committed = commit_pending(&mut t.kv);
+        let before = self.mamba_held();
         let r = self
             .cache
             .cache_finished_req(&mut t.kv, FinishKind::Finished);
+        self.count_states(before);
         self.metrics.counters.finished += 1;
         committed.and(r.map_err(Into::into))
     }
@@ -755,9 +838,12 @@ impl KvCacheManager {
         } else {
             None
         };
+        let before = mamba_held(self.has_mamba, self.cache.as_ref());
         let cached = self
             .cache
             .cache_finished_req(&mut t.kv, FinishKind::Finished);
+        let after = mamba_held(self.has_mamba, self.cache.as_ref());
+        count_state_change(&mut self.metrics, before, after);
         if tag.is_some() {
             t.kv.session = tag;
         }
@@ -1037,6 +1123,24 @@ fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> O
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
 
+/// Cached Mamba states (evictable and locked) when `has_mamba`, else 0 without asking.
+fn mamba_held(has_mamba: bool, cache: &dyn ManagedCache) -> usize {
+    if !has_mamba {
+        return 0;
+    }
+    cache
+        .mamba_accounting()
+        .map_or(0, |a| a.evictable + a.protected)
+}
+
+/// Counts a change of cached Mamba states from `before` to `after`: a rise as states stored, a
+/// fall as states evicted.
+fn count_state_change(metrics: &mut Metrics, before: usize, after: usize) {
+    let c = &mut metrics.counters;
+    c.mamba_states_stored += after.saturating_sub(before) as u64;
+    c.mamba_states_evicted += before.saturating_sub(after) as u64;
+}
+
 fn inv(msg: String) -> ManagerError {
     ManagerError::Invariant(radixkv_radix::InvariantViolation(msg))
 }
@@ -1098,6 +1202,12 @@ fn alloc(
     } else {
         0
     };
+    // Evicting a node's KV evicts its Mamba state with it.
+    let states_before = if may_evict {
+        cache.mamba_accounting().map(|a| a.evictable + a.protected)
+    } else {
+        None
+    };
     if let Err(e) = cache.alloc_tokens(&mut t.kv, n) {
         metrics.counters.out_of_memory += 1;
         return Err(match e {
@@ -1119,6 +1229,9 @@ fn alloc(
         // Allocation changes the tree only by evicting.
         let cached_after = cache.evictable_tokens() + cache.protected_tokens();
         metrics.counters.evicted_tokens += cached_before.saturating_sub(cached_after) as u64;
+        if let (Some(before), Some(a)) = (states_before, cache.mamba_accounting()) {
+            count_state_change(metrics, before, a.evictable + a.protected);
+        }
     }
     let used = n.min(t.reserved);
     t.reserved -= used;
