@@ -12,8 +12,8 @@ pub use ideal::IdealCache;
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
-    CpuBreakdown, OccupancySample, REPORT_SCHEMA_VERSION, Report, ReportFile, TierRatios,
-    fmt_bytes, fmt_count, fmt_pool,
+    CpuBreakdown, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION, Report,
+    ReportFile, TierRatios, fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 
