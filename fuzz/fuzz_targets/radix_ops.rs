@@ -200,6 +200,7 @@ impl Harness {
             event_capacity,
             disabled,
             mamba_slots: None,
+            ..Default::default()
         };
         let cache = RadixCache::new(cfg.clone()).ok()?;
         let other = RadixCache::new(RadixConfig {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use radixkv_hicache::{DEFAULT_MAX_PENDING_OPS, StreamKind};
-use radixkv_radix::{FinishKind, PrefixCache, RadixKey, RequestKv};
+use radixkv_radix::{CacheError, FinishKind, PrefixCache, RadixKey, RequestKv};
 
 #[test]
 fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
@@ -77,4 +77,82 @@ fn a_failed_load_of_an_earlier_batch_fails_a_later_batch_that_matched_it() {
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
     assert_eq!(c.stats().repaired_loads, 1);
+}
+
+/// Write-through backups lock the KV they copy until their ack. When the device can only make
+/// room by evicting that KV, `make_room` completes the backups first (instead of failing with
+/// out-of-pages while the KV is merely waiting for a copy), and `available_tokens` counts it.
+#[test]
+fn make_room_completes_the_backups_that_pin_device_kv() {
+    let mut c = gated_cache(8, DEFAULT_MAX_PENDING_OPS);
+    let gate = c.backend().gate().unwrap().clone();
+    let a = tokens(1, 12);
+    serve(&mut c, &a).unwrap();
+    // A's six pages are in the tree, locked by their backup, which the gate holds.
+    assert_eq!(c.unacked_backup_pages(), 6);
+    assert_eq!(c.evictable_tokens(), 0);
+    assert_eq!(c.backup_pinned_tokens(), 12);
+    assert_eq!(c.available_tokens(), 16, "free + evictable + backup-pinned");
+    // Nine pages cannot be made free even by completing the backup: nothing is waited for or
+    // changed.
+    assert!(matches!(
+        c.alloc_pages(9),
+        Err(CacheError::OutOfPages { needed: 9, .. })
+    ));
+    assert_eq!(c.stats().backups_awaited_for_room, 0);
+    assert_eq!(c.unacked_backup_pages(), 6);
+    // Eight pages: the backup is completed (the gate opens only when something waits for it),
+    // acknowledged, and A is demoted to the host.
+    gate.open_when_waited();
+    let (mut c, pages) = within("alloc_pages", 60, move || {
+        let r = c.alloc_pages(8);
+        (c, r)
+    });
+    let pages = pages.expect("completing the backup frees A's pages");
+    assert_eq!(pages.len(), 8);
+    let s = c.stats();
+    assert_eq!(s.backups_awaited_for_room, 1);
+    assert_eq!((s.writes_acked, s.failed_writes), (1, 0));
+    assert_eq!(s.demoted_tokens, 12);
+    assert_eq!(c.unacked_backup_pages(), 0);
+    c.pools_mut().pages.free(&pages).unwrap();
+    c.check_invariants().unwrap();
+    // The backup was completed, not dropped: A comes back from the host.
+    let mut r = RequestKv::new(RadixKey::new(a.clone()));
+    let m = c.match_request(&mut r).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (0, 10));
+}
+
+/// Only KV that nothing but a backup locks counts as backup-pinned: a request's lock on the
+/// same path keeps it out, and `make_room` does not wait for a backup that would not free
+/// enough.
+#[test]
+fn backup_pinned_tokens_leave_out_kv_locked_by_a_request() {
+    let mut c = gated_cache(8, DEFAULT_MAX_PENDING_OPS);
+    let gate = c.backend().gate().unwrap().clone();
+    let a = tokens(1, 12);
+    serve(&mut c, &a).unwrap();
+    // A request reuses A's first ten tokens (the match splits A into 10 + 2 tokens).
+    let mut r = begin(&mut c, &a);
+    assert_eq!(r.prefix_len, 10);
+    assert_eq!(c.backup_pinned_tokens(), 2, "only A's unshared tail");
+    assert_eq!(c.available_tokens(), 4 + 2);
+    // Four pages would need A's head, which the request holds: no wait, out of pages.
+    assert!(matches!(
+        c.alloc_pages(4),
+        Err(CacheError::OutOfPages { .. })
+    ));
+    assert_eq!(c.stats().backups_awaited_for_room, 0);
+    gate.open_when_waited();
+    let (mut c, pages) = within("alloc_pages", 60, move || {
+        let r = c.alloc_pages(3);
+        (c, r)
+    });
+    let pages = pages.expect("completing the backup frees A's tail");
+    assert_eq!(c.stats().backups_awaited_for_room, 1);
+    c.pools_mut().pages.free(&pages).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
 }

@@ -56,6 +56,7 @@ fn cache_config(pages: usize, policy: PolicyKind) -> RadixConfig {
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
         mamba_slots: None,
+        mamba_policy: Default::default(),
     }
 }
 
@@ -66,6 +67,8 @@ fn cache(pages: usize, policy: PolicyKind) -> RadixCache {
 fn mamba_cache(pages: usize, slots: u32) -> RadixCache {
     RadixCache::new(RadixConfig {
         mamba_slots: Some(slots),
+        // The figures in the README are the baseline's (LRU, one slot per request).
+        mamba_policy: radixkv_radix::MambaPolicy::Sglang,
         ..cache_config(pages, PolicyKind::Lru)
     })
     .unwrap()

@@ -18,6 +18,7 @@ use crate::alloc::DevicePools;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
+use crate::mamba_policy::MambaCheckpoint;
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
@@ -128,12 +129,21 @@ pub struct RequestKv {
     pub cache_protected_len: usize,
     /// The request's own Mamba state slot (hybrid models), from `begin_request` on. At the end
     /// of the request a cache with the Mamba component stores it as the checkpoint of the
-    /// inserted key or frees it.
+    /// inserted key or frees it, as its [`MambaPolicy`](crate::MambaPolicy) says.
     pub mamba_slot: Option<u32>,
     /// A Mamba hit's copy on write: the device backend copies the cached state `src` into the
     /// request's slot `dst` (= `mamba_slot`) before the request's first forward. Set by
     /// `begin_request`, cleared by the first `cache_unfinished_req` (the copy has run by then).
     pub mamba_cow: Option<MambaCow>,
+    /// Mamba checkpoints the forward pass must take (hybrid models, [`MambaPolicy::Marconi`]):
+    /// at each `pos` the engine copies the request's running state into `slot`. Set by
+    /// `begin_request` (ascending positions past the cached prefix, each with its own slot);
+    /// the cache stores each one in the tree when it inserts the KV up to its position
+    /// (a chunk or the finish) and removes it from here, and frees the slots of those left
+    /// when the request ends.
+    ///
+    /// [`MambaPolicy::Marconi`]: crate::MambaPolicy::Marconi
+    pub mamba_checkpoints: Vec<MambaCheckpoint>,
     /// How far the device KV match went, set by a cache with the Mamba component (≥
     /// `prefix_len`; 0 from other caches). The usable prefix stops at the deepest cached state;
     /// when this is longer, the forward pass should checkpoint the state at this length so
@@ -199,6 +209,7 @@ impl RequestKv {
         self.cache_protected_len = 0;
         self.mamba_slot = None;
         self.mamba_cow = None;
+        self.mamba_checkpoints.clear();
         self.kv_match_len = 0;
         self.swa_evicted_len = 0;
         self.kv_lent = false;
@@ -360,29 +371,17 @@ pub trait PrefixCache {
         self.make_room(n)?;
         self.pools_mut().pages.alloc(n)
     }
-    /// Evicts cached pages until `n` pages are free. Nothing is evicted when even evicting
-    /// everything evictable would not be enough.
+    /// Makes `n` pages free. The default evicts cached pages ([`make_room_by_evicting`]); a
+    /// cache that can unpin KV first (a tiered cache completing the backups that pin it)
+    /// overrides it, and a decorator forwards it to the cache it wraps.
     ///
     /// # Errors
-    /// [`CacheError::OutOfPages`] in that case.
+    /// [`CacheError::OutOfPages`] when even that cannot free enough; nothing is evicted then.
     fn make_room(&mut self, n: usize) -> Result<()> {
-        let free = self.pools().pages.available();
-        if free < n {
-            let p = self.page_size();
-            // Fail before evicting: flushing cached prefixes for an allocation that fails anyway
-            // would change the cache on an error path. Tree nodes are page-aligned, so the
-            // evictable tokens are exactly the pages eviction can free.
-            if free + self.evictable_tokens() / p < n {
-                return Err(CacheError::OutOfPages {
-                    needed: n,
-                    available: free,
-                });
-            }
-            self.evict((n - free) * p);
-        }
-        Ok(())
+        make_room_by_evicting(self, n)
     }
-    /// Tokens available for new work: free plus evictable.
+    /// Tokens available for new work: free plus evictable (plus, for a cache whose
+    /// [`PrefixCache::make_room`] can unpin KV, what it would unpin).
     fn available_tokens(&self) -> usize {
         self.pools().pages.available() * self.page_size() + self.evictable_tokens()
     }
@@ -406,6 +405,30 @@ pub trait PrefixCache {
             request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
         }
     }
+}
+
+/// [`PrefixCache::make_room`]'s default: evicts cached pages until `n` pages are free. Nothing
+/// is evicted when even evicting everything evictable would not be enough. Public so that a
+/// cache overriding `make_room` (to unpin KV first) can finish with it.
+///
+/// # Errors
+/// [`CacheError::OutOfPages`] in that case.
+pub fn make_room_by_evicting<C: PrefixCache + ?Sized>(cache: &mut C, n: usize) -> Result<()> {
+    let free = cache.pools().pages.available();
+    if free < n {
+        let p = cache.page_size();
+        // Fail before evicting: flushing cached prefixes for an allocation that fails anyway
+        // would change the cache on an error path. Tree nodes are page-aligned, so the
+        // evictable tokens are exactly the pages eviction can free.
+        if free + cache.evictable_tokens() / p < n {
+            return Err(CacheError::OutOfPages {
+                needed: n,
+                available: free,
+            });
+        }
+        cache.evict((n - free) * p);
+    }
+    Ok(())
 }
 
 /// The request audit every [`PrefixCache`] shares ([`PrefixCache::check_request`]'s default): a

@@ -111,6 +111,15 @@ pub enum CacheError {
     /// The operation needs a tree component that this cache was not configured with.
     #[error("the {0} component is not configured for this cache")]
     ComponentDisabled(&'static str),
+    /// A parameter of a state admission / eviction policy is impossible (negative, NaN,
+    /// infinite or out of range; see [`crate::mamba_policy::MarconiParams::validate`]).
+    #[error("invalid policy parameter `{param}`: {reason}")]
+    PolicyParam {
+        /// The parameter's name.
+        param: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// An [`crate::EvictionPolicy`] answered with a node that is not an evictable leaf (a stale
     /// handle, a locked or inner node, one already given). The tree rebuilt the policy's
     /// contents from its own leaf set, so it stays consistent; the policy has a bug.

@@ -41,16 +41,23 @@
 //!   ([`RadixTree::inc_lock_ref_mamba`]; the receipt records that it did) and allocates the
 //!   request's own slot; the tree returns `(src, dst)` ([`MambaCow`]) and the device backend
 //!   copies the bytes.
-//! - *Insert* ([`RadixTree::insert_mamba_state`]): at request end the request's slot becomes
-//!   the node's state, or is freed when the node already has one (the SGLang-style baseline:
-//!   a checkpoint at every request end; [`RadixCache`] stores it only where the request's
-//!   computed tokens end a page, i.e. a node boundary).
+//! - *Insert* ([`RadixTree::insert_mamba_state`]): a request's slot becomes the node's state,
+//!   or is freed when the node already has one.
+//! - *Admission* ([`RadixConfig::mamba_policy`], [`mamba_policy`]): which states a
+//!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline: its running
+//!   state at its end, where its computed tokens end a page (a node boundary).
+//!   [`MambaPolicy::Marconi`], the default: checkpoints at the branch point where the request
+//!   leaves a cached path, at its prompt end and at its end, handed to the engine as
+//!   [`RequestKv::mamba_checkpoints`] (one slot each; stored with the KV that reaches them,
+//!   freed when the request ends first), with hit-driven admission per kind
+//!   ([`MambaStats`]).
 //! - *Locks*: a receipt locks the KV path to its anchor and, optionally, the anchor's state
 //!   (Mamba lock ≤ KV lock on every node).
 //! - *Eviction and the cascade*: evicting a node's device KV evicts its state (a state cannot
 //!   be resumed without the KV before it); evicting a state under slot pressure
-//!   ([`RadixTree::evict_mamba`], least recently used unlocked state first, and automatically
-//!   when [`RadixTree::alloc_mamba_slot`] finds the pool full) keeps the KV: the node becomes a
+//!   ([`RadixTree::evict_mamba`]: least recently used unlocked state first, or under Marconi
+//!   the lowest recency + FLOPs-saved-per-byte utility; automatically when
+//!   [`RadixTree::alloc_mamba_slot`] finds the pool full) keeps the KV: the node becomes a
 //!   tombstone for the Mamba component. With no free slot and every state locked, allocation
 //!   fails with [`CacheError::OutOfStateSlots`].
 //! - *Accounting* ([`RadixTree::mamba_accounting`]): every slot is exactly one of free, held by
@@ -117,6 +124,7 @@ mod alloc;
 mod cache;
 mod error;
 pub mod events;
+pub mod mamba_policy;
 pub mod policy;
 mod radix_cache;
 mod slots;
@@ -128,9 +136,13 @@ pub use alloc::{
 };
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
+    make_room_by_evicting,
 };
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
+pub use mamba_policy::{
+    CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MarconiParams,
+};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig};
 pub use slots::{SlotState, StateSlotPool};

@@ -7,6 +7,7 @@ use crate::cache::{
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent};
+use crate::mamba_policy::{MambaAdmission, MambaPolicy, MambaStats};
 use crate::policy::PolicyKind;
 use crate::slots::SlotState;
 use crate::tree::mamba::MambaCow;
@@ -35,11 +36,14 @@ pub struct RadixConfig {
     pub disabled: bool,
     /// Slots of the Mamba state pool (hybrid Transformer–Mamba models; one slot holds the
     /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
-    /// deepest cached state, every running request holds its own slot, and a finished request
-    /// stores its state as the checkpoint of its inserted key (see the crate docs). Not yet
+    /// deepest cached state, every running request holds its own slot, and requests leave
+    /// states behind as [`RadixConfig::mamba_policy`] says (see the crate docs). Not yet
     /// supported under a session layer (which refuses to open a session over it, see
     /// [`PrefixCache::has_state_slots`]) or the host tier (which refuses it).
     pub mamba_slots: Option<u32>,
+    /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
+    /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
+    pub mamba_policy: MambaPolicy,
 }
 
 impl Default for RadixConfig {
@@ -53,6 +57,7 @@ impl Default for RadixConfig {
             event_capacity: EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
             mamba_slots: None,
+            mamba_policy: MambaPolicy::default(),
         }
     }
 }
@@ -85,19 +90,23 @@ pub struct RadixCache {
     disabled: bool,
     scratch: Vec<PageId>,
     canonical: Vec<PageId>,
+    mamba: MambaAdmission,
 }
 
 impl RadixCache {
     /// A cache with fresh pools.
     ///
     /// # Errors
-    /// [`CacheError::Config`] for a zero page size, pool or row count.
+    /// [`CacheError::Config`] for a zero page size, pool or row count;
+    /// [`CacheError::PolicyParam`] for a bad [`RadixConfig::mamba_policy`].
     pub fn new(cfg: RadixConfig) -> Result<Self> {
         let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
+        let mamba = MambaAdmission::new(cfg.mamba_policy)?;
         let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
         tree.set_event_capacity(cfg.event_capacity)?;
         if let Some(slots) = cfg.mamba_slots {
             tree.enable_mamba(slots)?;
+            tree.set_mamba_policy(&cfg.mamba_policy)?;
         }
         Ok(RadixCache {
             tree,
@@ -105,6 +114,7 @@ impl RadixCache {
             disabled: cfg.disabled,
             scratch: Vec::new(),
             canonical: Vec::new(),
+            mamba,
         })
     }
 
@@ -136,9 +146,20 @@ impl RadixCache {
         self.tree.mamba_accounting().ok()
     }
 
-    /// Audits one request's Mamba slot: a running request of a cache with the Mamba component
-    /// holds exactly one slot, in the request state (the Mamba part of
-    /// [`PrefixCache::check_request`], which runs it).
+    /// Mamba state counters per checkpoint kind (`None` for a KV-only cache).
+    pub fn mamba_stats(&self) -> Option<MambaStats> {
+        self.tree.mamba_stats().ok()
+    }
+
+    /// The Mamba admission and eviction policy.
+    pub fn mamba_policy(&self) -> &MambaPolicy {
+        self.mamba.policy()
+    }
+
+    /// Audits one request's Mamba slots: a running request of a cache with the Mamba component
+    /// holds exactly one running slot, in the request state, and one distinct request-held
+    /// slot per pending checkpoint, at ascending page-aligned positions past its cached
+    /// prefix (the Mamba part of [`PrefixCache::check_request`], which runs it).
     ///
     /// # Errors
     /// The first violated invariant.
@@ -148,7 +169,7 @@ impl RadixCache {
     ) -> std::result::Result<(), InvariantViolation> {
         let Ok(pool) = self.tree.mamba_pool() else {
             ensure_inv!(
-                req.mamba_slot.is_none(),
+                req.mamba_slot.is_none() && req.mamba_checkpoints.is_empty(),
                 "a KV-only cache's request holds a Mamba slot"
             );
             return Ok(());
@@ -164,6 +185,27 @@ impl RadixCache {
                 pool.state(slot) == Ok(SlotState::Request),
                 "request's Mamba slot {slot} is {:?}",
                 pool.state(slot)
+            );
+        }
+        ensure_inv!(
+            req.row.is_some() || req.mamba_checkpoints.is_empty(),
+            "a request without a row holds Mamba checkpoints"
+        );
+        let mut last = req.cache_protected_len;
+        for (i, c) in req.mamba_checkpoints.iter().enumerate() {
+            ensure_inv!(
+                c.pos > last && c.pos.is_multiple_of(self.pools.page_size),
+                "Mamba checkpoint at {} is not page-aligned, ascending and past {last}",
+                c.pos
+            );
+            last = c.pos;
+            ensure_inv!(
+                pool.state(c.slot) == Ok(SlotState::Request)
+                    && Some(c.slot) != req.mamba_slot
+                    && req.mamba_checkpoints[..i].iter().all(|o| o.slot != c.slot),
+                "Mamba checkpoint slot {} is {:?} or held twice",
+                c.slot,
+                pool.state(c.slot)
             );
         }
         if let Some(cow) = req.mamba_cow {
@@ -474,7 +516,7 @@ impl PrefixCache for RadixCache {
             ));
         }
         let mamba = self.tree.mamba_enabled();
-        if mamba && req.mamba_slot.is_some() {
+        if mamba && (req.mamba_slot.is_some() || !req.mamba_checkpoints.is_empty()) {
             return Err(CacheError::InvalidRequestState(
                 "begin_request on a request that already holds a Mamba slot",
             ));
@@ -516,6 +558,9 @@ impl PrefixCache for RadixCache {
         req.committed_len = req.prefix_len;
         req.allocated_len = req.prefix_len;
         req.cache_protected_len = req.prefix_len;
+        if mamba {
+            self.mamba.plan(&mut self.tree, req);
+        }
         self.debug_audit();
         Ok(())
     }
@@ -540,12 +585,13 @@ impl PrefixCache for RadixCache {
         }
         req.last_node = Some(r.last_node);
         // The chunk's forward has run, so a hit's state copy is done (and its source no
-        // longer locked).
+        // longer locked), and the checkpoints it passed are taken.
         req.mamba_cow = None;
+        let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
         self.debug_audit();
-        Ok(())
+        stored
     }
 
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
@@ -554,6 +600,7 @@ impl PrefixCache for RadixCache {
             if let Some(s) = req.mamba_slot.take() {
                 self.tree.free_mamba_slot(s)?;
             }
+            MambaAdmission::free_checkpoints(&mut self.tree, req)?;
             if let Some(l) = req.lock.take() {
                 self.tree.dec_lock_ref(l)?;
             }
@@ -569,16 +616,18 @@ impl PrefixCache for RadixCache {
                 .insert_request_prefix(req, aligned, false)
                 .map(|r| end = Some(r.last_node));
         }
-        // Checkpoint at every request end (the SGLang-style baseline): the request's state is
-        // the state after its last computed token, so it is cached only where that token ends
-        // a page (a node boundary); otherwise, and on abort, the slot is freed.
+        // Checkpoints the forward pass passed are stored with the KV; the others (and all of
+        // them on abort) are freed. The running state is the state after the last computed
+        // token, so it is cached (where the policy keeps it) only where that token ends a page
+        // (a node boundary); otherwise, and on abort, the slot is freed.
+        if end.is_some() {
+            let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
+            result = result.and(stored);
+        }
+        result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         if let Some(slot) = req.mamba_slot.take() {
-            let cached = match end {
-                Some(node) if aligned == req.committed_len => {
-                    self.tree.insert_mamba_state(node, slot).map(|_| ())
-                }
-                _ => self.tree.free_mamba_slot(slot),
-            };
+            let at_page = aligned == req.committed_len;
+            let cached = self.mamba.finish_state(&mut self.tree, slot, end, at_page);
             result = result.and(cached);
         }
         // Free everything the row still owns (the unaligned tail, over-allocation, or all of it

@@ -18,6 +18,7 @@ fn cache_with(page_size: usize, total_pages: usize, policy: PolicyKind) -> Radix
         event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
         disabled: false,
         mamba_slots: None,
+        ..Default::default()
     })
     .unwrap()
 }

@@ -2,8 +2,8 @@
 //! request end, slot pressure, and typed errors for bad input.
 
 use radixkv_radix::{
-    CacheError, FinishKind, InsertOptions, KeyRef, MambaInsert, PageId, PolicyKind, PrefixCache,
-    RadixCache, RadixConfig, RadixKey, RadixTree, RequestKv, SlotState,
+    CacheError, FinishKind, InsertOptions, KeyRef, MambaInsert, MambaPolicy, PageId, PolicyKind,
+    PrefixCache, RadixCache, RadixConfig, RadixKey, RadixTree, RequestKv, SlotState,
 };
 
 fn cache(slots: u32) -> RadixCache {
@@ -12,6 +12,7 @@ fn cache(slots: u32) -> RadixCache {
         total_pages: 64,
         max_rows: 8,
         mamba_slots: Some(slots),
+        mamba_policy: MambaPolicy::Sglang,
         ..Default::default()
     })
     .unwrap()

@@ -15,6 +15,17 @@
 //! Splits happen whenever a match or insert ends inside an edge; since states are compared by
 //! the prefix they end, a state that moved to the upper half of a split would show.
 //!
+//! A second machine drives `RadixCache` under both Mamba policies (`MambaPolicy::Sglang` and
+//! variants of `MambaPolicy::Marconi`) through whole request lives (match, begin, prefill
+//! chunks, decode, finish or abort) with KV and state eviction in between. Utility eviction
+//! has no simple reference, so it checks what must hold under any policy after every step: a
+//! match never ends where no state is; a hit's source state stays locked while its copy is
+//! pending, and slot-pressure eviction never takes a locked state; every slot is free,
+//! tree-held or held by exactly one request (its running slot or a pending checkpoint), and
+//! `free + evictable + protected + request_owned == total`; a request's end returns every slot
+//! it held (stored or freed, none leaked, none freed twice); the cache's and each request's
+//! audits pass.
+//!
 //! `PROPTEST_CASES` sets the number of cases (default 64, up to 60 transitions each).
 
 mod common;
@@ -24,8 +35,9 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::{
-    CacheError, InsertOptions, KeyRef, LockReceipt, MambaInsert, NodeId, PageId, PolicyKind,
-    RadixTree, SlotState, TokenId,
+    CacheError, FinishKind, InsertOptions, KeyRef, LockReceipt, MambaInsert, MambaPolicy,
+    MarconiParams, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
+    RadixTree, RequestKv, SlotState, TokenId,
 };
 
 const P: usize = 2;
@@ -489,4 +501,386 @@ prop_state_machine! {
 
     #[test]
     fn mamba_component_matches_reference_model(sequential 1..60 => Sut);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RadixCache under both policies
+
+#[derive(Clone, Debug)]
+enum CacheOp {
+    /// A request arrives: match, then begin.
+    Start {
+        key: Vec<TokenId>,
+    },
+    /// A bare match.
+    Match {
+        key: Vec<TokenId>,
+    },
+    /// The next prefill chunk of running request `i` (then `cache_unfinished_req`).
+    Chunk {
+        i: usize,
+        n: usize,
+    },
+    /// Running request `i` decodes `tokens` (after its prefill).
+    Decode {
+        i: usize,
+        tokens: Vec<TokenId>,
+    },
+    /// Running request `i` ends.
+    Finish {
+        i: usize,
+        abort: bool,
+    },
+    EvictKv {
+        tokens: usize,
+    },
+    EvictMamba {
+        n: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct CacheRef {
+    slots: u32,
+    policy: MambaPolicy,
+}
+
+struct CacheMachine;
+
+fn policy_strategy() -> impl Strategy<Value = MambaPolicy> {
+    let marconi = (
+        prop::bool::ANY,
+        prop::bool::ANY,
+        prop_oneof![Just(0.0), Just(1.5), Just(100.0)],
+        prop_oneof![Just(0.0), Just(0.5)],
+    )
+        .prop_map(|(prompt_end, output_end, alpha, min_hit_ratio)| {
+            MambaPolicy::Marconi(MarconiParams {
+                alpha,
+                prompt_end,
+                output_end,
+                min_hit_ratio,
+                slot_bytes: 64,
+                kv_bytes_per_token: 4,
+                ..MarconiParams::default()
+            })
+        });
+    prop_oneof![1 => Just(MambaPolicy::Sglang), 3 => marconi]
+}
+
+impl ReferenceStateMachine for CacheMachine {
+    type State = CacheRef;
+    type Transition = CacheOp;
+
+    fn init_state() -> BoxedStrategy<CacheRef> {
+        (1u32..9, policy_strategy())
+            .prop_map(|(slots, policy)| CacheRef { slots, policy })
+            .boxed()
+    }
+
+    fn transitions(_: &CacheRef) -> BoxedStrategy<CacheOp> {
+        let key = || {
+            (0..STEMS.len(), prop::collection::vec(0u32..3, 1..10)).prop_map(|(s, tail)| {
+                let mut k = STEMS[s].to_vec();
+                k.extend(tail);
+                k
+            })
+        };
+        prop_oneof![
+            4 => key().prop_map(|key| CacheOp::Start { key }),
+            2 => key().prop_map(|key| CacheOp::Match { key }),
+            4 => (0usize..8, 1usize..9).prop_map(|(i, n)| CacheOp::Chunk { i, n }),
+            2 => (0usize..8, prop::collection::vec(0u32..3, 1..6))
+                .prop_map(|(i, tokens)| CacheOp::Decode { i, tokens }),
+            3 => (0usize..8, prop::bool::weighted(0.2))
+                .prop_map(|(i, abort)| CacheOp::Finish { i, abort }),
+            1 => (1usize..16).prop_map(|tokens| CacheOp::EvictKv { tokens }),
+            1 => (1usize..3).prop_map(|n| CacheOp::EvictMamba { n }),
+        ]
+        .boxed()
+    }
+
+    fn apply(state: CacheRef, _: &CacheOp) -> CacheRef {
+        state
+    }
+}
+
+struct CacheSut {
+    cache: RadixCache,
+    reqs: Vec<RequestKv>,
+}
+
+/// Every slot a request holds: its running slot and its pending checkpoints.
+fn held_slots(r: &RequestKv) -> Vec<u32> {
+    r.mamba_slot
+        .iter()
+        .copied()
+        .chain(r.mamba_checkpoints.iter().map(|c| c.slot))
+        .collect()
+}
+
+impl CacheSut {
+    fn request_owned(&self) -> usize {
+        self.cache.mamba_accounting().unwrap().request_owned
+    }
+
+    fn slot_state(&self, slot: u32) -> SlotState {
+        self.cache.tree().mamba_pool().unwrap().state(slot).unwrap()
+    }
+
+    /// A usable match ends at the root or at a node that carries a state.
+    fn check_match_end(&self, len: usize, node: NodeId) {
+        let t = self.cache.tree();
+        assert_eq!(t.depth_tokens(node).unwrap(), len, "match anchor depth");
+        if len > 0 {
+            assert!(
+                t.mamba_state(node).unwrap().is_some(),
+                "a match of {len} tokens ends where no state is"
+            );
+        }
+    }
+
+    /// States locked now (by the hit copies still pending).
+    fn locked_states(&self) -> Vec<(NodeId, u32)> {
+        let t = self.cache.tree();
+        t.mamba_states()
+            .unwrap()
+            .into_iter()
+            .filter(|(n, _)| t.mamba_lock_ref(*n).unwrap() > 0)
+            .collect()
+    }
+
+    fn assert_locked_kept(&self, before: &[(NodeId, u32)]) {
+        let t = self.cache.tree();
+        for &(n, s) in before {
+            assert_eq!(t.mamba_state(n), Ok(Some(s)), "a locked state was evicted");
+        }
+    }
+}
+
+fn is_resource_error(e: &CacheError) -> bool {
+    matches!(
+        e,
+        CacheError::OutOfStateSlots { .. }
+            | CacheError::OutOfRows { .. }
+            | CacheError::OutOfPages { .. }
+    )
+}
+
+impl StateMachineTest for CacheSut {
+    type SystemUnderTest = CacheSut;
+    type Reference = CacheMachine;
+
+    fn init_test(state: &CacheRef) -> CacheSut {
+        let cache = RadixCache::new(RadixConfig {
+            page_size: P,
+            total_pages: 24,
+            max_rows: 4,
+            mamba_slots: Some(state.slots),
+            mamba_policy: state.policy,
+            ..Default::default()
+        })
+        .unwrap();
+        CacheSut {
+            cache,
+            reqs: Vec::new(),
+        }
+    }
+
+    fn apply(mut sut: CacheSut, _: &CacheRef, op: CacheOp) -> CacheSut {
+        match op {
+            CacheOp::Start { key } => {
+                let mut r = RequestKv::new(RadixKey::new(key));
+                let m = sut.cache.match_request(&mut r).unwrap();
+                sut.check_match_end(m.prefix_len, r.last_node.unwrap());
+                assert!(r.kv_match_len >= m.prefix_len);
+                let locked = sut.locked_states();
+                let owned = sut.request_owned();
+                match sut.cache.begin_request(&mut r) {
+                    Ok(()) => {
+                        sut.check_match_end(r.prefix_len, r.lock.as_ref().unwrap().anchor());
+                        if let Some(cow) = r.mamba_cow {
+                            let anchor = r.lock.as_ref().unwrap().anchor();
+                            assert_eq!(sut.cache.tree().mamba_state(anchor), Ok(Some(cow.src)));
+                            assert!(sut.cache.tree().mamba_lock_ref(anchor).unwrap() > 0);
+                        }
+                        assert_eq!(
+                            sut.request_owned(),
+                            owned + held_slots(&r).len(),
+                            "begin: the running slot and one per checkpoint"
+                        );
+                        if matches!(sut.cache.mamba_policy(), MambaPolicy::Sglang) {
+                            assert!(r.mamba_checkpoints.is_empty());
+                        }
+                        sut.assert_locked_kept(&locked);
+                        sut.reqs.push(r);
+                    }
+                    Err(e) => {
+                        assert!(is_resource_error(&e), "begin: {e:?}");
+                        assert!(
+                            r.row.is_none() && held_slots(&r).is_empty() && r.lock.is_none(),
+                            "a failed begin holds nothing"
+                        );
+                        assert_eq!(sut.request_owned(), owned);
+                        sut.cache
+                            .cache_finished_req(&mut r, FinishKind::Aborted)
+                            .unwrap();
+                    }
+                }
+            }
+            CacheOp::Match { key } => {
+                let mut out = Vec::new();
+                let m = sut.cache.match_prefix(KeyRef::new(&key), &mut out).unwrap();
+                sut.check_match_end(m.device_len, m.last_device);
+                assert_eq!(out.len() * P, m.device_len);
+            }
+            CacheOp::Chunk { i, n } => {
+                if sut.reqs.is_empty() {
+                    return sut;
+                }
+                let i = i % sut.reqs.len();
+                let left = sut.reqs[i].key.len() - sut.reqs[i].committed_len;
+                let n = n.min(left);
+                if n == 0 {
+                    return sut;
+                }
+                let r = &mut sut.reqs[i];
+                match sut.cache.alloc_tokens(r, n) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        assert!(is_resource_error(&e), "alloc: {e:?}");
+                        return sut;
+                    }
+                }
+                r.commit(n).unwrap();
+                let before = held_slots(r);
+                let aligned = r.committed_len - r.committed_len % P;
+                let due = r
+                    .mamba_checkpoints
+                    .iter()
+                    .filter(|c| c.pos <= aligned)
+                    .count();
+                let owned = sut.cache.mamba_accounting().unwrap().request_owned;
+                sut.cache.cache_unfinished_req(r).unwrap();
+                let r = &sut.reqs[i];
+                assert!(
+                    r.mamba_checkpoints.iter().all(|c| c.pos > aligned),
+                    "the checkpoints the chunk passed are taken"
+                );
+                assert_eq!(sut.request_owned(), owned - due);
+                for s in before {
+                    if !held_slots(r).contains(&s) {
+                        assert_ne!(sut.slot_state(s), SlotState::Request, "slot {s} leaked");
+                    }
+                }
+            }
+            CacheOp::Decode { i, tokens } => {
+                if sut.reqs.is_empty() {
+                    return sut;
+                }
+                let i = i % sut.reqs.len();
+                if sut.reqs[i].committed_len < sut.reqs[i].key.len() {
+                    return sut;
+                }
+                let locked = sut.locked_states();
+                let r = &mut sut.reqs[i];
+                if let Err(e) = sut.cache.alloc_tokens(r, tokens.len()) {
+                    assert!(is_resource_error(&e), "alloc: {e:?}");
+                    return sut;
+                }
+                r.append_tokens(&tokens);
+                r.commit(tokens.len()).unwrap();
+                sut.assert_locked_kept(&locked);
+            }
+            CacheOp::Finish { i, abort } => {
+                if sut.reqs.is_empty() {
+                    return sut;
+                }
+                let mut r = sut.reqs.remove(i % sut.reqs.len());
+                let held = held_slots(&r);
+                let owned = sut.request_owned();
+                let kind = if abort {
+                    FinishKind::Aborted
+                } else {
+                    FinishKind::Finished
+                };
+                sut.cache.cache_finished_req(&mut r, kind).unwrap();
+                assert!(held_slots(&r).is_empty() && r.row.is_none());
+                assert_eq!(
+                    sut.request_owned(),
+                    owned - held.len(),
+                    "every slot the request held is stored or freed"
+                );
+                for s in held {
+                    assert_ne!(sut.slot_state(s), SlotState::Request, "slot {s} leaked");
+                    if abort {
+                        assert_eq!(sut.slot_state(s), SlotState::Free, "abort stores nothing");
+                    }
+                }
+            }
+            CacheOp::EvictKv { tokens } => {
+                let locked = sut.locked_states();
+                sut.cache.evict(tokens);
+                sut.assert_locked_kept(&locked);
+            }
+            CacheOp::EvictMamba { n } => {
+                let locked = sut.locked_states();
+                let before = sut.cache.mamba_accounting().unwrap();
+                let done = sut.cache.parts_mut().0.evict_mamba(n);
+                assert_eq!(done, n.min(before.evictable), "unlocked states evicted");
+                sut.assert_locked_kept(&locked);
+            }
+        }
+        sut
+    }
+
+    fn check_invariants(sut: &CacheSut, _: &CacheRef) {
+        if let Err(e) = sut.cache.check_invariants() {
+            panic!("{e}");
+        }
+        let mut seen = HashSet::new();
+        for r in &sut.reqs {
+            if let Err(e) = sut.cache.check_request(r) {
+                panic!("{e}");
+            }
+            for s in held_slots(r) {
+                assert!(seen.insert(s), "slot {s} held by two requests");
+                assert_eq!(sut.slot_state(s), SlotState::Request);
+            }
+        }
+        let acc = sut.cache.mamba_accounting().unwrap();
+        assert!(acc.balanced(), "{acc:?}");
+        assert_eq!(
+            acc.free + acc.evictable + acc.protected + acc.request_owned,
+            acc.total
+        );
+        assert_eq!(acc.request_owned, seen.len(), "request-held slots");
+        assert_eq!(
+            acc.evictable + acc.protected,
+            sut.cache.tree().mamba_states().unwrap().len()
+        );
+    }
+
+    fn teardown(mut sut: CacheSut, _: CacheRef) {
+        for mut r in std::mem::take(&mut sut.reqs) {
+            sut.cache
+                .cache_finished_req(&mut r, FinishKind::Aborted)
+                .unwrap();
+        }
+        let acc = sut.cache.mamba_accounting().unwrap();
+        assert_eq!(acc.request_owned, 0, "no slot outlives its request");
+        sut.cache.reset().unwrap();
+        let acc = sut.cache.mamba_accounting().unwrap();
+        assert_eq!(acc.free, acc.total, "every slot is free after a reset");
+        sut.cache.check_invariants().unwrap();
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(common::state_machine_config())]
+
+    #[test]
+    fn radix_cache_under_both_mamba_policies_keeps_its_slot_invariants(
+        sequential 1..60 => CacheSut
+    );
 }

@@ -582,6 +582,7 @@ impl StateMachineTest for Sut {
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             disabled: false,
             mamba_slots: None,
+            ..Default::default()
         })
         .expect("config");
         Sut {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use radixkv_hicache::DeviceBackend;
 
 use crate::config::{
-    CacheKind, Eviction, HostTier, ManagerConfig, ModelGeometry, PoolBudgets, SessionBudget,
+    CacheKind, Eviction, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
+    SessionBudget,
 };
 use crate::error::Result;
 use crate::factory::GivenBackend;
@@ -96,6 +97,13 @@ impl ManagerBuilder {
     /// ```
     pub fn mamba_bytes(mut self, bytes: u64) -> Self {
         self.cfg.pools.mamba_bytes = Some(bytes);
+        self
+    }
+
+    /// The Mamba state policy (models with Mamba layers; Marconi when not set). Setting one
+    /// on a model without Mamba layers is refused when the manager is built.
+    pub fn mamba_policy(mut self, p: MambaPolicyKind) -> Self {
+        self.cfg.mamba_policy = Some(p);
         self
     }
 

@@ -35,7 +35,8 @@ use std::sync::Arc;
 
 use radixkv_hicache::{DeviceBackend, HostSim};
 use radixkv_radix::{
-    CacheError, ComponentAccounting, PrefixCache, RadixCache, RadixConfig, RequestKv,
+    CacheError, ComponentAccounting, MambaPolicy, MambaStats, PrefixCache, RadixCache, RadixConfig,
+    RequestKv,
 };
 use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
@@ -189,6 +190,10 @@ pub trait ManagedCache: PrefixCache + Send {
     fn evict_mamba_states(&mut self, _n: usize) -> usize {
         0
     }
+    /// The Mamba state counters per checkpoint kind; `None` without the Mamba component.
+    fn mamba_stats(&self) -> Option<MambaStats> {
+        None
+    }
 }
 
 impl ManagedCache for RadixCache {
@@ -198,6 +203,10 @@ impl ManagedCache for RadixCache {
 
     fn evict_mamba_states(&mut self, n: usize) -> usize {
         self.parts_mut().0.evict_mamba(n)
+    }
+
+    fn mamba_stats(&self) -> Option<MambaStats> {
+        RadixCache::mamba_stats(self)
     }
 }
 
@@ -323,8 +332,14 @@ fn build<B: DeviceBackend>(
         events: cfg.events,
         event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
-        // Sliding-window models and the combinations not wired yet are refused above.
+        // Sliding-window models and the combinations not wired yet are refused above. The
+        // disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
         mamba_slots,
+        mamba_policy: match cfg.radix_mamba_policy()? {
+            Some(_) if matches!(cfg.cache, CacheKind::Disabled) => MambaPolicy::Sglang,
+            Some(p) => p,
+            None => MambaPolicy::default(),
+        },
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
         max_held_tokens: b.max_held_tokens,

@@ -126,8 +126,8 @@ mod tiered;
 
 pub use builder::ManagerBuilder;
 pub use config::{
-    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, PoolBudgets, Preset,
-    SessionBudget, WritePolicy,
+    CacheKind, HostLayout, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
+    Preset, SessionBudget, WritePolicy,
 };
 pub use error::{BackendMismatch, ManagerError, Result};
 pub use manager::{
@@ -135,6 +135,6 @@ pub use manager::{
     WaitReason,
 };
 pub use metrics::Metrics;
-pub use radixkv_radix::{ComponentAccounting, MambaCow};
+pub use radixkv_radix::{CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow};
 pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

@@ -29,8 +29,8 @@ use std::sync::Arc;
 
 use ahash::HashSet;
 use radixkv_radix::{
-    CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch, MambaCow,
-    PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
+    CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch,
+    MambaCheckpoint, MambaCow, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -268,6 +268,9 @@ impl KvCacheManager {
         if let Some(a) = self.cache.mamba_accounting() {
             m.gauges.set_mamba(&a);
         }
+        if let Some(st) = self.cache.mamba_stats() {
+            m.counters.set_mamba(&st);
+        }
         m
     }
 
@@ -303,17 +306,18 @@ impl KvCacheManager {
             .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
-    /// Cached Mamba states (evictable and locked), 0 without the component.
-    fn mamba_held(&self) -> usize {
-        mamba_held(self.has_mamba, self.cache.as_ref())
-    }
-
-    /// Counts the change of cached Mamba states since `before` ([`Self::mamba_held`]).
-    fn count_states(&mut self, before: usize) {
-        if self.has_mamba {
-            let after = self.mamba_held();
-            count_state_change(&mut self.metrics, before, after);
-        }
+    /// The checkpoints a running request's forward pass takes (Marconi policy): at each
+    /// position the engine copies the request's running state into the checkpoint's slot. The
+    /// cache stores them as the KV reaching them is inserted; the list shrinks as they are.
+    /// Empty on other models, under the baseline policy and for a waiting request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_checkpoints(&self, id: ReqId) -> Result<&[MambaCheckpoint]> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_checkpoints.as_slice())
+            .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
     /// Drains the KV events collected at step ends (empty unless events are enabled).
@@ -517,7 +521,6 @@ impl KvCacheManager {
         if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
             t.kv.session = None;
         }
-        let states_before = mamba_held(self.has_mamba, self.cache.as_ref());
         let mut m = self.cache.match_request(&mut t.kv)?;
         // A Mamba hit keeps the cached state and copies it into a slot of the request's own:
         // two slots. A one-slot pool can never serve one, so its cached state goes (the KV
@@ -568,7 +571,6 @@ impl KvCacheManager {
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
-            self.count_states(states_before);
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
@@ -578,7 +580,6 @@ impl KvCacheManager {
             Err(CacheError::OutOfStateSlots { .. }) => {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, "admission waits: no state slot");
-                self.count_states(states_before);
                 return Ok(Admission::Wait(WaitReason::NoStateSlot));
             }
             // The host tier's load queue is full: nothing was held or changed, and the loads
@@ -597,7 +598,6 @@ impl KvCacheManager {
             self.start_loads(&set);
         }
         let forward_step = self.forward_step();
-        self.count_states(states_before);
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
@@ -621,7 +621,6 @@ impl KvCacheManager {
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
             c.kv_match_tokens += kv_match as u64;
-            c.mamba_state_hits += u64::from(t.kv.mamba_cow.is_some());
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
         }
@@ -640,6 +639,7 @@ impl KvCacheManager {
             kv_match_tokens: kv_match,
             mamba_slot: t.kv.mamba_slot,
             mamba_cow: t.kv.mamba_cow,
+            mamba_checkpoints: t.kv.mamba_checkpoints.clone(),
         }))
     }
 
@@ -680,10 +680,8 @@ impl KvCacheManager {
         commit_pending(&mut t.kv)?;
         // Inserting may rewrite the row; the next allocation asks the cache again.
         t.row_capacity = 0;
-        let before = mamba_held(self.has_mamba, self.cache.as_ref());
-        let r = self.cache.cache_unfinished_req(&mut t.kv);
-        self.count_states(before);
-        Ok(r?)
+        self.cache.cache_unfinished_req(&mut t.kv)?;
+        Ok(())
     }
 
     /// Appends a sampled token and allocates its slot (evicting as needed). Returns the slot's
@@ -776,11 +774,9 @@ impl KvCacheManager {
             self.session_use.insert(tag.id, self.use_seq);
         }
         let committed = commit_pending(&mut t.kv);
-        let before = self.mamba_held();
         let r = self
             .cache
             .cache_finished_req(&mut t.kv, FinishKind::Finished);
-        self.count_states(before);
         self.metrics.counters.finished += 1;
         committed.and(r.map_err(Into::into))
     }
@@ -838,12 +834,9 @@ impl KvCacheManager {
         } else {
             None
         };
-        let before = mamba_held(self.has_mamba, self.cache.as_ref());
         let cached = self
             .cache
             .cache_finished_req(&mut t.kv, FinishKind::Finished);
-        let after = mamba_held(self.has_mamba, self.cache.as_ref());
-        count_state_change(&mut self.metrics, before, after);
         if tag.is_some() {
             t.kv.session = tag;
         }
@@ -1123,24 +1116,6 @@ fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> O
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
 
-/// Cached Mamba states (evictable and locked) when `has_mamba`, else 0 without asking.
-fn mamba_held(has_mamba: bool, cache: &dyn ManagedCache) -> usize {
-    if !has_mamba {
-        return 0;
-    }
-    cache
-        .mamba_accounting()
-        .map_or(0, |a| a.evictable + a.protected)
-}
-
-/// Counts a change of cached Mamba states from `before` to `after`: a rise as states stored, a
-/// fall as states evicted.
-fn count_state_change(metrics: &mut Metrics, before: usize, after: usize) {
-    let c = &mut metrics.counters;
-    c.mamba_states_stored += after.saturating_sub(before) as u64;
-    c.mamba_states_evicted += before.saturating_sub(after) as u64;
-}
-
 fn inv(msg: String) -> ManagerError {
     ManagerError::Invariant(radixkv_radix::InvariantViolation(msg))
 }
@@ -1202,12 +1177,6 @@ fn alloc(
     } else {
         0
     };
-    // Evicting a node's KV evicts its Mamba state with it.
-    let states_before = if may_evict {
-        cache.mamba_accounting().map(|a| a.evictable + a.protected)
-    } else {
-        None
-    };
     if let Err(e) = cache.alloc_tokens(&mut t.kv, n) {
         metrics.counters.out_of_memory += 1;
         return Err(match e {
@@ -1229,9 +1198,6 @@ fn alloc(
         // Allocation changes the tree only by evicting.
         let cached_after = cache.evictable_tokens() + cache.protected_tokens();
         metrics.counters.evicted_tokens += cached_before.saturating_sub(cached_after) as u64;
-        if let (Some(before), Some(a)) = (states_before, cache.mamba_accounting()) {
-            count_state_change(metrics, before, a.evictable + a.protected);
-        }
     }
     let used = n.min(t.reserved);
     t.reserved -= used;

@@ -57,15 +57,25 @@ pub struct Counters {
     /// [`Counters::hit_tokens_device`] on a KV-only model; on a model with Mamba layers it also
     /// counts the matched KV past the deepest cached state, which is not usable.
     pub kv_match_tokens: u64,
-    /// Mamba states the cache stored (a request's state kept as a checkpoint of the tree),
-    /// counted as the rise of the cached states across each manager call.
+    /// Mamba states the cache stored in the tree (checkpoints of every kind), as the cache
+    /// counts them ([`radixkv_radix::MambaStats`]).
     pub mamba_states_stored: u64,
-    /// First admissions that reused a cached Mamba state (a copy on write).
+    /// Admissions that began on a cached Mamba state (a copy on write).
     pub mamba_state_hits: u64,
-    /// Cached Mamba states dropped to make room (for a slot, or with their node's KV), counted
-    /// as the fall of the cached states across each manager call; a
-    /// [`reset`](crate::KvCacheManager::reset) is not counted.
+    /// Cached Mamba states evicted (for a slot, explicitly, or with their node's KV).
     pub mamba_states_evicted: u64,
+    /// Checkpoints the Mamba policy did not take (admission refused them, or no slot).
+    pub mamba_checkpoints_skipped: u64,
+}
+
+impl Counters {
+    pub(crate) fn set_mamba(&mut self, st: &radixkv_radix::MambaStats) {
+        let t = st.total();
+        self.mamba_states_stored = t.stored;
+        self.mamba_state_hits = t.hits;
+        self.mamba_states_evicted = t.evicted;
+        self.mamba_checkpoints_skipped = t.skipped;
+    }
 }
 
 /// Point-in-time values.
@@ -495,6 +505,7 @@ impl Metrics {
                     ("event=\"stored\"", c.mamba_states_stored),
                     ("event=\"hit\"", c.mamba_state_hits),
                     ("event=\"evicted\"", c.mamba_states_evicted),
+                    ("event=\"skipped\"", c.mamba_checkpoints_skipped),
                 ],
             );
             w.gauge(

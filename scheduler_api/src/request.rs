@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use radixkv_radix::{MambaCow, Namespace, TokenId};
+use radixkv_radix::{MambaCheckpoint, MambaCow, Namespace, TokenId};
 
 use crate::error::Result;
 use crate::factory::{LayerWait, StepTransfers};
@@ -94,7 +94,7 @@ impl std::fmt::Display for ReqId {
 }
 
 /// Outcome of [`KvCacheManager::admit`](crate::KvCacheManager::admit).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
     /// Admitted: locked, row allocated, reservation taken.
     Ready(Admitted),
@@ -125,7 +125,7 @@ pub enum NeverReason {
 }
 
 /// What an admission reused and what remains to compute.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Admitted {
     /// Tokens reused from the device tier.
     pub device_tokens: usize,
@@ -145,6 +145,11 @@ pub struct Admitted {
     /// request's slot `dst` (= [`Admitted::mamba_slot`]) before the request's first forward.
     /// `None` on a miss (the slot starts from the zero state) and on other models.
     pub mamba_cow: Option<MambaCow>,
+    /// The checkpoints the request's forward pass takes (the Marconi policy, see
+    /// [`KvCacheManager::mamba_checkpoints`](crate::KvCacheManager::mamba_checkpoints)): when it
+    /// passes position `pos` the engine copies the running state into `slot`. Empty on other
+    /// models and under the baseline policy.
+    pub mamba_checkpoints: Vec<MambaCheckpoint>,
 }
 
 impl Admitted {

@@ -94,4 +94,8 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
     fn evict_mamba_states(&mut self, n: usize) -> usize {
         self.inner_mut().evict_mamba_states(n)
     }
+
+    fn mamba_stats(&self) -> Option<radixkv_radix::MambaStats> {
+        self.inner().mamba_stats()
+    }
 }

@@ -262,6 +262,12 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn pools_mut(&mut self) -> &mut DevicePools {
         self.cache.pools_mut()
     }
+    fn has_state_slots(&self) -> bool {
+        self.cache.has_state_slots()
+    }
+    fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
+        self.cache.check_request(req)
+    }
     fn match_prefix(
         &mut self,
         key: KeyRef<'_>,
@@ -330,6 +336,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     }
     fn alloc_pages(&mut self, n: usize) -> radixkv_radix::Result<Vec<PageId>> {
         self.cache.alloc_pages(n)
+    }
+    fn make_room(&mut self, n: usize) -> radixkv_radix::Result<()> {
+        self.cache.make_room(n)
     }
     fn available_tokens(&self) -> usize {
         self.cache.available_tokens()

@@ -6,8 +6,8 @@ mod common;
 
 use common::admitted;
 use radixkv_scheduler_api::{
-    Admission, CacheKind, HostTier, KvCacheManager, ManagerError, Preset, ReqId, Request,
-    SessionBudget, WaitReason,
+    Admission, CacheKind, CheckpointKind, HostTier, KvCacheManager, MambaPolicyKind, ManagerConfig,
+    ManagerError, Preset, ReqId, Request, SessionBudget, WaitReason,
 };
 
 /// The Jamba-like geometry with pages of 4 tokens.
@@ -21,12 +21,18 @@ fn slot_bytes() -> u64 {
     jamba().checked_mamba_slot_bytes().unwrap()
 }
 
-/// A Jamba-like manager of 1024 device tokens and `slots` state slots.
+/// A Jamba-like manager of 1024 device tokens and `slots` state slots under the SGLang-style
+/// baseline (one slot per running request, a checkpoint at request end).
 fn manager(slots: u64) -> KvCacheManager {
+    manager_with(slots, MambaPolicyKind::Sglang)
+}
+
+fn manager_with(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
     KvCacheManager::builder()
         .model(jamba())
         .device_tokens(1024)
         .mamba_bytes(slots * slot_bytes())
+        .mamba_policy(policy)
         .build()
         .unwrap()
 }
@@ -284,6 +290,7 @@ fn openmetrics_exports_the_mamba_slots_and_state_counters() {
         "radixkv_mamba_states_total{event=\"stored\"} 1\n",
         "radixkv_mamba_states_total{event=\"hit\"} 1\n",
         "radixkv_mamba_states_total{event=\"evicted\"} 0\n",
+        "radixkv_mamba_states_total{event=\"skipped\"} 0\n",
         "radixkv_kv_match_tokens_total 8\n",
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
@@ -296,4 +303,99 @@ fn openmetrics_exports_the_mamba_slots_and_state_counters() {
         .unwrap();
     assert!(dense.mamba_accounting().is_none());
     assert!(!dense.metrics().to_openmetrics().contains("mamba"));
+}
+
+#[test]
+fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
+    // Left out, the policy is Marconi, named in the label.
+    let kv = KvCacheManager::builder()
+        .model(jamba())
+        .device_tokens(1024)
+        .mamba_bytes(8 * slot_bytes())
+        .build()
+        .unwrap();
+    assert_eq!(kv.config().label(), "radix-lru+mamba-marconi");
+    let mut kv = manager_with(8, MambaPolicyKind::Marconi);
+    // A miss of 14 tokens: a checkpoint at the end of the prompt, floored to a page (12), in
+    // a slot of its own beside the running state's.
+    let r = kv
+        .arrive(Request::new((0..14).collect()).max_new_tokens(2))
+        .unwrap();
+    let adm = admitted(&mut kv, r);
+    assert_eq!(adm.mamba_checkpoints.len(), 1, "{adm:?}");
+    let c = adm.mamba_checkpoints[0];
+    assert_eq!((c.pos, c.kind), (12, CheckpointKind::PromptEnd));
+    assert_ne!(Some(c.slot), adm.mamba_slot);
+    assert_eq!(kv.mamba_checkpoints(r).unwrap(), &adm.mamba_checkpoints[..]);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
+    kv.extend(r, adm.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    kv.chunk_done(r).unwrap();
+    kv.end_step(step).unwrap();
+    // The chunk inserted the KV up to 12: the checkpoint is the tree's now.
+    assert!(kv.mamba_checkpoints(r).unwrap().is_empty());
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 1);
+    kv.finish(r).unwrap();
+    balanced(&kv);
+    // The next turn extends the prompt: it hits the prompt-end state at 12.
+    let (n, adm) = prefill(&mut kv, (0..20).collect());
+    assert_eq!(adm.device_tokens, 12);
+    assert!(adm.mamba_cow.is_some());
+    kv.finish(n).unwrap();
+    assert_eq!(kv.metrics().counters.mamba_state_hits, 1);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 0);
+    balanced(&kv);
+}
+
+#[test]
+fn mamba_policy_is_a_typed_config_key() {
+    let jamba = "[model]\npreset = \"jamba-like\"\n";
+    for (name, kind) in [
+        ("marconi", MambaPolicyKind::Marconi),
+        ("sglang", MambaPolicyKind::Sglang),
+    ] {
+        let c =
+            ManagerConfig::from_toml_str(&format!("mamba_policy = \"{name}\"\n{jamba}")).unwrap();
+        assert_eq!(c.mamba_policy, Some(kind));
+        assert_eq!(c.label(), format!("radix-lru+mamba-{name}"));
+    }
+    let e = ManagerConfig::from_toml_str(&format!("mamba_policy = \"lru\"\n{jamba}")).unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("marconi") && m.contains("sglang")),
+        "{e:?}"
+    );
+    // On a model without Mamba layers the key would mean nothing: refused.
+    let e = ManagerConfig::from_toml_str("mamba_policy = \"sglang\"\n").unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("no Mamba layer")),
+        "{e:?}"
+    );
+    // Marconi weighs states by FLOPs: a Mamba model without a compute shape must say so.
+    let mut model = jamba_geometry_without_compute();
+    model.page_size = 4;
+    let e = KvCacheManager::builder()
+        .model(model.clone())
+        .device_tokens(1024)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("[model.compute]")),
+        "{e:?}"
+    );
+    // The baseline needs no FLOPs.
+    assert!(
+        KvCacheManager::builder()
+            .model(model)
+            .device_tokens(1024)
+            .mamba_policy(MambaPolicyKind::Sglang)
+            .build()
+            .is_ok()
+    );
+}
+
+fn jamba_geometry_without_compute() -> radixkv_scheduler_api::ModelGeometry {
+    radixkv_scheduler_api::ModelGeometry {
+        compute: None,
+        ..Preset::JambaLike.geometry()
+    }
 }

@@ -458,6 +458,19 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         }
     }
 
+    /// The inner cache's `make_room`; when that fails, idle sessions are demoted (least
+    /// recently used first) and it is retried, as for [`PrefixCache::alloc_pages`].
+    fn make_room(&mut self, n: usize) -> Result<()> {
+        match self.inner.make_room(n) {
+            Err(CacheError::OutOfPages { .. })
+                if self.reclaim_for(n.saturating_mul(self.inner.page_size()))? =>
+            {
+                self.inner.make_room(n)
+            }
+            r => r,
+        }
+    }
+
     /// Free plus evictable tokens of the inner cache, plus what idle sessions hold (allocation
     /// demotes them under pressure, so admission may count on it).
     fn available_tokens(&self) -> usize {

@@ -33,6 +33,7 @@ fn build(layout: HostLayout) -> Cache {
                 event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
                 disabled: false,
                 mamba_slots: None,
+                ..Default::default()
             },
             host_size: HostSize::Ratio(4.0),
             host_layout: layout,
@@ -190,4 +191,91 @@ fn session_kv_survives_demotion_device_eviction_and_load_back_layer_first() {
 #[test]
 fn session_kv_survives_demotion_device_eviction_and_load_back_page_first() {
     run(HostLayout::PageFirst);
+}
+
+/// A request that needs the pages an idle session holds: allocation demotes the session into
+/// the tiered tree, whose write-through backup then locks that KV until the copy is
+/// acknowledged. The allocation must still succeed: the cache counts the backup-pinned KV as
+/// available and completes the backup to evict it (it used to fail with out-of-pages although
+/// the pool was large enough).
+#[test]
+fn allocation_demotes_an_idle_session_through_a_write_through_backup() {
+    let mut c = build(HostLayout::PageFirst);
+    c.open(1, true, None).unwrap();
+    let t1: Vec<u32> = (100..118).collect();
+    turn(&mut c, Some(1), &t1, &[900, 901, 902]);
+    let held = c.session_held_tokens();
+    assert_eq!(held, 20);
+    let total = c.pools().pages.total() * P;
+    assert_eq!(
+        c.available_tokens(),
+        total,
+        "idle session KV counts as available"
+    );
+    // An unrelated request needs all but one page of the pool.
+    let big: Vec<u32> = (0..(total - P) as u32).map(|i| 7000 + i).collect();
+    let mut req = RequestKv::new(RadixKey::new(big.clone()));
+    c.match_request(&mut req).unwrap();
+    c.begin_request(&mut req).unwrap();
+    c.alloc_tokens(&mut req, big.len())
+        .expect("the idle session's KV is demoted, backed up and evicted");
+    assert_eq!(c.session_held_tokens(), 0);
+    let s = c.inner().stats();
+    assert_eq!(s.backups_awaited_for_room, 1, "{s:?}");
+    assert_eq!(s.demoted_tokens, held as u64, "{s:?}");
+    audit(&c);
+    req.commit(big.len()).unwrap();
+    c.cache_finished_req(&mut req, FinishKind::Finished)
+        .unwrap();
+    c.inner_mut().flush().unwrap();
+    audit(&c);
+    // The demoted session's KV was backed up before its eviction: its next turn finds it on
+    // the host.
+    let mut t2 = t1.clone();
+    t2.extend([900, 901, 902, 40, 41]);
+    let mut probe = RequestKv::new(RadixKey::new(t2));
+    let m = c.inner_mut().match_request(&mut probe).unwrap();
+    assert_eq!(m.prefix_len + m.host_hit_len, held, "{m:?}");
+    c.close(1).unwrap();
+    audit(&c);
+    assert_eq!(c.pools().rows.live(), 0);
+}
+
+/// `make_room` on the session decorator reaches the tiered cache's override (completing the
+/// backups that pin KV) and demotes idle sessions when that is not enough.
+#[test]
+fn make_room_through_the_session_layer_demotes_and_completes_backups() {
+    let mut c = build(HostLayout::LayerFirst);
+    c.open(1, true, None).unwrap();
+    let t1: Vec<u32> = (100..118).collect();
+    turn(&mut c, Some(1), &t1, &[900, 901, 902]);
+    // A second request's KV enters the tree and is pinned by its (unacknowledged) backup.
+    let other: Vec<u32> = (0..40).map(|i| 5000 + i).collect();
+    let mut req = RequestKv::new(RadixKey::new(other.clone()));
+    c.match_request(&mut req).unwrap();
+    c.begin_request(&mut req).unwrap();
+    c.alloc_tokens(&mut req, other.len()).unwrap();
+    req.commit(other.len()).unwrap();
+    c.cache_finished_req(&mut req, FinishKind::Finished)
+        .unwrap();
+    assert_eq!(c.evictable_tokens(), 0);
+    assert_eq!(c.inner().backup_pinned_tokens(), 40);
+    let total_pages = c.pools().pages.total();
+    assert!(matches!(
+        c.make_room(total_pages + 1),
+        Err(radixkv_radix::CacheError::OutOfPages { .. })
+    ));
+    assert_eq!(
+        c.session_held_tokens(),
+        20,
+        "a failing make_room demotes nothing"
+    );
+    c.make_room(total_pages).unwrap();
+    assert_eq!(c.pools().pages.available(), total_pages);
+    assert_eq!(c.session_held_tokens(), 0);
+    assert!(c.inner().stats().backups_awaited_for_room >= 1);
+    audit(&c);
+    c.close(1).unwrap();
+    c.inner_mut().flush().unwrap();
+    audit(&c);
 }

@@ -801,6 +801,19 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             .any(|t| !t.is_complete() && t.failure_known())
     }
 
+    /// Blocks until every started backup is complete (queued ones are not started; loads are
+    /// not waited for).
+    ///
+    /// # Errors
+    /// The first failed backup copy.
+    pub fn wait_writes(&self) -> Result<()> {
+        let mut res = Ok(());
+        for t in &self.write_acks {
+            res = res.and(t.wait());
+        }
+        res
+    }
+
     /// Blocks until every started transfer is complete (queued ones are not started).
     ///
     /// # Errors

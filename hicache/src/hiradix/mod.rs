@@ -48,6 +48,15 @@
 //! (its worker died) fails every pending and later transfer, which the failed-copy paths above
 //! handle.
 //!
+//! # Room for allocations
+//! A write-through backup locks its nodes until the ack, so right after an insert (or a session
+//! demotion) that KV is neither free nor evictable. Allocation does not fail on it:
+//! [`PrefixCache::available_tokens`] counts it ([`HiRadixCache::backup_pinned_tokens`]), and
+//! [`PrefixCache::make_room`], when evicting the unpinned KV is not enough but completing the
+//! pending backups would be, waits for them and applies their acks first
+//! ([`HiRadixCache::finish_pinned_backups`], counted in
+//! [`HiCacheStats::backups_awaited_for_room`]), then evicts.
+//!
 //! # Extra pools
 //! The controller moves extra pools (Mamba state, SWA KV) with the KV, but this cache does not
 //! pass any yet: their owners arrive in a later issue.
@@ -63,7 +72,7 @@ use std::sync::Arc;
 use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
     KvEvent, LockReceipt, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
-    RequestKv, RequestMatch, TierWalk, TreeMatch, align_down,
+    RequestKv, RequestMatch, TierWalk, TreeMatch, align_down, make_room_by_evicting,
 };
 
 use crate::backend::DeviceBackend;
@@ -265,6 +274,9 @@ pub struct HiCacheStats {
     pub load_back_queue_full: u64,
     /// Backup submissions the backend refused (the operations stay queued and are retried).
     pub refused_submissions: u64,
+    /// Times [`PrefixCache::make_room`] waited for the backups pinning device KV (and applied
+    /// their acks) because evicting the unpinned KV alone could not free enough pages.
+    pub backups_awaited_for_room: u64,
 }
 
 /// Deliberately broken variants of the cache, for tests that must show their checks catch
@@ -437,6 +449,52 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.pending_writes.values().map(|w| w.host.len()).sum()
     }
 
+    /// Device tokens that only pending backups keep locked: the nodes a write-through backup
+    /// pins until its ack, and that nothing else (a request, a session, a load) locks. They
+    /// become evictable once the backups are acknowledged, which
+    /// [`HiRadixCache::finish_pinned_backups`] forces, so [`PrefixCache::available_tokens`]
+    /// counts them and [`PrefixCache::make_room`] frees them when it must.
+    pub fn backup_pinned_tokens(&self) -> usize {
+        let tree = self.inner.tree();
+        let root = tree.root();
+        // Locks each node holds from pending backups: a backup locks its anchor's root path.
+        let mut pins: HashMap<NodeId, u32> = HashMap::new();
+        for w in self.pending_writes.values() {
+            let Some(lock) = &w.lock else { continue };
+            let mut n = lock.anchor();
+            while n != root {
+                *pins.entry(n).or_default() += 1;
+                match tree.parent(n) {
+                    Ok(Some(p)) => n = p,
+                    _ => break,
+                }
+            }
+        }
+        pins.into_iter()
+            .filter(|&(n, pinned)| {
+                tree.lock_ref(n).is_ok_and(|l| l == pinned) && tree.on_device(n).unwrap_or(false)
+            })
+            .map(|(n, _)| tree.node_key(n).map_or(0, <[u32]>::len))
+            .sum()
+    }
+
+    /// Completes every pending backup now: starts the queued ones, waits for their copies and
+    /// applies the acks (as [`HiRadixCache::step`] would), which releases the locks that pin
+    /// the backed-up nodes. A backup the backend refuses to start cannot wait for a retry
+    /// here, so it is undone like a failed one (its nodes stay device-only); a failed copy is
+    /// undone the same way. Loads in flight are not waited for.
+    ///
+    /// # Errors
+    /// A stale lock (a bug) or an unrepairable failed load found among the acks.
+    pub fn finish_pinned_backups(&mut self) -> HiResult<()> {
+        self.start_writes();
+        self.ctrl.fail_queued_writes();
+        // A failed copy is handled by the acks (undone), so the wait's error adds nothing.
+        let _ = self.ctrl.wait_writes();
+        let mut acks = self.ctrl.poll_acks();
+        self.apply_acks(&mut acks)
+    }
+
     /// Tokens held by the host tier.
     pub fn host_tokens(&self) -> usize {
         self.ctrl.host().used() * self.inner.tree().page_size()
@@ -597,6 +655,31 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
 
     fn protected_tokens(&self) -> usize {
         self.inner.protected_tokens()
+    }
+
+    /// Evicts; when evicting the unpinned KV alone cannot free `n` pages but completing the
+    /// pending backups would unpin enough, first completes them
+    /// ([`HiRadixCache::finish_pinned_backups`], counted in
+    /// [`HiCacheStats::backups_awaited_for_room`]).
+    fn make_room(&mut self, n: usize) -> radixkv_radix::Result<()> {
+        let p = self.page_size();
+        let free = self.pools().pages.available();
+        if free < n && free + self.inner.evictable_tokens() / p < n {
+            let pinned = self.backup_pinned_tokens();
+            if pinned > 0 && free + (self.inner.evictable_tokens() + pinned) / p >= n {
+                self.stats.backups_awaited_for_room += 1;
+                self.finish_pinned_backups()?;
+            }
+        }
+        make_room_by_evicting(self, n)
+    }
+
+    /// Free plus evictable tokens, plus those only pending backups pin
+    /// ([`HiRadixCache::backup_pinned_tokens`]): [`PrefixCache::make_room`] frees them too.
+    fn available_tokens(&self) -> usize {
+        self.pools().pages.available() * self.page_size()
+            + self.inner.evictable_tokens()
+            + self.backup_pinned_tokens()
     }
 
     fn take_events(&mut self) -> Vec<KvEvent> {

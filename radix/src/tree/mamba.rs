@@ -18,6 +18,9 @@
 use std::collections::BTreeSet;
 
 use super::*;
+use crate::mamba_policy::{
+    CheckpointKind, EVICTION_BATCH_DIV, MambaPolicy, MambaStats, MarconiParams,
+};
 use crate::slots::{SlotState, StateSlotPool};
 use crate::types::ComponentAccounting;
 
@@ -32,6 +35,8 @@ struct MambaNode {
     /// The generation of the node that got the state: the audit catches a state left behind
     /// by a removed node whose arena index was reused.
     generation: u32,
+    /// Why the state was stored ([`CheckpointKind`] as its index).
+    kind: u8,
 }
 
 const NO_STATE: MambaNode = MambaNode {
@@ -39,6 +44,7 @@ const NO_STATE: MambaNode = MambaNode {
     lock: 0,
     tick: 0,
     generation: 0,
+    kind: 0,
 };
 
 /// The Mamba component of a [`RadixTree`] (see the module docs).
@@ -51,6 +57,9 @@ pub(crate) struct MambaComponent {
     /// Tree-held states that are locked.
     protected: usize,
     clock: u64,
+    /// Utility eviction ([`MambaPolicy::Marconi`]); `None`: least recently used first.
+    utility: Option<MarconiParams>,
+    stats: MambaStats,
 }
 
 impl MambaComponent {
@@ -61,6 +70,8 @@ impl MambaComponent {
             lru: BTreeSet::new(),
             protected: 0,
             clock: 0,
+            utility: None,
+            stats: MambaStats::default(),
         })
     }
 
@@ -95,6 +106,15 @@ impl MambaComponent {
     /// Drops the state of node `idx` (which must be unlocked), freeing its slot. Returns
     /// whether there was one.
     pub(super) fn drop_state(&mut self, idx: u32) -> bool {
+        let kind = CheckpointKind::from_index(self.get(idx).kind);
+        let dropped = self.drop_state_uncounted(idx);
+        if dropped {
+            self.stats.kind_mut(kind).evicted += 1;
+        }
+        dropped
+    }
+
+    fn drop_state_uncounted(&mut self, idx: u32) -> bool {
         let e = self.get(idx);
         if e.slot == NIL {
             return false;
@@ -112,7 +132,7 @@ impl MambaComponent {
     /// Frees every tree-held state (a reset: no lock is outstanding).
     pub(super) fn clear_tree_states(&mut self) {
         for i in 0..self.nodes.len() as u32 {
-            self.drop_state(i);
+            self.drop_state_uncounted(i);
         }
         self.nodes.clear();
         self.lru.clear();
@@ -173,6 +193,137 @@ impl RadixTree {
     /// True when the tree has the Mamba component.
     pub fn mamba_enabled(&self) -> bool {
         self.mamba.is_some()
+    }
+
+    /// Sets how states are evicted under slot pressure: least recently used first
+    /// ([`MambaPolicy::Sglang`]) or by utility ([`MambaPolicy::Marconi`]; see
+    /// [`crate::mamba_policy`]). Admission is the caller's (a [`crate::RadixCache`] applies
+    /// the rest of the policy).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`]; [`CacheError::PolicyParam`] (nothing changes then).
+    pub fn set_mamba_policy(&mut self, policy: &MambaPolicy) -> Result<()> {
+        policy.validate()?;
+        self.mamba_mut()?.utility = policy.marconi().copied();
+        Ok(())
+    }
+
+    /// The Mamba state counters per checkpoint kind.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`].
+    pub fn mamba_stats(&self) -> Result<MambaStats> {
+        Ok(self.mamba_ref()?.stats)
+    }
+
+    /// Counts a checkpoint of `kind` that was not taken (admission refused it, or no slot).
+    pub(crate) fn mamba_count_skip(&mut self, kind: CheckpointKind) {
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.stats.kind_mut(kind).skipped += 1;
+        }
+    }
+
+    /// The checkpoint kind of node `id`'s state (`None`: no state).
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
+    pub fn mamba_state_kind(&self, id: NodeId) -> Result<Option<CheckpointKind>> {
+        let idx = self.resolve(id)?;
+        let e = self.mamba_ref()?.get(idx);
+        Ok((e.slot != NIL).then(|| CheckpointKind::from_index(e.kind)))
+    }
+
+    fn depth_of(&self, mut i: u32) -> usize {
+        let mut d = 0;
+        while i != self.root {
+            d += self.nodes[i as usize].key.len();
+            i = self.nodes[i as usize].parent;
+        }
+        d
+    }
+
+    /// Where `key` (truncated to whole pages) leaves the tree's device paths at a *branch
+    /// point*: the depth of the deepest common prefix when the key goes on past it and the
+    /// cached path there either goes on inside the same edge or has other device children.
+    /// 0 when there is none (nothing shared, the key stays on a cached path to its end, or it
+    /// only extends a cached leaf). Read-only: no split, no recency change.
+    pub fn mamba_branch_point(&self, key: KeyRef<'_>) -> usize {
+        let p = self.page_size;
+        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
+        let mut node = self.root;
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            let n = &self.nodes[child as usize];
+            if !n.on_device() {
+                break;
+            }
+            let common = common_pages(&n.key, &tokens[pos..], p);
+            pos += common;
+            if common < n.key.len() {
+                // Diverges (or ends) inside the edge.
+                return if pos < tokens.len() { pos } else { 0 };
+            }
+            node = child;
+        }
+        let branches = node != self.root && self.nodes[node as usize].device_children > 0;
+        if branches && pos < tokens.len() {
+            pos
+        } else {
+            0
+        }
+    }
+
+    /// The device node that ends exactly `len` tokens into `key` (page-aligned), splitting the
+    /// node that straddles it. Recency is not changed.
+    ///
+    /// # Errors
+    /// [`CacheError::Misaligned`]; [`CacheError::InvalidRequestState`] when `len` is 0, past
+    /// the key, or past the device KV on its path (nothing changes then).
+    pub fn mamba_node_at(&mut self, key: KeyRef<'_>, len: usize) -> Result<NodeId> {
+        let p = self.page_size;
+        if !len.is_multiple_of(p) {
+            return Err(CacheError::Misaligned { len, page_size: p });
+        }
+        if len == 0 || len > key.tokens.len() {
+            return Err(CacheError::InvalidRequestState(
+                "a checkpoint position inside the key is needed",
+            ));
+        }
+        let tokens = &key.tokens[..len];
+        // Check first (read-only), so that a failure splits nothing.
+        let (mut node, mut pos) = (self.root, 0);
+        while pos < len {
+            let Some(c) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            let n = &self.nodes[c as usize];
+            if !n.on_device() {
+                break;
+            }
+            let common = common_pages(&n.key, &tokens[pos..], p);
+            pos += common;
+            if common < n.key.len() {
+                break;
+            }
+            node = c;
+        }
+        if pos < len {
+            return Err(CacheError::InvalidRequestState(
+                "the checkpoint position is past the device KV",
+            ));
+        }
+        let (mut node, mut pos) = (self.root, 0);
+        while pos < len {
+            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
+                break;
+            };
+            pos += common;
+            node = child;
+        }
+        Ok(self.id_of(node))
     }
 
     fn mamba_ref(&self) -> Result<&MambaComponent> {
@@ -332,16 +483,24 @@ impl RadixTree {
         self.mamba.as_deref().map_or(0, |m| m.get(idx).lock)
     }
 
-    /// A fresh slot for a request's running state. When none is free, the least recently used
-    /// unlocked state in the tree is evicted (its node keeps its KV).
+    /// A fresh slot for a request's running state. When none is free, unlocked states are
+    /// evicted (their nodes keep their KV): the least recently used one, or under
+    /// [`MambaPolicy::Marconi`] the `max(1, slots / 64)` of lowest utility.
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`]; [`CacheError::OutOfStateSlots`] when no slot is free
     /// and every cached state is locked (nothing changes then).
     pub fn alloc_mamba_slot(&mut self) -> Result<u32> {
-        if self.mamba_ref()?.pool.available() == 0 {
-            // Nothing evicted (every state locked) leaves the pool empty: the error below.
-            self.evict_mamba(1);
+        let m = self.mamba_ref()?;
+        if m.pool.available() == 0 {
+            // Utility eviction scans every candidate: take a batch per scan. Nothing evicted
+            // (every state locked) leaves the pool empty: the error below.
+            let batch = if m.utility.is_some() {
+                (m.pool.total() / EVICTION_BATCH_DIV).max(1)
+            } else {
+                1
+            };
+            self.evict_mamba(batch);
         }
         let m = self.mamba_mut()?;
         m.pool.alloc_request().ok_or(CacheError::OutOfStateSlots {
@@ -361,7 +520,8 @@ impl RadixTree {
 
     /// Copy on write for a hit: allocates the request's own slot (evicting an unlocked state
     /// if the pool is full; the receipt's state is locked, so it is never the victim) and
-    /// returns the copy the device backend must perform.
+    /// returns the copy the device backend must perform. Counts a hit of the state's
+    /// [`CheckpointKind`] ([`RadixTree::mamba_stats`]).
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`]; [`CacheError::StaleReceipt`] for a receipt of another
@@ -374,12 +534,19 @@ impl RadixTree {
         let idx = self
             .resolve(receipt.anchor)
             .map_err(|_| CacheError::StaleReceipt)?;
-        let src = self.mamba_ref()?.get(idx).slot;
-        if src == NIL {
+        let e = self.mamba_ref()?.get(idx);
+        if e.slot == NIL {
             return Err(CacheError::StaleReceipt);
         }
         let dst = self.alloc_mamba_slot()?;
-        Ok(MambaCow { src, dst })
+        let depth = self.depth_of(idx);
+        let k = self
+            .mamba_mut()?
+            .stats
+            .kind_mut(CheckpointKind::from_index(e.kind));
+        k.hits += 1;
+        k.hit_tokens += depth as u64;
+        Ok(MambaCow { src: e.slot, dst })
     }
 
     /// Stores a request's state `slot` as the checkpoint of `node` (the state after the node's
@@ -392,6 +559,20 @@ impl RadixTree {
     /// [`CacheError::InvalidRequestState`] for the root or a node whose KV is not on device.
     /// Nothing changes on error.
     pub fn insert_mamba_state(&mut self, node: NodeId, slot: u32) -> Result<MambaInsert> {
+        self.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd)
+    }
+
+    /// [`RadixTree::insert_mamba_state`] for a checkpoint of the given kind (recorded with the
+    /// state for [`RadixTree::mamba_stats`]).
+    ///
+    /// # Errors
+    /// As [`RadixTree::insert_mamba_state`].
+    pub fn insert_mamba_state_as(
+        &mut self,
+        node: NodeId,
+        slot: u32,
+        kind: CheckpointKind,
+    ) -> Result<MambaInsert> {
         let idx = self.resolve(node)?;
         let m = self.mamba_ref()?;
         if m.pool.state(slot)? != SlotState::Request {
@@ -416,20 +597,26 @@ impl RadixTree {
         let e = m.entry(idx);
         e.slot = slot;
         e.generation = generation;
+        e.kind = kind as u8;
         debug_assert_eq!(e.lock, 0);
+        m.stats.kind_mut(kind).stored += 1;
         let now = m.tick();
         m.entry(idx).tick = now;
         m.lru.insert((now, idx));
         Ok(MambaInsert::Stored)
     }
 
-    /// Evicts up to `n` unlocked Mamba states, least recently used first. Their nodes keep
-    /// their KV (they become tombstones for the Mamba component). Returns the states evicted;
-    /// 0 without the component.
+    /// Evicts up to `n` unlocked Mamba states: least recently used first, or under
+    /// [`MambaPolicy::Marconi`] lowest utility first (see [`crate::mamba_policy`]). Their nodes
+    /// keep their KV (they become tombstones for the Mamba component). Returns the states
+    /// evicted; 0 without the component.
     pub fn evict_mamba(&mut self, n: usize) -> usize {
         let Some(m) = self.mamba.as_deref_mut() else {
             return 0;
         };
+        if let Some(params) = m.utility {
+            return self.evict_mamba_by_utility(n, &params);
+        }
         let mut done = 0;
         while done < n {
             let Some(&(_, idx)) = m.lru.first() else {
@@ -439,6 +626,66 @@ impl RadixTree {
             done += 1;
         }
         done
+    }
+
+    /// The `n` unlocked states of lowest utility, evicted in one scan of the candidates.
+    fn evict_mamba_by_utility(&mut self, n: usize, params: &MarconiParams) -> usize {
+        let Some(m) = self.mamba.as_deref() else {
+            return 0;
+        };
+        if n == 0 || m.lru.is_empty() {
+            return 0;
+        }
+        let (Some(&(oldest, _)), Some(&(newest, _))) = (m.lru.first(), m.lru.last()) else {
+            return 0;
+        };
+        let span = newest.saturating_sub(oldest) as f64;
+        // (recency, efficiency, idx) per candidate, in LRU order.
+        let mut scored: Vec<(f64, f64, u32)> = Vec::with_capacity(m.lru.len());
+        let mut max_eff = 0.0f64;
+        for &(tick, idx) in &m.lru {
+            // Depth of the state (L) and of its nearest ancestor with a state (A; 0 for none).
+            let (mut depth, mut below_ancestor) = (0usize, None);
+            let mut i = idx;
+            while i != self.root {
+                depth += self.nodes[i as usize].key.len();
+                i = self.nodes[i as usize].parent;
+                if below_ancestor.is_none() && i != self.root && m.get(i).slot != NIL {
+                    below_ancestor = Some(depth);
+                }
+            }
+            let ancestor = below_ancestor.map_or(0, |b| depth - b);
+            let eff = params.efficiency(depth, ancestor);
+            max_eff = max_eff.max(eff);
+            let recency = if span > 0.0 {
+                (tick - oldest) as f64 / span
+            } else {
+                0.0
+            };
+            scored.push((recency, eff, idx));
+        }
+        // (utility, LRU order, idx): the LRU order breaks ties.
+        let mut utility: Vec<(f64, usize, u32)> = scored
+            .iter()
+            .enumerate()
+            .map(|(order, &(recency, eff, idx))| {
+                let eff = if max_eff > 0.0 { eff / max_eff } else { 0.0 };
+                (recency + params.alpha * eff, order, idx)
+            })
+            .collect();
+        let k = n.min(utility.len());
+        let cmp =
+            |a: &(f64, usize, u32), b: &(f64, usize, u32)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+        if k < utility.len() {
+            utility.select_nth_unstable_by(k - 1, cmp);
+        }
+        let Some(m) = self.mamba.as_deref_mut() else {
+            return 0;
+        };
+        for &(_, _, idx) in &utility[..k] {
+            m.drop_state(idx);
+        }
+        k
     }
 
     /// Evicts the Mamba state of `node` only (its KV stays).

@@ -778,7 +778,7 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
     let out = stdout(&o);
     for line in [
         "usable vs match  usable hit",
-        "mamba states     64 slots of 8.3 MiB",
+        "mamba states     marconi: 64 slots of 8.3 MiB",
         "pool occupancy   mean over the run: KV pages",
         "prefill FLOPs",
         "and 0 Mamba slots still held",
@@ -788,8 +788,9 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
     let run = &json["runs"][0];
-    assert_eq!(run["config"], "radix-lru");
+    assert_eq!(run["config"], "radix-lru+mamba-marconi");
     let mamba = &run["mamba"];
+    assert_eq!(mamba["policy"], "marconi");
     assert_eq!(mamba["slots"], slots);
     assert_eq!(mamba["slot_bytes"], slot);
     assert_eq!(mamba["leaked_slots"], 0);
@@ -827,7 +828,7 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
 }
 
 #[test]
-fn a_jamba_like_compare_adds_kv_match_and_saved_columns_and_summarises_skipped_rows() {
+fn a_jamba_like_compare_adds_the_other_policy_kv_match_and_saved_and_summarises_skips() {
     let o = radixkv(&[
         "demo",
         "--conversations",
@@ -846,7 +847,13 @@ fn a_jamba_like_compare_adds_kv_match_and_saved_columns_and_summarises_skipped_r
         header.contains("kv match") && header.contains("saved"),
         "{header}"
     );
-    assert!(out.lines().any(|l| l.starts_with("radix-lru ")), "{out}");
+    // The base row under the shipped policy and the same row under the baseline, equal bytes.
+    for row in ["radix-lru+mamba-marconi ", "radix-lru+mamba-sglang "] {
+        assert!(
+            out.lines().any(|l| l.starts_with(row)),
+            "{row} missing in {out}"
+        );
+    }
     // The configurations that cannot run a Mamba model are said once per reason, not per row.
     let skipped: Vec<&str> = out.lines().filter(|l| l.contains("skipped")).collect();
     assert_eq!(skipped.len(), 2, "{out}");

@@ -28,7 +28,7 @@ use radixkv_replay::sim::{
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset};
+use radixkv_scheduler_api::config::{Eviction, MambaPolicyKind, ModelGeometry, Pools, Preset};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -77,7 +77,7 @@ enum Cmd {
     /// the flags), or with --example a commented example naming every key.
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
-        #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "device_tokens", "page_size",
+        #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "mamba_policy", "device_tokens", "page_size",
             "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
         example: bool,
         #[command(flatten)]
@@ -201,6 +201,14 @@ fn model_parser() -> Named<Preset> {
     }
 }
 
+fn mamba_policy_parser() -> Named<MambaPolicyKind> {
+    Named {
+        what: "Mamba policy",
+        shown: MambaPolicyKind::ALL.map(MambaPolicyKind::name).to_vec(),
+        parse: MambaPolicyKind::from_name,
+    }
+}
+
 fn write_policy_parser() -> Named<WritePolicy> {
     Named {
         what: "write policy",
@@ -232,6 +240,11 @@ struct ManagerArgs {
     /// [default: the full-attention pool's bytes]
     #[arg(long, value_name = "BYTES")]
     mamba_bytes: Option<u64>,
+    /// How Mamba states are admitted and evicted (models with Mamba layers; `mamba_policy`):
+    /// marconi (branch-point and prompt-end checkpoints, FLOPs-per-byte eviction) or sglang
+    /// (request-end checkpoints, LRU) [default: the --config file's, else marconi]
+    #[arg(long, value_parser = mamba_policy_parser())]
+    mamba_policy: Option<MambaPolicyKind>,
     #[arg(long, value_name = "TOKENS",
         help = with_default("Device KV pool in tokens (the full-attention KV pool)", ManagerConfig::default().device_tokens))]
     device_tokens: Option<usize>,
@@ -275,7 +288,8 @@ struct RunArgs {
         help = with_default("Host↔device bandwidth in GB/s", CostModel::default().transfer_gbps))]
     bandwidth_gbps: Option<f64>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
-    /// write policy, HiCache + sessions) on the same workload and print one table.
+    /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
+    /// policy too) on the same workload and print one table.
     #[arg(long)]
     compare: bool,
     /// Write report.json and plots (SVG + PNG) into this directory.
@@ -632,6 +646,9 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
     }
     if let Some(b) = run.mamba_bytes {
         m.pools.mamba_bytes = Some(b);
+    }
+    if let Some(p) = run.mamba_policy {
+        m.mamba_policy = Some(p);
     }
     if let Some(p) = run.page_size {
         m.model.page_size = p;

@@ -85,6 +85,8 @@ impl PrefillFlops {
 /// The Mamba state pool of a replay (models with Mamba layers).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MambaReport {
+    /// The Mamba policy (`"marconi"`, `"sglang"`).
+    pub policy: &'static str,
     /// Slots in the pool.
     pub slots: u64,
     /// Modeled bytes of one slot (the states of every Mamba layer).
@@ -95,6 +97,8 @@ pub struct MambaReport {
     pub state_hits: u64,
     /// Cached states dropped to make room.
     pub states_evicted: u64,
+    /// Checkpoints the policy did not take (admission refused them, or no slot).
+    pub checkpoints_skipped: u64,
     /// Cached states left at the end.
     pub cached_at_end: u64,
     /// Slots still held by a request or locked at the end (must be 0).
@@ -435,14 +439,16 @@ impl fmt::Display for Report {
             )?;
             writeln!(
                 f,
-                "mamba states     {} slots of {} ({} modeled); stored {}, hit {}, evicted {}, \
-                 {} cached at the end",
+                "mamba states     {}: {} slots of {} ({} modeled); stored {}, hit {}, evicted \
+                 {}, skipped {}, {} cached at the end",
+                mamba.policy,
                 fmt_count(mamba.slots),
                 fmt_bytes(mamba.slot_bytes),
                 fmt_bytes(mamba.slots.saturating_mul(mamba.slot_bytes)),
                 fmt_count(mamba.states_stored),
                 fmt_count(mamba.state_hits),
                 fmt_count(mamba.states_evicted),
+                fmt_count(mamba.checkpoints_skipped),
                 fmt_count(mamba.cached_at_end)
             )?;
             let n = self.occupancy.len().max(1) as f64;

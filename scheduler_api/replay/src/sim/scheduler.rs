@@ -16,7 +16,7 @@ use super::ideal::IdealCache;
 use super::memory::MemoryUse;
 use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, quantile};
 use crate::trace::Trace;
-use radixkv_scheduler_api::config::{CacheKind, ManagerConfig};
+use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result};
 use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request};
 
@@ -690,11 +690,17 @@ impl Sim<'_> {
                 .checked_mamba_slot_bytes()
                 .unwrap_or(0);
             r.mamba = Some(MambaReport {
+                policy: self
+                    .cfg
+                    .manager
+                    .mamba_policy_kind()
+                    .map_or("", MambaPolicyKind::name),
                 slots: acc.total as u64,
                 slot_bytes,
                 states_stored: m.counters.mamba_states_stored,
                 state_hits: m.counters.mamba_state_hits,
                 states_evicted: m.counters.mamba_states_evicted,
+                checkpoints_skipped: m.counters.mamba_checkpoints_skipped,
                 cached_at_end: (acc.evictable + acc.protected) as u64,
                 leaked_slots: (acc.request_owned + acc.protected) as u64,
             });

@@ -1,0 +1,500 @@
+//! The Mamba admission and eviction policies ([`radixkv_radix::mamba_policy`]) through
+//! `RadixCache` and the tree: branch, prompt-end and request-end checkpoints, slots that are
+//! always stored or freed, eviction order by utility, and bad parameters.
+
+use radixkv_radix::{
+    CacheError, CheckpointKind, FinishKind, FlopCurve, InsertOptions, KeyRef, MambaCheckpoint,
+    MambaPolicy, MarconiParams, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
+    RadixTree, RequestKv, SlotState,
+};
+
+const P: usize = 4;
+
+fn marconi() -> MarconiParams {
+    MarconiParams {
+        min_hit_ratio: 0.0,
+        ..MarconiParams::default()
+    }
+}
+
+fn cache(slots: u32, policy: MambaPolicy) -> RadixCache {
+    RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 8,
+        mamba_slots: Some(slots),
+        mamba_policy: policy,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn audit(c: &RadixCache) {
+    c.check_invariants().unwrap();
+    let acc = c.mamba_accounting().unwrap();
+    assert!(acc.balanced(), "{acc:?}");
+}
+
+/// Matches and begins a request over `tokens`.
+fn begin(c: &mut RadixCache, tokens: &[u32]) -> RequestKv {
+    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.check_request(&r).unwrap();
+    r
+}
+
+/// Computes the rest of the request's key (its prefill).
+fn prefill(c: &mut RadixCache, r: &mut RequestKv) {
+    let n = r.key.len() - r.committed_len;
+    c.alloc_tokens(r, n).unwrap();
+    r.commit(n).unwrap();
+}
+
+fn run(c: &mut RadixCache, tokens: &[u32]) -> RequestKv {
+    let mut r = begin(c, tokens);
+    prefill(c, &mut r);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    audit(c);
+    r
+}
+
+fn state_kind(c: &RadixCache, tokens: &[u32]) -> Option<CheckpointKind> {
+    let m = c.tree().tier_walk(KeyRef::new(tokens));
+    assert_eq!(m.device_len, tokens.len(), "KV of {tokens:?} cached");
+    let node = *m.nodes.last().unwrap();
+    assert_eq!(
+        c.tree().depth_tokens(node).unwrap(),
+        tokens.len(),
+        "a node ends at {}",
+        tokens.len()
+    );
+    c.tree().mamba_state_kind(node).unwrap()
+}
+
+fn seq(r: std::ops::Range<u32>) -> Vec<u32> {
+    r.collect()
+}
+
+#[test]
+fn the_default_policy_is_marconi_and_validated() {
+    assert!(matches!(
+        RadixConfig::default().mamba_policy,
+        MambaPolicy::Marconi(p) if p == MarconiParams::default()
+    ));
+    MarconiParams::default().validate().unwrap();
+    let c = cache(4, MambaPolicy::default());
+    assert_eq!(c.mamba_policy().name(), "marconi");
+}
+
+#[test]
+fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
+    let mut c = cache(8, MambaPolicy::Marconi(marconi()));
+    // A caches 16 tokens; its state is at 16 (its prompt end, taken before its running state
+    // reaches the same position at its finish).
+    let a = seq(0..16);
+    run(&mut c, &a);
+    assert_eq!(state_kind(&c, &a), Some(CheckpointKind::PromptEnd));
+    // B shares 8 tokens, then diverges inside A's edge: no state at 8 yet.
+    let mut b = seq(0..8);
+    b.extend(100..110);
+    let mut rb = begin(&mut c, &b);
+    assert_eq!((rb.prefix_len, rb.kv_match_len), (0, 8));
+    let cps: Vec<(usize, CheckpointKind)> = rb
+        .mamba_checkpoints
+        .iter()
+        .map(|c| (c.pos, c.kind))
+        .collect();
+    assert_eq!(
+        cps,
+        [(8, CheckpointKind::Branch), (16, CheckpointKind::PromptEnd)],
+        "the branch point and the prompt end (18 floored to a page)"
+    );
+    let slots: Vec<u32> = rb.mamba_checkpoints.iter().map(|c| c.slot).collect();
+    for &s in &slots {
+        assert_eq!(
+            c.tree().mamba_pool().unwrap().state(s),
+            Ok(SlotState::Request)
+        );
+    }
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 3);
+    prefill(&mut c, &mut rb);
+    c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
+    audit(&c);
+    assert_eq!(state_kind(&c, &b[..8]), Some(CheckpointKind::Branch));
+    assert_eq!(state_kind(&c, &b[..16]), Some(CheckpointKind::PromptEnd));
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+    let stats = c.mamba_stats().unwrap();
+    assert_eq!(stats.kind(CheckpointKind::Branch).stored, 1);
+    assert_eq!(stats.kind(CheckpointKind::PromptEnd).stored, 2);
+    // A's running state duplicated its prompt-end state, and B ended at 18 (not a page end):
+    // both running states were freed, not stored.
+    assert_eq!(stats.kind(CheckpointKind::RequestEnd).stored, 0);
+
+    // C diverges from both at 8: it hits the branch state.
+    let mut cc = seq(0..8);
+    cc.extend(200..212);
+    let rc = begin(&mut c, &cc);
+    assert_eq!(
+        rc.prefix_len, 8,
+        "the branch state makes the shared prefix usable"
+    );
+    assert!(
+        rc.mamba_checkpoints
+            .iter()
+            .all(|c| c.kind != CheckpointKind::Branch),
+        "a branch point that has a state needs no checkpoint"
+    );
+    let stats = c.mamba_stats().unwrap();
+    assert_eq!(stats.kind(CheckpointKind::Branch).hits, 1);
+    assert_eq!(stats.kind(CheckpointKind::Branch).hit_tokens, 8);
+    let mut rc = rc;
+    c.cache_finished_req(&mut rc, FinishKind::Aborted).unwrap();
+    audit(&c);
+}
+
+#[test]
+fn the_baseline_takes_no_checkpoint_and_misses_the_branch_point() {
+    let mut c = cache(8, MambaPolicy::Sglang);
+    run(&mut c, &seq(0..16));
+    let mut b = seq(0..8);
+    b.extend(100..110);
+    let mut rb = begin(&mut c, &b);
+    assert!(rb.mamba_checkpoints.is_empty());
+    prefill(&mut c, &mut rb);
+    c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
+    let mut cc = seq(0..8);
+    cc.extend(200..212);
+    let mut rc = begin(&mut c, &cc);
+    assert_eq!(rc.prefix_len, 0, "no state at the branch point");
+    assert_eq!(rc.kv_match_len, 8);
+    c.cache_finished_req(&mut rc, FinishKind::Aborted).unwrap();
+    audit(&c);
+}
+
+#[test]
+fn a_request_extending_a_cached_leaf_is_no_branch_and_the_ends_follow_the_params() {
+    let only_branch = MarconiParams {
+        prompt_end: false,
+        output_end: false,
+        ..marconi()
+    };
+    let mut c = cache(8, MambaPolicy::Marconi(only_branch));
+    let a = seq(0..8);
+    // No end checkpoints: A leaves KV but no state.
+    run(&mut c, &a);
+    assert_eq!(c.mamba_accounting().unwrap().evictable, 0);
+    assert_eq!(state_kind(&c, &a), None);
+    // B extends A's leaf: the path does not branch there, so no checkpoint.
+    let rb = begin(&mut c, &seq(0..14));
+    assert_eq!(rb.kv_match_len, 8);
+    assert!(rb.mamba_checkpoints.is_empty());
+    let mut rb = rb;
+    c.cache_finished_req(&mut rb, FinishKind::Aborted).unwrap();
+    audit(&c);
+}
+
+#[test]
+fn checkpoint_slots_are_stored_at_chunks_or_freed_when_the_request_ends_first() {
+    let mut c = cache(8, MambaPolicy::Marconi(marconi()));
+    run(&mut c, &seq(0..16));
+    let free0 = c.mamba_accounting().unwrap().free;
+    let mut b = seq(0..8);
+    b.extend(100..124);
+    let mut rb = begin(&mut c, &b);
+    assert_eq!(rb.mamba_checkpoints.len(), 2);
+    // A first chunk of 12 tokens passes the branch point at 8 only.
+    c.alloc_tokens(&mut rb, 12).unwrap();
+    rb.commit(12).unwrap();
+    c.cache_unfinished_req(&mut rb).unwrap();
+    c.check_request(&rb).unwrap();
+    assert_eq!(
+        rb.mamba_checkpoints
+            .iter()
+            .map(|c| c.kind)
+            .collect::<Vec<_>>(),
+        [CheckpointKind::PromptEnd],
+        "the passed checkpoint went into the tree"
+    );
+    assert_eq!(state_kind(&c, &b[..8]), Some(CheckpointKind::Branch));
+    audit(&c);
+    // Abort: the pending prompt-end slot and the running slot are freed.
+    c.cache_finished_req(&mut rb, FinishKind::Aborted).unwrap();
+    assert!(rb.mamba_checkpoints.is_empty() && rb.mamba_slot.is_none());
+    let acc = c.mamba_accounting().unwrap();
+    assert_eq!(acc.request_owned, 0);
+    assert_eq!(
+        acc.free,
+        free0 - 1,
+        "only the stored branch state holds a slot"
+    );
+    audit(&c);
+
+    // A finish short of a checkpoint (the key grew, but the forward stopped early) frees it.
+    let mut d = seq(0..8);
+    d.extend(300..320);
+    let mut rd = begin(&mut c, &d);
+    let pending: Vec<MambaCheckpoint> = rd.mamba_checkpoints.clone();
+    assert_eq!(pending.last().unwrap().pos, 28);
+    c.alloc_tokens(&mut rd, 8).unwrap();
+    rd.commit(8).unwrap();
+    c.cache_finished_req(&mut rd, FinishKind::Finished).unwrap();
+    for cp in pending {
+        assert_ne!(
+            c.tree().mamba_pool().unwrap().state(cp.slot),
+            Ok(SlotState::Request),
+            "checkpoint slot {} leaked",
+            cp.slot
+        );
+    }
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+    audit(&c);
+}
+
+#[test]
+fn a_never_begun_request_and_a_row_shortage_leak_no_checkpoint_slot() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 1,
+        mamba_slots: Some(6),
+        mamba_policy: MambaPolicy::Marconi(marconi()),
+        ..Default::default()
+    })
+    .unwrap();
+    run(&mut c, &seq(0..16));
+    let mut b = seq(0..8);
+    b.extend(100..110);
+    let mut rb = begin(&mut c, &b);
+    assert!(!rb.mamba_checkpoints.is_empty());
+    // The only row is taken: the next begin fails and holds nothing.
+    let mut x = RequestKv::new(RadixKey::new(seq(50..70)));
+    c.match_request(&mut x).unwrap();
+    assert!(matches!(
+        c.begin_request(&mut x),
+        Err(CacheError::OutOfRows { .. })
+    ));
+    assert!(x.mamba_checkpoints.is_empty() && x.mamba_slot.is_none());
+    c.cache_finished_req(&mut x, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut rb, FinishKind::Aborted).unwrap();
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+    audit(&c);
+}
+
+/// A tree with states at the ends of `keys` (in order, so the first is least recent).
+fn tree_with_states(policy: MambaPolicy, keys: &[Vec<u32>]) -> RadixTree {
+    let mut t = RadixTree::new(P, PolicyKind::Lru, false).unwrap();
+    t.enable_mamba(keys.len() as u32).unwrap();
+    t.set_mamba_policy(&policy).unwrap();
+    let mut next = 0;
+    for k in keys {
+        let mut pages: Vec<PageId> = (0..k.len() / P).map(|i| PageId(next + i as u32)).collect();
+        next += pages.len() as u32;
+        let node = t
+            .insert(
+                KeyRef::new(k),
+                &mut pages,
+                &mut Vec::new(),
+                InsertOptions::default(),
+            )
+            .unwrap()
+            .last_node;
+        let s = t.alloc_mamba_slot().unwrap();
+        t.insert_mamba_state(node, s).unwrap();
+    }
+    t.check().unwrap();
+    t
+}
+
+fn state_depths(t: &RadixTree) -> Vec<usize> {
+    let mut d: Vec<usize> = t
+        .mamba_states()
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| t.depth_tokens(n).unwrap())
+        .collect();
+    d.sort();
+    d
+}
+
+#[test]
+fn eviction_takes_the_lowest_utility_and_counts_only_the_flops_beyond_the_ancestor() {
+    let flops = FlopCurve {
+        per_token: 1.0,
+        per_token_sq: 1.0,
+    };
+    let params = MarconiParams {
+        alpha: 100.0,
+        flops,
+        slot_bytes: 64,
+        kv_bytes_per_token: 1,
+        ..marconi()
+    };
+    // Oldest first: a deep state (40), a shallow one (4), and one at 44 right below the
+    // state at 40 (a marginal saving of F(44) − F(40) only).
+    let deep = seq(0..40);
+    let shallow = seq(1000..1004);
+    let mut below = deep.clone();
+    below.extend(40..44);
+    let keys = [deep.clone(), shallow, below];
+    let mut t = tree_with_states(MambaPolicy::Marconi(params), &keys);
+    // Efficiencies: 40: 1640/104 ≈ 15.8; 4: 20/68 ≈ 0.29; 44: (1980−1640)/68 = 5.0.
+    assert_eq!(t.evict_mamba(1), 1);
+    assert_eq!(state_depths(&t), [40, 44], "the shallow state goes first");
+    assert_eq!(t.evict_mamba(1), 1);
+    assert_eq!(
+        state_depths(&t),
+        [40],
+        "the marginal state below its ancestor goes next, though deeper and more recent"
+    );
+    t.check().unwrap();
+
+    // With alpha 0 the order is recency alone (oldest first), like the baseline.
+    let lru_like = MarconiParams {
+        alpha: 0.0,
+        ..params
+    };
+    let mut t = tree_with_states(MambaPolicy::Marconi(lru_like), &keys);
+    t.evict_mamba(1);
+    assert_eq!(state_depths(&t), [4, 44]);
+    let mut t = tree_with_states(MambaPolicy::Sglang, &keys);
+    t.evict_mamba(1);
+    assert_eq!(state_depths(&t), [4, 44]);
+
+    // A locked state is never the victim, whatever its utility.
+    let mut t = tree_with_states(MambaPolicy::Marconi(params), &keys);
+    let w = t.tier_walk(KeyRef::new(&keys[1]));
+    let r = t.inc_lock_ref_mamba(*w.nodes.last().unwrap()).unwrap();
+    assert_eq!(t.evict_mamba(3), 2);
+    assert_eq!(state_depths(&t), [4]);
+    t.dec_lock_ref(r).unwrap();
+    t.check().unwrap();
+}
+
+#[test]
+fn slot_pressure_evicts_a_batch_by_utility() {
+    let keys: Vec<Vec<u32>> = (0..128u32)
+        .map(|i| (i * 100..i * 100 + 4 * (1 + i % 5)).collect())
+        .collect();
+    let mut t = tree_with_states(MambaPolicy::Marconi(marconi()), &keys);
+    assert_eq!(t.mamba_accounting().unwrap().free, 0);
+    let s = t.alloc_mamba_slot().unwrap();
+    let acc = t.mamba_accounting().unwrap();
+    assert_eq!(
+        (acc.request_owned, acc.free, acc.evictable),
+        (1, 1, 126),
+        "128 slots: a batch of 2 evicted, one handed out"
+    );
+    t.free_mamba_slot(s).unwrap();
+    let mut t = tree_with_states(MambaPolicy::Sglang, &keys);
+    t.alloc_mamba_slot().unwrap();
+    assert_eq!(
+        t.mamba_accounting().unwrap().free,
+        0,
+        "the baseline evicts one"
+    );
+}
+
+#[test]
+fn bad_policy_parameters_are_typed_errors() {
+    let base = MarconiParams::default();
+    let bad = [
+        (
+            MarconiParams {
+                alpha: f64::NAN,
+                ..base
+            },
+            "alpha",
+        ),
+        (
+            MarconiParams {
+                alpha: -1.0,
+                ..base
+            },
+            "alpha",
+        ),
+        (
+            MarconiParams {
+                flops: FlopCurve {
+                    per_token: -1.0,
+                    per_token_sq: 0.0,
+                },
+                ..base
+            },
+            "flops.per_token",
+        ),
+        (
+            MarconiParams {
+                flops: FlopCurve {
+                    per_token: 1.0,
+                    per_token_sq: f64::INFINITY,
+                },
+                ..base
+            },
+            "flops.per_token_sq",
+        ),
+        (
+            MarconiParams {
+                flops: FlopCurve {
+                    per_token: 0.0,
+                    per_token_sq: 0.0,
+                },
+                ..base
+            },
+            "flops",
+        ),
+        (
+            MarconiParams {
+                slot_bytes: 0,
+                ..base
+            },
+            "slot_bytes",
+        ),
+        (
+            MarconiParams {
+                min_hit_ratio: 1.5,
+                ..base
+            },
+            "min_hit_ratio",
+        ),
+        (
+            MarconiParams {
+                min_hit_ratio: f64::NAN,
+                ..base
+            },
+            "min_hit_ratio",
+        ),
+    ];
+    for (params, name) in bad {
+        let policy = MambaPolicy::Marconi(params);
+        let e = RadixCache::new(RadixConfig {
+            mamba_slots: Some(4),
+            mamba_policy: policy,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            matches!(e, CacheError::PolicyParam { param, .. } if param == name),
+            "{params:?}: {e:?}"
+        );
+        // Refused even without Mamba slots: an option is never accepted and ignored.
+        assert!(
+            RadixCache::new(RadixConfig {
+                mamba_policy: policy,
+                ..Default::default()
+            })
+            .is_err()
+        );
+        let mut t = RadixTree::new(P, PolicyKind::Lru, false).unwrap();
+        t.enable_mamba(2).unwrap();
+        assert!(matches!(
+            t.set_mamba_policy(&policy),
+            Err(CacheError::PolicyParam { .. })
+        ));
+    }
+    let mut t = RadixTree::new(P, PolicyKind::Lru, false).unwrap();
+    assert_eq!(
+        t.set_mamba_policy(&MambaPolicy::Sglang),
+        Err(CacheError::ComponentDisabled("mamba"))
+    );
+}
