@@ -740,7 +740,8 @@ impl RadixCache {
     }
 
     /// Matches `key` into a caller-provided buffer without the `len − 1` rule (hot path for
-    /// benchmarks and routers).
+    /// benchmarks and routers). The full-KV match only: it does not apply the Mamba or the
+    /// sliding-window rule of [`PrefixCache::match_prefix`].
     pub fn match_prefix_into(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {
         self.tree.match_prefix(key, out)
     }
