@@ -490,12 +490,16 @@ impl KvCacheManager {
 
     /// Tries to admit a waiting request: match, temporary lock, budget check, load-back, lock.
     ///
+    /// Idle sessions give way: when no request-pool row is free, idle sessions are demoted
+    /// (least recently used first) until one is; when nothing runs and the budget is short,
+    /// they are demoted until the request fits. A session turn served from its session's slot
+    /// that must wait for room hands the slot back until its next admission.
+    ///
     /// # Errors
     /// Unknown or already running request; cache errors (nothing is held then).
     pub fn admit(&mut self, id: ReqId) -> Result<Admission> {
         let page = self.cfg.model.page_size;
         let clip = self.cfg.reserve_clip_tokens;
-        let rows_free = self.cache.pools().rows.available();
         let t = self
             .requests
             .get_mut(id.0)
@@ -510,11 +514,6 @@ impl KvCacheManager {
         if let Some(never) = never_fits(len, output_left, page, capacity) {
             tracing::debug!(parent: &t.span, ?never, "never admissible");
             return Ok(Admission::Never(never));
-        }
-        if rows_free == 0 {
-            self.metrics.counters.admission_waits += 1;
-            tracing::trace!(parent: &t.span, "admission waits: no row");
-            return Ok(Admission::Wait(WaitReason::NoRow));
         }
         // A turn its session cannot serve (another turn in flight, history not extended) runs
         // as an ordinary request rather than failing.
@@ -531,6 +530,41 @@ impl KvCacheManager {
         {
             self.cache.evict_mamba_states(usize::MAX);
             m = self.cache.match_request(&mut t.kv)?;
+        }
+        // A session turn served from its slot has its row from the match; anything else needs
+        // a free one. Idle sessions keep rows that only their next turn would use, so when
+        // none is free they are demoted (least recently used first, the request's own session
+        // never: its slot is what the match just declined or lent) until one is.
+        if t.kv.row.is_none() && self.cache.pools().rows.available() == 0 {
+            let mut demoted = false;
+            if self.cache.held_sessions() > 0 {
+                let own = t.kv.session.map(|s| s.id);
+                let mut order: Vec<(u64, u64)> = self
+                    .sessions_open
+                    .iter()
+                    .filter(|&&s| Some(s) != own)
+                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
+                    .collect();
+                order.sort_unstable();
+                for (_, sid) in order {
+                    if self.cache.demote_session(sid)? {
+                        self.metrics.counters.session_demotions += 1;
+                        demoted = true;
+                        if self.cache.pools().rows.available() > 0 {
+                            break;
+                        }
+                    }
+                }
+            }
+            if self.cache.pools().rows.available() == 0 {
+                self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: no row");
+                return Ok(Admission::Wait(WaitReason::NoRow));
+            }
+            if demoted {
+                // Demotion inserted into the tree: match again so the handles are current.
+                m = self.cache.match_request(&mut t.kv)?;
+            }
         }
         // Saturating: `output_left` comes from the caller and the config, and a sum past
         // `usize::MAX` can only wait.
@@ -571,6 +605,16 @@ impl KvCacheManager {
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
+            // A turn lent its session's slot at the match gives it back while it waits: held by
+            // a waiting request, the slot's row and KV could be demoted by nothing, and waiting
+            // turns of several sessions could then block each other for good. The next
+            // admission lends it again. (A session whose close waits for this turn keeps it
+            // lent: giving it back would complete the close and drop the KV.)
+            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
+            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
+                self.cache
+                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+            }
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
