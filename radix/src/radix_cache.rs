@@ -156,12 +156,13 @@ impl RadixCache {
     }
 
     /// Debug builds audit every invariant after each mutation of a small cache (the audit is
-    /// `O(pool)`, so large caches are left to explicit `check_invariants` calls).
+    /// `O(pool)` in each pool, so large caches are left to explicit `check_invariants` calls).
     #[inline]
     fn debug_audit(&self) {
         #[cfg(debug_assertions)]
         if self.tree.node_count() <= 256
             && self.pools.pages.total() <= 1 << 12
+            && self.tree.swa_pool().map_or(true, |w| w.total() <= 1 << 12)
             && let Err(e) = self.check_invariants()
         {
             panic!("radixkv internal invariant violated: {e}");
@@ -791,7 +792,8 @@ impl RadixCache {
     }
 
     /// Matches `key` into a caller-provided buffer without the `len − 1` rule (hot path for
-    /// benchmarks and routers).
+    /// benchmarks and routers). The full-KV match only: it does not apply the Mamba or the
+    /// sliding-window rule of [`PrefixCache::match_prefix`].
     pub fn match_prefix_into(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {
         self.tree.match_prefix(key, out)
     }

@@ -440,3 +440,29 @@ fn a_disabled_cache_still_runs_requests_with_window_kv() {
     assert_eq!((w.free, w.evictable), (16, 0));
     assert_eq!(usable(&mut c, &toks), 0);
 }
+
+#[test]
+fn a_tree_level_insert_caches_no_window_kv_until_a_request_revives_it() {
+    let mut c = cache(32, 32);
+    let toks: Vec<TokenId> = (0..16).collect();
+    let pages = c.alloc_pages(4).unwrap();
+    let r = c
+        .insert(
+            radixkv_radix::KeyRef::new(&toks),
+            &pages,
+            Default::default(),
+        )
+        .unwrap();
+    assert_eq!(r.adopted_len, 16);
+    assert_eq!(c.tree().swa_pages(r.last_node).unwrap(), None);
+    audit(&c, &[]);
+    let mut longer = toks.clone();
+    longer.push(16);
+    assert_eq!(usable(&mut c, &longer), 0, "full KV without window KV");
+    // A request over the same tokens recomputes them and its window KV revives the node.
+    let mut a = run(&mut c, &longer);
+    assert_eq!(a.prefix_len, 0);
+    finish(&mut c, &mut a);
+    assert_eq!(swa(&c).evictable, 4);
+    assert_eq!(usable(&mut c, &longer), 16);
+}

@@ -4,7 +4,10 @@ use std::sync::Arc;
 
 use radixkv_hicache::DeviceBackend;
 
-use crate::config::{CacheKind, Eviction, HostTier, ManagerConfig, ModelGeometry, SessionBudget};
+use crate::config::{
+    CacheKind, Eviction, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
+    SessionBudget,
+};
 use crate::error::Result;
 use crate::factory::GivenBackend;
 use crate::manager::KvCacheManager;
@@ -64,6 +67,43 @@ impl ManagerBuilder {
     /// Device pool capacity in tokens.
     pub fn device_tokens(mut self, n: usize) -> Self {
         self.cfg.device_tokens = n;
+        self
+    }
+
+    /// Byte budgets of the pools a hybrid model adds to the full-attention KV pool (see
+    /// [`PoolBudgets`]); checked when the manager is built.
+    pub fn pool_budgets(mut self, b: PoolBudgets) -> Self {
+        self.cfg.pools = b;
+        self
+    }
+
+    /// Bytes of the Mamba state slot pool (models with Mamba layers): it holds
+    /// `bytes / slot bytes` slots, one per running request or cached state. A budget that fits
+    /// no slot, one on a model without Mamba layers, or more slots than a pool can address is
+    /// refused when the manager is built ([`ManagerError::Config`](crate::ManagerError::Config)).
+    ///
+    /// ```
+    /// use radixkv_scheduler_api::{KvCacheManager, Preset};
+    ///
+    /// let model = Preset::JambaLike.geometry();
+    /// let slot = model.checked_mamba_slot_bytes().unwrap();
+    /// let kv = KvCacheManager::builder()
+    ///     .model(model)
+    ///     .device_tokens(1 << 16)
+    ///     .mamba_bytes(64 * slot)
+    ///     .build()?;
+    /// assert_eq!(kv.mamba_accounting().unwrap().total, 64);
+    /// # Ok::<(), radixkv_scheduler_api::ManagerError>(())
+    /// ```
+    pub fn mamba_bytes(mut self, bytes: u64) -> Self {
+        self.cfg.pools.mamba_bytes = Some(bytes);
+        self
+    }
+
+    /// The Mamba state policy (models with Mamba layers; Marconi when not set). Setting one
+    /// on a model without Mamba layers is refused when the manager is built.
+    pub fn mamba_policy(mut self, p: MambaPolicyKind) -> Self {
+        self.cfg.mamba_policy = Some(p);
         self
     }
 

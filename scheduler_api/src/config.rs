@@ -2,8 +2,8 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (hybrid models: sliding-window and Mamba layers, see
-//! [`crate::geometry`]) or not built at all (the CUDA backend):
+//! [`crate::factory::build_cache`] yet (sliding-window layers, Mamba layers under a host tier or
+//! with sessions, see [`crate::geometry`]) or not built at all (the CUDA backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
@@ -348,6 +348,44 @@ pub struct ManagerConfig {
     /// Output tokens reserved per request at admission are clipped to this (SGLang's
     /// `CLIP_MAX_NEW_TOKENS`): reserving a request's whole `max_new_tokens` starves admission.
     pub reserve_clip_tokens: usize,
+    /// How the cache of a model with Mamba layers admits and evicts states
+    /// (`mamba_policy = "marconi"` or `"sglang"`; see [`MambaPolicyKind`]). Left out: Marconi.
+    /// Refused on a model without Mamba layers, where it would mean nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mamba_policy: Option<MambaPolicyKind>,
+}
+
+/// The Mamba state policy of a cache ([`ManagerConfig::mamba_policy`]), built from the model's
+/// geometry into a [`radixkv_radix::MambaPolicy`] ([`ManagerConfig::radix_mamba_policy`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MambaPolicyKind {
+    /// Marconi-style (the default): checkpoints at branch points, prompt and request ends,
+    /// eviction by recency plus prefill FLOPs saved per byte, with the FLOPs, slot bytes and
+    /// KV bytes per token from the model's geometry. Needs `[model.compute]`.
+    #[default]
+    Marconi,
+    /// The SGLang-style baseline: a checkpoint at every request end (where it ends a page),
+    /// least recently used eviction.
+    Sglang,
+}
+
+impl MambaPolicyKind {
+    /// Both policies.
+    pub const ALL: [MambaPolicyKind; 2] = [MambaPolicyKind::Marconi, MambaPolicyKind::Sglang];
+
+    /// The policy's name (`"marconi"`, `"sglang"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MambaPolicyKind::Marconi => "marconi",
+            MambaPolicyKind::Sglang => "sglang",
+        }
+    }
+
+    /// The policy a name names.
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
 }
 
 impl Default for ManagerConfig {
@@ -365,6 +403,7 @@ impl Default for ManagerConfig {
             events: false,
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
             reserve_clip_tokens: 4096,
+            mamba_policy: None,
         }
     }
 }
@@ -455,6 +494,12 @@ impl ManagerConfig {
             self.check_pool("host", h.host_tokens / p)?;
         }
         self.pools()?;
+        if let (Some(p), None) = (self.mamba_policy, self.mamba_policy_kind()) {
+            return bad(format!(
+                "mamba_policy = {:?} is set but the model has no Mamba layer (M in layer_pattern)",
+                p.name()
+            ));
+        }
         if self.event_capacity == 0 {
             return bad("the KV event buffer must hold at least one event (event_capacity)".into());
         }
@@ -537,6 +582,70 @@ impl ManagerConfig {
         })
     }
 
+    /// The effective Mamba policy of a model with Mamba layers (`None` without any):
+    /// [`ManagerConfig::mamba_policy`], Marconi when left out.
+    pub fn mamba_policy_kind(&self) -> Option<MambaPolicyKind> {
+        (self.model.layer_counts().mamba > 0).then(|| self.mamba_policy.unwrap_or_default())
+    }
+
+    /// The radix cache's Mamba policy for this configuration (`None` without Mamba layers).
+    /// Marconi's parameters come from the geometry: the slot bytes, the full-attention KV bytes
+    /// per token, and the FLOP curve of [`ModelGeometry::prefill_flops`] (exact for a model
+    /// without sliding-window layers: linear plus quadratic attention terms); the rest are
+    /// [`radixkv_radix::MarconiParams`]'s defaults.
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] for a policy on a model without Mamba layers, and for Marconi
+    /// on a model without `[model.compute]` (it weighs states by the FLOPs they save; the
+    /// factory refuses to build such a cache, while [`ManagerConfig::validate`] accepts the
+    /// description).
+    pub fn radix_mamba_policy(&self) -> Result<Option<radixkv_radix::MambaPolicy>> {
+        use radixkv_radix::{FlopCurve, MambaPolicy, MarconiParams};
+        let Some(kind) = self.mamba_policy_kind() else {
+            return match self.mamba_policy {
+                Some(p) => Err(ManagerError::Config(format!(
+                    "mamba_policy = {:?} is set but the model has no Mamba layer (M in \
+                     layer_pattern)",
+                    p.name()
+                ))),
+                None => Ok(None),
+            };
+        };
+        Ok(Some(match kind {
+            MambaPolicyKind::Sglang => MambaPolicy::Sglang,
+            MambaPolicyKind::Marconi => {
+                let m = &self.model;
+                let (Some(f1), Some(f2)) = (m.prefill_flops(1), m.prefill_flops(2)) else {
+                    return Err(ManagerError::Config(
+                        "mamba_policy = \"marconi\" weighs states by the prefill FLOPs they \
+                         save, but the model has no [model.compute] (add it, or choose \
+                         mamba_policy = \"sglang\")"
+                            .into(),
+                    ));
+                };
+                // F(L) = a·L + b·L² through F(1) = a + b and F(2) = 2a + 4b.
+                let (f1, f2) = (f1 as f64, f2 as f64);
+                let per_token_sq = ((f2 - 2.0 * f1) / 2.0).max(0.0);
+                let slot_bytes = m.checked_mamba_slot_bytes().ok_or_else(|| {
+                    ManagerError::Config("a Mamba slot overflows a 64-bit byte count".into())
+                })?;
+                let params = MarconiParams {
+                    flops: FlopCurve {
+                        per_token: f1 - per_token_sq,
+                        per_token_sq,
+                    },
+                    slot_bytes,
+                    kv_bytes_per_token: m.kv_bytes_per_token(),
+                    ..MarconiParams::default()
+                };
+                params
+                    .validate()
+                    .map_err(|e| ManagerError::Config(format!("mamba_policy: {e}")))?;
+                MambaPolicy::Marconi(params)
+            }
+        }))
+    }
+
     /// Checks a pool of `pages` pages: addressable by the page allocators (32-bit page ids),
     /// its modeled bytes (every transfer count is at most a pool's worth per step) and, for
     /// HiCache, its simulated bytes fit.
@@ -571,7 +680,10 @@ impl ManagerConfig {
     pub fn label(&self) -> String {
         let mut s = match &self.cache {
             CacheKind::Disabled => return "disabled".into(),
-            CacheKind::Radix => format!("radix-{}", self.eviction.0.name()),
+            CacheKind::Radix => match self.mamba_policy_kind() {
+                Some(p) => format!("radix-{}+mamba-{}", self.eviction.0.name(), p.name()),
+                None => format!("radix-{}", self.eviction.0.name()),
+            },
             CacheKind::HiCache(h) => {
                 let policies = match h.eviction {
                     Some(Eviction(p)) if p != self.eviction.0 => {

@@ -169,6 +169,9 @@ impl std::fmt::Display for StallCause {
             StallCause::Admission(WaitReason::TransfersBusy) => {
                 f.write_str("its admission waits for the host tier's pending loads")
             }
+            StallCause::Admission(WaitReason::NoStateSlot) => {
+                f.write_str("its admission waits for a Mamba state slot (every slot is in use)")
+            }
             StallCause::OutOfMemory { needed, available } => write!(
                 f,
                 "allocating {needed} tokens for it ran out of device memory ({available} \

@@ -9,6 +9,7 @@
 //! | config                              | cache                                          |
 //! |-------------------------------------|------------------------------------------------|
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
+//! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
 //! | `radix` + sessions                  | `SessionAwareCache<RadixCache, SimClock>`      |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
@@ -24,15 +25,19 @@
 //! ([`BackendMismatch::NoHostTier`]): nothing would ever use it.
 //!
 //! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
-//! [`ManagerError::NotImplemented`]. A hybrid model (Mamba or sliding-window layers, see
-//! [`crate::geometry`]) is still [`ManagerError::NotWired`]: its pools are sized
-//! ([`ManagerConfig::pools`]) but no cache carries them yet; the storage tier (L3) exists in no crate yet and is
-//! [`ManagerError::NotImplemented`].
+//! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
+//! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]);
+//! under a host tier or with sessions, and any model with sliding-window layers, it is still
+//! [`ManagerError::NotWired`]: its pools are sized but no cache carries them there yet. The
+//! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
 
 use radixkv_hicache::{DeviceBackend, HostSim};
-use radixkv_radix::{CacheError, PrefixCache, RadixCache, RadixConfig, RequestKv};
+use radixkv_radix::{
+    CacheError, ComponentAccounting, MambaPolicy, MambaStats, PrefixCache, RadixCache, RadixConfig,
+    RequestKv,
+};
 use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
 use crate::config::{BackendKind, CacheKind, ManagerConfig};
@@ -176,9 +181,34 @@ pub trait ManagedCache: PrefixCache + Send {
     fn page_granular(&self) -> bool {
         true
     }
+    /// Where every Mamba state slot is; `None` for a cache without the Mamba component.
+    fn mamba_accounting(&self) -> Option<ComponentAccounting> {
+        None
+    }
+    /// Evicts up to `n` unlocked cached Mamba states (their KV stays); returns how many went.
+    /// 0 for a cache without the Mamba component.
+    fn evict_mamba_states(&mut self, _n: usize) -> usize {
+        0
+    }
+    /// The Mamba state counters per checkpoint kind; `None` without the Mamba component.
+    fn mamba_stats(&self) -> Option<MambaStats> {
+        None
+    }
 }
 
-impl ManagedCache for RadixCache {}
+impl ManagedCache for RadixCache {
+    fn mamba_accounting(&self) -> Option<ComponentAccounting> {
+        RadixCache::mamba_accounting(self)
+    }
+
+    fn evict_mamba_states(&mut self, n: usize) -> usize {
+        self.parts_mut().0.evict_mamba(n)
+    }
+
+    fn mamba_stats(&self) -> Option<MambaStats> {
+        RadixCache::mamba_stats(self)
+    }
+}
 
 /// Builds the cache a configuration describes, with a fresh session clock at 0.
 ///
@@ -195,7 +225,8 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
-/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a hybrid model (Mamba or sliding-window layers);
+/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
+/// layers, or with Mamba layers under a host tier or with sessions;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -284,6 +315,15 @@ fn build<B: DeviceBackend>(
         _ => {}
     }
     refuse_hybrid(cfg)?;
+    let mamba_slots = match cfg.pools()?.mamba {
+        None => None,
+        Some(p) => Some(u32::try_from(p.slots).map_err(|_| {
+            ManagerError::Config(format!(
+                "the Mamba pool of {} slots is more than a pool can address",
+                p.slots
+            ))
+        })?),
+    };
     let radix = RadixConfig {
         page_size: cfg.model.page_size,
         total_pages: cfg.device_pages(),
@@ -292,9 +332,15 @@ fn build<B: DeviceBackend>(
         events: cfg.events,
         event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
-        // Hybrid models are refused above until the whole path is wired.
-        mamba_slots: None,
-        ..Default::default()
+        // Sliding-window models and the combinations not wired yet are refused above. The
+        // disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
+        mamba_slots,
+        mamba_policy: match cfg.radix_mamba_policy()? {
+            Some(_) if matches!(cfg.cache, CacheKind::Disabled) => MambaPolicy::Sglang,
+            Some(p) => p,
+            None => MambaPolicy::default(),
+        },
+        swa: None,
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
         max_held_tokens: b.max_held_tokens,
@@ -319,28 +365,42 @@ fn build<B: DeviceBackend>(
     })
 }
 
-/// A hybrid model (sliding-window or Mamba layers) is described, validated and sized
-/// ([`ManagerConfig::pools`]) but no cache carries its extra pools yet: refuse it, naming the
-/// missing component, rather than build a cache that would ignore them. The prefix tree
-/// (`radixkv-radix`) has no Mamba or SWA component yet, and the host tier (`radixkv-hicache`)
-/// does not move their pools.
+/// The hybrid models no cache carries yet are refused, naming the missing component, rather
+/// than built into a cache that would ignore their pools:
+///
+/// - sliding-window layers: the SWA KV pool is sized ([`ManagerConfig::pools`]) but the
+///   manager does not drive it yet;
+/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states;
+/// - Mamba layers with sessions: a session slot does not keep a Mamba state across turns.
+///
+/// Mamba layers on the device-only caches (`radix`, `disabled`) are wired: the radix tree
+/// carries the states as a component of its nodes.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
-    let needs = match cfg.cache {
-        CacheKind::HiCache(_) => "radixkv-hicache",
-        _ => "radixkv-radix",
-    };
-    if n.mamba > 0 {
-        return Err(ManagerError::NotWired {
-            kind: "a model with Mamba layers (a Mamba state slot pool)",
-            needs,
-        });
-    }
     if n.sliding_window > 0 {
         return Err(ManagerError::NotWired {
             kind: "a model with sliding-window layers (an SWA KV pool)",
-            needs,
+            needs: match cfg.cache {
+                CacheKind::HiCache(_) => "radixkv-hicache",
+                _ => "radixkv-radix",
+            },
         });
+    }
+    if n.mamba > 0 {
+        if matches!(cfg.cache, CacheKind::HiCache(_)) {
+            return Err(ManagerError::NotWired {
+                kind: "a model with Mamba layers under a host tier (moving Mamba states \
+                       between the device and the host)",
+                needs: "radixkv-hicache",
+            });
+        }
+        if cfg.sessions.is_some() {
+            return Err(ManagerError::NotWired {
+                kind: "a model with Mamba layers with sessions (a session slot keeping its \
+                       Mamba state across turns)",
+                needs: "radixkv-session",
+            });
+        }
     }
     Ok(())
 }
@@ -438,26 +498,60 @@ mod tests {
         let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
-        // A hybrid model is sized but refused, naming what is missing, on every cache kind.
-        for (preset, layers) in [
-            (Preset::JambaLike, "Mamba layers"),
-            (Preset::GemmaLike, "sliding-window layers"),
-        ] {
-            for (cache, needs) in [
-                (CacheKind::Radix, "radixkv-radix"),
-                (CacheKind::Disabled, "radixkv-radix"),
-                (
-                    CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
-                    "radixkv-hicache",
+        // A sliding-window model is sized but refused, naming what is missing, on every cache
+        // kind; a Mamba model builds on the device-only caches and is refused under a host tier
+        // or with sessions.
+        let kinds = [
+            (CacheKind::Radix, "radixkv-radix"),
+            (CacheKind::Disabled, "radixkv-radix"),
+            (
+                CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
+                "radixkv-hicache",
+            ),
+        ];
+        for (cache, needs) in kinds.clone() {
+            let mut swa = ManagerConfig { cache, ..base() };
+            swa.model = Preset::GemmaLike.geometry();
+            assert!(swa.pools().is_ok(), "its pools are sized");
+            let e = build_cache(&swa).err().unwrap();
+            assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(
+                e.contains(needs) && e.contains("sliding-window layers"),
+                "{e}"
+            );
+        }
+        for (cache, _) in kinds {
+            let hicache = matches!(cache, CacheKind::HiCache(_));
+            let mut mamba = ManagerConfig { cache, ..base() };
+            mamba.model = Preset::JambaLike.geometry();
+            match build_cache(&mamba) {
+                Ok(c) => {
+                    assert!(!hicache);
+                    let a = c.mamba_accounting().expect("the Mamba component");
+                    assert_eq!(a.total as u64, mamba.pools().unwrap().mamba.unwrap().slots);
+                }
+                Err(e) => {
+                    assert!(hicache, "{e:?}");
+                    let e = e.to_string();
+                    assert!(e.contains("radixkv-hicache") && e.contains("Mamba"), "{e}");
+                }
+            }
+            mamba.sessions = Some(SessionBudget {
+                max_held_tokens: mamba.device_tokens / 4,
+                ..Default::default()
+            });
+            match build_cache(&mamba) {
+                Err(ManagerError::NotWired { needs, .. }) => assert_eq!(
+                    needs,
+                    if hicache {
+                        "radixkv-hicache"
+                    } else {
+                        "radixkv-session"
+                    }
                 ),
-            ] {
-                let mut hybrid = ManagerConfig { cache, ..base() };
-                hybrid.model = preset.geometry();
-                assert!(hybrid.pools().is_ok(), "{preset}: its pools are sized");
-                let e = build_cache(&hybrid).err().unwrap();
-                assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
-                let e = e.to_string();
-                assert!(e.contains(needs) && e.contains(layers), "{preset}: {e}");
+                Err(e) => panic!("Mamba with sessions: {e:?}"),
+                Ok(_) => panic!("Mamba with sessions must be refused"),
             }
         }
     }

@@ -18,9 +18,18 @@
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
-//!   HostSim backend (`radixkv-hicache`), HiCache + sessions. A hybrid model (sliding-window
-//!   or Mamba layers) is validated and sized but fails to build with
-//!   [`ManagerError::NotWired`], naming the crate that does not carry its pools yet.
+//!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
+//!   (a Jamba-like hybrid) on the disabled and radix caches. The other hybrid combinations —
+//!   sliding-window layers on any cache, Mamba layers under a host tier or with sessions — are
+//!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
+//!   that does not carry their pools yet.
+//! - **Mamba state slots** (models with `M` layers): the slot pool holds
+//!   `pools.mamba_bytes / slot bytes` slots. Every running request holds one slot of its own
+//!   ([`Admitted::mamba_slot`]); a hit is usable only up to the deepest cached state, and the
+//!   engine copies that state into the request's slot before its first forward
+//!   ([`Admitted::mamba_cow`]). Admission needs KV room *and* a slot
+//!   ([`WaitReason::NoStateSlot`]); [`KvCacheManager::mamba_accounting`] and the `mamba_*`
+//!   metrics say where every slot is.
 //! - **Bring your own device**: the host tier copies KV through a
 //!   [`radixkv_hicache::DeviceBackend`]. By default it is HostSim; an engine hands the manager
 //!   its own (its GPU backend, or any wrapper) with [`ManagerBuilder::device_backend`], and
@@ -117,8 +126,8 @@ mod tiered;
 
 pub use builder::ManagerBuilder;
 pub use config::{
-    CacheKind, HostLayout, HostTier, ManagerConfig, ModelGeometry, PoolBudgets, Preset,
-    SessionBudget, WritePolicy,
+    CacheKind, HostLayout, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
+    Preset, SessionBudget, WritePolicy,
 };
 pub use error::{BackendMismatch, ManagerError, Result, StallCause};
 pub use manager::{
@@ -126,5 +135,6 @@ pub use manager::{
     WaitReason,
 };
 pub use metrics::Metrics;
+pub use radixkv_radix::{CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow};
 pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

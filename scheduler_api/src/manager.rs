@@ -29,8 +29,8 @@ use std::sync::Arc;
 
 use ahash::HashSet;
 use radixkv_radix::{
-    CacheError, EventBuffer, FinishKind, KvEvent, KvEventBatch, PageId, PoolAccounting, RadixKey,
-    RequestKv, SessionTag, TokenId,
+    CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch,
+    MambaCheckpoint, MambaCow, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -143,6 +143,8 @@ pub struct KvCacheManager {
     open_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
+    /// The cache has the Mamba component (read once): state counters are tracked.
+    has_mamba: bool,
 }
 
 // The threading model (crate docs): the manager moves to the one thread or task that owns it,
@@ -188,6 +190,7 @@ impl KvCacheManager {
             None => build_cache_with_clock(&cfg, clock.clone())?,
         };
         let page_granular = cache.page_granular();
+        let has_mamba = cache.mamba_accounting().is_some();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
             cache,
@@ -209,6 +212,7 @@ impl KvCacheManager {
             step_error: None,
             open_step: None,
             ended_step: 0,
+            has_mamba,
         })
     }
 
@@ -261,7 +265,59 @@ impl KvCacheManager {
         m.gauges.running_requests = self.running;
         m.gauges.held_sessions = self.cache.held_sessions();
         m.counters.kv_events_dropped = self.events_dropped();
+        if let Some(a) = self.cache.mamba_accounting() {
+            m.gauges.set_mamba(&a);
+        }
+        if let Some(st) = self.cache.mamba_stats() {
+            m.counters.set_mamba(&st);
+        }
         m
+    }
+
+    /// Where every Mamba state slot is (free, held by running requests, cached and evictable,
+    /// cached and locked); `None` on a model without Mamba layers.
+    pub fn mamba_accounting(&self) -> Option<ComponentAccounting> {
+        self.cache.mamba_accounting()
+    }
+
+    /// The Mamba state slot a running request holds (the forward pass reads and writes its
+    /// recurrent state there); `None` on a model without Mamba layers and for a waiting
+    /// request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_slot(&self, id: ReqId) -> Result<Option<u32>> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_slot)
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// The copy on write a running request's first forward still needs (the cached state
+    /// `src` into the request's slot `dst`), as [`Admitted::mamba_cow`] said; `None` once a
+    /// chunk is done (the copy has run by then), on a miss, and on other models.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_cow(&self, id: ReqId) -> Result<Option<MambaCow>> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_cow)
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// The checkpoints a running request's forward pass takes (Marconi policy): at each
+    /// position the engine copies the request's running state into the checkpoint's slot. The
+    /// cache stores them as the KV reaching them is inserted; the list shrinks as they are.
+    /// Empty on other models, under the baseline policy and for a waiting request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_checkpoints(&self, id: ReqId) -> Result<&[MambaCheckpoint]> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_checkpoints.as_slice())
+            .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
     /// Drains the KV events collected at step ends (empty unless events are enabled).
@@ -434,12 +490,16 @@ impl KvCacheManager {
 
     /// Tries to admit a waiting request: match, temporary lock, budget check, load-back, lock.
     ///
+    /// Idle sessions give way: when no request-pool row is free, idle sessions are demoted
+    /// (least recently used first) until one is; when nothing runs and the budget is short,
+    /// they are demoted until the request fits. A session turn served from its session's slot
+    /// that must wait for room hands the slot back until its next admission.
+    ///
     /// # Errors
     /// Unknown or already running request; cache errors (nothing is held then).
     pub fn admit(&mut self, id: ReqId) -> Result<Admission> {
         let page = self.cfg.model.page_size;
         let clip = self.cfg.reserve_clip_tokens;
-        let rows_free = self.cache.pools().rows.available();
         let t = self
             .requests
             .get_mut(id.0)
@@ -455,17 +515,57 @@ impl KvCacheManager {
             tracing::debug!(parent: &t.span, ?never, "never admissible");
             return Ok(Admission::Never(never));
         }
-        if rows_free == 0 {
-            self.metrics.counters.admission_waits += 1;
-            tracing::trace!(parent: &t.span, "admission waits: no row");
-            return Ok(Admission::Wait(WaitReason::NoRow));
-        }
         // A turn its session cannot serve (another turn in flight, history not extended) runs
         // as an ordinary request rather than failing.
         if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
             t.kv.session = None;
         }
         let mut m = self.cache.match_request(&mut t.kv)?;
+        // A Mamba hit keeps the cached state and copies it into a slot of the request's own:
+        // two slots. A one-slot pool can never serve one, so its cached state goes (the KV
+        // stays) and the request runs as a miss rather than wait forever.
+        if self.has_mamba
+            && t.kv.prefix_len > 0
+            && self.cache.mamba_accounting().is_some_and(|a| a.total < 2)
+        {
+            self.cache.evict_mamba_states(usize::MAX);
+            m = self.cache.match_request(&mut t.kv)?;
+        }
+        // A session turn served from its slot has its row from the match; anything else needs
+        // a free one. Idle sessions keep rows that only their next turn would use, so when
+        // none is free they are demoted (least recently used first, the request's own session
+        // never: its slot is what the match just declined or lent) until one is.
+        if t.kv.row.is_none() && self.cache.pools().rows.available() == 0 {
+            let mut demoted = false;
+            if self.cache.held_sessions() > 0 {
+                let own = t.kv.session.map(|s| s.id);
+                let mut order: Vec<(u64, u64)> = self
+                    .sessions_open
+                    .iter()
+                    .filter(|&&s| Some(s) != own)
+                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
+                    .collect();
+                order.sort_unstable();
+                for (_, sid) in order {
+                    if self.cache.demote_session(sid)? {
+                        self.metrics.counters.session_demotions += 1;
+                        demoted = true;
+                        if self.cache.pools().rows.available() > 0 {
+                            break;
+                        }
+                    }
+                }
+            }
+            if self.cache.pools().rows.available() == 0 {
+                self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: no row");
+                return Ok(Admission::Wait(WaitReason::NoRow));
+            }
+            if demoted {
+                // Demotion inserted into the tree: match again so the handles are current.
+                m = self.cache.match_request(&mut t.kv)?;
+            }
+        }
         // Saturating: `output_left` comes from the caller and the config, and a sum past
         // `usize::MAX` can only wait.
         let mut needed = (len - m.prefix_len)
@@ -505,10 +605,27 @@ impl KvCacheManager {
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
+            // A turn lent its session's slot at the match gives it back while it waits: held by
+            // a waiting request, the slot's row and KV could be demoted by nothing, and waiting
+            // turns of several sessions could then block each other for good. The next
+            // admission lends it again. (A session whose close waits for this turn keeps it
+            // lent: giving it back would complete the close and drop the KV.)
+            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
+            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
+                self.cache
+                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+            }
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         match self.cache.begin_request(&mut t.kv) {
             Ok(()) => {}
+            // Every Mamba slot is held by a running request or a locked state: nothing was
+            // held or changed; a finishing request frees one.
+            Err(CacheError::OutOfStateSlots { .. }) => {
+                self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, "admission waits: no state slot");
+                return Ok(Admission::Wait(WaitReason::NoStateSlot));
+            }
             // The host tier's load queue is full: nothing was held or changed, and the loads
             // in flight are acknowledged at the next step.
             Err(CacheError::Busy(_)) => {
@@ -529,6 +646,7 @@ impl KvCacheManager {
             return Err(ManagerError::UnknownRequest(id.0));
         };
         let device = m.prefix_len.min(t.kv.prefix_len);
+        let kv_match = t.kv.kv_match_len.max(device);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
@@ -546,6 +664,7 @@ impl KvCacheManager {
             c.prompt_tokens += t.prompt_len as u64;
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
+            c.kv_match_tokens += kv_match as u64;
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
         }
@@ -561,6 +680,10 @@ impl KvCacheManager {
             device_tokens: device,
             host_tokens: host,
             extend_tokens: extend,
+            kv_match_tokens: kv_match,
+            mamba_slot: t.kv.mamba_slot,
+            mamba_cow: t.kv.mamba_cow,
+            mamba_checkpoints: t.kv.mamba_checkpoints.clone(),
         }))
     }
 

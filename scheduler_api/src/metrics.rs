@@ -53,6 +53,29 @@ pub struct Counters {
     /// Idle sessions demoted by the manager to admit a request nothing else could make room
     /// for.
     pub session_demotions: u64,
+    /// Prompt tokens the device KV matched, once per request at its first admission: equal to
+    /// [`Counters::hit_tokens_device`] on a KV-only model; on a model with Mamba layers it also
+    /// counts the matched KV past the deepest cached state, which is not usable.
+    pub kv_match_tokens: u64,
+    /// Mamba states the cache stored in the tree (checkpoints of every kind), as the cache
+    /// counts them ([`radixkv_radix::MambaStats`]).
+    pub mamba_states_stored: u64,
+    /// Admissions that began on a cached Mamba state (a copy on write).
+    pub mamba_state_hits: u64,
+    /// Cached Mamba states evicted (for a slot, explicitly, or with their node's KV).
+    pub mamba_states_evicted: u64,
+    /// Checkpoints the Mamba policy did not take (admission refused them, or no slot).
+    pub mamba_checkpoints_skipped: u64,
+}
+
+impl Counters {
+    pub(crate) fn set_mamba(&mut self, st: &radixkv_radix::MambaStats) {
+        let t = st.total();
+        self.mamba_states_stored = t.stored;
+        self.mamba_state_hits = t.hits;
+        self.mamba_states_evicted = t.evicted;
+        self.mamba_checkpoints_skipped = t.skipped;
+    }
 }
 
 /// Point-in-time values.
@@ -81,9 +104,28 @@ pub struct Gauges {
     pub running_requests: usize,
     /// Sessions holding KV.
     pub held_sessions: usize,
+    /// Mamba state slots in the pool (0 on a model without Mamba layers): the sum of the four
+    /// slot states below.
+    pub mamba_slots_total: usize,
+    /// Free Mamba slots.
+    pub mamba_slots_free: usize,
+    /// Mamba slots held by running requests (each holds one).
+    pub mamba_slots_request_owned: usize,
+    /// Cached Mamba states no request has locked: evictable.
+    pub mamba_slots_evictable: usize,
+    /// Cached Mamba states locked by a request that copies from them.
+    pub mamba_slots_protected: usize,
 }
 
 impl Gauges {
+    pub(crate) fn set_mamba(&mut self, a: &radixkv_radix::ComponentAccounting) {
+        self.mamba_slots_total = a.total;
+        self.mamba_slots_free = a.free;
+        self.mamba_slots_request_owned = a.request_owned;
+        self.mamba_slots_evictable = a.evictable;
+        self.mamba_slots_protected = a.protected;
+    }
+
     pub(crate) fn set_pool(&mut self, a: &PoolAccounting) {
         self.pool_total_tokens = a.total;
         self.pool_free_tokens = a.free;
@@ -448,6 +490,42 @@ impl Metrics {
             "Sessions holding KV.",
             &[("", g.held_sessions)],
         );
+        if g.mamba_slots_total > 0 {
+            w.counter(
+                "kv_match_tokens",
+                "tokens",
+                "Prompt tokens the device KV matched, usable or not (past the deepest Mamba state).",
+                &[("", c.kv_match_tokens)],
+            );
+            w.counter(
+                "mamba_states",
+                "",
+                "Cached Mamba states by event.",
+                &[
+                    ("event=\"stored\"", c.mamba_states_stored),
+                    ("event=\"hit\"", c.mamba_state_hits),
+                    ("event=\"evicted\"", c.mamba_states_evicted),
+                    ("event=\"skipped\"", c.mamba_checkpoints_skipped),
+                ],
+            );
+            w.gauge(
+                "mamba_slots",
+                "",
+                "Mamba state slots by state; the states add up to the capacity.",
+                &[
+                    ("state=\"free\"", g.mamba_slots_free),
+                    ("state=\"request_owned\"", g.mamba_slots_request_owned),
+                    ("state=\"evictable\"", g.mamba_slots_evictable),
+                    ("state=\"protected\"", g.mamba_slots_protected),
+                ],
+            );
+            w.gauge(
+                "mamba_slot_capacity",
+                "",
+                "Mamba state slots in the pool.",
+                &[("", g.mamba_slots_total)],
+            );
+        }
         w.histogram(
             "prefix_match_tokens",
             "tokens",

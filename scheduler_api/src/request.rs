@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use radixkv_radix::{Namespace, TokenId};
+use radixkv_radix::{MambaCheckpoint, MambaCow, Namespace, TokenId};
 
 use crate::error::Result;
 use crate::factory::{LayerWait, StepTransfers};
@@ -94,7 +94,7 @@ impl std::fmt::Display for ReqId {
 }
 
 /// Outcome of [`KvCacheManager::admit`](crate::KvCacheManager::admit).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admission {
     /// Admitted: locked, row allocated, reservation taken.
     Ready(Admitted),
@@ -125,7 +125,7 @@ pub enum NeverReason {
 }
 
 /// What an admission reused and what remains to compute.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Admitted {
     /// Tokens reused from the device tier.
     pub device_tokens: usize,
@@ -133,6 +133,23 @@ pub struct Admitted {
     pub host_tokens: usize,
     /// Tokens that must be computed (prefill).
     pub extend_tokens: usize,
+    /// How far the device KV match went (at least [`Admitted::device_tokens`]). On a model with
+    /// Mamba layers the usable prefix stops at the deepest cached state; when the KV matched
+    /// deeper, the forward pass should checkpoint the request's state at this length so that
+    /// the next request on the path hits there. Equal to `device_tokens` on other models.
+    pub kv_match_tokens: usize,
+    /// The request's own Mamba state slot (models with Mamba layers): the forward pass reads
+    /// and writes the request's recurrent state there. `None` on other models.
+    pub mamba_slot: Option<u32>,
+    /// A Mamba hit's copy on write: the engine copies the cached state `src` into the
+    /// request's slot `dst` (= [`Admitted::mamba_slot`]) before the request's first forward.
+    /// `None` on a miss (the slot starts from the zero state) and on other models.
+    pub mamba_cow: Option<MambaCow>,
+    /// The checkpoints the request's forward pass takes (the Marconi policy, see
+    /// [`KvCacheManager::mamba_checkpoints`](crate::KvCacheManager::mamba_checkpoints)): when it
+    /// passes position `pos` the engine copies the running state into `slot`. Empty on other
+    /// models and under the baseline policy.
+    pub mamba_checkpoints: Vec<MambaCheckpoint>,
 }
 
 impl Admitted {
@@ -157,6 +174,10 @@ pub enum WaitReason {
     /// The request needs a load from the host tier, and the tier already holds its limit of
     /// pending loads (`HiCacheConfig::max_pending_ops`); they complete by the next step.
     TransfersBusy,
+    /// Models with Mamba layers: every Mamba state slot is held by a running request or by a
+    /// cached state a running request has locked, so the request cannot get its own slot (a
+    /// hit also keeps the state it copies from). A slot frees when a running request finishes.
+    NoStateSlot,
 }
 
 /// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).

@@ -86,4 +86,16 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
     fn host_tokens(&self) -> usize {
         self.inner().host_tokens()
     }
+
+    fn mamba_accounting(&self) -> Option<radixkv_radix::ComponentAccounting> {
+        self.inner().mamba_accounting()
+    }
+
+    fn evict_mamba_states(&mut self, n: usize) -> usize {
+        self.inner_mut().evict_mamba_states(n)
+    }
+
+    fn mamba_stats(&self) -> Option<radixkv_radix::MambaStats> {
+        self.inner().mamba_stats()
+    }
 }

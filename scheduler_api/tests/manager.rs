@@ -1092,3 +1092,156 @@ fn the_tiered_cache_forwards_make_room_to_the_tiered_override() {
     assert_eq!(c.pools().pages.available(), 64 / p);
     c.check_invariants().unwrap();
 }
+
+/// Idle sessions keep request-pool rows. A request that finds no free row demotes idle
+/// sessions (least recently used first) instead of waiting for a row forever; a turn served
+/// from its own session's slot needs no new row at all; and with nothing idle to demote, a
+/// request still waits.
+#[test]
+fn a_request_waiting_for_a_row_demotes_idle_sessions() {
+    for hicache in [false, true] {
+        let mut b = KvCacheManager::builder()
+            .device_tokens(256)
+            .page_size(4)
+            .max_rows(2)
+            .sessions(SessionBudget {
+                max_held_tokens: 128,
+                idle_ttl_ms: 1_000_000,
+                per_session_cap_tokens: 128,
+            });
+        if hicache {
+            b = b.host_tier(HostTier::ratio(256, 4.0));
+        }
+        let mut kv = b.build().unwrap();
+        let s1: Vec<u32> = (0..20).collect();
+        let s2: Vec<u32> = (100..120).collect();
+        turn(&mut kv, 1, s1.clone(), 2);
+        turn(&mut kv, 2, s2.clone(), 2);
+        assert_eq!(kv.metrics().gauges.held_sessions, 2, "both rows held");
+        // An ordinary request: session 1, the least recently used, gives its row up.
+        let r3 = kv
+            .arrive(Request::new((500..520).collect()).max_new_tokens(2))
+            .unwrap();
+        let a = admitted(&mut kv, r3);
+        assert_eq!(a.extend_tokens, 20);
+        assert_eq!(kv.metrics().gauges.held_sessions, 1, "hicache {hicache}");
+        assert_eq!(kv.metrics().counters.session_demotions, 1);
+        // Session 2's next turn is served from its own row, though none is free.
+        let mut t2 = s2.clone();
+        t2.extend([9_000, 9_001, 130, 131]);
+        let r4 = kv
+            .arrive(Request::new(t2).session(2).max_new_tokens(2))
+            .unwrap();
+        let a = admitted(&mut kv, r4);
+        assert_eq!(
+            a.device_tokens, 21,
+            "hicache {hicache}: from the session's slot"
+        );
+        // Session 1's next turn needs a new row, and nothing idle is left to demote.
+        let mut t1 = s1.clone();
+        t1.extend([9_000, 9_001, 30]);
+        let r5 = kv
+            .arrive(Request::new(t1).session(1).max_new_tokens(2))
+            .unwrap();
+        assert_eq!(
+            kv.admit(r5).unwrap(),
+            Admission::Wait(WaitReason::NoRow),
+            "hicache {hicache}"
+        );
+        kv.abort(r3).unwrap();
+        kv.abort(r4).unwrap();
+        // A row is free again: session 1's turn is admitted (its KV went to the tree).
+        let a = admitted(&mut kv, r5);
+        assert!(a.cached_tokens() >= 20, "hicache {hicache}: {a:?}");
+        kv.abort(r5).unwrap();
+        kv.close_all_sessions().unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        let acc = kv.accounting();
+        assert_eq!(acc.free + acc.evictable, acc.total, "{acc:?}");
+    }
+}
+
+/// A session turn lent its slot at the match gives it back when its admission must wait for
+/// room: a waiting request holding its session's row and KV could be demoted by nothing, so
+/// waiting turns of several sessions blocked each other (the replay stalled with nothing
+/// running). Once room is back, the turn is still served from the slot.
+#[test]
+fn a_waiting_session_turn_gives_its_slot_back() {
+    for hicache in [false, true] {
+        let mut kv = session_manager(hicache);
+        let s1: Vec<u32> = (0..40).collect();
+        turn(&mut kv, 1, s1.clone(), 2);
+        let held = kv.accounting().session_held;
+        assert!(held > 0);
+        // A request fills most of the pool and keeps running.
+        let big = kv
+            .arrive(Request::new((1_000..1_180).collect()).max_new_tokens(4))
+            .unwrap();
+        let a = admitted(&mut kv, big);
+        kv.extend(big, a.extend_tokens).unwrap();
+        // Session 1's next turn does not fit: it waits, and its slot is idle again.
+        let mut t2 = s1.clone();
+        t2.extend([9_000, 9_001]);
+        t2.extend(200..240);
+        let r = kv
+            .arrive(Request::new(t2).session(1).max_new_tokens(8))
+            .unwrap();
+        assert!(
+            matches!(
+                kv.admit(r).unwrap(),
+                Admission::Wait(WaitReason::NoRoom { .. })
+            ),
+            "hicache {hicache}"
+        );
+        assert_eq!(kv.metrics().gauges.held_sessions, 1, "hicache {hicache}");
+        assert_eq!(kv.accounting().session_held, held, "hicache {hicache}");
+        kv.check_invariants().unwrap();
+        // The big request goes; the turn is admitted from its session's slot.
+        kv.abort(big).unwrap();
+        let a = admitted(&mut kv, r);
+        assert_eq!(a.device_tokens, 41, "hicache {hicache}: {a:?}");
+        assert_eq!(kv.metrics().gauges.held_sessions, 0, "lent again");
+        kv.abort(r).unwrap();
+        kv.close_all_sessions().unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        let acc = kv.accounting();
+        assert_eq!(acc.free + acc.evictable, acc.total, "{acc:?}");
+    }
+}
+
+/// A replay stall names the blocked request, its size, the pool and the refusal behind it.
+#[test]
+fn stall_errors_name_the_request_and_the_refusal() {
+    use radixkv_scheduler_api::StallCause;
+    let e = ManagerError::Stalled {
+        index: 7,
+        needed: 900,
+        capacity: 4096,
+        cause: StallCause::Admission(WaitReason::NoRoom {
+            needed: 500,
+            available: 12,
+        }),
+    };
+    let m = e.to_string();
+    assert!(
+        m.contains("request 7") && m.contains("900") && m.contains("4096"),
+        "{m}"
+    );
+    assert!(m.contains("500 tokens needed, 12 available"), "{m}");
+    let oom = StallCause::OutOfMemory {
+        needed: 64,
+        available: 3,
+    };
+    assert!(oom.to_string().contains("64 tokens"), "{oom}");
+    assert!(
+        StallCause::Admission(WaitReason::NoRow)
+            .to_string()
+            .contains("row")
+    );
+    assert!(
+        !m.contains("holds only"),
+        "not a pool-too-small message: {m}"
+    );
+}

@@ -32,7 +32,8 @@
 //! Pinned, unbounded session KV starves admission, so held KV is bounded three ways
 //! ([`SessionConfig`]): a global budget of held tokens, a per-session cap, and an idle TTL read
 //! from an injectable [`Clock`] (tests use [`ManualClock`]). Over budget, expired, or when an
-//! allocation would otherwise fail, the least recently used *idle* session is **demoted**: its
+//! allocation (`alloc_tokens`, `alloc_pages`, `make_room`) would otherwise fail, the least
+//! recently used *idle* session is **demoted**: its
 //! KV is inserted into the inner cache as if its last turn had just finished (shared prefixes
 //! deduplicate, the rest becomes ordinary evictable cache), then its lock and row are released.
 //! The session stays open and its next turn works through an ordinary prefix match. A session

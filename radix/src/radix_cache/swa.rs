@@ -18,6 +18,10 @@
 //! - A slide frees the request's own pages that left the window and forgets the tree's; once
 //!   no tree page is left in the table, the receipt's SWA locks are released (its full-KV locks
 //!   stay until the finish).
+//!
+//! The tree-level [`PrefixCache::insert`] takes full-KV pages only: what it adds has no window
+//! KV (a tombstone for this component), so no match ends there until a request's insert
+//! revives it.
 
 use super::*;
 use crate::cache::pages_to_alloc;

@@ -677,7 +677,7 @@ fn config_prints_the_example_and_the_effective_configuration() {
 }
 
 #[test]
-fn model_presets_print_their_pools_and_hybrid_runs_are_refused_as_not_wired() {
+fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
     use radixkv_scheduler_api::{ManagerConfig, Preset};
     // Jamba-like: 4 attention layers × 4 KiB per token; 28 Mamba layers of 304 KiB per slot.
     let o = radixkv(&["config", "--model", "jamba-like"]);
@@ -705,10 +705,29 @@ fn model_presets_print_their_pools_and_hybrid_runs_are_refused_as_not_wired() {
     let c = ManagerConfig::from_toml_str(&out).unwrap();
     assert_eq!(c.model.page_size, 32);
     assert_eq!(c.model.sliding_window, Some(1024));
-    // A replay of a hybrid model is refused, naming what is missing.
-    let o = radixkv(&["demo", "--conversations", "2", "--model", "jamba-like"]);
-    fails_with(&o, "Mamba layers");
-    fails_with(&o, "radixkv-radix");
+    // A replay of a combination not wired yet is refused, naming what is missing.
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "jamba-like",
+        "--cache",
+        "hicache",
+    ]);
+    fails_with(&o, "Mamba layers under a host tier");
+    fails_with(&o, "radixkv-hicache");
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "jamba-like",
+        "--session-tokens",
+        "4096",
+    ]);
+    fails_with(&o, "Mamba layers with sessions");
+    fails_with(&o, "radixkv-session");
     let o = radixkv(&[
         "demo",
         "--conversations",
@@ -730,4 +749,121 @@ fn model_presets_print_their_pools_and_hybrid_runs_are_refused_as_not_wired() {
         ManagerConfig::from_toml_str(&stdout(&o)).unwrap(),
         ManagerConfig::default()
     );
+}
+
+#[test]
+fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
+    let dir = temp_dir();
+    let slot = radixkv_scheduler_api::Preset::JambaLike
+        .geometry()
+        .checked_mamba_slot_bytes()
+        .unwrap();
+    let slots = 64;
+    let bytes = (slots * slot).to_string();
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "3",
+        "--model",
+        "jamba-like",
+        "--device-tokens",
+        "32768",
+        "--mamba-bytes",
+        &bytes,
+        "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "usable vs match  usable hit",
+        "mamba states     marconi: 64 slots of 8.3 MiB",
+        "pool occupancy   mean over the run: KV pages",
+        "prefill FLOPs",
+        "and 0 Mamba slots still held",
+    ] {
+        assert!(out.contains(line), "{line:?} missing in {out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let run = &json["runs"][0];
+    assert_eq!(run["config"], "radix-lru+mamba-marconi");
+    let mamba = &run["mamba"];
+    assert_eq!(mamba["policy"], "marconi");
+    assert_eq!(mamba["slots"], slots);
+    assert_eq!(mamba["slot_bytes"], slot);
+    assert_eq!(mamba["leaked_slots"], 0);
+    assert!(mamba["states_stored"].as_u64().unwrap() > 0, "{mamba}");
+    // The usable hit never exceeds the KV match; the FLOPs saved never exceed the prompts'.
+    let usable = run["hit_tokens_device"].as_u64().unwrap();
+    let kv_match = run["kv_match_tokens"].as_u64().unwrap();
+    assert!(usable <= kv_match && kv_match > 0, "{usable} / {kv_match}");
+    let flops = &run["prefill_flops"];
+    let (saved, prompt) = (
+        flops["saved"].as_f64().unwrap(),
+        flops["prompt"].as_f64().unwrap(),
+    );
+    assert!(prompt > 0.0 && saved <= prompt, "{flops}");
+    assert_eq!(saved > 0.0, usable > 0, "{flops}");
+    // Per-pool occupancy: every sample has the Mamba slots beside the KV pages.
+    let occ = run["occupancy"].as_array().unwrap();
+    assert!(!occ.is_empty());
+    assert!(occ.iter().all(|o| o["mamba_in_use"].is_f64()), "{occ:?}");
+    // A dense run has none of it.
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--device-tokens",
+        "32768",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        !out.contains("mamba") && !out.contains("prefill FLOPs"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_jamba_like_compare_adds_the_other_policy_kv_match_and_saved_and_summarises_skips() {
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "jamba-like",
+        "--device-tokens",
+        "16384",
+        "--compare",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let header = out.lines().find(|l| l.starts_with("config")).unwrap();
+    assert!(
+        header.contains("kv match") && header.contains("saved"),
+        "{header}"
+    );
+    // The base row under the shipped policy and the same row under the baseline, equal bytes.
+    for row in ["radix-lru+mamba-marconi ", "radix-lru+mamba-sglang "] {
+        assert!(
+            out.lines().any(|l| l.starts_with(row)),
+            "{row} missing in {out}"
+        );
+    }
+    // The configurations that cannot run a Mamba model are said once per reason, not per row.
+    let skipped: Vec<&str> = out.lines().filter(|l| l.contains("skipped")).collect();
+    assert_eq!(skipped.len(), 2, "{out}");
+    assert!(
+        skipped.iter().any(|l| l.contains("radixkv-hicache")),
+        "{out}"
+    );
+    assert!(
+        skipped.iter().any(|l| l.contains("radixkv-session")),
+        "{out}"
+    );
+    assert!(!out.lines().any(|l| l.starts_with("hicache")), "{out}");
 }

@@ -28,7 +28,7 @@ use radixkv_replay::sim::{
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
-use radixkv_scheduler_api::config::{Eviction, ModelGeometry, Pools, Preset};
+use radixkv_scheduler_api::config::{Eviction, MambaPolicyKind, ModelGeometry, Pools, Preset};
 use radixkv_scheduler_api::{
     CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
 };
@@ -77,7 +77,7 @@ enum Cmd {
     /// the flags), or with --example a commented example naming every key.
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
-        #[arg(long, conflicts_with_all = ["config", "model", "device_tokens", "page_size",
+        #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "mamba_policy", "device_tokens", "page_size",
             "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
         example: bool,
         #[command(flatten)]
@@ -201,6 +201,14 @@ fn model_parser() -> Named<Preset> {
     }
 }
 
+fn mamba_policy_parser() -> Named<MambaPolicyKind> {
+    Named {
+        what: "Mamba policy",
+        shown: MambaPolicyKind::ALL.map(MambaPolicyKind::name).to_vec(),
+        parse: MambaPolicyKind::from_name,
+    }
+}
+
 fn write_policy_parser() -> Named<WritePolicy> {
     Named {
         what: "write policy",
@@ -223,11 +231,20 @@ struct ManagerArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Model geometry preset; replaces the --config file's model section, keeping its page size.
-    /// Hybrid models (jamba-like: Mamba layers, gemma-like: sliding-window layers) are sized
-    /// (`radixkv config` prints their pools) but no cache carries their extra pools yet, so
-    /// a replay refuses them [default: the --config file's model, else dense]
+    /// jamba-like (Mamba layers) runs on the disabled and radix caches (a host tier or sessions
+    /// are refused as not wired); gemma-like (sliding-window layers) is sized (`radixkv config`
+    /// prints its pools) but a replay refuses it [default: the --config file's model, else dense]
     #[arg(long, value_parser = model_parser())]
     model: Option<Preset>,
+    /// Bytes of the Mamba state slot pool (models with Mamba layers; `[pools] mamba_bytes`)
+    /// [default: the full-attention pool's bytes]
+    #[arg(long, value_name = "BYTES")]
+    mamba_bytes: Option<u64>,
+    /// How Mamba states are admitted and evicted (models with Mamba layers; `mamba_policy`):
+    /// marconi (branch-point and prompt-end checkpoints, FLOPs-per-byte eviction) or sglang
+    /// (request-end checkpoints, LRU) [default: the --config file's, else marconi]
+    #[arg(long, value_parser = mamba_policy_parser())]
+    mamba_policy: Option<MambaPolicyKind>,
     #[arg(long, value_name = "TOKENS",
         help = with_default("Device KV pool in tokens (the full-attention KV pool)", ManagerConfig::default().device_tokens))]
     device_tokens: Option<usize>,
@@ -271,7 +288,8 @@ struct RunArgs {
         help = with_default("Host↔device bandwidth in GB/s", CostModel::default().transfer_gbps))]
     bandwidth_gbps: Option<f64>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
-    /// write policy, HiCache + sessions) on the same workload and print one table.
+    /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
+    /// policy too) on the same workload and print one table.
     #[arg(long)]
     compare: bool,
     /// Write report.json and plots (SVG + PNG) into this directory.
@@ -486,12 +504,14 @@ fn pools_comment(p: &Pools) -> String {
 /// Fails a run that leaked: pages still held after the drain, sessions still open, or
 /// accounting that does not balance.
 fn leak_check(r: &Report) -> Result<()> {
-    if r.leaked_tokens == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
+    let slots = r.mamba.map_or(0, |m| m.leaked_slots);
+    if r.leaked_tokens == 0 && slots == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
         return Ok(());
     }
     Err(ManagerError::Invariant(radixkv_radix::InvariantViolation(
         format!(
-            "{}: leak check failed: {} tokens still held, {} sessions open, accounting {}",
+            "{}: leak check failed: {} tokens and {slots} Mamba slots still held, {} sessions \
+             open, accounting {}",
             r.config,
             r.leaked_tokens,
             r.open_sessions_at_end,
@@ -624,6 +644,12 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
     if let Some(n) = run.device_tokens {
         m.device_tokens = n;
     }
+    if let Some(b) = run.mamba_bytes {
+        m.pools.mamba_bytes = Some(b);
+    }
+    if let Some(p) = run.mamba_policy {
+        m.mamba_policy = Some(p);
+    }
     if let Some(p) = run.page_size {
         m.model.page_size = p;
     }
@@ -693,8 +719,14 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
                 pool(h)
             ))
         );
-        println!("{}", Report::table_header());
+        println!(
+            "{}",
+            Report::table_header_for(m.model.layer_counts().mamba > 0)
+        );
     }
+    // Configurations this build cannot run the model with are said once, grouped by reason,
+    // after the table (a hybrid model skips every host-tier and session row).
+    let mut skipped: Vec<(String, Vec<String>)> = Vec::new();
     let outcomes = sim::compare(
         trace,
         cfg,
@@ -703,11 +735,22 @@ fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>>
         &mut |o| match o {
             CompareOutcome::Ran(r) if table => println!("{}", r.table_row()),
             CompareOutcome::Skipped { config, reason } if table => {
-                println!("{config:<34} skipped: {reason}");
+                match skipped.iter_mut().find(|(r, _)| r == reason) {
+                    Some((_, configs)) => configs.push(config.clone()),
+                    None => skipped.push((reason.clone(), vec![config.clone()])),
+                }
             }
             _ => {}
         },
     )?;
+    for (reason, configs) in &skipped {
+        let names = match configs.as_slice() {
+            [one] => one.clone(),
+            [first, .., last] => format!("{first} … {last}"),
+            [] => String::new(),
+        };
+        println!("skipped {} ({names}): {reason}", configs.len());
+    }
     let reports: Vec<Report> = outcomes
         .into_iter()
         .filter_map(|o| match o {
@@ -752,8 +795,14 @@ fn compare_footer(reports: &[Report]) -> String {
     format!(
         "every row: {} requests; ideal (infinite cache) token hit ratio {ideal}; {throughput}\n\
          /ideal = hit / ideal; host, xfer: - without a host tier; xfer = modeled bytes loaded + \
-         written; cpu µs/r = cache-manager CPU per request\n",
-        fmt_count(first.requests)
+         written; cpu µs/r = cache-manager CPU per request{}\n",
+        fmt_count(first.requests),
+        if first.mamba.is_some() {
+            "\nhit = usable hit (up to the deepest cached Mamba state); kv match = how far the KV \
+             matched; saved = share of the prompts' prefill FLOPs the hits saved"
+        } else {
+            ""
+        }
     )
 }
 

@@ -60,6 +60,7 @@ fn moving_average_smooths_and_ends_with_the_data() {
             t_s: f64::from(i),
             in_use: if i % 2 == 0 { 1.0 } else { 0.0 },
             cached: 0.0,
+            ..Default::default()
         })
         .collect();
     let avg = moving_average(&samples, 2, |o| o.in_use);

@@ -22,6 +22,12 @@ pub struct CostModel {
     pub transfer_gbps: f64,
     /// Layers the transfer is pipelined over.
     pub layers: u32,
+    /// Effective prefill throughput (TFLOP/s) for a model whose geometry has a compute shape
+    /// (`[model.compute]`): a prefill chunk then costs its FLOPs (attention to everything
+    /// before it included, see `ModelGeometry::prefill_flops`) at this rate, instead of
+    /// `prefill_us_per_token` per token. The default is the rate at which an 8B dense model's
+    /// ~16 GFLOP per token costs the default 12 µs.
+    pub prefill_tflops: f64,
 }
 
 impl Default for CostModel {
@@ -32,6 +38,7 @@ impl Default for CostModel {
             decode_us_per_seq: 40.0,
             transfer_gbps: 25.0,
             layers: 32,
+            prefill_tflops: 1333.0,
         }
     }
 }
@@ -39,12 +46,32 @@ impl Default for CostModel {
 impl CostModel {
     /// Compute time of a step (µs).
     pub fn compute_us(&self, prefill_tokens: usize, decode_seqs: usize) -> f64 {
-        let decode = if decode_seqs > 0 {
-            self.decode_step_us + self.decode_us_per_seq * decode_seqs as f64
+        self.prefill_us(prefill_tokens) + self.decode_us(decode_seqs)
+    }
+
+    /// Prefill time of `tokens` tokens at `prefill_us_per_token` (µs).
+    pub fn prefill_us(&self, tokens: usize) -> f64 {
+        tokens as f64 * self.prefill_us_per_token
+    }
+
+    /// Prefill time of `flops` FLOPs at `prefill_tflops` (µs); 0 for a rate that is not
+    /// positive.
+    pub fn prefill_us_of_flops(&self, flops: f64) -> f64 {
+        if self.prefill_tflops > 0.0 {
+            // 1 TFLOP/s = 1e6 FLOP per µs.
+            flops / (self.prefill_tflops * 1e6)
         } else {
             0.0
-        };
-        prefill_tokens as f64 * self.prefill_us_per_token + decode
+        }
+    }
+
+    /// Decode time of a step decoding `seqs` sequences (µs; 0 without any).
+    fn decode_us(&self, seqs: usize) -> f64 {
+        if seqs > 0 {
+            self.decode_step_us + self.decode_us_per_seq * seqs as f64
+        } else {
+            0.0
+        }
     }
 
     /// Transfer time of `bytes` (µs).
@@ -57,7 +84,13 @@ impl CostModel {
 
     /// Time of a whole step (µs) with `load_bytes` loaded layer by layer beside the compute.
     pub fn step_us(&self, prefill_tokens: usize, decode_seqs: usize, load_bytes: u64) -> f64 {
-        let c = self.compute_us(prefill_tokens, decode_seqs);
+        self.step_us_of(self.prefill_us(prefill_tokens), decode_seqs, load_bytes)
+    }
+
+    /// [`CostModel::step_us`] with the prefill time already known (`prefill_us`, e.g. from
+    /// [`CostModel::prefill_us_of_flops`]).
+    pub fn step_us_of(&self, prefill_us: f64, decode_seqs: usize, load_bytes: u64) -> f64 {
+        let c = prefill_us + self.decode_us(decode_seqs);
         let x = self.transfer_us(load_bytes);
         if x == 0.0 {
             return c;
@@ -79,6 +112,7 @@ mod tests {
             decode_us_per_seq: 0.0,
             transfer_gbps: 1.0,
             layers: 10,
+            prefill_tflops: 1.0,
         };
         assert_eq!(m.step_us(100, 0, 0), 100.0);
         // 1 GB/s: 1000 bytes per µs.
@@ -86,5 +120,8 @@ mod tests {
         assert_eq!(m.step_us(100, 0, 50_000), 105.0);
         assert_eq!(m.step_us(10, 0, 100_000), 101.0);
         assert!(m.step_us(0, 3, 0) == 0.0);
+        // 1 TFLOP/s: 1e6 FLOPs per µs.
+        assert_eq!(m.prefill_us_of_flops(5e6), 5.0);
+        assert_eq!(m.step_us_of(5.0, 0, 0), 5.0);
     }
 }

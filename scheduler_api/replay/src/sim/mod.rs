@@ -12,8 +12,8 @@ pub use ideal::IdealCache;
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
-    CpuBreakdown, OccupancySample, REPORT_SCHEMA_VERSION, Report, ReportFile, TierRatios,
-    fmt_bytes, fmt_count, fmt_pool,
+    CpuBreakdown, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION, Report,
+    ReportFile, TierRatios, fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 
@@ -21,13 +21,15 @@ use radixkv_radix::PolicyKind;
 
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{
-    CacheKind, Eviction, HostTier, ManagerConfig, SessionBudget, WritePolicy,
+    CacheKind, Eviction, HostTier, MambaPolicyKind, ManagerConfig, SessionBudget, WritePolicy,
 };
 use radixkv_scheduler_api::error::{ManagerError, Result};
 
 /// The configurations `--compare` runs: no cache, the radix cache under every eviction
 /// policy, radix (base policy) + sessions, HiCache with a host tier 4× the device pool under
-/// each write policy, HiCache write-back under every other policy, and HiCache + sessions. Kinds this build cannot construct are reported
+/// each write policy, HiCache write-back under every other policy, and HiCache + sessions; for a
+/// model with Mamba layers, also the base radix row under the other Mamba policy. Kinds this
+/// build cannot construct are reported
 /// as skipped by [`compare`], not dropped silently.
 pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
     let sessions = Some(SessionBudget {
@@ -48,6 +50,18 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
             sessions: None,
             ..base.clone()
         });
+    }
+    // A model with Mamba layers: the base radix row under the other Mamba policy too, at the
+    // same pool bytes.
+    if let Some(kind) = base.mamba_policy_kind() {
+        for other in MambaPolicyKind::ALL.into_iter().filter(|&p| p != kind) {
+            out.push(ManagerConfig {
+                cache: CacheKind::Radix,
+                sessions: None,
+                mamba_policy: Some(other),
+                ..base.clone()
+            });
+        }
     }
     out.push(ManagerConfig {
         cache: CacheKind::Radix,

@@ -53,6 +53,56 @@ pub struct OccupancySample {
     pub in_use: f64,
     /// Fraction of the pool holding evictable cache.
     pub cached: f64,
+    /// Models with Mamba layers: fraction of the state slots held by running requests or
+    /// locked by them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mamba_in_use: Option<f64>,
+    /// Models with Mamba layers: fraction of the state slots holding evictable cached states.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mamba_cached: Option<f64>,
+}
+
+/// Prefill FLOPs of the prompts at their first admission, from the model's compute shape.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PrefillFlops {
+    /// FLOPs of prefilling every prompt from nothing.
+    pub prompt: f64,
+    /// FLOPs the cache hits saved: the prefill of each reused prefix.
+    pub saved: f64,
+}
+
+impl PrefillFlops {
+    /// `saved / prompt` (0 without prompts).
+    pub fn saved_fraction(&self) -> f64 {
+        if self.prompt > 0.0 {
+            self.saved / self.prompt
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The Mamba state pool of a replay (models with Mamba layers).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MambaReport {
+    /// The Mamba policy (`"marconi"`, `"sglang"`).
+    pub policy: &'static str,
+    /// Slots in the pool.
+    pub slots: u64,
+    /// Modeled bytes of one slot (the states of every Mamba layer).
+    pub slot_bytes: u64,
+    /// States the cache stored as checkpoints.
+    pub states_stored: u64,
+    /// First admissions that reused a cached state.
+    pub state_hits: u64,
+    /// Cached states dropped to make room.
+    pub states_evicted: u64,
+    /// Checkpoints the policy did not take (admission refused them, or no slot).
+    pub checkpoints_skipped: u64,
+    /// Cached states left at the end.
+    pub cached_at_end: u64,
+    /// Slots still held by a request or locked at the end (must be 0).
+    pub leaked_slots: u64,
 }
 
 /// Cache-manager CPU time per request, by lifecycle phase (µs).
@@ -89,6 +139,16 @@ pub struct Report {
     pub hit_tokens_device: u64,
     /// See `hit_tokens_device`.
     pub hit_tokens_host: u64,
+    /// Prompt tokens the device KV matched at the first admission, usable or not: equal to
+    /// `hit_tokens_device` on a KV-only model; on a model with Mamba layers the usable hit
+    /// stops at the deepest cached state, and this says how much deeper the KV went.
+    pub kv_match_tokens: u64,
+    /// `kv_match_tokens / prompt_tokens`.
+    pub kv_match_ratio: f64,
+    /// Prefill FLOPs of the prompts and what the hits saved (`None` without `[model.compute]`).
+    pub prefill_flops: Option<PrefillFlops>,
+    /// The Mamba state pool (`None` on a model without Mamba layers).
+    pub mamba: Option<MambaReport>,
     /// Token hit ratios.
     pub hit_ratio: TierRatios,
     /// Tokens an infinite cache would have reused.
@@ -158,6 +218,7 @@ impl Report {
             overall: ratio(d + h, p),
         };
         self.ideal_hit_ratio = ratio(self.ideal_hit_tokens, p);
+        self.kv_match_ratio = ratio(self.kv_match_tokens, p);
         self.achieved_over_ideal = if self.ideal_hit_tokens == 0 {
             1.0
         } else {
@@ -176,6 +237,20 @@ impl Report {
     /// Header of the comparison table. Figures that are the same in every row (requests, the
     /// ideal, output throughput) are not columns: the caller prints them once.
     pub fn table_header() -> String {
+        Self::table_header_for(false)
+    }
+
+    /// [`Report::table_header`], with the `kv match` and `saved` columns of a model with Mamba
+    /// layers when `hybrid` (its rows, [`Report::table_row`], carry them).
+    pub fn table_header_for(hybrid: bool) -> String {
+        let mut h = Self::base_header();
+        if hybrid {
+            h.push_str(&format!(" {:>8} {:>7}", "kv match", "saved"));
+        }
+        h
+    }
+
+    fn base_header() -> String {
         format!(
             "{:<34} {:>7} {:>7} {:>7} {:>7} {:>12} {:>10} {:>9} {:>9} {:>8}",
             "config",
@@ -191,8 +266,21 @@ impl Report {
         )
     }
 
-    /// One row of the comparison table (`-` where the configuration has no host tier).
+    /// One row of the comparison table (`-` where the configuration has no host tier). A model
+    /// with Mamba layers adds the KV match ratio (usable or not) and the share of prefill FLOPs
+    /// the hits saved (`-` without the model's compute shape).
     pub fn table_row(&self) -> String {
+        let mut row = self.base_row();
+        if self.mamba.is_some() {
+            let saved = self.prefill_flops.map_or("-".into(), |f| {
+                format!("{:.1}%", 100.0 * f.saved_fraction())
+            });
+            row.push_str(&format!(" {:>8.4} {:>7}", self.kv_match_ratio, saved));
+        }
+        row
+    }
+
+    fn base_row(&self) -> String {
         let t = &self.counters.transfers;
         let (host, xfer) = match self.host_tier() {
             Some(_) => (
@@ -342,6 +430,49 @@ impl fmt::Display for Report {
             "ideal (∞ cache)  {:.4}   achieved/ideal {:.3}",
             self.ideal_hit_ratio, self.achieved_over_ideal
         )?;
+        if let Some(mamba) = &self.mamba {
+            writeln!(
+                f,
+                "usable vs match  usable hit {:.4}, KV match {:.4} (the KV matched past the \
+                 deepest cached state is not usable)",
+                r.device, self.kv_match_ratio
+            )?;
+            writeln!(
+                f,
+                "mamba states     {}: {} slots of {} ({} modeled); stored {}, hit {}, evicted \
+                 {}, skipped {}, {} cached at the end",
+                mamba.policy,
+                fmt_count(mamba.slots),
+                fmt_bytes(mamba.slot_bytes),
+                fmt_bytes(mamba.slots.saturating_mul(mamba.slot_bytes)),
+                fmt_count(mamba.states_stored),
+                fmt_count(mamba.state_hits),
+                fmt_count(mamba.states_evicted),
+                fmt_count(mamba.checkpoints_skipped),
+                fmt_count(mamba.cached_at_end)
+            )?;
+            let n = self.occupancy.len().max(1) as f64;
+            let mean =
+                |f: &dyn Fn(&OccupancySample) -> f64| self.occupancy.iter().map(f).sum::<f64>() / n;
+            writeln!(
+                f,
+                "pool occupancy   mean over the run: KV pages {:.1}% in use + {:.1}% cached; \
+                 Mamba slots {:.1}% in use + {:.1}% cached",
+                100.0 * mean(&|o| o.in_use),
+                100.0 * mean(&|o| o.cached),
+                100.0 * mean(&|o| o.mamba_in_use.unwrap_or(0.0)),
+                100.0 * mean(&|o| o.mamba_cached.unwrap_or(0.0))
+            )?;
+        }
+        if let Some(fl) = &self.prefill_flops {
+            writeln!(
+                f,
+                "prefill FLOPs    {:.3e} saved of {:.3e} ({:.1}%)",
+                fl.saved,
+                fl.prompt,
+                100.0 * fl.saved_fraction()
+            )?;
+        }
         writeln!(
             f,
             "recomputed       {} tokens; evicted {} tokens; {} retractions",
@@ -395,9 +526,13 @@ impl fmt::Display for Report {
         )?;
         write!(
             f,
-            "\nleak check       {} tokens still held after the drain, {} sessions open, \
+            "\nleak check       {} tokens{} still held after the drain, {} sessions open, \
              accounting {}; invariant audits: {}",
             self.leaked_tokens,
+            self.mamba.map_or(String::new(), |m| format!(
+                " and {} Mamba slots",
+                m.leaked_slots
+            )),
             self.open_sessions_at_end,
             if self.accounting_balanced {
                 "balanced"

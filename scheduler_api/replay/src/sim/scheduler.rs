@@ -14,9 +14,9 @@ use serde::Serialize;
 use super::cost::CostModel;
 use super::ideal::IdealCache;
 use super::memory::MemoryUse;
-use super::report::{CpuBreakdown, OccupancySample, Report, quantile};
+use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, quantile};
 use crate::trace::Trace;
-use radixkv_scheduler_api::config::{CacheKind, ManagerConfig};
+use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
 use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request};
 
@@ -204,6 +204,16 @@ pub(super) fn replay_with_ideal(
     sim.finish(&kv, started)
 }
 
+/// FLOPs of prefilling the positions `range` (0-based, so position `p` attends to `p + 1`
+/// tokens) given everything before them; 0 without the model's compute shape.
+fn chunk_flops(
+    model: &radixkv_scheduler_api::ModelGeometry,
+    range: &std::ops::Range<usize>,
+) -> f64 {
+    let upto = |n: usize| model.prefill_flops(n as u64).map_or(0.0, |f| f as f64);
+    (upto(range.end) - upto(range.start)).max(0.0)
+}
+
 /// The infinite-cache ideal of every request, at pages of `page_size` tokens. First
 /// admissions happen in arrival order (the queue is FCFS and only already-admitted requests
 /// are pushed back to its front), so the ideal is computed in a pass of its own before the
@@ -269,16 +279,16 @@ impl TurnsLeft {
     }
 }
 
-/// The outcome of an allocation the scheduler may see refused: `None` when it succeeded, the
+/// The outcome of an allocation the scheduler may see refused: its value when it succeeded, the
 /// refusal when the device is out of memory (the step goes on without it).
 ///
 /// # Errors
 /// Any other error, which ends the replay.
-fn out_of_memory<T>(r: Result<T>) -> Result<Option<StallCause>> {
+fn out_of_memory<T>(r: Result<T>) -> Result<std::result::Result<T, StallCause>> {
     match r {
-        Ok(_) => Ok(None),
+        Ok(v) => Ok(Ok(v)),
         Err(ManagerError::OutOfMemory { needed, available }) => {
-            Ok(Some(StallCause::OutOfMemory { needed, available }))
+            Ok(Err(StallCause::OutOfMemory { needed, available }))
         }
         Err(e) => Err(e),
     }
@@ -373,6 +383,9 @@ impl Sim<'_> {
         kv.set_time_ms((self.now_us / 1e3) as u64);
         let mut budget = self.cfg.prefill_budget;
         let mut prefill_tokens = 0;
+        // FLOPs of the step's prefill chunks (0 without the model's compute shape).
+        let mut prefill_flops = 0.0;
+        let model = &self.cfg.manager.model;
 
         // The first refusal of the step (trace index, cause): what a stall reports.
         let mut refused: Option<(usize, StallCause)> = None;
@@ -387,10 +400,14 @@ impl Sim<'_> {
                 break;
             }
             t0.get_or_insert_with(Instant::now);
-            if let Some(cause) = out_of_memory(kv.extend(job.id, take))? {
-                refused.get_or_insert((job.index, cause));
-                break;
-            }
+            let range = match out_of_memory(kv.extend(job.id, take))? {
+                Ok(range) => range,
+                Err(cause) => {
+                    refused.get_or_insert((job.index, cause));
+                    break;
+                }
+            };
+            prefill_flops += chunk_flops(model, &range);
             job.prefill_left -= take;
             job.role = Role::Prefill;
             budget -= take;
@@ -432,20 +449,22 @@ impl Sim<'_> {
             // opens the extend's.
             let take = a.extend_tokens.min(budget);
             let t1 = self.cpu.lap(Phase::Admit, t0);
-            let refusal = if take > 0 {
-                out_of_memory(kv.extend(id, take))
-            } else {
-                Ok(None)
-            };
+            let extended = (take > 0).then(|| out_of_memory(kv.extend(id, take)));
             self.cpu.add(Phase::Extend, t1);
             let Some(mut job) = self.waiting.pop_front() else {
                 break;
             };
-            let refusal = refusal?;
-            let ok = take > 0 && refusal.is_none();
-            if let Some(cause) = refusal {
-                refused.get_or_insert((job.index, cause));
-            }
+            let ok = match extended.transpose()? {
+                Some(Ok(range)) => {
+                    prefill_flops += chunk_flops(model, &range);
+                    true
+                }
+                Some(Err(cause)) => {
+                    refused.get_or_insert((job.index, cause));
+                    false
+                }
+                None => false,
+            };
             if !job.first_admitted {
                 // Infinite-cache ideal and per-tier hits at the first admission; the output
                 // goes with the job, which a retraction later in this step may send back to
@@ -456,7 +475,16 @@ impl Sim<'_> {
                 self.report.ideal_hit_tokens += self.ideal_hits[job.index];
                 self.report.hit_tokens_device += a.device_tokens as u64;
                 self.report.hit_tokens_host += a.host_tokens as u64;
+                self.report.kv_match_tokens += a.kv_match_tokens as u64;
                 self.report.prompt_tokens += r.prompt_len;
+                if let (Some(saved), Some(all)) = (
+                    model.prefill_flops(a.cached_tokens() as u64),
+                    model.prefill_flops(r.prompt_len),
+                ) {
+                    let f = self.report.prefill_flops.get_or_insert_default();
+                    f.saved += saved as f64;
+                    f.prompt += all as f64;
+                }
             }
             job.prefill_left = a.extend_tokens;
             if ok {
@@ -556,10 +584,15 @@ impl Sim<'_> {
             }
         }
 
+        let prefill_us = if model.compute.is_some() {
+            self.cfg.cost.prefill_us_of_flops(prefill_flops)
+        } else {
+            self.cfg.cost.prefill_us(prefill_tokens)
+        };
         let dt = self
             .cfg
             .cost
-            .step_us(prefill_tokens, decode_seqs, step.load_bytes());
+            .step_us_of(prefill_us, decode_seqs, step.load_bytes());
         self.now_us += dt;
         self.report.recomputed_tokens += prefill_tokens as u64;
 
@@ -651,10 +684,19 @@ impl Sim<'_> {
         }
         let a = kv.accounting();
         let total = a.total.max(1) as f64;
+        let mamba = kv.mamba_accounting().map(|m| {
+            let slots = m.total.max(1) as f64;
+            (
+                (m.protected + m.request_owned) as f64 / slots,
+                m.evictable as f64 / slots,
+            )
+        });
         self.report.occupancy.push(OccupancySample {
             t_s: self.now_us / 1e6,
             in_use: (a.protected + a.request_owned + a.session_held) as f64 / total,
             cached: a.evictable as f64 / total,
+            mamba_in_use: mamba.map(|m| m.0),
+            mamba_cached: mamba.map(|m| m.1),
         });
         if self.report.occupancy.len() >= 2048 {
             let kept: Vec<_> = self.report.occupancy.iter().step_by(2).copied().collect();
@@ -673,6 +715,30 @@ impl Sim<'_> {
         r.leaked_tokens =
             (a.protected + a.request_owned + a.session_held + kv.reserved_tokens()) as u64;
         r.accounting_balanced = a.balanced();
+        if let Some(acc) = kv.mamba_accounting() {
+            r.accounting_balanced &= acc.balanced();
+            let slot_bytes = self
+                .cfg
+                .manager
+                .model
+                .checked_mamba_slot_bytes()
+                .unwrap_or(0);
+            r.mamba = Some(MambaReport {
+                policy: self
+                    .cfg
+                    .manager
+                    .mamba_policy_kind()
+                    .map_or("", MambaPolicyKind::name),
+                slots: acc.total as u64,
+                slot_bytes,
+                states_stored: m.counters.mamba_states_stored,
+                state_hits: m.counters.mamba_state_hits,
+                states_evicted: m.counters.mamba_states_evicted,
+                checkpoints_skipped: m.counters.mamba_checkpoints_skipped,
+                cached_at_end: (acc.evictable + acc.protected) as u64,
+                leaked_slots: (acc.request_owned + acc.protected) as u64,
+            });
+        }
         r.open_sessions_at_end = kv.open_sessions() as u64;
         self.ttft_ms.sort_by(f64::total_cmp);
         r.ttft_p50_ms = quantile(&self.ttft_ms, 0.5);

@@ -1,0 +1,401 @@
+//! A hybrid Transformer–Mamba model (the Jamba-like preset) through the manager: slot pool
+//! sizing, admission that needs KV room and a state slot, the copy on write of a hit, the
+//! combinations not wired yet, and the `mamba_*` metrics.
+
+mod common;
+
+use common::admitted;
+use radixkv_scheduler_api::{
+    Admission, CacheKind, CheckpointKind, HostTier, KvCacheManager, MambaPolicyKind, ManagerConfig,
+    ManagerError, Preset, ReqId, Request, SessionBudget, WaitReason,
+};
+
+/// The Jamba-like geometry with pages of 4 tokens.
+fn jamba() -> radixkv_scheduler_api::ModelGeometry {
+    let mut m = Preset::JambaLike.geometry();
+    m.page_size = 4;
+    m
+}
+
+fn slot_bytes() -> u64 {
+    jamba().checked_mamba_slot_bytes().unwrap()
+}
+
+/// A Jamba-like manager of 1024 device tokens and `slots` state slots under the SGLang-style
+/// baseline (one slot per running request, a checkpoint at request end).
+fn manager(slots: u64) -> KvCacheManager {
+    manager_with(slots, MambaPolicyKind::Sglang)
+}
+
+fn manager_with(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
+    KvCacheManager::builder()
+        .model(jamba())
+        .device_tokens(1024)
+        .mamba_bytes(slots * slot_bytes())
+        .mamba_policy(policy)
+        .build()
+        .unwrap()
+}
+
+/// Arrives, admits and prefills `tokens` in one chunk; returns the handle and the admission.
+fn prefill(kv: &mut KvCacheManager, tokens: Vec<u32>) -> (ReqId, radixkv_scheduler_api::Admitted) {
+    let r = kv.arrive(Request::new(tokens).max_new_tokens(4)).unwrap();
+    let a = admitted(kv, r);
+    kv.extend(r, a.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    kv.chunk_done(r).unwrap();
+    kv.end_step(step).unwrap();
+    (r, a)
+}
+
+fn balanced(kv: &KvCacheManager) {
+    let a = kv.mamba_accounting().unwrap();
+    assert!(a.balanced(), "{a:?}");
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_hit_copies_the_cached_state_into_the_requests_own_slot() {
+    let mut kv = manager(8);
+    assert_eq!(kv.mamba_accounting().unwrap().total, 8);
+    // First request: a miss with a fresh slot of its own.
+    let (a, adm) = prefill(&mut kv, (0..12).collect());
+    assert_eq!(adm.device_tokens, 0);
+    assert_eq!(adm.kv_match_tokens, 0);
+    assert!(adm.mamba_cow.is_none());
+    let slot_a = adm.mamba_slot.expect("a running request holds a slot");
+    assert_eq!(kv.mamba_slot(a).unwrap(), Some(slot_a));
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 1);
+    // 12 tokens end a page: its state is stored as the checkpoint of the inserted key.
+    kv.finish(a).unwrap();
+    let acc = kv.mamba_accounting().unwrap();
+    assert_eq!((acc.request_owned, acc.evictable), (0, 1), "{acc:?}");
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 1);
+
+    // Same 12 tokens and more: the state is usable, copied into a new slot.
+    let (b, adm) = prefill(&mut kv, (0..16).collect());
+    assert_eq!(adm.device_tokens, 12);
+    assert_eq!(adm.kv_match_tokens, 12);
+    assert_eq!(adm.extend_tokens, 4);
+    let cow = adm.mamba_cow.expect("a hit copies the cached state");
+    assert_eq!(Some(cow.dst), adm.mamba_slot);
+    assert_ne!(cow.src, cow.dst);
+    // The copy has run once a chunk is done; the source state is unlocked again.
+    assert_eq!(kv.mamba_cow(b).unwrap(), None);
+    balanced(&kv);
+    kv.finish(b).unwrap();
+
+    // A request that shares only the first 8 tokens: the KV matches 8 tokens but no state ends
+    // there, so nothing is usable and the forward should checkpoint at 8.
+    let mut tokens: Vec<u32> = (0..8).collect();
+    tokens.extend(100..110);
+    let (c, adm) = prefill(&mut kv, tokens);
+    assert_eq!(adm.device_tokens, 0);
+    assert_eq!(adm.kv_match_tokens, 8);
+    assert!(adm.mamba_cow.is_none());
+    kv.finish(c).unwrap();
+
+    let m = kv.metrics();
+    assert_eq!(m.counters.mamba_state_hits, 1);
+    assert_eq!(m.counters.hit_tokens_device, 12);
+    assert_eq!(m.counters.kv_match_tokens, 12 + 8);
+    assert_eq!(m.gauges.mamba_slots_request_owned, 0);
+    assert_eq!(
+        m.gauges.mamba_slots_free + m.gauges.mamba_slots_evictable,
+        8,
+        "no slot leaks: {:?}",
+        kv.mamba_accounting()
+    );
+    balanced(&kv);
+}
+
+#[test]
+fn admission_waits_for_a_state_slot_and_evicts_a_cached_state_for_one() {
+    let mut kv = manager(2);
+    let (a, _) = prefill(&mut kv, (0..8).collect());
+    let (b, _) = prefill(&mut kv, (50..58).collect());
+    // Both slots are held by running requests: the third waits, holding nothing.
+    let c = kv.arrive(Request::new((90..98).collect())).unwrap();
+    let (pool, slots) = (kv.accounting(), kv.mamba_accounting());
+    assert_eq!(
+        kv.admit(c).unwrap(),
+        Admission::Wait(WaitReason::NoStateSlot)
+    );
+    assert_eq!(kv.mamba_slot(c).unwrap(), None);
+    assert_eq!(kv.accounting(), pool, "the wait holds no KV");
+    assert_eq!(kv.mamba_accounting(), slots, "nor a slot");
+    balanced(&kv);
+    // a finishes and caches its state; c's admission evicts it (the LRU unlocked state).
+    kv.finish(a).unwrap();
+    assert_eq!(kv.mamba_accounting().unwrap().evictable, 1);
+    let adm = admitted(&mut kv, c);
+    assert!(adm.mamba_slot.is_some() && adm.mamba_cow.is_none());
+    let m = kv.metrics();
+    assert_eq!(m.counters.mamba_states_evicted, 1);
+    assert_eq!(m.counters.admission_waits, 1);
+    kv.abort(c).unwrap();
+    kv.finish(b).unwrap();
+    let acc = kv.mamba_accounting().unwrap();
+    assert_eq!((acc.request_owned, acc.evictable, acc.free), (0, 1, 1));
+    balanced(&kv);
+}
+
+#[test]
+fn a_one_slot_pool_serves_a_would_be_hit_as_a_miss_instead_of_waiting_forever() {
+    let mut kv = manager(1);
+    let (a, _) = prefill(&mut kv, (0..8).collect());
+    // The only slot is a's: another request waits.
+    let b = kv.arrive(Request::new((0..12).collect())).unwrap();
+    assert_eq!(
+        kv.admit(b).unwrap(),
+        Admission::Wait(WaitReason::NoStateSlot)
+    );
+    kv.finish(a).unwrap();
+    assert_eq!(kv.mamba_accounting().unwrap().evictable, 1);
+    // A hit would need the cached state and a copy of it: two slots. The state goes, the KV
+    // stays, and b runs as a miss.
+    let adm = admitted(&mut kv, b);
+    assert_eq!(adm.device_tokens, 0);
+    assert!(adm.mamba_cow.is_none() && adm.mamba_slot.is_some());
+    assert_eq!(adm.extend_tokens, 12);
+    assert_eq!(kv.metrics().counters.mamba_states_evicted, 1);
+    balanced(&kv);
+    kv.abort(b).unwrap();
+    assert_eq!(kv.mamba_accounting().unwrap().free, 1);
+}
+
+#[test]
+fn the_disabled_cache_gives_every_request_a_slot_and_keeps_no_state() {
+    let mut kv = KvCacheManager::builder()
+        .model(jamba())
+        .device_tokens(1024)
+        .cache(CacheKind::Disabled)
+        .mamba_bytes(4 * slot_bytes())
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        let (r, adm) = prefill(&mut kv, (0..12).collect());
+        assert_eq!((adm.device_tokens, adm.kv_match_tokens), (0, 0));
+        assert!(adm.mamba_slot.is_some());
+        kv.finish(r).unwrap();
+    }
+    let acc = kv.mamba_accounting().unwrap();
+    assert_eq!((acc.free, acc.evictable), (4, 0), "{acc:?}");
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 0);
+    balanced(&kv);
+}
+
+#[test]
+fn retract_caches_the_state_at_a_page_end_and_the_request_hits_it_again() {
+    let mut kv = manager(4);
+    let (r, _) = prefill(&mut kv, (0..8).collect());
+    kv.retract(r).unwrap();
+    assert_eq!(kv.mamba_slot(r).unwrap(), None);
+    assert_eq!(kv.mamba_accounting().unwrap().evictable, 1);
+    let adm = admitted(&mut kv, r);
+    // max_match_len is len − 1 = 7: the 4-token page is the deepest aligned prefix, which has
+    // no state (the state is at 8), so nothing is usable.
+    assert_eq!(adm.device_tokens, 0);
+    assert_eq!(adm.kv_match_tokens, 4);
+    kv.abort(r).unwrap();
+    balanced(&kv);
+}
+
+#[test]
+fn combinations_not_wired_yet_are_refused_by_name() {
+    let base = || KvCacheManager::builder().model(jamba()).device_tokens(4096);
+    let cases = [
+        (
+            base().sessions(SessionBudget {
+                max_held_tokens: 1024,
+                ..Default::default()
+            }),
+            "radixkv-session",
+            "sessions",
+        ),
+        (
+            base().host_tier(HostTier::ratio(4096, 2.0)),
+            "radixkv-hicache",
+            "host tier",
+        ),
+        (
+            KvCacheManager::builder()
+                .model(Preset::GemmaLike.geometry())
+                .device_tokens(4096),
+            "radixkv-radix",
+            "sliding-window",
+        ),
+    ];
+    for (b, crate_name, what) in cases {
+        match b.build() {
+            Err(e @ ManagerError::NotWired { needs, .. }) => {
+                assert_eq!(needs, crate_name, "{e}");
+                let msg = e.to_string();
+                assert!(msg.contains(what), "{msg}");
+            }
+            other => panic!("expected NotWired for {what}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_mamba_budgets_are_typed_config_errors() {
+    let slot = slot_bytes();
+    for (budget, says) in [
+        (slot - 1, "fits no state slot"),
+        (0, "fits no state slot"),
+        (u64::MAX, "more than"),
+    ] {
+        let e = KvCacheManager::builder()
+            .model(jamba())
+            .device_tokens(1024)
+            .mamba_bytes(budget)
+            .build()
+            .err()
+            .unwrap();
+        match e {
+            ManagerError::Config(m) => assert!(m.contains(says), "{budget}: {m}"),
+            e => panic!("{budget}: expected a config error, got {e:?}"),
+        }
+    }
+    // A Mamba budget for a model without Mamba layers is refused, not ignored.
+    let e = KvCacheManager::builder()
+        .device_tokens(1024)
+        .mamba_bytes(slot)
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("no Mamba layer")),
+        "{e:?}"
+    );
+    // One slot exactly is a pool.
+    assert_eq!(manager(1).mamba_accounting().unwrap().total, 1);
+}
+
+#[test]
+fn openmetrics_exports_the_mamba_slots_and_state_counters() {
+    let mut kv = manager(4);
+    let (a, _) = prefill(&mut kv, (0..8).collect());
+    kv.finish(a).unwrap();
+    let (b, _) = prefill(&mut kv, (0..12).collect());
+    let text = kv.metrics().to_openmetrics();
+    for line in [
+        "radixkv_mamba_slots{state=\"free\"} 2\n",
+        "radixkv_mamba_slots{state=\"request_owned\"} 1\n",
+        // The copied state is unlocked once b's first chunk is done.
+        "radixkv_mamba_slots{state=\"evictable\"} 1\n",
+        "radixkv_mamba_slots{state=\"protected\"} 0\n",
+        "radixkv_mamba_slot_capacity 4\n",
+        "radixkv_mamba_states_total{event=\"stored\"} 1\n",
+        "radixkv_mamba_states_total{event=\"hit\"} 1\n",
+        "radixkv_mamba_states_total{event=\"evicted\"} 0\n",
+        "radixkv_mamba_states_total{event=\"skipped\"} 0\n",
+        "radixkv_kv_match_tokens_total 8\n",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    kv.finish(b).unwrap();
+    // A KV-only model exports no Mamba family.
+    let dense = KvCacheManager::builder()
+        .device_tokens(1024)
+        .build()
+        .unwrap();
+    assert!(dense.mamba_accounting().is_none());
+    assert!(!dense.metrics().to_openmetrics().contains("mamba"));
+}
+
+#[test]
+fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
+    // Left out, the policy is Marconi, named in the label.
+    let kv = KvCacheManager::builder()
+        .model(jamba())
+        .device_tokens(1024)
+        .mamba_bytes(8 * slot_bytes())
+        .build()
+        .unwrap();
+    assert_eq!(kv.config().label(), "radix-lru+mamba-marconi");
+    let mut kv = manager_with(8, MambaPolicyKind::Marconi);
+    // A miss of 14 tokens: a checkpoint at the end of the prompt, floored to a page (12), in
+    // a slot of its own beside the running state's.
+    let r = kv
+        .arrive(Request::new((0..14).collect()).max_new_tokens(2))
+        .unwrap();
+    let adm = admitted(&mut kv, r);
+    assert_eq!(adm.mamba_checkpoints.len(), 1, "{adm:?}");
+    let c = adm.mamba_checkpoints[0];
+    assert_eq!((c.pos, c.kind), (12, CheckpointKind::PromptEnd));
+    assert_ne!(Some(c.slot), adm.mamba_slot);
+    assert_eq!(kv.mamba_checkpoints(r).unwrap(), &adm.mamba_checkpoints[..]);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
+    kv.extend(r, adm.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    kv.chunk_done(r).unwrap();
+    kv.end_step(step).unwrap();
+    // The chunk inserted the KV up to 12: the checkpoint is the tree's now.
+    assert!(kv.mamba_checkpoints(r).unwrap().is_empty());
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 1);
+    kv.finish(r).unwrap();
+    balanced(&kv);
+    // The next turn extends the prompt: it hits the prompt-end state at 12.
+    let (n, adm) = prefill(&mut kv, (0..20).collect());
+    assert_eq!(adm.device_tokens, 12);
+    assert!(adm.mamba_cow.is_some());
+    kv.finish(n).unwrap();
+    assert_eq!(kv.metrics().counters.mamba_state_hits, 1);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 0);
+    balanced(&kv);
+}
+
+#[test]
+fn mamba_policy_is_a_typed_config_key() {
+    let jamba = "[model]\npreset = \"jamba-like\"\n";
+    for (name, kind) in [
+        ("marconi", MambaPolicyKind::Marconi),
+        ("sglang", MambaPolicyKind::Sglang),
+    ] {
+        let c =
+            ManagerConfig::from_toml_str(&format!("mamba_policy = \"{name}\"\n{jamba}")).unwrap();
+        assert_eq!(c.mamba_policy, Some(kind));
+        assert_eq!(c.label(), format!("radix-lru+mamba-{name}"));
+    }
+    let e = ManagerConfig::from_toml_str(&format!("mamba_policy = \"lru\"\n{jamba}")).unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("marconi") && m.contains("sglang")),
+        "{e:?}"
+    );
+    // On a model without Mamba layers the key would mean nothing: refused.
+    let e = ManagerConfig::from_toml_str("mamba_policy = \"sglang\"\n").unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("no Mamba layer")),
+        "{e:?}"
+    );
+    // Marconi weighs states by FLOPs: a Mamba model without a compute shape must say so.
+    let mut model = jamba_geometry_without_compute();
+    model.page_size = 4;
+    let e = KvCacheManager::builder()
+        .model(model.clone())
+        .device_tokens(1024)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&e, ManagerError::Config(m) if m.contains("[model.compute]")),
+        "{e:?}"
+    );
+    // The baseline needs no FLOPs.
+    assert!(
+        KvCacheManager::builder()
+            .model(model)
+            .device_tokens(1024)
+            .mamba_policy(MambaPolicyKind::Sglang)
+            .build()
+            .is_ok()
+    );
+}
+
+fn jamba_geometry_without_compute() -> radixkv_scheduler_api::ModelGeometry {
+    radixkv_scheduler_api::ModelGeometry {
+        compute: None,
+        ..Preset::JambaLike.geometry()
+    }
+}
