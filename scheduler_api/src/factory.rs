@@ -340,6 +340,10 @@ fn build<B: DeviceBackend>(
             Some(p) => p,
             None => MambaPolicy::default(),
         },
+        // The manager does not hand a request's tracking slot to the engine yet (`Admitted`
+        // carries the running slot and the checkpoints only), so no engine would keep the
+        // tracked state in it: off until it does.
+        mamba_track: false,
         swa: None,
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
