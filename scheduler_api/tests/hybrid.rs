@@ -221,8 +221,9 @@ fn combinations_not_wired_yet_are_refused_by_name() {
         (
             KvCacheManager::builder()
                 .model(Preset::GemmaLike.geometry())
-                .device_tokens(4096),
-            "radixkv-radix",
+                .device_tokens(4096)
+                .host_tier(HostTier::ratio(4096, 2.0)),
+            "radixkv-hicache",
             "sliding-window",
         ),
     ];
