@@ -10,7 +10,7 @@
 //! |-------------------------------------|------------------------------------------------|
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
-//! | `radix` + sessions                  | `SessionAwareCache<RadixCache, SimClock>`      |
+//! | `radix` + sessions (Mamba layers too) | `SessionAwareCache<RadixCache, SimClock>`    |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
 //! | `hicache` + sessions                | `SessionAwareCache<Tiered<_>, SimClock>`       |
@@ -26,9 +26,9 @@
 //!
 //! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
 //! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
-//! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]);
-//! under a host tier or with sessions, and any model with sliding-window layers, it is still
-//! [`ManagerError::NotWired`]: its pools are sized but no cache carries them there yet. The
+//! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
+//! with or without sessions; under a host tier, and any model with sliding-window layers, it is
+//! still [`ManagerError::NotWired`]: its pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
@@ -226,7 +226,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers, or with Mamba layers under a host tier or with sessions;
+/// layers, or with Mamba layers under a host tier;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -346,6 +346,8 @@ fn build<B: DeviceBackend>(
         max_held_tokens: b.max_held_tokens,
         max_session_tokens: b.per_session_cap_tokens,
         idle_ttl: Some(b.idle_ttl_ms),
+        // Held states are bounded by the pool: a request short of a slot demotes idle sessions.
+        max_held_state_slots: usize::MAX,
     });
     Ok(match (&cfg.cache, backend) {
         // The radix pools' only failure is an impossible size: say so as a config error.
@@ -370,11 +372,11 @@ fn build<B: DeviceBackend>(
 ///
 /// - sliding-window layers: the SWA KV pool is sized ([`ManagerConfig::pools`]) but the
 ///   manager does not drive it yet;
-/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states;
-/// - Mamba layers with sessions: a session slot does not keep a Mamba state across turns.
+/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states.
 ///
-/// Mamba layers on the device-only caches (`radix`, `disabled`) are wired: the radix tree
-/// carries the states as a component of its nodes.
+/// Mamba layers on the device-only caches (`radix`, `disabled`) are wired, with or without
+/// sessions: the radix tree carries the states as a component of its nodes, and a session
+/// slot keeps its running state across turns.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if n.sliding_window > 0 {
@@ -386,21 +388,12 @@ fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
             },
         });
     }
-    if n.mamba > 0 {
-        if matches!(cfg.cache, CacheKind::HiCache(_)) {
-            return Err(ManagerError::NotWired {
-                kind: "a model with Mamba layers under a host tier (moving Mamba states \
-                       between the device and the host)",
-                needs: "radixkv-hicache",
-            });
-        }
-        if cfg.sessions.is_some() {
-            return Err(ManagerError::NotWired {
-                kind: "a model with Mamba layers with sessions (a session slot keeping its \
-                       Mamba state across turns)",
-                needs: "radixkv-session",
-            });
-        }
+    if n.mamba > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
+        return Err(ManagerError::NotWired {
+            kind: "a model with Mamba layers under a host tier (moving Mamba states between \
+                   the device and the host)",
+            needs: "radixkv-hicache",
+        });
     }
     Ok(())
 }
@@ -499,8 +492,8 @@ mod tests {
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
         // A sliding-window model is sized but refused, naming what is missing, on every cache
-        // kind; a Mamba model builds on the device-only caches and is refused under a host tier
-        // or with sessions.
+        // kind; a Mamba model builds on the device-only caches, with sessions too, and is
+        // refused under a host tier.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -542,16 +535,17 @@ mod tests {
                 ..Default::default()
             });
             match build_cache(&mamba) {
-                Err(ManagerError::NotWired { needs, .. }) => assert_eq!(
-                    needs,
-                    if hicache {
-                        "radixkv-hicache"
-                    } else {
-                        "radixkv-session"
-                    }
-                ),
+                Err(ManagerError::NotWired { needs, .. }) => {
+                    assert!(hicache);
+                    assert_eq!(needs, "radixkv-hicache");
+                }
                 Err(e) => panic!("Mamba with sessions: {e:?}"),
-                Ok(_) => panic!("Mamba with sessions must be refused"),
+                Ok(mut c) => {
+                    assert!(!hicache, "Mamba under a host tier must be refused");
+                    assert!(c.mamba_accounting().is_some(), "the Mamba component");
+                    c.open_session(1, true, None)
+                        .expect("sessions open over Mamba");
+                }
             }
         }
     }
