@@ -19,8 +19,9 @@
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
 //!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
-//!   (a Jamba-like hybrid) on the disabled and radix caches. The other hybrid combinations —
-//!   sliding-window layers on any cache, Mamba layers under a host tier or with sessions — are
+//!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
+//!   session slot keeps its running state across turns). The other hybrid combinations —
+//!   sliding-window layers on any cache, Mamba layers under a host tier — are
 //!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
 //!   that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
@@ -29,7 +30,9 @@
 //!   engine copies that state into the request's slot before its first forward
 //!   ([`Admitted::mamba_cow`]). Admission needs KV room *and* a slot
 //!   ([`WaitReason::NoStateSlot`]); [`KvCacheManager::mamba_accounting`] and the `mamba_*`
-//!   metrics say where every slot is.
+//!   metrics say where every slot is. A session turn served from its slot continues in the
+//!   slot the previous turn left (same [`Admitted::mamba_slot`], no copy); idle sessions'
+//!   held states count as request-held slots and are demoted when a request finds none free.
 //! - **Bring your own device**: the host tier copies KV through a
 //!   [`radixkv_hicache::DeviceBackend`]. By default it is HostSim; an engine hands the manager
 //!   its own (its GPU backend, or any wrapper) with [`ManagerBuilder::device_backend`], and
