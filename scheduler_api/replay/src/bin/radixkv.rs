@@ -231,8 +231,8 @@ struct ManagerArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Model geometry preset; replaces the --config file's model section, keeping its page size.
-    /// jamba-like (Mamba layers) runs on the disabled and radix caches (a host tier or sessions
-    /// are refused as not wired); gemma-like (sliding-window layers) is sized (`radixkv config`
+    /// jamba-like (Mamba layers) runs on the disabled and radix caches, with or without sessions
+    /// (a host tier is refused as not wired); gemma-like (sliding-window layers) is sized (`radixkv config`
     /// prints its pools) but a replay refuses it [default: the --config file's model, else dense]
     #[arg(long, value_parser = model_parser())]
     model: Option<Preset>,
