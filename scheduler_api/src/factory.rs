@@ -363,10 +363,11 @@ fn build<B: DeviceBackend>(
             Some(p) => p,
             None => MambaPolicy::default(),
         },
-        // The manager does not hand a request's tracking slot to the engine yet (`Admitted`
-        // carries the running slot and the checkpoints only), so no engine would keep the
-        // tracked state in it: off until it does.
-        mamba_track: false,
+        // Each request gets a tracking slot where one can be spared; the manager hands it to
+        // the engine (`Admitted::mamba_track`, `KvCacheManager::mamba_track`), which keeps the
+        // state at the last page boundary in it. The disabled cache stores no state, and the
+        // session layer does not hand a held turn's tracking slot over yet: off there.
+        mamba_track: !matches!(cfg.cache, CacheKind::Disabled) && cfg.sessions.is_none(),
         swa: match (pools.swa, pools.sliding_window) {
             (Some(p), Some(w)) => Some(SwaConfig {
                 window: usize::try_from(w).map_err(|_| {

@@ -148,6 +148,8 @@ pub use manager::{
     WaitReason,
 };
 pub use metrics::Metrics;
-pub use radixkv_radix::{CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow};
+pub use radixkv_radix::{
+    CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow, MambaTrack,
+};
 pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

@@ -30,7 +30,8 @@ use std::sync::Arc;
 use ahash::HashSet;
 use radixkv_radix::{
     CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch,
-    MambaCheckpoint, MambaCow, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
+    MambaCheckpoint, MambaCow, MambaTrack, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag,
+    TokenId,
 };
 
 use crate::CloseOutcome;
@@ -334,6 +335,25 @@ impl KvCacheManager {
         self.requests
             .get(id.0)
             .map(|t| t.kv.mamba_checkpoints.as_slice())
+            .ok_or(ManagerError::UnknownRequest(id.0))
+    }
+
+    /// A running request's tracking slot ([`Admitted::mamba_track`]; `None` on a model without
+    /// Mamba layers, for a waiting request, and for one that got no spare slot). Its `pos` is
+    /// the page boundary whose state `slot` holds: the cached prefix at admission, then the
+    /// computed length floored to a page after each [`KvCacheManager::chunk_done`] (the cache
+    /// moves it when it inserts the chunk; decode steps do not move it, the finish floors the
+    /// final computed length itself). The slot never changes while the request runs, so the
+    /// engine reads it once at admission; whatever `pos` says, each forward step (chunk or
+    /// decode) must leave in `slot` the state at the last page boundary at or below the
+    /// request's computed length (see [`MambaTrack`]); `pos` is what the cache will assume.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn mamba_track(&self, id: ReqId) -> Result<Option<MambaTrack>> {
+        self.requests
+            .get(id.0)
+            .map(|t| t.kv.mamba_track)
             .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
@@ -742,6 +762,7 @@ impl KvCacheManager {
             mamba_slot: t.kv.mamba_slot,
             mamba_cow: t.kv.mamba_cow,
             mamba_checkpoints: t.kv.mamba_checkpoints.clone(),
+            mamba_track: t.kv.mamba_track,
         }))
     }
 

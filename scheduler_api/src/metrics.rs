@@ -66,6 +66,13 @@ pub struct Counters {
     pub mamba_states_evicted: u64,
     /// Checkpoints the Mamba policy did not take (admission refused them, or no slot).
     pub mamba_checkpoints_skipped: u64,
+    /// Request-end Mamba states stored from a request's tracking slot (it finished off a page
+    /// boundary; see [`Admitted::mamba_track`](crate::Admitted::mamba_track)); also counted in
+    /// [`Counters::mamba_states_stored`].
+    pub mamba_tracked_stored: u64,
+    /// Admissions that got no tracking slot because none could be spared (such a request
+    /// leaves a request-end state only where its computed length ends a page).
+    pub mamba_tracks_skipped: u64,
     /// Sliding-window KV pages that running requests freed as their window slid past them
     /// (during decode, or between prefill chunks).
     pub swa_pages_slid_out: u64,
@@ -78,6 +85,8 @@ impl Counters {
         self.mamba_state_hits = t.hits;
         self.mamba_states_evicted = t.evicted;
         self.mamba_checkpoints_skipped = t.skipped;
+        self.mamba_tracked_stored = st.tracked_stored;
+        self.mamba_tracks_skipped = st.tracks_skipped;
     }
 }
 
@@ -529,6 +538,15 @@ impl Metrics {
                     ("event=\"hit\"", c.mamba_state_hits),
                     ("event=\"evicted\"", c.mamba_states_evicted),
                     ("event=\"skipped\"", c.mamba_checkpoints_skipped),
+                ],
+            );
+            w.counter(
+                "mamba_tracking",
+                "",
+                "Mamba tracking slots: request-end states stored from one, admissions without one.",
+                &[
+                    ("event=\"stored\"", c.mamba_tracked_stored),
+                    ("event=\"skipped\"", c.mamba_tracks_skipped),
                 ],
             );
             w.gauge(

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use radixkv_radix::{MambaCheckpoint, MambaCow, Namespace, TokenId};
+use radixkv_radix::{MambaCheckpoint, MambaCow, MambaTrack, Namespace, TokenId};
 
 use crate::error::Result;
 use crate::factory::{LayerWait, StepTransfers};
@@ -159,6 +159,17 @@ pub struct Admitted {
     /// passes position `pos` the engine copies the running state into `slot`. Empty on other
     /// models and under the baseline policy.
     pub mamba_checkpoints: Vec<MambaCheckpoint>,
+    /// The request's tracking slot (models with Mamba layers, where the policy keeps
+    /// request-end states and a slot could be spared; see [`MambaTrack`] for the engine's
+    /// contract): after every forward step the engine keeps in `slot` the running state at
+    /// the last page boundary at or below the computed length. At admission `pos` is the
+    /// cached prefix (the tracked state is the copy-on-write source or the zero state until a
+    /// boundary is passed); it moves as chunks are cached, see
+    /// [`KvCacheManager::mamba_track`](crate::KvCacheManager::mamba_track). A finish that does
+    /// not end a page stores this state, at the computed length floored to a page, for the
+    /// next request on the path. `None` on other models, without a spare slot, with the
+    /// disabled cache, and (for now) with sessions configured.
+    pub mamba_track: Option<MambaTrack>,
 }
 
 impl Admitted {
@@ -185,7 +196,12 @@ pub enum WaitReason {
     TransfersBusy,
     /// Models with Mamba layers: every Mamba state slot is held by a running request or by a
     /// cached state a running request has locked, so the request cannot get its own slot (a
-    /// hit also keeps the state it copies from). A slot frees when a running request finishes.
+    /// hit also keeps the state it copies from). A running request holds its running slot
+    /// and, taken only while another slot stays obtainable for the next admission, up to
+    /// three optional ones (its tracking slot, [`Admitted::mamba_track`], and the Marconi
+    /// policy's checkpoints; `RequestKv::MAX_MAMBA_SLOTS` in all): a request that waits here
+    /// is never kept out by an optional slot taken after the last admission. A slot frees
+    /// when a running request finishes (or a checkpoint is stored by its chunk).
     NoStateSlot,
     /// Models with sliding-window layers: the SWA KV pool is short. The request needs SWA
     /// pages for what it allocates before its window slides (see

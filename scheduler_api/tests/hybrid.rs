@@ -65,7 +65,9 @@ fn a_hit_copies_the_cached_state_into_the_requests_own_slot() {
     assert!(adm.mamba_cow.is_none());
     let slot_a = adm.mamba_slot.expect("a running request holds a slot");
     assert_eq!(kv.mamba_slot(a).unwrap(), Some(slot_a));
-    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 1);
+    // Its running slot and its tracking slot.
+    assert!(adm.mamba_track.is_some());
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
     // 12 tokens end a page: its state is stored as the checkpoint of the inserted key.
     kv.finish(a).unwrap();
     let acc = kv.mamba_accounting().unwrap();
@@ -275,8 +277,9 @@ fn openmetrics_exports_the_mamba_slots_and_state_counters() {
     let (b, _) = prefill(&mut kv, (0..12).collect());
     let text = kv.metrics().to_openmetrics();
     for line in [
-        "radixkv_mamba_slots{state=\"free\"} 2\n",
-        "radixkv_mamba_slots{state=\"request_owned\"} 1\n",
+        // b's running slot and its tracking slot.
+        "radixkv_mamba_slots{state=\"free\"} 1\n",
+        "radixkv_mamba_slots{state=\"request_owned\"} 2\n",
         // The copied state is unlocked once b's first chunk is done.
         "radixkv_mamba_slots{state=\"evictable\"} 1\n",
         "radixkv_mamba_slots{state=\"protected\"} 0\n",
@@ -286,6 +289,9 @@ fn openmetrics_exports_the_mamba_slots_and_state_counters() {
         "radixkv_mamba_states_total{event=\"evicted\"} 0\n",
         "radixkv_mamba_states_total{event=\"skipped\"} 0\n",
         "radixkv_kv_match_tokens_total 8\n",
+        // a ended a page: its running state was stored, not the tracked one.
+        "radixkv_mamba_tracking_total{event=\"stored\"} 0\n",
+        "radixkv_mamba_tracking_total{event=\"skipped\"} 0\n",
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
@@ -331,7 +337,8 @@ fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
     assert_eq!((c.pos, c.kind), (8, CheckpointKind::Branch));
     assert_ne!(Some(c.slot), adm.mamba_slot);
     assert_eq!(kv.mamba_checkpoints(r).unwrap(), &adm.mamba_checkpoints[..]);
-    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
+    // Running, branch checkpoint and tracking slots.
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 3);
     kv.extend(r, adm.extend_tokens).unwrap();
     let step = kv.begin_step();
     kv.chunk_done(r).unwrap();
@@ -404,4 +411,143 @@ fn jamba_geometry_without_compute() -> radixkv_scheduler_api::ModelGeometry {
         compute: None,
         ..Preset::JambaLike.geometry()
     }
+}
+
+/// Decodes `n` tokens (one step each) for a running request.
+fn decode(kv: &mut KvCacheManager, r: ReqId, n: u32) {
+    for i in 0..n {
+        let step = kv.begin_step();
+        kv.decode(r, 1000 + i).unwrap();
+        kv.end_step(step).unwrap();
+    }
+}
+
+#[test]
+fn the_tracking_slot_is_handed_to_the_engine_and_follows_the_chunks() {
+    for policy in MambaPolicyKind::ALL {
+        let mut kv = manager_with(8, policy);
+        let r = kv
+            .arrive(Request::new((0..10).collect()).max_new_tokens(4))
+            .unwrap();
+        let adm = admitted(&mut kv, r);
+        let t = adm
+            .mamba_track
+            .expect("a spare slot: the request tracks its state");
+        assert_eq!(t.pos, 0, "{policy:?}: nothing cached, the zero state");
+        assert_ne!(Some(t.slot), adm.mamba_slot);
+        assert_eq!(kv.mamba_track(r).unwrap(), Some(t));
+        // Two chunks: 6 tokens (boundary 4 passed), then 4 more (boundary 8).
+        for (n, pos) in [(6, 4), (4, 8)] {
+            kv.extend(r, n).unwrap();
+            let step = kv.begin_step();
+            kv.chunk_done(r).unwrap();
+            kv.end_step(step).unwrap();
+            let now = kv.mamba_track(r).unwrap().unwrap();
+            assert_eq!((now.slot, now.pos), (t.slot, pos), "{policy:?}");
+        }
+        kv.check_invariants().unwrap();
+        kv.finish(r).unwrap();
+        assert_eq!(kv.mamba_track(r).ok().flatten(), None);
+        let acc = kv.mamba_accounting().unwrap();
+        assert_eq!(acc.request_owned, 0, "{policy:?}: no slot leaks: {acc:?}");
+        balanced(&kv);
+    }
+    // A model without Mamba layers hands over none.
+    let mut dense = KvCacheManager::builder()
+        .device_tokens(1024)
+        .build()
+        .unwrap();
+    let r = dense.arrive(Request::new((0..10).collect())).unwrap();
+    assert_eq!(admitted(&mut dense, r).mamba_track, None);
+    assert_eq!(dense.mamba_track(r).unwrap(), None);
+}
+
+#[test]
+fn an_unaligned_finish_stores_the_tracked_state_at_the_page_floor_and_the_next_request_hits_it() {
+    for policy in MambaPolicyKind::ALL {
+        let mut kv = manager_with(8, policy);
+        // 10 prompt tokens and one decoded: 11 computed at the finish, which ends no page.
+        let (r, adm) = prefill(&mut kv, (0..10).collect());
+        let track = adm.mamba_track.expect("a tracking slot");
+        decode(&mut kv, r, 1);
+        kv.finish(r).unwrap();
+        let m = kv.metrics();
+        assert_eq!(m.counters.mamba_tracked_stored, 1, "{policy:?}");
+        assert_eq!(m.counters.mamba_states_stored, 1, "{policy:?}");
+        assert_eq!(m.gauges.mamba_slots_request_owned, 0);
+        assert_eq!(
+            m.gauges.mamba_slots_evictable, 1,
+            "only the tracked state stays"
+        );
+        balanced(&kv);
+
+        // The next request on the path hits the state at 8 = floor(11, 4) and copies it
+        // from the tracking slot.
+        let mut tokens: Vec<u32> = (0..8).collect();
+        tokens.extend(200..206);
+        let (n, adm) = prefill(&mut kv, tokens);
+        assert_eq!(
+            (adm.device_tokens, adm.kv_match_tokens),
+            (8, 8),
+            "{policy:?}"
+        );
+        let cow = adm.mamba_cow.expect("a hit copies the cached state");
+        assert_eq!(cow.src, track.slot, "the tracked state is the one stored");
+        assert_eq!(adm.mamba_track.map(|t| t.pos), Some(8));
+        kv.finish(n).unwrap();
+        let m = kv.metrics();
+        assert_eq!(m.counters.mamba_state_hits, 1);
+        assert_eq!(m.counters.hit_tokens_device, 8);
+        assert_eq!(m.gauges.mamba_slots_request_owned, 0, "no slot leaks");
+        assert_eq!(
+            m.gauges.mamba_slots_free + m.gauges.mamba_slots_evictable,
+            8
+        );
+        balanced(&kv);
+    }
+}
+
+#[test]
+fn an_aborted_request_frees_its_tracking_slot_and_stores_nothing() {
+    let mut kv = manager(4);
+    let (r, adm) = prefill(&mut kv, (0..10).collect());
+    assert!(adm.mamba_track.is_some());
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
+    kv.abort(r).unwrap();
+    let acc = kv.mamba_accounting().unwrap();
+    assert_eq!((acc.request_owned, acc.free), (0, 4), "{acc:?}");
+    assert_eq!(kv.metrics().counters.mamba_tracked_stored, 0);
+    balanced(&kv);
+}
+
+#[test]
+fn tracking_slots_are_only_taken_while_another_request_can_still_get_a_slot() {
+    // 3 slots: a takes its running slot and a tracking slot (one stays free), b only its
+    // running slot (taking the last would leave none), and c waits for a slot.
+    let mut kv = manager(3);
+    let (a, adm_a) = prefill(&mut kv, (0..10).collect());
+    assert!(adm_a.mamba_track.is_some());
+    let (b, adm_b) = prefill(&mut kv, (50..60).collect());
+    assert_eq!(adm_b.mamba_track, None, "no spare slot");
+    assert_eq!(kv.metrics().counters.mamba_tracks_skipped, 1);
+    let c = kv.arrive(Request::new((90..98).collect())).unwrap();
+    let slots = kv.mamba_accounting();
+    assert_eq!(
+        kv.admit(c).unwrap(),
+        Admission::Wait(WaitReason::NoStateSlot)
+    );
+    assert_eq!(kv.mamba_accounting(), slots, "the wait holds no slot");
+    assert_eq!(slots.unwrap().request_owned, 3);
+    // a finishes off a page: its tracked state is stored, its running slot freed; c runs
+    // (evicting nothing: a slot is free).
+    decode(&mut kv, a, 1);
+    kv.finish(a).unwrap();
+    assert_eq!(kv.metrics().counters.mamba_tracked_stored, 1);
+    let adm_c = admitted(&mut kv, c);
+    assert!(adm_c.mamba_slot.is_some());
+    kv.finish(b).unwrap();
+    kv.finish(c).unwrap();
+    let acc = kv.mamba_accounting().unwrap();
+    assert_eq!(acc.request_owned, 0, "{acc:?}");
+    balanced(&kv);
 }
