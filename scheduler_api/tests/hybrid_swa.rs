@@ -157,6 +157,21 @@ fn admission_waits_for_swa_room() {
     }
     // The full-KV pool has plenty of room: only the SWA pool is short.
     assert!(kv.available_tokens() > 512);
+    // 4 pages are free, enough for a short request (3 pages at its peak), but the running
+    // one may still take them as it decodes: its claim counts.
+    let a_now = kv.swa_accounting().unwrap();
+    assert_eq!(a_now.free, 4, "{a_now:?}");
+    let c = kv
+        .arrive(Request::new((200..204).collect()).max_new_tokens(1))
+        .unwrap();
+    assert!(
+        matches!(
+            kv.admit(c).unwrap(),
+            Admission::Wait(WaitReason::NoWindowRoom { needed: 12, .. })
+        ),
+        "the running request's claim is counted"
+    );
+    kv.abort(c).unwrap();
     // A decoding request stays within its peak, however long it runs.
     for i in 0..40 {
         kv.decode(a, 500 + i).unwrap();
