@@ -953,3 +953,32 @@ fn the_request_audit_reaches_the_inner_caches_mamba_check() {
     c.close(1).unwrap();
     assert_drained(&c);
 }
+
+#[test]
+fn a_deferred_close_caches_or_frees_the_state_of_the_turn_in_flight() {
+    for abort in [false, true] {
+        let (mut c, _) = mamba_cache(8, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+        c.open(1, true, None).unwrap();
+        let mut t1 = req(Some(1), (0..10).collect());
+        turn(&mut c, &mut t1, &[100, 101]);
+        // Turn 2 is lent the slot; the close waits for it.
+        let mut t2 = req(Some(1), extend(&t1, 200..202));
+        start(&mut c, &mut t2, &[1, 2, 3]);
+        assert_eq!(t2.committed_len, 16, "ends a page");
+        assert_eq!(c.close(1), Ok(CloseOutcome::Deferred));
+        let kind = if abort {
+            FinishKind::Aborted
+        } else {
+            FinishKind::Finished
+        };
+        c.cache_finished_req(&mut t2, kind).unwrap();
+        ok(&c);
+        assert_eq!(c.open_sessions(), 0);
+        let a = mamba(&c);
+        // Finished: cached like an ordinary finish (the state ends a page: stored). Aborted:
+        // freed with the KV.
+        assert_eq!(a.request_owned, 0, "{a:?}");
+        assert_eq!(a.evictable, usize::from(!abort), "{a:?}");
+        assert_drained(&c);
+    }
+}
