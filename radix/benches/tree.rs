@@ -58,6 +58,7 @@ fn cache_config(pages: usize, policy: PolicyKind) -> RadixConfig {
         mamba_slots: None,
         swa: None,
         mamba_policy: Default::default(),
+        mamba_track: true,
     }
 }
 

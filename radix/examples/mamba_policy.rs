@@ -2,7 +2,8 @@
 //! counts: the token hit ratio a request can actually use (its prefix ends at a state), against
 //! the ideal (the KV-only match with an unbounded pool). Prints the markdown table of the
 //! `mamba_policy` module docs: per workload and slot count, the median over three seeds and,
-//! for the ratios, their range.
+//! for the ratios to the baseline (with tracking slots), their range. The "no tracking"
+//! columns run without tracking slots (`RadixConfig::mamba_track` off).
 //!
 //! `cargo run --release -p radixkv-radix --example mamba_policy [convs]`
 
@@ -10,7 +11,7 @@
 mod traffic;
 
 use radixkv_radix::{MambaPolicy, MarconiParams};
-use traffic::{Shape, drive, generate};
+use traffic::{Shape, drive, drive_tracking, generate};
 
 const BATCH: usize = 4;
 const SEEDS: [u64; 3] = [7, 8, 9];
@@ -27,13 +28,16 @@ fn main() {
         .unwrap_or(400);
     let d = MarconiParams::default();
     let policies = [
-        ("marconi (default)", MambaPolicy::default()),
+        ("sglang, no tracking", MambaPolicy::Sglang, false),
+        ("marconi (default)", MambaPolicy::default(), true),
+        ("marconi, no tracking", MambaPolicy::default(), false),
         (
             "no hit-driven admission",
             MambaPolicy::Marconi(MarconiParams {
                 min_hit_ratio: 0.0,
                 ..d
             }),
+            true,
         ),
         (
             "+ prompt end",
@@ -41,14 +45,16 @@ fn main() {
                 prompt_end: true,
                 ..d
             }),
+            true,
         ),
         (
             "alpha 0",
             MambaPolicy::Marconi(MarconiParams { alpha: 0.0, ..d }),
+            true,
         ),
     ];
     print!("| workload | slots | ideal | sglang |");
-    for (name, _) in &policies {
+    for (name, _, _) in &policies {
         print!(" {name} |");
     }
     println!();
@@ -73,19 +79,23 @@ fn main() {
                 .collect(),
         );
         for slots in [16u32, 32, 64, 128] {
-            let run = |policy| -> Vec<f64> {
+            let run = |policy, track| -> Vec<f64> {
                 workloads
                     .iter()
-                    .map(|w| drive(w, policy, Some(slots), pages, BATCH, false).0.ratio())
+                    .map(|w| {
+                        drive_tracking(w, policy, Some(slots), pages, BATCH, false, track)
+                            .0
+                            .ratio()
+                    })
                     .collect()
             };
-            let base = run(MambaPolicy::Sglang);
+            let base = run(MambaPolicy::Sglang, true);
             print!(
                 "| {name} | {slots} | {ideal:.3} | {:.3} |",
                 median(base.clone())
             );
-            for (_, policy) in policies {
-                let got = run(policy);
+            for (_, policy, track) in policies {
+                let got = run(policy, track);
                 let x: Vec<f64> = got.iter().zip(&base).map(|(g, b)| g / b).collect();
                 let (lo, hi) = x
                     .iter()

@@ -20,7 +20,7 @@ use crate::alloc::DevicePools;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
-use crate::mamba_policy::MambaCheckpoint;
+use crate::mamba_policy::{MambaCheckpoint, MambaTrack};
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
@@ -129,10 +129,34 @@ pub struct RequestKv {
     pub allocated_len: usize,
     /// Leading tokens owned by the tree (page-aligned); the rest of the row is the request's.
     pub cache_protected_len: usize,
-    /// The request's own Mamba state slot (hybrid models), from `begin_request` on. At the end
-    /// of the request a cache with the Mamba component stores it as the checkpoint of the
-    /// inserted key or frees it, as its [`MambaPolicy`](crate::MambaPolicy) says.
+    /// The request's own Mamba state slot (hybrid models), from `begin_request` on: the
+    /// running state. At the end of the request a cache with the Mamba component stores it as
+    /// the checkpoint of the inserted key (where the computed length ends a page and its
+    /// [`MambaPolicy`](crate::MambaPolicy) keeps request-end states) or frees it.
+    ///
+    /// # Slots a request holds
+    /// A running request of a cache with the Mamba component holds, besides its KV:
+    /// - exactly 1 running slot (this field): required, `begin_request` fails with
+    ///   [`CacheError::OutOfStateSlots`] when none can be had (free, or by evicting an unlocked
+    ///   cached state);
+    /// - at most 1 tracking slot ([`RequestKv::mamba_track`]);
+    /// - at most 2 checkpoint slots ([`RequestKv::mamba_checkpoints`]: a branch point and a
+    ///   prompt end, [`MambaPolicy::Marconi`](crate::MambaPolicy::Marconi) only),
+    ///
+    /// so at most [`RequestKv::MAX_MAMBA_SLOTS`] (4), counted by
+    /// [`RequestKv::mamba_slots_held`]. The optional ones are taken at `begin_request` only
+    /// while at least one more slot stays obtainable, and released by the chunk insert or the
+    /// finish that stores them (or the abort): an admission that reserves one slot per running
+    /// request (plus one for the request it admits) never sees `begin_request` fail for them,
+    /// and one that wants the optional slots too reserves up to 4.
     pub mamba_slot: Option<u32>,
+    /// The request's tracking slot (hybrid models; see [`MambaTrack`] for the engine's
+    /// contract): the running state at the last page boundary the forward pass reached, stored
+    /// at the finish when the computed length does not end a page. Set by `begin_request`
+    /// where the policy keeps request-end states, tracking is on
+    /// ([`RadixConfig::mamba_track`](crate::RadixConfig::mamba_track)) and a slot can be
+    /// spared; `pos` is advanced by `cache_unfinished_req` and the finish.
+    pub mamba_track: Option<MambaTrack>,
     /// A Mamba hit's copy on write: the device backend copies the cached state `src` into the
     /// request's slot `dst` (= `mamba_slot`) before the request's first forward. Set by
     /// `begin_request`, cleared by the first `cache_unfinished_req` (the copy has run by then).
@@ -166,6 +190,18 @@ pub struct RequestKv {
 }
 
 impl RequestKv {
+    /// The most Mamba state slots one running request holds: its running slot, a tracking
+    /// slot and two checkpoints (see [`RequestKv::mamba_slot`]).
+    pub const MAX_MAMBA_SLOTS: usize = 4;
+
+    /// The Mamba state slots the request holds now: running, tracking and checkpoint slots
+    /// (at most [`RequestKv::MAX_MAMBA_SLOTS`]).
+    pub fn mamba_slots_held(&self) -> usize {
+        usize::from(self.mamba_slot.is_some())
+            + usize::from(self.mamba_track.is_some())
+            + self.mamba_checkpoints.len()
+    }
+
     /// A fresh request for `key`.
     pub fn new(key: RadixKey) -> Self {
         RequestKv {
@@ -218,6 +254,7 @@ impl RequestKv {
         self.allocated_len = 0;
         self.cache_protected_len = 0;
         self.mamba_slot = None;
+        self.mamba_track = None;
         self.mamba_cow = None;
         self.mamba_checkpoints.clear();
         self.kv_match_len = 0;
@@ -240,8 +277,9 @@ pub trait PrefixCache {
     fn pools(&self) -> &DevicePools;
     /// The device pools, mutably (allocate and free owned pages, rows).
     fn pools_mut(&mut self) -> &mut DevicePools;
-    /// True when requests of this cache own per-request state beyond their full-KV row (a
-    /// Mamba slot in [`RequestKv::mamba_slot`], sliding-window pages in
+    /// True when requests of this cache own per-request state beyond their full-KV row (Mamba
+    /// slots: [`RequestKv::mamba_slot`] and the tracking and checkpoint slots beside it;
+    /// sliding-window pages in
     /// [`RequestKv::swa_pages`]) that the cache frees at finish. A decorator that keeps a
     /// request's resources past its finish (a session) must hand that state back too, so it
     /// refuses a cache it cannot do that for.

@@ -44,8 +44,11 @@
 //! - *Insert* ([`RadixTree::insert_mamba_state`]): a request's slot becomes the node's state,
 //!   or is freed when the node already has one.
 //! - *Admission* ([`RadixConfig::mamba_policy`], [`mamba_policy`]): which states a
-//!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline: its running
-//!   state at its end, where its computed tokens end a page (a node boundary).
+//!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline: its state at
+//!   its end, at the computed length floored to a page (a node boundary): the running state
+//!   where that is the computed length, else the state the engine kept in the request's
+//!   tracking slot ([`RequestKv::mamba_track`], [`MambaTrack`]; one is taken where a slot can
+//!   be spared, [`RadixConfig::mamba_track`]).
 //!   [`MambaPolicy::Marconi`], the default: checkpoints at the branch point where the request
 //!   leaves a cached path, at its end and (optionally) at its prompt end, handed to the engine as
 //!   [`RequestKv::mamba_checkpoints`] (one slot each; stored with the KV that reaches them,
@@ -155,7 +158,8 @@ pub use cache::{
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};
 pub use mamba_policy::{
-    CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MarconiParams,
+    CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MambaTrack,
+    MarconiParams,
 };
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};

@@ -6,10 +6,11 @@
 //! when the slot pool is full (eviction). Two policies:
 //!
 //! - [`MambaPolicy::Sglang`], the baseline (the rule of SGLang's Mamba radix cache): every
-//!   running request holds one slot for its running state; at request end that state becomes
-//!   the checkpoint of the inserted key where the computed length ends a page (a node boundary;
-//!   a tracking slot that keeps the state at the last page boundary during decode is not
-//!   modelled, so an unaligned end leaves no state); states are evicted least recently used.
+//!   running request holds one slot for its running state and, where one can be spared, a
+//!   *tracking* slot ([`MambaTrack`]) into which the engine copies the state at the last page
+//!   boundary it passed; at request end the state at the computed length floored to a page
+//!   (the running state where the computed length ends a page, else the tracked one) becomes
+//!   the checkpoint of the inserted key; states are evicted least recently used.
 //! - [`MambaPolicy::Marconi`], the default, after Marconi (MLSys 2025). Admission: checkpoints
 //!   only where reuse is likely —
 //!   - [`CheckpointKind::Branch`]: where the request's key leaves a cached path at a branch
@@ -18,8 +19,10 @@
 //!     diverges from it hits the state. Found when the request begins, from the tree alone (no
 //!     insert needed: the match already splits the edge).
 //!   - [`CheckpointKind::PromptEnd`] (optional): the end of the prompt, floored to a page.
-//!   - [`CheckpointKind::RequestEnd`] (optional): the end of input + output, for the next
-//!     turn (stored, like the baseline's, only where the computed length ends a page).
+//!   - [`CheckpointKind::RequestEnd`] (optional): the end of input + output floored to a
+//!     page, for the next turn (from the running or the tracking slot, like the baseline's;
+//!     hit-driven admission judges it when the request begins, so that a refused one holds no
+//!     tracking slot).
 //!
 //!   The engine receives the first two as [`RequestKv::mamba_checkpoints`]: a slot per
 //!   position into which the forward pass copies its running state when it passes there; the
@@ -39,50 +42,68 @@
 //! - *Batched eviction*: when a request needs a slot and none is free, the
 //!   `max(1, slots / 64)` lowest-utility states are evicted in one scan of the candidates.
 //!
+//! Tracking slots ([`RadixConfig::mamba_track`], on by default) serve both policies: a request
+//! takes one at `begin_request` only while another slot stays obtainable (else it runs without,
+//! counted in [`MambaStats::tracks_skipped`], and leaves a request-end state only where its
+//! computed length ends a page). A running request holds at most
+//! [`RequestKv::MAX_MAMBA_SLOTS`] slots (see [`RequestKv::mamba_slot`]).
+//!
+//! [`RadixConfig::mamba_track`]: crate::RadixConfig::mamba_track
+//! [`RequestKv::MAX_MAMBA_SLOTS`]: crate::RequestKv::MAX_MAMBA_SLOTS
+//! [`RequestKv::mamba_slot`]: crate::RequestKv::mamba_slot
+//!
 //! [`RequestKv::mamba_checkpoints`]: crate::RequestKv::mamba_checkpoints
 //!
 //! ## Measured
 //! `cargo run --release -p radixkv-radix --example mamba_policy` (the traffic of
-//! `radix/tests/common/mamba_traffic.rs`; page 16, every segment whole pages, 4 requests
-//! running at a time, the same slot count for both policies, KV pool 8192 / 16384 pages).
-//! *Chat*: 400 conversations, 48 open at a time, 2–8 turns over 8 system prompts of 256–1024
-//! tokens, user messages and outputs of 32–256 tokens. *Agentic*: 100 tasks, 24 open, 4–16
-//! steps over 2 tool prefixes of 3–4K tokens, task descriptions of 128–512, tool calls of 16–64
-//! and results of 32–384
-//! tokens. Usable token hit ratio (hit tokens ending at a state per prompt token; the ideal is
-//! the KV-only match with an unbounded pool), median of three seeds, in brackets the median
-//! and range of the ratio to the baseline:
+//! `radix/tests/common/mamba_traffic.rs`; page 16, segment lengths drawn to the token, so a
+//! request ends on a page boundary one time in 16; 4 requests running at a time, the same slot
+//! count for every column, KV pool 8192 / 16384 pages). *Chat*: 400 conversations, 48 open at
+//! a time, 2–8 turns over 8 system prompts of 256–1024 tokens, user messages and outputs of
+//! 32–256 tokens. *Agentic*: 100 tasks, 24 open, 4–16 steps over 2 tool prefixes of 3–4K
+//! tokens, task descriptions of 128–512, tool calls of 16–64 and results of 32–384 tokens.
+//! Usable token hit ratio (hit tokens ending at a state per prompt token; the ideal is the
+//! KV-only match with an unbounded pool), median of three seeds (the runs are deterministic
+//! per seed), in brackets the median and range of the ratio to the baseline with tracking
+//! slots (the "sglang" column); "no tracking" runs with [`RadixConfig::mamba_track`] off:
 //!
-//! | workload | slots | ideal | sglang | marconi (default) | no hit-driven admission | + prompt end | alpha 0 |
-//! | --- | --- | --- | --- | --- | --- | --- | --- |
-//! | chat | 16 | 0.898 | 0.211 | 0.412 (2.04×, 1.95–2.13) | 0.297 (1.45×, 1.41–1.55) | 0.406 (2.00×, 1.92–2.06) | 0.411 (2.04×, 1.93–2.07) |
-//! | chat | 32 | 0.898 | 0.374 | 0.543 (1.51×, 1.45–1.56) | 0.554 (1.51×, 1.48–1.55) | 0.530 (1.44×, 1.42–1.44) | 0.540 (1.46×, 1.44–1.50) |
-//! | chat | 64 | 0.898 | 0.564 | 0.747 (1.33×, 1.30–1.33) | 0.747 (1.32×, 1.30–1.33) | 0.735 (1.31×, 1.28–1.33) | 0.709 (1.26×, 1.24–1.27) |
-//! | chat | 128 | 0.898 | 0.739 | 0.841 (1.13×, 1.13–1.15) | 0.841 (1.13×, 1.13–1.16) | 0.838 (1.13×, 1.12–1.15) | 0.836 (1.13×, 1.12–1.15) |
-//! | agentic | 16 | 0.956 | 0.392 | 0.806 (2.05×, 2.03–2.13) | 0.813 (2.07×, 2.04–2.14) | 0.778 (1.98×, 1.95–2.02) | 0.766 (1.99×, 1.90–2.02) |
-//! | agentic | 32 | 0.956 | 0.609 | 0.894 (1.47×, 1.45–1.48) | 0.894 (1.47×, 1.45–1.48) | 0.875 (1.44×, 1.42–1.45) | 0.861 (1.42×, 1.40–1.42) |
-//! | agentic | 64 | 0.956 | 0.811 | 0.933 (1.15×, 1.15–1.17) | 0.933 (1.15×, 1.15–1.17) | 0.930 (1.15×, 1.14–1.17) | 0.926 (1.14×, 1.14–1.15) |
-//! | agentic | 128 | 0.956 | 0.883 | 0.946 (1.07×, 1.06–1.07) | 0.946 (1.07×, 1.06–1.07) | 0.946 (1.07×, 1.06–1.07) | 0.952 (1.08×, 1.07–1.08) |
+//! | workload | slots | ideal | sglang | sglang, no tracking | marconi (default) | marconi, no tracking | no hit-driven admission | + prompt end | alpha 0 |
+//! | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+//! | chat | 16 | 0.899 | 0.167 | 0.106 (0.63×, 0.55–0.71) | 0.453 (2.69×, 2.60–2.76) | 0.456 (2.82×, 2.62–2.84) | 0.257 (1.56×, 1.46–1.62) | 0.435 (2.61×, 2.51–2.68) | 0.442 (2.67×, 2.53–2.67) |
+//! | chat | 32 | 0.899 | 0.338 | 0.122 (0.35×, 0.34–0.40) | 0.567 (1.63×, 1.63–1.68) | 0.498 (1.46×, 1.43–1.47) | 0.546 (1.59×, 1.56–1.62) | 0.551 (1.62×, 1.58–1.63) | 0.545 (1.60×, 1.58–1.61) |
+//! | chat | 64 | 0.899 | 0.545 | 0.122 (0.22×, 0.22–0.25) | 0.735 (1.36×, 1.34–1.37) | 0.502 (0.92×, 0.92–0.93) | 0.740 (1.37×, 1.35–1.37) | 0.731 (1.34×, 1.32–1.36) | 0.700 (1.29×, 1.29–1.30) |
+//! | chat | 128 | 0.899 | 0.727 | 0.122 (0.17×, 0.16–0.19) | 0.839 (1.15×, 1.14–1.17) | 0.502 (0.69×, 0.68–0.70) | 0.839 (1.15×, 1.14–1.17) | 0.838 (1.15×, 1.14–1.17) | 0.836 (1.15×, 1.15–1.16) |
+//! | agentic | 16 | 0.952 | 0.317 | 0.246 (0.73×, 0.66–0.78) | 0.777 (2.47×, 2.22–2.50) | 0.748 (2.36×, 2.14–2.36) | 0.772 (2.46×, 2.15–2.50) | 0.758 (2.35×, 2.16–2.51) | 0.759 (2.42×, 2.08–2.44) |
+//! | agentic | 32 | 0.952 | 0.581 | 0.268 (0.47×, 0.37–0.47) | 0.877 (1.51×, 1.50–1.54) | 0.753 (1.30×, 1.29–1.32) | 0.878 (1.51×, 1.50–1.55) | 0.869 (1.50×, 1.49–1.53) | 0.840 (1.45×, 1.45–1.47) |
+//! | agentic | 64 | 0.952 | 0.789 | 0.268 (0.34×, 0.27–0.35) | 0.925 (1.17×, 1.17–1.18) | 0.753 (0.95×, 0.95–0.95) | 0.925 (1.17×, 1.17–1.18) | 0.924 (1.17×, 1.17–1.18) | 0.919 (1.16×, 1.16–1.17) |
+//! | agentic | 128 | 0.952 | 0.882 | 0.268 (0.30×, 0.24–0.31) | 0.942 (1.07×, 1.06–1.07) | 0.753 (0.85×, 0.85–0.85) | 0.942 (1.07×, 1.06–1.07) | 0.941 (1.07×, 1.06–1.07) | 0.949 (1.08×, 1.07–1.08) |
 //!
-//! The default beats the baseline everywhere here; most of the gain is the branch states of
-//! the shared system and tool prefixes, which the baseline never stores (its states sit at
-//! request ends, which a new conversation does not reach). Hit-driven admission is what
-//! doubles chat at 16 slots (request-end states that are evicted before their next turn stop
-//! taking slots from the branch states); it costs up to 2% elsewhere. Prompt-end checkpoints
-//! lose a little everywhere (they hold a slot for the whole request and mostly duplicate the
+//! Tracking is what makes request-end states exist on such traffic: without it the baseline
+//! keeps only the one end in 16 that falls on a page (0.11–0.27: 0.17–0.73× the tracked
+//! baseline), and Marconi falls back to its branch states (at most 0.50 on chat and 0.75 on
+//! agentic, whatever the slot count). With it the baseline gains most and the gap narrows at large
+//! pools; at 16 slots the tracking slots of the 4 running requests cost Marconi about as much
+//! as they bring (0.453 against 0.456 without). The default beats the baseline everywhere
+//! here; most of the gain at small pools is the branch states of the shared system and tool
+//! prefixes, which the baseline never stores (its states sit at request ends, which a new
+//! conversation does not reach). Hit-driven admission is what lifts chat at 16 slots from
+//! 1.56× to 2.69× (request-end states that are evicted before their next turn stop taking
+//! slots, tracking slots included, from the branch states). Prompt-end checkpoints lose a
+//! little everywhere (they hold a slot for the whole request and mostly duplicate the
 //! request-end state), so they are off by default. Where the baseline is below half of the
-//! ideal (chat at 16 and 32 slots, agentic at 16), the default reaches 2.04×, 1.51× and
-//! 2.05×: the 2× goal of the issue is not met on chat at 32 slots. A rough bound there: with
-//! 48 open conversations, 8 system prompts and about 20 slots left for conversation states,
-//! keeping 20 conversations whole and serving the other 28 their system prompt (about 0.40 of
-//! the prompt tokens: what the default reaches at 16 slots, nearly all from system-prompt
-//! states) gives about `20/48 · 0.9 + 28/48 · 0.40 ≈ 0.61`; the default is at 0.543, twice
-//! the baseline would be 0.75. These are synthetic shapes; the replay of the real traces
-//! decides the defaults.
+//! ideal (chat at 16 and 32 slots, agentic at 16), the default reaches 2.69×, 1.63× and
+//! 2.47×: the 2× goal of the issue is not met on chat at 32 slots. A rough bound there: with
+//! 48 open conversations, 8 system prompts and about 20 slots left for conversation states
+//! (the 4 running requests hold up to 3 each), keeping 20 conversations whole and serving the
+//! other 28 their system prompt (about 0.45 of the prompt tokens: what the default reaches at
+//! 16 slots, nearly all from system-prompt states) gives about
+//! `20/48 · 0.9 + 28/48 · 0.45 ≈ 0.64`; the default is at 0.567, twice the baseline would be
+//! 0.68. These are synthetic shapes; the replay of the real traces decides the defaults.
 
 use crate::cache::RequestKv;
 use crate::error::{CacheError, Result};
 use crate::tree::RadixTree;
+use crate::tree::mamba::MambaInsert;
 use crate::types::{NodeId, align_down};
 
 /// Prefill FLOPs of a prefix as a function of its length `L`:
@@ -323,6 +344,32 @@ pub struct MambaCheckpoint {
     pub kind: CheckpointKind,
 }
 
+/// A running request's *tracking* slot (hybrid models; [`RadixConfig::mamba_track`]): a copy
+/// of the request's running state at the last page boundary its forward pass has reached, so
+/// that a request whose computed length does not end a page can still leave a request-end
+/// state behind, at that length floored to a page.
+///
+/// The engine's contract: after every forward step of the request (a prefill chunk or a
+/// decode step), the tracking slot holds the running state after token `b − 1`, where `b` is
+/// the last page boundary at or below the request's computed length (a boundary passed inside
+/// a chunk: the state there, which kernels that write intermediate states produce in the same
+/// pass; no boundary passed yet: the state at the cached prefix, i.e. the copy-on-write
+/// source or the initial state). The cache keeps [`MambaTrack::pos`] at that boundary (it
+/// updates it from the computed length at every `cache_unfinished_req` and at the finish) and,
+/// at a finish whose computed length does not end a page, stores the slot as the
+/// [`CheckpointKind::RequestEnd`] state at `pos` and frees the running slot; at a finish that
+/// ends a page it stores the running slot and frees this one; an abort frees both.
+///
+/// [`RadixConfig::mamba_track`]: crate::RadixConfig::mamba_track
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MambaTrack {
+    /// The state slot the engine keeps the tracked state in.
+    pub slot: u32,
+    /// The page boundary whose state the slot holds: page-aligned, at most the computed
+    /// length, at least the cached prefix at `begin_request`.
+    pub pos: usize,
+}
+
 /// Counters of one [`CheckpointKind`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KindStats {
@@ -343,6 +390,13 @@ pub struct KindStats {
 pub struct MambaStats {
     /// Indexed by [`CheckpointKind::index`].
     pub kinds: [KindStats; 3],
+    /// Requests that ran without a tracking slot ([`MambaTrack`]) because none could be had
+    /// without taking the last obtainable slot: they leave a request-end state only where
+    /// their computed length ends a page.
+    pub tracks_skipped: u64,
+    /// [`CheckpointKind::RequestEnd`] states stored from a tracking slot (the request ended
+    /// off a page boundary); also counted in that kind's `stored`.
+    pub tracked_stored: u64,
 }
 
 impl MambaStats {
@@ -395,15 +449,19 @@ pub(crate) fn admit(params: &MarconiParams, k: &KindStats, sample: &mut u64) -> 
 #[derive(Debug)]
 pub(crate) struct MambaAdmission {
     policy: MambaPolicy,
+    /// Give running requests a tracking slot ([`MambaTrack`]) where the policy keeps
+    /// request-end states.
+    track: bool,
     /// Per kind: how many checkpoints hit-driven admission judged (see [`admit`]).
     samples: [u64; 3],
 }
 
 impl MambaAdmission {
-    pub(crate) fn new(policy: MambaPolicy) -> Result<Self> {
+    pub(crate) fn new(policy: MambaPolicy, track: bool) -> Result<Self> {
         policy.validate()?;
         Ok(MambaAdmission {
             policy,
+            track,
             samples: [0; 3],
         })
     }
@@ -427,10 +485,53 @@ impl MambaAdmission {
         ok
     }
 
+    /// Whether the policy keeps request-end states (the baseline always; Marconi with
+    /// [`MarconiParams::output_end`]).
+    fn keeps_request_end(&self) -> bool {
+        match self.policy {
+            MambaPolicy::Sglang => true,
+            MambaPolicy::Marconi(p) => p.output_end,
+        }
+    }
+
+    /// A slot for an optional use (a checkpoint or a tracking slot): only while at least one
+    /// more stays obtainable (free or evictable) for a request that needs its running slot.
+    fn spare_slot(tree: &mut RadixTree) -> Option<u32> {
+        let obtainable = tree.mamba_accounting().map_or(0, |a| a.free + a.evictable);
+        if obtainable >= 2 {
+            tree.alloc_mamba_slot().ok()
+        } else {
+            None
+        }
+    }
+
     /// After `begin_request`: the checkpoints the forward pass of `req` takes (Marconi only),
-    /// each with a slot of its own. A checkpoint that cannot have a slot without taking the
-    /// last one a new request could get is skipped (counted), never an error.
+    /// each with a slot of its own, then its tracking slot (where the policy keeps request-end
+    /// states and tracking is on). A checkpoint or tracking slot that cannot have a slot
+    /// without taking the last one a new request could get is skipped (counted), never an
+    /// error.
     pub(crate) fn plan(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
+        self.plan_checkpoints(tree, req);
+        // Hit-driven admission judges the request-end state here, before a slot is held for
+        // it; a tracked request's state is stored at its finish without being judged again.
+        if self.track && self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd) {
+            match Self::spare_slot(tree) {
+                Some(slot) => {
+                    req.mamba_track = Some(MambaTrack {
+                        slot,
+                        pos: req.cache_protected_len,
+                    });
+                }
+                None => {
+                    if let Some(st) = tree.mamba_stats_mut() {
+                        st.tracks_skipped += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn plan_checkpoints(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         let Some(params) = self.policy.marconi().copied() else {
             return;
         };
@@ -455,13 +556,7 @@ impl MambaAdmission {
             if !self.admit(tree, kind) {
                 continue;
             }
-            let obtainable = tree.mamba_accounting().map_or(0, |a| a.free + a.evictable);
-            let slot = if obtainable >= 2 {
-                tree.alloc_mamba_slot().ok()
-            } else {
-                None
-            };
-            match slot {
+            match Self::spare_slot(tree) {
                 Some(slot) => {
                     req.mamba_checkpoints
                         .push(MambaCheckpoint { pos, slot, kind });
@@ -504,31 +599,55 @@ impl MambaAdmission {
         result
     }
 
-    /// At request end: the running state `slot` becomes the [`CheckpointKind::RequestEnd`]
-    /// state of `end` (the node ending the inserted key, `None` when nothing was inserted)
-    /// where the policy keeps it and the computed length ends a page (`aligned`); otherwise
-    /// it is freed.
+    /// At request end: the request's running slot `running` and its tracking slot `track`.
+    /// Where the computed length ends a page (`at_page`) the running state is the state at
+    /// the end of `end` (the node ending the inserted key, `None` when nothing was inserted)
+    /// and the tracking slot is freed; otherwise the tracked state is (its position is the
+    /// computed length floored to a page, where `end` ends) and the running slot is freed.
+    /// That state becomes the [`CheckpointKind::RequestEnd`] state of `end` where the policy
+    /// keeps it (hit-driven admission judged a tracked request at its begin, an untracked one
+    /// here); otherwise it is freed too. Every slot is released, errors or not.
     pub(crate) fn finish_state(
         &mut self,
         tree: &mut RadixTree,
-        slot: u32,
+        running: u32,
+        track: Option<u32>,
         end: Option<NodeId>,
-        aligned: bool,
+        at_page: bool,
     ) -> Result<()> {
-        let keep = match self.policy {
-            MambaPolicy::Sglang => true,
-            MambaPolicy::Marconi(p) => p.output_end,
+        let (state, spare) = if at_page {
+            (Some(running), track)
+        } else {
+            (track, Some(running))
         };
-        match end {
-            Some(node) if aligned && keep && self.admit(tree, CheckpointKind::RequestEnd) => {
+        let mut result = match spare {
+            Some(s) => tree.free_mamba_slot(s),
+            None => Ok(()),
+        };
+        let Some(slot) = state else {
+            return result;
+        };
+        let keep = self.keeps_request_end();
+        let stored = match end {
+            Some(node)
+                if keep && (track.is_some() || self.admit(tree, CheckpointKind::RequestEnd)) =>
+            {
                 match tree.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd) {
-                    Ok(_) => Ok(()),
+                    Ok(MambaInsert::Stored) => {
+                        if !at_page && let Some(st) = tree.mamba_stats_mut() {
+                            st.tracked_stored += 1;
+                        }
+                        Ok(())
+                    }
+                    Ok(MambaInsert::AlreadyCached) => Ok(()),
                     // Nothing changed: the request still holds the slot.
                     Err(e) => tree.free_mamba_slot(slot).and(Err(e)),
                 }
             }
             _ => tree.free_mamba_slot(slot),
-        }
+        };
+        result = result.and(stored);
+        result
     }
 }
 

@@ -48,6 +48,14 @@ pub struct RadixConfig {
     /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
     /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
     pub mamba_policy: MambaPolicy,
+    /// Give each running request a tracking slot ([`RequestKv::mamba_track`],
+    /// [`MambaTrack`](crate::MambaTrack)) where the policy keeps request-end states, so that a
+    /// request whose computed length does not end a page leaves its state at that length
+    /// floored to a page. Taken only while another slot stays obtainable (else the request runs
+    /// without, counted in [`MambaStats::tracks_skipped`]). `false`: a request-end state is
+    /// stored only where the computed length ends a page. Default `true`; without Mamba slots
+    /// it has no effect.
+    pub mamba_track: bool,
     /// Sliding-window attention layers (Gemma- or GPT-OSS-style models): the window in tokens
     /// and the pages of the second, SWA page pool. `None`: no SWA layers. With it, matches stop
     /// where a full window of live window KV precedes their end, every running request holds
@@ -70,6 +78,7 @@ impl Default for RadixConfig {
             disabled: false,
             mamba_slots: None,
             mamba_policy: MambaPolicy::default(),
+            mamba_track: true,
             swa: None,
         }
     }
@@ -116,7 +125,7 @@ impl RadixCache {
     pub fn new(cfg: RadixConfig) -> Result<Self> {
         swa::check_config(&cfg)?;
         let pools = DevicePools::new(cfg.page_size, cfg.total_pages, cfg.max_rows)?;
-        let mamba = MambaAdmission::new(cfg.mamba_policy)?;
+        let mamba = MambaAdmission::new(cfg.mamba_policy, cfg.mamba_track)?;
         let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
         tree.set_event_capacity(cfg.event_capacity)?;
         if let Some(slots) = cfg.mamba_slots {
@@ -176,9 +185,11 @@ impl RadixCache {
     }
 
     /// Audits one request's Mamba slots: a running request of a cache with the Mamba component
-    /// holds exactly one running slot, in the request state, and one distinct request-held
-    /// slot per pending checkpoint, at ascending page-aligned positions past its cached
-    /// prefix (the Mamba part of [`PrefixCache::check_request`], which runs it).
+    /// holds exactly one running slot, in the request state, one distinct request-held slot
+    /// per pending checkpoint, at ascending page-aligned positions past its cached prefix, and
+    /// at most one distinct request-held tracking slot, at a page-aligned position no further
+    /// than its computed length (the Mamba part of [`PrefixCache::check_request`], which runs
+    /// it).
     ///
     /// # Errors
     /// The first violated invariant.
@@ -188,7 +199,9 @@ impl RadixCache {
     ) -> std::result::Result<(), InvariantViolation> {
         let Ok(pool) = self.tree.mamba_pool() else {
             ensure_inv!(
-                req.mamba_slot.is_none() && req.mamba_checkpoints.is_empty(),
+                req.mamba_slot.is_none()
+                    && req.mamba_checkpoints.is_empty()
+                    && req.mamba_track.is_none(),
                 "a KV-only cache's request holds a Mamba slot"
             );
             return Ok(());
@@ -225,6 +238,26 @@ impl RadixCache {
                 "Mamba checkpoint slot {} is {:?} or held twice",
                 c.slot,
                 pool.state(c.slot)
+            );
+        }
+        if let Some(t) = req.mamba_track {
+            ensure_inv!(
+                req.row.is_some(),
+                "a request without a row holds a Mamba tracking slot"
+            );
+            ensure_inv!(
+                t.pos.is_multiple_of(self.pools.page_size) && t.pos <= req.committed_len,
+                "Mamba tracking position {} is not page-aligned or past the computed {}",
+                t.pos,
+                req.committed_len
+            );
+            ensure_inv!(
+                pool.state(t.slot) == Ok(SlotState::Request)
+                    && Some(t.slot) != req.mamba_slot
+                    && req.mamba_checkpoints.iter().all(|c| c.slot != t.slot),
+                "Mamba tracking slot {} is {:?} or held twice",
+                t.slot,
+                pool.state(t.slot)
             );
         }
         if let Some(cow) = req.mamba_cow {
@@ -543,7 +576,7 @@ impl PrefixCache for RadixCache {
             ));
         }
         let mamba = self.tree.mamba_enabled();
-        if mamba && (req.mamba_slot.is_some() || !req.mamba_checkpoints.is_empty()) {
+        if mamba && req.mamba_slots_held() > 0 {
             return Err(CacheError::InvalidRequestState(
                 "begin_request on a request that already holds a Mamba slot",
             ));
@@ -625,6 +658,9 @@ impl PrefixCache for RadixCache {
         };
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
+        if let Some(t) = &mut req.mamba_track {
+            t.pos = aligned;
+        }
         self.debug_audit();
         stored
     }
@@ -649,6 +685,9 @@ impl PrefixCache for RadixCache {
             if let Some(s) = req.mamba_slot.take() {
                 self.tree.free_mamba_slot(s)?;
             }
+            if let Some(t) = req.mamba_track.take() {
+                self.tree.free_mamba_slot(t.slot)?;
+            }
             if !req.mamba_checkpoints.is_empty() {
                 MambaAdmission::free_checkpoints(&mut self.tree, req)?;
             }
@@ -669,8 +708,10 @@ impl PrefixCache for RadixCache {
         }
         // Checkpoints the forward pass passed are stored with the KV; the others (and all of
         // them on abort) are freed. The running state is the state after the last computed
-        // token, so it is cached (where the policy keeps it) only where that token ends a page
-        // (a node boundary); otherwise, and on abort, the slot is freed.
+        // token, so it is cached (where the policy keeps it) where that token ends a page (a
+        // node boundary); otherwise the tracking slot, which holds the state at the computed
+        // length floored to a page (where `end` ends), is. The other one, and both on abort,
+        // are freed.
         if !req.mamba_checkpoints.is_empty() {
             if end.is_some() {
                 let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
@@ -678,10 +719,20 @@ impl PrefixCache for RadixCache {
             }
             result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         }
-        if let Some(slot) = req.mamba_slot.take() {
-            let at_page = aligned == req.committed_len;
-            let cached = self.mamba.finish_state(&mut self.tree, slot, end, at_page);
-            result = result.and(cached);
+        let track = req.mamba_track.take().map(|t| t.slot);
+        match req.mamba_slot.take() {
+            Some(slot) => {
+                let at_page = aligned == req.committed_len;
+                let cached = self
+                    .mamba
+                    .finish_state(&mut self.tree, slot, track, end, at_page);
+                result = result.and(cached);
+            }
+            None => {
+                if let Some(t) = track {
+                    result = result.and(self.tree.free_mamba_slot(t));
+                }
+            }
         }
         // Free everything the row still owns (the unaligned tail, over-allocation, or all of it
         // on abort), release the lock and the row.

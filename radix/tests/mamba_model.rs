@@ -548,6 +548,8 @@ enum CacheOp {
 struct CacheRef {
     slots: u32,
     policy: MambaPolicy,
+    /// [`RadixConfig::mamba_track`].
+    track: bool,
 }
 
 struct CacheMachine;
@@ -578,8 +580,12 @@ impl ReferenceStateMachine for CacheMachine {
     type Transition = CacheOp;
 
     fn init_state() -> BoxedStrategy<CacheRef> {
-        (1u32..9, policy_strategy())
-            .prop_map(|(slots, policy)| CacheRef { slots, policy })
+        (1u32..9, policy_strategy(), prop::bool::weighted(0.8))
+            .prop_map(|(slots, policy, track)| CacheRef {
+                slots,
+                policy,
+                track,
+            })
             .boxed()
     }
 
@@ -617,13 +623,19 @@ struct CacheSut {
     reqs: Vec<RequestKv>,
 }
 
-/// Every slot a request holds: its running slot and its pending checkpoints.
+/// Every slot a request holds: its running slot, its tracking slot and its pending
+/// checkpoints.
 fn held_slots(r: &RequestKv) -> Vec<u32> {
-    r.mamba_slot
+    let held: Vec<u32> = r
+        .mamba_slot
         .iter()
         .copied()
+        .chain(r.mamba_track.map(|t| t.slot))
         .chain(r.mamba_checkpoints.iter().map(|c| c.slot))
-        .collect()
+        .collect();
+    assert_eq!(held.len(), r.mamba_slots_held());
+    assert!(held.len() <= RequestKv::MAX_MAMBA_SLOTS);
+    held
 }
 
 impl CacheSut {
@@ -665,6 +677,22 @@ impl CacheSut {
     }
 }
 
+/// Whether the policy keeps request-end states at all.
+fn keeps_request_end(policy: &MambaPolicy) -> bool {
+    match policy {
+        MambaPolicy::Sglang => true,
+        MambaPolicy::Marconi(p) => p.output_end,
+    }
+}
+
+/// Whether the policy admits every request-end state (no hit-driven admission in the way).
+fn always_keeps_request_end(policy: &MambaPolicy) -> bool {
+    match policy {
+        MambaPolicy::Sglang => true,
+        MambaPolicy::Marconi(p) => p.output_end && p.min_hit_ratio == 0.0,
+    }
+}
+
 fn is_resource_error(e: &CacheError) -> bool {
     matches!(
         e,
@@ -685,6 +713,7 @@ impl StateMachineTest for CacheSut {
             max_rows: 4,
             mamba_slots: Some(state.slots),
             mamba_policy: state.policy,
+            mamba_track: state.track,
             ..Default::default()
         })
         .unwrap();
@@ -731,6 +760,10 @@ impl StateMachineTest for CacheSut {
                         );
                         if matches!(sut.cache.mamba_policy(), MambaPolicy::Sglang) {
                             assert!(r.mamba_checkpoints.is_empty());
+                        }
+                        if let Some(t) = r.mamba_track {
+                            assert!(_state.track && keeps_request_end(&_state.policy));
+                            assert_eq!(t.pos, r.prefix_len, "tracking starts at the prefix");
                         }
                         sut.assert_locked_kept(&locked);
                         sut.reqs.push(r);
@@ -783,6 +816,9 @@ impl StateMachineTest for CacheSut {
                 let owned = sut.cache.mamba_accounting().unwrap().request_owned;
                 sut.cache.cache_unfinished_req(r).unwrap();
                 let r = &sut.reqs[i];
+                if let Some(t) = r.mamba_track {
+                    assert_eq!(t.pos, aligned, "the tracked position follows the chunk");
+                }
                 assert!(
                     r.mamba_checkpoints.iter().all(|c| c.pos > aligned),
                     "the checkpoints the chunk passed are taken"
@@ -819,6 +855,14 @@ impl StateMachineTest for CacheSut {
                 let mut r = sut.reqs.remove(i % sut.reqs.len());
                 let held = held_slots(&r);
                 let owned = sut.request_owned();
+                // A finish stores a request-end state at the computed length floored to a page:
+                // the running state where that is the computed length, else the tracked one.
+                let floor = r.committed_len - r.committed_len % P;
+                let end_state = !abort
+                    && floor > 0
+                    && always_keeps_request_end(&_state.policy)
+                    && (floor == r.committed_len || r.mamba_track.is_some());
+                let end_key = r.key.tokens[..floor].to_vec();
                 let kind = if abort {
                     FinishKind::Aborted
                 } else {
@@ -836,6 +880,20 @@ impl StateMachineTest for CacheSut {
                     if abort {
                         assert_eq!(sut.slot_state(s), SlotState::Free, "abort stores nothing");
                     }
+                }
+                if end_state {
+                    let t = sut.cache.tree();
+                    let m = t.tier_walk(KeyRef::new(&end_key));
+                    let node = *m.nodes.last().unwrap();
+                    assert_eq!(
+                        t.depth_tokens(node).unwrap(),
+                        floor,
+                        "a node ends at {floor}"
+                    );
+                    assert!(
+                        t.mamba_state(node).unwrap().is_some(),
+                        "no state at the floored end {floor}"
+                    );
                 }
             }
             CacheOp::EvictKv { tokens } => {

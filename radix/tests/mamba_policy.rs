@@ -119,7 +119,12 @@ fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
             Ok(SlotState::Request)
         );
     }
-    assert_eq!(c.mamba_accounting().unwrap().request_owned, 3);
+    // The running slot, the tracking slot and the two checkpoints.
+    let track = rb.mamba_track.expect("a tracking slot");
+    assert_eq!(track.pos, 0, "nothing computed yet");
+    assert!(!slots.contains(&track.slot) && Some(track.slot) != rb.mamba_slot);
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 4);
+    assert_eq!(rb.mamba_slots_held(), 4);
     prefill(&mut c, &mut rb);
     c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
     audit(&c);
@@ -130,7 +135,7 @@ fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
     assert_eq!(stats.kind(CheckpointKind::Branch).stored, 1);
     assert_eq!(stats.kind(CheckpointKind::PromptEnd).stored, 2);
     // A's running state duplicated its prompt-end state, and B ended at 18 (not a page end):
-    // both running states were freed, not stored.
+    // its tracked state at 16 duplicated its prompt-end state too. Nothing was stored.
     assert_eq!(stats.kind(CheckpointKind::RequestEnd).stored, 0);
 
     // C diverges from both at 8: it hits the branch state.
@@ -499,4 +504,234 @@ fn bad_policy_parameters_are_typed_errors() {
         t.set_mamba_policy(&MambaPolicy::Sglang),
         Err(CacheError::ComponentDisabled("mamba"))
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tracking slots: the request-end state of a request that does not end on a page boundary
+
+fn cache_tracking(slots: u32, policy: MambaPolicy, mamba_track: bool) -> RadixCache {
+    RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 8,
+        mamba_slots: Some(slots),
+        mamba_policy: policy,
+        mamba_track,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Decodes `n` tokens (values from 1000 on) after the prefill.
+fn decode(c: &mut RadixCache, r: &mut RequestKv, n: u32) {
+    c.alloc_tokens(r, n as usize).unwrap();
+    r.append_tokens(&seq(1000..1000 + n));
+    r.commit(n as usize).unwrap();
+    c.check_request(r).unwrap();
+}
+
+fn slot_state(c: &RadixCache, slot: u32) -> SlotState {
+    c.tree().mamba_pool().unwrap().state(slot).unwrap()
+}
+
+/// Both policies keep request-end states (Marconi without hit-driven admission, so that it
+/// admits every one).
+fn both_policies() -> [MambaPolicy; 2] {
+    [
+        MambaPolicy::Sglang,
+        MambaPolicy::Marconi(MarconiParams {
+            min_hit_ratio: 0.0,
+            ..MarconiParams::default()
+        }),
+    ]
+}
+
+#[test]
+fn an_unaligned_end_stores_the_tracked_state_at_the_floored_length() {
+    for policy in both_policies() {
+        let mut c = cache(8, policy);
+        // 18 prompt tokens, 3 decoded: computed 21, floored to 20.
+        let mut r = begin(&mut c, &seq(0..18));
+        let t = r.mamba_track.expect("a tracking slot");
+        let running = r.mamba_slot.unwrap();
+        assert_eq!(slot_state(&c, t.slot), SlotState::Request);
+        assert_eq!(r.mamba_slots_held(), 2);
+        prefill(&mut c, &mut r);
+        decode(&mut c, &mut r, 3);
+        let key = r.key.tokens.clone();
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        audit(&c);
+        let m = c.tree().tier_walk(KeyRef::new(&key[..20]));
+        let node = *m.nodes.last().unwrap();
+        assert_eq!(c.tree().depth_tokens(node).unwrap(), 20);
+        assert_eq!(
+            c.tree().mamba_state(node),
+            Ok(Some(t.slot)),
+            "{}: the tracked state is the state at 20",
+            policy.name()
+        );
+        assert_eq!(state_kind(&c, &key[..20]), Some(CheckpointKind::RequestEnd));
+        assert_eq!(slot_state(&c, running), SlotState::Free, "the running slot");
+        let acc = c.mamba_accounting().unwrap();
+        assert_eq!((acc.request_owned, acc.evictable), (0, 1));
+        let st = c.mamba_stats().unwrap();
+        assert_eq!(st.tracked_stored, 1);
+        assert_eq!(st.kind(CheckpointKind::RequestEnd).stored, 1);
+        // The next turn hits there.
+        let mut next = key.clone();
+        next.extend(seq(2000..2005));
+        let rn = begin(&mut c, &next);
+        assert_eq!(rn.prefix_len, 20, "{}", policy.name());
+    }
+}
+
+#[test]
+fn an_aligned_end_stores_the_running_state_and_frees_the_tracking_slot() {
+    for policy in both_policies() {
+        let mut c = cache(8, policy);
+        let mut r = begin(&mut c, &seq(0..18));
+        let t = r.mamba_track.unwrap();
+        let running = r.mamba_slot.unwrap();
+        prefill(&mut c, &mut r);
+        decode(&mut c, &mut r, 2);
+        let key = r.key.tokens.clone();
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        audit(&c);
+        let m = c.tree().tier_walk(KeyRef::new(&key));
+        assert_eq!(
+            c.tree().mamba_state(*m.nodes.last().unwrap()),
+            Ok(Some(running)),
+            "{}: the running state is the state at 20",
+            policy.name()
+        );
+        assert_eq!(slot_state(&c, t.slot), SlotState::Free, "the tracking slot");
+        let acc = c.mamba_accounting().unwrap();
+        assert_eq!((acc.request_owned, acc.free), (0, 7));
+        assert_eq!(c.mamba_stats().unwrap().tracked_stored, 0);
+    }
+}
+
+#[test]
+fn an_abort_frees_the_running_and_the_tracking_slot() {
+    for policy in both_policies() {
+        let mut c = cache(8, policy);
+        let mut r = begin(&mut c, &seq(0..18));
+        let held = [r.mamba_slot.unwrap(), r.mamba_track.unwrap().slot];
+        prefill(&mut c, &mut r);
+        decode(&mut c, &mut r, 3);
+        c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+        audit(&c);
+        for s in held {
+            assert_eq!(slot_state(&c, s), SlotState::Free);
+        }
+        assert_eq!(c.mamba_accounting().unwrap().free, 8);
+        // A request that never began holds nothing to free.
+        let mut never = RequestKv::new(RadixKey::new(seq(0..9)));
+        c.match_request(&mut never).unwrap();
+        c.cache_finished_req(&mut never, FinishKind::Aborted)
+            .unwrap();
+        assert_eq!(c.mamba_accounting().unwrap().free, 8);
+    }
+}
+
+#[test]
+fn the_tracked_position_follows_the_chunks() {
+    let mut c = cache(8, MambaPolicy::Sglang);
+    let mut r = begin(&mut c, &seq(0..18));
+    assert_eq!(r.mamba_track.unwrap().pos, 0);
+    c.alloc_tokens(&mut r, 11).unwrap();
+    r.commit(11).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    assert_eq!(r.mamba_track.unwrap().pos, 8, "11 computed, floored to 8");
+    c.check_request(&r).unwrap();
+    // The audit refuses a position past the computed length or off a page.
+    let mut bad = r.mamba_track.unwrap();
+    bad.pos = 12;
+    r.mamba_track = Some(bad);
+    assert!(c.check_request(&r).is_err());
+    bad.pos = 6;
+    r.mamba_track = Some(bad);
+    assert!(c.check_request(&r).is_err());
+    // Nor may it share the running slot.
+    bad.pos = 8;
+    bad.slot = r.mamba_slot.unwrap();
+    r.mamba_track = Some(bad);
+    assert!(c.check_request(&r).is_err());
+}
+
+#[test]
+fn the_tracking_slot_is_skipped_when_slots_are_short_or_it_is_off() {
+    // Two slots: the running slot leaves one, which a waiting request needs.
+    let mut c = cache(2, MambaPolicy::Sglang);
+    let mut r = begin(&mut c, &seq(0..18));
+    assert_eq!(r.mamba_track, None);
+    assert_eq!(c.mamba_stats().unwrap().tracks_skipped, 1);
+    // The other request still gets its running slot.
+    let mut o = begin(&mut c, &seq(100..105));
+    assert!(o.mamba_slot.is_some() && o.mamba_track.is_none());
+    prefill(&mut c, &mut r);
+    decode(&mut c, &mut r, 3);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    c.cache_finished_req(&mut o, FinishKind::Aborted).unwrap();
+    audit(&c);
+    // Without a tracking slot an unaligned end stores nothing, and nothing leaks.
+    let acc = c.mamba_accounting().unwrap();
+    assert_eq!((acc.free, acc.request_owned, acc.evictable), (2, 0, 0));
+    assert_eq!(c.mamba_stats().unwrap().tracked_stored, 0);
+
+    // Tracking off: no tracking slot and nothing counted as skipped.
+    let mut c = cache_tracking(8, MambaPolicy::Sglang, false);
+    let mut r = begin(&mut c, &seq(0..18));
+    assert_eq!(r.mamba_track, None);
+    prefill(&mut c, &mut r);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    let st = c.mamba_stats().unwrap();
+    assert_eq!((st.tracks_skipped, st.total().stored), (0, 0));
+    assert_eq!(c.mamba_accounting().unwrap().free, 8);
+
+    // Marconi without request-end states has no use for one.
+    let mut c = cache(
+        8,
+        MambaPolicy::Marconi(MarconiParams {
+            output_end: false,
+            ..MarconiParams::default()
+        }),
+    );
+    let r = begin(&mut c, &seq(0..18));
+    assert_eq!(r.mamba_track, None);
+    assert_eq!(c.mamba_stats().unwrap().tracks_skipped, 0);
+}
+
+#[test]
+fn hit_driven_admission_refuses_the_tracking_slot_of_a_rarely_hit_request_end() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 512,
+        max_rows: 8,
+        mamba_slots: Some(256),
+        mamba_policy: MambaPolicy::default(),
+        ..Default::default()
+    })
+    .unwrap();
+    // 64 request-end states, never hit (every key starts elsewhere; 6 tokens end off a page).
+    let mut tracked = 0;
+    for i in 0..64 + 32 {
+        let mut r = begin(&mut c, &seq(i * 100..i * 100 + 6));
+        assert!(r.mamba_checkpoints.is_empty());
+        if i >= 64 {
+            tracked += usize::from(r.mamba_track.is_some());
+        } else {
+            assert!(r.mamba_track.is_some(), "admitted before the warm-up");
+        }
+        prefill(&mut c, &mut r);
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    }
+    audit(&c);
+    // Judged rarely hit: one request in 16 gets a tracking slot (and stores its state).
+    assert_eq!(tracked, 2);
+    let st = c.mamba_stats().unwrap();
+    let end = st.kind(CheckpointKind::RequestEnd);
+    assert_eq!((end.stored, end.skipped, end.hits), (66, 30, 0));
+    assert_eq!((st.tracked_stored, st.tracks_skipped), (66, 0));
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
 }

@@ -100,6 +100,28 @@ impl ManagerBuilder {
         self
     }
 
+    /// Bytes of the sliding-window KV pool (models with sliding-window layers; `[pools]
+    /// swa_bytes`, default the full-attention pool's bytes): its pages are the budget over
+    /// `page_size ×` [`ModelGeometry::checked_swa_bytes_per_token`](crate::ModelGeometry::checked_swa_bytes_per_token).
+    ///
+    /// ```
+    /// use radixkv_scheduler_api::{KvCacheManager, Preset};
+    ///
+    /// let model = Preset::GemmaLike.geometry();
+    /// let page = model.checked_swa_bytes_per_token().unwrap() * model.page_size as u64;
+    /// let kv = KvCacheManager::builder()
+    ///     .model(model)
+    ///     .device_tokens(1 << 16)
+    ///     .swa_bytes(512 * page)
+    ///     .build()?;
+    /// assert_eq!(kv.swa_accounting().unwrap().total, 512);
+    /// # Ok::<(), radixkv_scheduler_api::ManagerError>(())
+    /// ```
+    pub fn swa_bytes(mut self, bytes: u64) -> Self {
+        self.cfg.pools.swa_bytes = Some(bytes);
+        self
+    }
+
     /// The Mamba state policy (models with Mamba layers; Marconi when not set). Setting one
     /// on a model without Mamba layers is refused when the manager is built.
     pub fn mamba_policy(mut self, p: MambaPolicyKind) -> Self {

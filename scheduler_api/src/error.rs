@@ -172,6 +172,11 @@ impl std::fmt::Display for StallCause {
             StallCause::Admission(WaitReason::NoStateSlot) => {
                 f.write_str("its admission waits for a Mamba state slot (every slot is in use)")
             }
+            StallCause::Admission(WaitReason::NoWindowRoom { needed, available }) => write!(
+                f,
+                "its admission waits for sliding-window KV room ({needed} tokens needed, \
+                 {available} available)"
+            ),
             StallCause::OutOfMemory { needed, available } => write!(
                 f,
                 "allocating {needed} tokens for it ran out of device memory ({available} \

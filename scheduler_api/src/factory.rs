@@ -10,6 +10,7 @@
 //! |-------------------------------------|------------------------------------------------|
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
+//! | `disabled`, `radix`, SWA layers     | `RadixCache` with its SWA page pool            |
 //! | `radix` + sessions (Mamba layers too) | `SessionAwareCache<RadixCache, SimClock>`    |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
@@ -27,8 +28,11 @@
 //! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
 //! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
-//! with or without sessions; under a host tier, and any model with sliding-window layers, it is
-//! still [`ManagerError::NotWired`]: its pools are sized but no cache carries them there yet. The
+//! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
+//! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry) without
+//! sessions. Mamba layers under a host tier, sliding-window layers under a host tier or with
+//! sessions, and a model with both kinds of layers are still [`ManagerError::NotWired`]: their
+//! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
@@ -36,7 +40,7 @@ use std::sync::Arc;
 use radixkv_hicache::{DeviceBackend, HostSim};
 use radixkv_radix::{
     CacheError, ComponentAccounting, MambaPolicy, MambaStats, PrefixCache, RadixCache, RadixConfig,
-    RequestKv,
+    RequestKv, SwaConfig,
 };
 use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
@@ -194,6 +198,15 @@ pub trait ManagedCache: PrefixCache + Send {
     fn mamba_stats(&self) -> Option<MambaStats> {
         None
     }
+    /// Where every page of the sliding-window (SWA) KV pool is; `None` for a cache without
+    /// the SWA component.
+    fn swa_accounting(&self) -> Option<ComponentAccounting> {
+        None
+    }
+    /// The sliding window in tokens; `None` for a cache without the SWA component.
+    fn swa_window(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl ManagedCache for RadixCache {
@@ -207,6 +220,14 @@ impl ManagedCache for RadixCache {
 
     fn mamba_stats(&self) -> Option<MambaStats> {
         RadixCache::mamba_stats(self)
+    }
+
+    fn swa_accounting(&self) -> Option<ComponentAccounting> {
+        RadixCache::swa_accounting(self)
+    }
+
+    fn swa_window(&self) -> Option<usize> {
+        RadixCache::swa_window(self)
     }
 }
 
@@ -226,7 +247,8 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers, or with Mamba layers under a host tier;
+/// or Mamba layers under a host tier, sliding-window layers with sessions, or both kinds of
+/// layers in one model;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -315,7 +337,8 @@ fn build<B: DeviceBackend>(
         _ => {}
     }
     refuse_hybrid(cfg)?;
-    let mamba_slots = match cfg.pools()?.mamba {
+    let pools = cfg.pools()?;
+    let mamba_slots = match pools.mamba {
         None => None,
         Some(p) => Some(u32::try_from(p.slots).map_err(|_| {
             ManagerError::Config(format!(
@@ -340,7 +363,24 @@ fn build<B: DeviceBackend>(
             Some(p) => p,
             None => MambaPolicy::default(),
         },
-        swa: None,
+        // The manager does not hand a request's tracking slot to the engine yet (`Admitted`
+        // carries the running slot and the checkpoints only), so no engine would keep the
+        // tracked state in it: off until it does.
+        mamba_track: false,
+        swa: match (pools.swa, pools.sliding_window) {
+            (Some(p), Some(w)) => Some(SwaConfig {
+                window: usize::try_from(w).map_err(|_| {
+                    ManagerError::Config(format!("the sliding window of {w} tokens is too long"))
+                })?,
+                pages: usize::try_from(p.pages).map_err(|_| {
+                    ManagerError::Config(format!(
+                        "the SWA pool of {} pages is more than a pool can address",
+                        p.pages
+                    ))
+                })?,
+            }),
+            _ => None,
+        },
     };
     let sessions = cfg.sessions.as_ref().map(|b| SessionConfig {
         max_held_tokens: b.max_held_tokens,
@@ -370,23 +410,37 @@ fn build<B: DeviceBackend>(
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
 /// than built into a cache that would ignore their pools:
 ///
-/// - sliding-window layers: the SWA KV pool is sized ([`ManagerConfig::pools`]) but the
-///   manager does not drive it yet;
+/// - sliding-window layers under a host tier or with sessions (neither carries window KV yet),
+///   or beside Mamba layers in one model (the tree does not carry both components at once);
 /// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states.
 ///
-/// Mamba layers on the device-only caches (`radix`, `disabled`) are wired, with or without
-/// sessions: the radix tree carries the states as a component of its nodes, and a session
-/// slot keeps its running state across turns.
+/// Mamba layers or sliding-window layers on the device-only caches (`radix`, `disabled`) are
+/// wired: the radix tree carries the states or the window KV as a component of its nodes, and
+/// with Mamba layers a session slot keeps its running state across turns.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if n.sliding_window > 0 {
-        return Err(ManagerError::NotWired {
-            kind: "a model with sliding-window layers (an SWA KV pool)",
-            needs: match cfg.cache {
-                CacheKind::HiCache(_) => "radixkv-hicache",
-                _ => "radixkv-radix",
-            },
-        });
+        if n.mamba > 0 {
+            return Err(ManagerError::NotWired {
+                kind: "a model with both sliding-window and Mamba layers (one tree carrying \
+                       both components)",
+                needs: "radixkv-radix",
+            });
+        }
+        if matches!(cfg.cache, CacheKind::HiCache(_)) {
+            return Err(ManagerError::NotWired {
+                kind: "a model with sliding-window layers under a host tier (moving window \
+                       KV between the device and the host)",
+                needs: "radixkv-hicache",
+            });
+        }
+        if cfg.sessions.is_some() {
+            return Err(ManagerError::NotWired {
+                kind: "a model with sliding-window layers with sessions (a session slot \
+                       keeping its window KV across turns)",
+                needs: "radixkv-session",
+            });
+        }
     }
     if n.mamba > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
         return Err(ManagerError::NotWired {
@@ -491,9 +545,9 @@ mod tests {
         let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
-        // A sliding-window model is sized but refused, naming what is missing, on every cache
-        // kind; a Mamba model builds on the device-only caches, with sessions too, and is
-        // refused under a host tier.
+        // A sliding-window model builds on the device-only caches, its SWA pool sized from
+        // its budget, and is refused under a host tier, naming what is missing; a Mamba model
+        // builds on the device-only caches, with sessions too, and is refused under a host tier.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -502,17 +556,27 @@ mod tests {
                 "radixkv-hicache",
             ),
         ];
-        for (cache, needs) in kinds.clone() {
+        for (cache, _) in kinds.clone() {
+            let hicache = matches!(cache, CacheKind::HiCache(_));
             let mut swa = ManagerConfig { cache, ..base() };
             swa.model = Preset::GemmaLike.geometry();
-            assert!(swa.pools().is_ok(), "its pools are sized");
-            let e = build_cache(&swa).err().unwrap();
-            assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
-            let e = e.to_string();
-            assert!(
-                e.contains(needs) && e.contains("sliding-window layers"),
-                "{e}"
-            );
+            let pools = swa.pools().unwrap();
+            match build_cache(&swa) {
+                Ok(c) => {
+                    assert!(!hicache);
+                    let a = c.swa_accounting().expect("the SWA component");
+                    assert_eq!(a.total as u64, pools.swa.unwrap().pages);
+                    assert_eq!(c.swa_window(), Some(1024));
+                }
+                Err(e) => {
+                    assert!(hicache, "{e:?}");
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("radixkv-hicache") && e.contains("sliding-window layers"),
+                        "{e}"
+                    );
+                }
+            }
         }
         for (cache, _) in kinds {
             let hicache = matches!(cache, CacheKind::HiCache(_));

@@ -20,8 +20,10 @@
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
 //!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
 //!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
-//!   session slot keeps its running state across turns). The other hybrid combinations —
-//!   sliding-window layers on any cache, Mamba layers under a host tier — are
+//!   session slot keeps its running state across turns), or sliding-window layers
+//!   (Gemma-like) on the disabled and radix caches. The other hybrid combinations — Mamba or
+//!   sliding-window layers under a host tier, sliding-window layers with sessions, both kinds
+//!   in one model — are
 //!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
 //!   that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
@@ -33,6 +35,14 @@
 //!   metrics say where every slot is. A session turn served from its slot continues in the
 //!   slot the previous turn left (same [`Admitted::mamba_slot`], no copy); idle sessions'
 //!   held states count as request-held slots and are demoted when a request finds none free.
+//! - **Sliding-window KV** (models with `S` layers): the SWA page pool holds
+//!   `pools.swa_bytes / (page_size × SWA KV bytes per token)` pages, the window comes from the
+//!   geometry. A running request owns SWA pages beside its full-KV row; admission needs
+//!   full-KV room *and* SWA room for the pages it may own at its peak
+//!   ([`WaitReason::NoWindowRoom`], [`NeverReason::WindowPoolTooSmall`]); [`KvCacheManager::decode`]
+//!   and [`KvCacheManager::chunk_done`] free the window pages that slid out (the
+//!   `swa_pages_slid_out` counter); [`KvCacheManager::swa_accounting`] and the `swa_*` metrics
+//!   say where every page is.
 //! - **Bring your own device**: the host tier copies KV through a
 //!   [`radixkv_hicache::DeviceBackend`]. By default it is HostSim; an engine hands the manager
 //!   its own (its GPU backend, or any wrapper) with [`ManagerBuilder::device_backend`], and

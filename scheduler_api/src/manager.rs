@@ -70,6 +70,9 @@ struct Tracked {
     alloc_step: u64,
     /// The engine's id for the request ([`Request::engine_id`]).
     engine_id: Option<String>,
+    /// Models with sliding-window layers: the SWA pages the request may own at its peak, as
+    /// admission counted them (see [`swa_peak_pages`]); 0 otherwise.
+    swa_peak: usize,
     /// The request's `kv_request` span, from `arrive` to `finish` / `abort` (closed when the
     /// entry is dropped). Disabled spans cost nothing but this field.
     span: tracing::Span,
@@ -145,6 +148,8 @@ pub struct KvCacheManager {
     ended_step: u64,
     /// The cache has the Mamba component (read once): state counters are tracked.
     has_mamba: bool,
+    /// The sliding window in tokens when the cache has the SWA component (read once).
+    swa_window: Option<usize>,
 }
 
 // The threading model (crate docs): the manager moves to the one thread or task that owns it,
@@ -191,6 +196,7 @@ impl KvCacheManager {
         };
         let page_granular = cache.page_granular();
         let has_mamba = cache.mamba_accounting().is_some();
+        let swa_window = cache.swa_window();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
             cache,
@@ -213,6 +219,7 @@ impl KvCacheManager {
             open_step: None,
             ended_step: 0,
             has_mamba,
+            swa_window,
         })
     }
 
@@ -271,7 +278,17 @@ impl KvCacheManager {
         if let Some(st) = self.cache.mamba_stats() {
             m.counters.set_mamba(&st);
         }
+        if let Some(a) = self.cache.swa_accounting() {
+            m.gauges.set_swa(&a);
+        }
         m
+    }
+
+    /// Where every page of the sliding-window KV pool is (free, owned by running requests,
+    /// cached and evictable, cached and locked); `None` on a model without sliding-window
+    /// layers.
+    pub fn swa_accounting(&self) -> Option<ComponentAccounting> {
+        self.cache.swa_accounting()
     }
 
     /// Where every Mamba state slot is (free, held by running requests, cached and evictable,
@@ -481,6 +498,7 @@ impl KvCacheManager {
             row_capacity: 0,
             alloc_step: 0,
             engine_id: req.engine_id,
+            swa_peak: 0,
             span,
         });
         self.waiting += 1;
@@ -617,6 +635,45 @@ impl KvCacheManager {
             }
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
+        let mut swa_peak = 0;
+        if let Some(window) = self.swa_window {
+            let extend = len - m.prefix_len;
+            swa_peak = swa_peak_pages(extend, output_left, window, page);
+            let a = self.cache.swa_accounting().unwrap_or_default();
+            if swa_peak > a.total {
+                tracing::debug!(parent: &t.span, swa_peak, "never admissible: SWA pool");
+                return Ok(Admission::Never(NeverReason::WindowPoolTooSmall {
+                    needed: swa_peak.saturating_mul(page),
+                    capacity: a.total.saturating_mul(page),
+                }));
+            }
+            // What running requests may still take beyond the SWA pages they own now.
+            let claimed: usize = self
+                .requests
+                .values()
+                .filter(|r| r.phase == Phase::Running)
+                .map(|r| r.swa_peak.saturating_sub(own_swa_pages(&r.kv, page)))
+                .sum();
+            // The window KV before the match's end gets locked by the admission: counted as
+            // not evictable (conservative where it is locked already).
+            let t = self
+                .requests
+                .get(id.0)
+                .ok_or(ManagerError::UnknownRequest(id.0))?;
+            let window_lock = (t.kv.prefix_len.min(window) / page).min(a.evictable);
+            let available = (a.free + a.evictable - window_lock).saturating_sub(claimed);
+            if swa_peak > available {
+                self.metrics.counters.admission_waits += 1;
+                tracing::trace!(parent: &t.span, swa_peak, available, "admission waits: SWA room");
+                return Ok(Admission::Wait(WaitReason::NoWindowRoom {
+                    needed: swa_peak.saturating_mul(page),
+                    available: available.saturating_mul(page),
+                }));
+            }
+        }
+        let Some(t) = self.requests.get_mut(id.0) else {
+            return Err(ManagerError::UnknownRequest(id.0));
+        };
         match self.cache.begin_request(&mut t.kv) {
             Ok(()) => {}
             // Every Mamba slot is held by a running request or a locked state: nothing was
@@ -650,6 +707,7 @@ impl KvCacheManager {
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
+        t.swa_peak = swa_peak;
         t.phase = Phase::Running;
         t.row_capacity = 0;
         self.reserved_total += t.reserved;
@@ -725,6 +783,10 @@ impl KvCacheManager {
         // Inserting may rewrite the row; the next allocation asks the cache again.
         t.row_capacity = 0;
         self.cache.cache_unfinished_req(&mut t.kv)?;
+        if let Some(w) = self.swa_window {
+            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+            self.metrics.counters.swa_pages_slid_out += freed as u64;
+        }
         Ok(())
     }
 
@@ -739,6 +801,10 @@ impl KvCacheManager {
         commit_pending(&mut t.kv)?;
         if t.kv.allocated_len < t.kv.key.len() {
             return Err(t.lifecycle(id, "decode before the prompt is allocated"));
+        }
+        if let Some(w) = self.swa_window {
+            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+            self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         let pos = t.kv.allocated_len;
         t.kv.key.tokens.push(token);
@@ -1160,6 +1226,52 @@ fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> O
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
 
+/// The SWA pages a request may own at its peak, beyond the window pages of its cached prefix
+/// (tree pages it locks, not its own): what the radix cache allocates for it before its
+/// window slides. Every allocation takes as many SWA pages as full-KV pages, so a request
+/// never owns more than its extend and output pages (and one for an unaligned start). The
+/// largest allocation is a prefill chunk, at most the whole extend; once a chunk is committed
+/// and inserted, and at every decode step, the pages that left the window are handed to the
+/// tree or freed, so while decoding it owns at most the window and the two pages around its
+/// ends.
+pub(crate) fn swa_peak_pages(
+    extend: usize,
+    output_left: usize,
+    window: usize,
+    page: usize,
+) -> usize {
+    let all = extend.saturating_add(output_left).div_ceil(page) + 1;
+    let chunk = extend.div_ceil(page) + 1;
+    let decoding = window / page + 2;
+    all.min(chunk.max(decoding))
+}
+
+/// The SWA pages `kv` owns itself: its SWA table past the tree's window pages of its cached
+/// prefix (see `RequestKv::swa_pages`).
+fn own_swa_pages(kv: &RequestKv, page: usize) -> usize {
+    let tree_held = kv.cache_protected_len.saturating_sub(kv.swa_evicted_len) / page;
+    kv.swa_pages.len().saturating_sub(tree_held)
+}
+
+/// Frees the window KV of `kv` that slid out of the window (`PrefixCache::slide_window`), when
+/// some did: cheap otherwise. Returns the pages freed.
+#[inline]
+fn slide(
+    cache: &mut dyn ManagedCache,
+    window: usize,
+    page: usize,
+    kv: &mut RequestKv,
+) -> Result<usize> {
+    if kv.row.is_none() {
+        return Ok(0);
+    }
+    let target = (kv.committed_len / page * page).saturating_sub(window);
+    if target <= kv.swa_evicted_len {
+        return Ok(0);
+    }
+    Ok(cache.slide_window(kv)?)
+}
+
 fn inv(msg: String) -> ManagerError {
     ManagerError::Invariant(radixkv_radix::InvariantViolation(msg))
 }
@@ -1227,6 +1339,15 @@ fn alloc(
             radixkv_radix::CacheError::OutOfPages { .. } => ManagerError::OutOfMemory {
                 needed: n,
                 available: cache.available_tokens(),
+            },
+            // The sliding-window pool is the short one: nothing was allocated in either.
+            radixkv_radix::CacheError::OutOfComponentPages {
+                component: "swa",
+                available,
+                ..
+            } => ManagerError::OutOfMemory {
+                needed: n,
+                available: available.saturating_mul(page_size),
             },
             e => e.into(),
         });

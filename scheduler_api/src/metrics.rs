@@ -66,6 +66,9 @@ pub struct Counters {
     pub mamba_states_evicted: u64,
     /// Checkpoints the Mamba policy did not take (admission refused them, or no slot).
     pub mamba_checkpoints_skipped: u64,
+    /// Sliding-window KV pages that running requests freed as their window slid past them
+    /// (during decode, or between prefill chunks).
+    pub swa_pages_slid_out: u64,
 }
 
 impl Counters {
@@ -115,6 +118,18 @@ pub struct Gauges {
     pub mamba_slots_evictable: usize,
     /// Cached Mamba states locked by a request that copies from them.
     pub mamba_slots_protected: usize,
+    /// Pages of the sliding-window KV pool (0 on a model without sliding-window layers): the
+    /// sum of the four page states below.
+    pub swa_pages_total: usize,
+    /// Free SWA pages.
+    pub swa_pages_free: usize,
+    /// SWA pages owned by running requests (their window past their cached prefix).
+    pub swa_pages_request_owned: usize,
+    /// Cached window KV pages no request has locked: evictable (tombstoned first when the SWA
+    /// pool is short; the nodes keep their full KV).
+    pub swa_pages_evictable: usize,
+    /// Cached window KV pages locked by running requests.
+    pub swa_pages_protected: usize,
 }
 
 impl Gauges {
@@ -124,6 +139,14 @@ impl Gauges {
         self.mamba_slots_request_owned = a.request_owned;
         self.mamba_slots_evictable = a.evictable;
         self.mamba_slots_protected = a.protected;
+    }
+
+    pub(crate) fn set_swa(&mut self, a: &radixkv_radix::ComponentAccounting) {
+        self.swa_pages_total = a.total;
+        self.swa_pages_free = a.free;
+        self.swa_pages_request_owned = a.request_owned;
+        self.swa_pages_evictable = a.evictable;
+        self.swa_pages_protected = a.protected;
     }
 
     pub(crate) fn set_pool(&mut self, a: &PoolAccounting) {
@@ -524,6 +547,31 @@ impl Metrics {
                 "",
                 "Mamba state slots in the pool.",
                 &[("", g.mamba_slots_total)],
+            );
+        }
+        if g.swa_pages_total > 0 {
+            w.counter(
+                "swa_pages_slid_out",
+                "pages",
+                "Sliding-window KV pages freed as request windows slid past them.",
+                &[("", c.swa_pages_slid_out)],
+            );
+            w.gauge(
+                "swa_pages",
+                "pages",
+                "Sliding-window KV pages by state; the states add up to the capacity.",
+                &[
+                    ("state=\"free\"", g.swa_pages_free),
+                    ("state=\"request_owned\"", g.swa_pages_request_owned),
+                    ("state=\"evictable\"", g.swa_pages_evictable),
+                    ("state=\"protected\"", g.swa_pages_protected),
+                ],
+            );
+            w.gauge(
+                "swa_page_capacity",
+                "pages",
+                "Pages in the sliding-window KV pool.",
+                &[("", g.swa_pages_total)],
             );
         }
         w.histogram(

@@ -122,6 +122,15 @@ pub enum NeverReason {
         /// Device pool capacity in tokens.
         capacity: usize,
     },
+    /// Models with sliding-window layers: the SWA KV the request holds at its peak (its first
+    /// prefill chunk, or its window and the pages past it while it decodes) is more than the
+    /// whole SWA pool.
+    WindowPoolTooSmall {
+        /// SWA tokens (pages × page size) the request may hold at its peak.
+        needed: usize,
+        /// SWA pool capacity in tokens.
+        capacity: usize,
+    },
 }
 
 /// What an admission reused and what remains to compute.
@@ -178,6 +187,16 @@ pub enum WaitReason {
     /// cached state a running request has locked, so the request cannot get its own slot (a
     /// hit also keeps the state it copies from). A slot frees when a running request finishes.
     NoStateSlot,
+    /// Models with sliding-window layers: the SWA KV pool is short. The request needs SWA
+    /// pages for what it allocates before its window slides (see
+    /// [`KvCacheManager::admit`](crate::KvCacheManager::admit)); free and evictable window KV,
+    /// less what running requests may still take, is less.
+    NoWindowRoom {
+        /// SWA tokens (pages × page size) the request may hold at its peak.
+        needed: usize,
+        /// SWA tokens available for it.
+        available: usize,
+    },
 }
 
 /// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).

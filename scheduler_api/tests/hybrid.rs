@@ -214,8 +214,9 @@ fn combinations_not_wired_yet_are_refused_by_name() {
         (
             KvCacheManager::builder()
                 .model(Preset::GemmaLike.geometry())
-                .device_tokens(4096),
-            "radixkv-radix",
+                .device_tokens(4096)
+                .host_tier(HostTier::ratio(4096, 2.0)),
+            "radixkv-hicache",
             "sliding-window",
         ),
     ];
@@ -309,15 +310,25 @@ fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
         .unwrap();
     assert_eq!(kv.config().label(), "radix-lru+mamba-marconi");
     let mut kv = manager_with(8, MambaPolicyKind::Marconi);
-    // A miss of 14 tokens: a checkpoint at the end of the prompt, floored to a page (12), in
-    // a slot of its own beside the running state's.
-    let r = kv
-        .arrive(Request::new((0..14).collect()).max_new_tokens(2))
-        .unwrap();
+    // A first request leaves its state at its end (12 tokens end a page).
+    let (a, adm) = prefill(&mut kv, (0..12).collect());
+    assert!(
+        adm.mamba_checkpoints.is_empty(),
+        "nothing cached to branch from"
+    );
+    kv.finish(a).unwrap();
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 1);
+    // A request that leaves the cached path after 8 tokens: no state there, so nothing is
+    // usable, and the engine is told to checkpoint its state at the branch point, in a slot
+    // of its own beside the running state's.
+    let mut tokens: Vec<u32> = (0..8).collect();
+    tokens.extend(100..110);
+    let r = kv.arrive(Request::new(tokens).max_new_tokens(2)).unwrap();
     let adm = admitted(&mut kv, r);
+    assert_eq!((adm.device_tokens, adm.kv_match_tokens), (0, 8));
     assert_eq!(adm.mamba_checkpoints.len(), 1, "{adm:?}");
     let c = adm.mamba_checkpoints[0];
-    assert_eq!((c.pos, c.kind), (12, CheckpointKind::PromptEnd));
+    assert_eq!((c.pos, c.kind), (8, CheckpointKind::Branch));
     assert_ne!(Some(c.slot), adm.mamba_slot);
     assert_eq!(kv.mamba_checkpoints(r).unwrap(), &adm.mamba_checkpoints[..]);
     assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
@@ -325,14 +336,16 @@ fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
     let step = kv.begin_step();
     kv.chunk_done(r).unwrap();
     kv.end_step(step).unwrap();
-    // The chunk inserted the KV up to 12: the checkpoint is the tree's now.
+    // The chunk inserted the KV past 8: the checkpoint is the tree's now.
     assert!(kv.mamba_checkpoints(r).unwrap().is_empty());
-    assert_eq!(kv.metrics().counters.mamba_states_stored, 1);
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 2);
     kv.finish(r).unwrap();
     balanced(&kv);
-    // The next turn extends the prompt: it hits the prompt-end state at 12.
-    let (n, adm) = prefill(&mut kv, (0..20).collect());
-    assert_eq!(adm.device_tokens, 12);
+    // A third request on the same 8 tokens hits the branch-point state.
+    let mut tokens: Vec<u32> = (0..8).collect();
+    tokens.extend(200..210);
+    let (n, adm) = prefill(&mut kv, tokens);
+    assert_eq!(adm.device_tokens, 8);
     assert!(adm.mamba_cow.is_some());
     kv.finish(n).unwrap();
     assert_eq!(kv.metrics().counters.mamba_state_hits, 1);

@@ -216,6 +216,11 @@ impl RadixTree {
         Ok(self.mamba_ref()?.stats)
     }
 
+    /// The Mamba counters, mutably (`None` without the component).
+    pub(crate) fn mamba_stats_mut(&mut self) -> Option<&mut MambaStats> {
+        self.mamba.as_deref_mut().map(|m| &mut m.stats)
+    }
+
     /// Counts a checkpoint of `kind` that was not taken (admission refused it, or no slot).
     pub(crate) fn mamba_count_skip(&mut self, kind: CheckpointKind) {
         if let Some(m) = self.mamba.as_deref_mut() {

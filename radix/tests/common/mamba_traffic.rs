@@ -1,8 +1,9 @@
 //! Synthetic hybrid-model traffic for comparing Mamba policies (shared by the
 //! `mamba_policy_traffic` test and the `mamba_policy` example).
 //!
-//! Two workloads, every segment a whole number of pages (so every request's computed length
-//! ends a page, and the baseline stores a state at every request end):
+//! Two workloads whose segments (shared prefixes, messages, outputs) have lengths drawn to the
+//! token, so a request's computed length ends a page only one time in 16 (page 16), as in real
+//! traffic: request-end states come from the tracking slots ([`RequestKv::mamba_track`]).
 //! - *chat*: multi-turn conversations over a few shared system prompts; turn `t + 1`'s prompt
 //!   is turn `t`'s prompt and output plus a new user message;
 //! - *agentic*: tasks over two long shared tool prefixes; each step appends a tool call (the
@@ -38,7 +39,8 @@ pub struct Req {
 /// Shape of a generated workload.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
-    /// Shared prefixes (system prompts / tool definitions) and their length range in pages.
+    /// Shared prefixes (system prompts / tool definitions) and their length range in pages
+    /// (every length range is in pages; lengths are drawn to the token within it).
     pub prefixes: usize,
     pub prefix_pages: (usize, usize),
     /// Conversations (tasks) in all, and how many are open at a time.
@@ -91,8 +93,10 @@ impl Rng {
         lo + (self.0.next_u64() % (hi - lo + 1) as u64) as usize
     }
 
-    fn pages(&mut self, r: (usize, usize)) -> Vec<TokenId> {
-        let n = self.range(r) * PAGE;
+    /// A segment of `lo · PAGE ..= hi · PAGE` tokens (any length in between, not only whole
+    /// pages).
+    fn pages(&mut self, (lo, hi): (usize, usize)) -> Vec<TokenId> {
+        let n = self.range((lo * PAGE, hi * PAGE));
         (0..n).map(|_| self.0.next_u32() & 0x7fff_ffff).collect()
     }
 }
@@ -170,7 +174,8 @@ impl Outcome {
 }
 
 /// Drives `reqs` through a cache with `slots` Mamba slots (`None`: KV-only) and `pages` KV
-/// pages, `batch` requests at a time. Audits the cache after every batch when `audit`.
+/// pages, `batch` requests at a time, with tracking slots. Audits the cache after every batch
+/// when `audit`.
 pub fn drive(
     reqs: &[Req],
     policy: MambaPolicy,
@@ -179,12 +184,26 @@ pub fn drive(
     batch: usize,
     audit: bool,
 ) -> (Outcome, RadixCache) {
+    drive_tracking(reqs, policy, slots, pages, batch, audit, true)
+}
+
+/// [`drive`] with tracking slots on or off ([`RadixConfig::mamba_track`]).
+pub fn drive_tracking(
+    reqs: &[Req],
+    policy: MambaPolicy,
+    slots: Option<u32>,
+    pages: usize,
+    batch: usize,
+    audit: bool,
+    track: bool,
+) -> (Outcome, RadixCache) {
     let mut cache = RadixCache::new(RadixConfig {
         page_size: PAGE,
         total_pages: pages,
         max_rows: batch + 1,
         mamba_slots: slots,
         mamba_policy: policy,
+        mamba_track: track,
         ..Default::default()
     })
     .expect("config");
@@ -212,12 +231,18 @@ pub fn drive(
                 continue;
             }
             r.commit(n).expect("commit");
+            if audit {
+                cache.check_request(&r).expect("request audit");
+            }
             running.push((r, q));
         }
         for (r, q) in &mut running {
             if cache.alloc_tokens(r, q.output.len()).is_ok() {
                 r.append_tokens(&q.output);
                 r.commit(q.output.len()).expect("commit");
+                if audit {
+                    cache.check_request(r).expect("request audit");
+                }
             }
         }
         for (mut r, _) in running {
