@@ -202,8 +202,13 @@ fn decode_frees_the_window_kv_that_slid_out_and_drops_the_window_lock_early() {
     assert_eq!((b.prefix_len, b.swa_evicted_len), (16, 8));
     assert_eq!(
         swa(&c).protected,
-        4,
-        "the window before 16 (one node of 4 pages)"
+        2,
+        "only the window before 16: the node of 4 pages is split at its start"
+    );
+    assert_eq!(
+        swa(&c).evictable,
+        2,
+        "the KV before the window stays evictable"
     );
     assert_eq!(
         c.slide_window(&mut b).unwrap(),

@@ -39,8 +39,8 @@ use std::sync::Arc;
 
 use radixkv_hicache::{DeviceBackend, HostSim};
 use radixkv_radix::{
-    CacheError, ComponentAccounting, MambaPolicy, MambaStats, PrefixCache, RadixCache, RadixConfig,
-    RequestKv, SwaConfig,
+    CacheError, ComponentAccounting, MambaPolicy, MambaStats, NodeId, PrefixCache, RadixCache,
+    RadixConfig, RequestKv, SwaConfig,
 };
 use radixkv_session::{CloseOutcome, SessionAwareCache, SessionConfig};
 
@@ -207,6 +207,15 @@ pub trait ManagedCache: PrefixCache + Send {
     fn swa_window(&self) -> Option<usize> {
         None
     }
+    /// SWA pages free or evictable while the window KV before `node`'s end is locked, as the
+    /// admission of a request matched there locks it (locks hold whole nodes, so this can be
+    /// more than the window); `None` for a cache without the SWA component. Nothing changes.
+    ///
+    /// # Errors
+    /// Releasing the temporary lock failed (a bug).
+    fn swa_available_locked(&mut self, _node: Option<NodeId>) -> Result<Option<usize>> {
+        Ok(None)
+    }
 }
 
 impl ManagedCache for RadixCache {
@@ -228,6 +237,21 @@ impl ManagedCache for RadixCache {
 
     fn swa_window(&self) -> Option<usize> {
         RadixCache::swa_window(self)
+    }
+
+    fn swa_available_locked(&mut self, node: Option<NodeId>) -> Result<Option<usize>> {
+        let tree = self.parts_mut().0;
+        // A window that is a tombstone (a stale match) locks nothing: the admission matches
+        // again then.
+        let receipt = match node {
+            Some(n) if n != tree.root() => tree.inc_lock_ref_swa(n).ok(),
+            _ => None,
+        };
+        let a = RadixCache::swa_accounting(self);
+        if let Some(r) = receipt {
+            self.parts_mut().0.dec_lock_ref(r)?;
+        }
+        Ok(a.map(|a| a.free + a.evictable))
     }
 }
 

@@ -674,14 +674,17 @@ impl KvCacheManager {
                 .filter(|r| r.phase == Phase::Running)
                 .map(|r| r.swa_peak.saturating_sub(own_swa_pages(&r.kv, page)))
                 .sum();
-            // The window KV before the match's end gets locked by the admission: counted as
-            // not evictable (conservative where it is locked already).
+            // Read under a temporary lock of the window KV before the match's end, as the
+            // admission will lock it.
             let t = self
                 .requests
                 .get(id.0)
                 .ok_or(ManagerError::UnknownRequest(id.0))?;
-            let window_lock = (t.kv.prefix_len.min(window) / page).min(a.evictable);
-            let available = (a.free + a.evictable - window_lock).saturating_sub(claimed);
+            let free = self
+                .cache
+                .swa_available_locked(t.kv.last_node)?
+                .unwrap_or(a.free + a.evictable);
+            let available = free.saturating_sub(claimed);
             if swa_peak > available {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, swa_peak, available, "admission waits: SWA room");
@@ -1247,14 +1250,15 @@ fn never_fits(len: usize, output_left: usize, page: usize, capacity: usize) -> O
     (needed > capacity).then_some(NeverReason::PoolTooSmall { needed, capacity })
 }
 
-/// The SWA pages a request may own at its peak, beyond the window pages of its cached prefix
-/// (tree pages it locks, not its own): what the radix cache allocates for it before its
-/// window slides. Every allocation takes as many SWA pages as full-KV pages, so a request
-/// never owns more than its extend and output pages (and one for an unaligned start). The
-/// largest allocation is a prefill chunk, at most the whole extend; once a chunk is committed
-/// and inserted, and at every decode step, the pages that left the window are handed to the
-/// tree or freed, so while decoding it owns at most the window and the two pages around its
-/// ends.
+/// The SWA pages a request may take at its peak beyond what its admission locks: what the
+/// radix cache allocates for it, and the nodes of its own inserts that its window lock keeps.
+/// Every allocation takes as many SWA pages as full-KV pages, so a request never takes more
+/// than its extend and output pages (and one for an unaligned start). Its prefill pages go
+/// to the tree at each chunk end, where the lock on the window before its end holds the
+/// nodes that window lies in (whole nodes: at most its extend pages); at every decode step
+/// the pages that left the window are freed, so past its prefill it owns at most the window
+/// and the two pages around its ends, and its prefill's nodes are unlocked once the window
+/// has left them.
 pub(crate) fn swa_peak_pages(
     extend: usize,
     output_left: usize,
@@ -1262,9 +1266,11 @@ pub(crate) fn swa_peak_pages(
     page: usize,
 ) -> usize {
     let all = extend.saturating_add(output_left).div_ceil(page) + 1;
-    let chunk = extend.div_ceil(page) + 1;
-    let decoding = window / page + 2;
-    all.min(chunk.max(decoding))
+    let windowed = extend
+        .div_ceil(page)
+        .saturating_add(window / page)
+        .saturating_add(2);
+    all.min(windowed)
 }
 
 /// The SWA pages `kv` owns itself: its SWA table past the tree's window pages of its cached

@@ -141,8 +141,8 @@ fn decode_frees_the_window_pages_that_slide_out() {
 
 #[test]
 fn admission_waits_for_swa_room() {
-    // 6 SWA pages. A request with a long output may hold its window (2 pages) and the pages
-    // around its ends: 4 at its peak.
+    // 6 SWA pages. A request with a long output may take its prompt's pages (2, kept locked
+    // while its window covers them), its window (2 pages) and the pages around its ends: 6.
     let mut kv = manager(6);
     let a = prefill(&mut kv, (0..8).collect(), 64);
     let b = kv
@@ -150,18 +150,34 @@ fn admission_waits_for_swa_room() {
         .unwrap();
     match kv.admit(b).unwrap() {
         Admission::Wait(WaitReason::NoWindowRoom { needed, available }) => {
-            assert_eq!(needed, 4 * 4);
+            assert_eq!(needed, 6 * 4);
             assert!(available < needed, "{available}");
         }
         other => panic!("expected a wait for SWA room, got {other:?}"),
     }
     // The full-KV pool has plenty of room: only the SWA pool is short.
     assert!(kv.available_tokens() > 512);
+    // 4 pages are free, enough for a short request (3 pages at its peak), but the running
+    // one may still take them as it decodes: its claim counts.
+    let a_now = kv.swa_accounting().unwrap();
+    assert_eq!(a_now.free, 4, "{a_now:?}");
+    let c = kv
+        .arrive(Request::new((200..204).collect()).max_new_tokens(1))
+        .unwrap();
+    assert!(
+        matches!(
+            kv.admit(c).unwrap(),
+            Admission::Wait(WaitReason::NoWindowRoom { needed: 12, .. })
+        ),
+        "the running request's claim is counted"
+    );
+    kv.abort(c).unwrap();
     // A decoding request stays within its peak, however long it runs.
     for i in 0..40 {
         kv.decode(a, 500 + i).unwrap();
         step(&mut kv);
-        assert!(kv.swa_accounting().unwrap().request_owned <= 4);
+        let s = kv.swa_accounting().unwrap();
+        assert!(s.request_owned + s.protected <= 6, "{s:?}");
     }
     assert!(kv.metrics().counters.swa_pages_slid_out > 0);
     kv.finish(a).unwrap();

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use ahash::HashMap;
 use radixkv_radix::{
-    CacheError, FinishKind, LockReceipt, MambaCheckpoint, PrefixCache, RadixKey, RequestKv,
-    RowHolder, RowId, align_down, pages_for,
+    CacheError, FinishKind, LockReceipt, MambaCheckpoint, MambaTrack, PrefixCache, RadixKey,
+    RequestKv, RowHolder, RowId, align_down, pages_for,
 };
 
 use crate::clock::{Clock, SystemClock};
@@ -96,6 +96,9 @@ pub(crate) struct Slot {
     /// Mamba checkpoints the turn took past its cached prefix (all at or below the committed
     /// KV): stored in the tree with the KV on demotion, freed on release.
     pub(crate) mamba_checkpoints: Vec<MambaCheckpoint>,
+    /// The turn's Mamba tracking slot (the state at the last page boundary of the committed
+    /// KV): lent with the running state, handed to the inner finish on demotion.
+    pub(crate) mamba_track: Option<MambaTrack>,
     pub(crate) swa_evicted_len: usize,
     pub(crate) lent: bool,
     /// Session-held tokens while idle (owned pages × page size), cached for O(1) accounting.
@@ -105,7 +108,9 @@ pub(crate) struct Slot {
 impl Slot {
     /// State slots the slot holds (its running Mamba state and its checkpoints).
     pub(crate) fn state_slots(&self) -> usize {
-        usize::from(self.mamba_slot.is_some()) + self.mamba_checkpoints.len()
+        usize::from(self.mamba_slot.is_some())
+            + usize::from(self.mamba_track.is_some())
+            + self.mamba_checkpoints.len()
     }
 }
 
@@ -457,7 +462,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             .rows
             .set_holder(slot.row, RowHolder::Request)
             .and_then(|_| pools.release_row(slot.row));
-        let states = self.free_states(slot.mamba_slot, slot.mamba_checkpoints);
+        let states = self.free_states(slot.mamba_slot, slot.mamba_track, slot.mamba_checkpoints);
         let unlocked = match slot.lock {
             Some(l) => self.inner.dec_lock_ref(l),
             None => Ok(()),
@@ -470,13 +475,15 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     pub(crate) fn free_states(
         &mut self,
         mamba_slot: Option<u32>,
+        mamba_track: Option<MambaTrack>,
         checkpoints: Vec<MambaCheckpoint>,
     ) -> Result<(), CacheError> {
-        if mamba_slot.is_none() && checkpoints.is_empty() {
+        if mamba_slot.is_none() && mamba_track.is_none() && checkpoints.is_empty() {
             return Ok(());
         }
         let mut req = RequestKv {
             mamba_slot,
+            mamba_track,
             mamba_checkpoints: checkpoints,
             ..RequestKv::default()
         };
@@ -510,6 +517,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.cache_protected_len = slot.cache_protected_len;
         req.mamba_slot = slot.mamba_slot;
         req.mamba_checkpoints = slot.mamba_checkpoints;
+        req.mamba_track = slot.mamba_track;
         req.swa_evicted_len = slot.swa_evicted_len;
         self.inner
             .cache_finished_req(&mut req, FinishKind::Finished)
@@ -583,7 +591,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let (keep, drop): (Vec<_>, Vec<_>) = std::mem::take(&mut req.mamba_checkpoints)
             .into_iter()
             .partition(|c| c.pos <= aligned);
-        if let Err(e) = self.free_states(None, drop) {
+        if let Err(e) = self.free_states(None, None, drop) {
             // The caller finishes the request as aborted: it frees what the request still holds.
             req.mamba_checkpoints = keep;
             return Err(e);
@@ -597,6 +605,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             allocated_len: committed,
             cache_protected_len: req.cache_protected_len,
             mamba_slot: req.mamba_slot.take(),
+            mamba_track: req.mamba_track.take(),
             mamba_checkpoints: keep,
             swa_evicted_len: req.swa_evicted_len.min(committed),
             lent: false,

@@ -93,6 +93,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.cache_protected_len = slot.cache_protected_len;
         // The running state continues in place: no copy, no cut back to a cached state.
         req.mamba_slot = slot.mamba_slot;
+        req.mamba_track = slot.mamba_track;
         req.mamba_cow = None;
         req.kv_match_len = 0;
         req.swa_evicted_len = slot.swa_evicted_len;
@@ -127,12 +128,14 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         // advanced the running Mamba state in place past the slot's tokens: that state is
         // stale, and the slot is demoted without it below.
         let mut stale_state = None;
+        let mut stale_track = None;
         match kind {
             FinishKind::Finished => {
                 let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
                 slot.committed_len = committed;
                 slot.allocated_len = committed;
                 slot.mamba_slot = req.mamba_slot.take();
+                slot.mamba_track = req.mamba_track.take();
                 slot.swa_evicted_len = req.swa_evicted_len.min(committed);
                 // The match verified that the key extends the history.
                 adopt_history(&mut s.history, &req.key);
@@ -140,6 +143,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             FinishKind::Aborted => {
                 if slot.mamba_slot.is_some() && req.allocated_len > slot.committed_len {
                     stale_state = slot.mamba_slot.take();
+                    stale_track = slot.mamba_track.take();
                 }
                 slot.allocated_len = slot.committed_len;
             }
@@ -174,15 +178,15 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                     FinishKind::Aborted => self.release_slot(slot)?,
                 }
             }
-            if let Some(state) = stale_state {
-                self.free_states(Some(state), Vec::new())?;
+            if stale_state.is_some() || stale_track.is_some() {
+                self.free_states(stale_state, stale_track, Vec::new())?;
             }
             return trimmed.and(held).and(owned.map(|_| ()));
         }
         trimmed.and(held).and(owned.map(|_| ()))?;
-        if let Some(state) = stale_state {
+        if stale_state.is_some() {
             // The KV is still exact: it goes to the tree as cache, without a state.
-            let freed = self.free_states(Some(state), Vec::new());
+            let freed = self.free_states(stale_state, stale_track, Vec::new());
             let demoted = self.demote_idle(id).map(|_| ());
             return freed.and(demoted);
         }
@@ -359,6 +363,7 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
             for st in slot
                 .mamba_slot
                 .iter()
+                .chain(slot.mamba_track.as_ref().map(|t| &t.slot))
                 .chain(slot.mamba_checkpoints.iter().map(|c| &c.slot))
             {
                 ensure_inv!(
@@ -382,6 +387,7 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                 allocated_len: slot.allocated_len,
                 cache_protected_len: slot.cache_protected_len,
                 mamba_slot: slot.mamba_slot,
+                mamba_track: slot.mamba_track,
                 mamba_checkpoints: slot.mamba_checkpoints.clone(),
                 ..RequestKv::default()
             };

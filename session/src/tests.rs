@@ -28,13 +28,25 @@ fn cache_with(pages: usize, cfg: SessionConfig) -> (Cache, ManualClock) {
     )
 }
 
+/// A Mamba cache without tracking slots (one running slot per request; see
+/// `tracking_slots_travel_with_the_session_slot` for tracking).
 fn mamba_cache(slots: u32, policy: MambaPolicy, cfg: SessionConfig) -> (Cache, ManualClock) {
+    mamba_cache_with(slots, policy, false, cfg)
+}
+
+fn mamba_cache_with(
+    slots: u32,
+    policy: MambaPolicy,
+    track: bool,
+    cfg: SessionConfig,
+) -> (Cache, ManualClock) {
     let inner = RadixCache::new(RadixConfig {
         page_size: P,
         total_pages: 64,
         max_rows: 16,
         mamba_slots: Some(slots),
         mamba_policy: policy,
+        mamba_track: track,
         ..Default::default()
     })
     .unwrap();
@@ -951,5 +963,73 @@ fn the_request_audit_reaches_the_inner_caches_mamba_check() {
         .mamba_slot = held;
     ok(&c);
     c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn a_deferred_close_caches_or_frees_the_state_of_the_turn_in_flight() {
+    for abort in [false, true] {
+        let (mut c, _) = mamba_cache(8, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+        c.open(1, true, None).unwrap();
+        let mut t1 = req(Some(1), (0..10).collect());
+        turn(&mut c, &mut t1, &[100, 101]);
+        // Turn 2 is lent the slot; the close waits for it.
+        let mut t2 = req(Some(1), extend(&t1, 200..202));
+        start(&mut c, &mut t2, &[1, 2, 3]);
+        assert_eq!(t2.committed_len, 16, "ends a page");
+        assert_eq!(c.close(1), Ok(CloseOutcome::Deferred));
+        let kind = if abort {
+            FinishKind::Aborted
+        } else {
+            FinishKind::Finished
+        };
+        c.cache_finished_req(&mut t2, kind).unwrap();
+        ok(&c);
+        assert_eq!(c.open_sessions(), 0);
+        let a = mamba(&c);
+        // Finished: cached like an ordinary finish (the state ends a page: stored). Aborted:
+        // freed with the KV.
+        assert_eq!(a.request_owned, 0, "{a:?}");
+        assert_eq!(a.evictable, usize::from(!abort), "{a:?}");
+        assert_drained(&c);
+    }
+}
+
+#[test]
+fn tracking_slots_travel_with_the_session_slot() {
+    let (mut c, _) = mamba_cache_with(
+        8,
+        MambaPolicy::Sglang,
+        true,
+        SessionConfig::with_budget(1 << 20),
+    );
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    start(&mut c, &mut t1, &[100, 101]);
+    let track = t1.mamba_track.expect("a tracking slot");
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    ok(&c);
+    // The slot holds the running state and the tracking slot; turn 2 is lent both.
+    assert_eq!(c.held_state_slots(), 2);
+    assert_eq!(mamba(&c).request_owned, 2);
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    assert!(c.match_request(&mut t2).unwrap().from_session);
+    assert_eq!(t2.mamba_track.map(|t| t.slot), Some(track.slot));
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    // Demotion at 11 tokens (unaligned): the tracking slot's state is stored at 8 and the
+    // running state freed, as a finish does.
+    assert_eq!(c.demote(1), Ok(true));
+    ok(&c);
+    let a = mamba(&c);
+    assert_eq!((a.request_owned, a.evictable), (0, 1), "{a:?}");
+    let mut other = req(None, extend(&t1, 0..2));
+    assert_eq!(c.match_request(&mut other).unwrap().prefix_len, 8);
+    // Close of a slot holding both frees both.
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    turn(&mut c, &mut t2, &[1]);
+    assert_eq!(c.held_state_slots(), 2);
+    c.close(1).unwrap();
+    assert_eq!(mamba(&c).request_owned, 0);
     assert_drained(&c);
 }

@@ -362,7 +362,9 @@ impl RadixTree {
 
     /// Locks the root path of `node` like [`RadixTree::inc_lock_ref`] **and** the window KV
     /// before the node's end, so that neither can be evicted until the receipt is handed back
-    /// to [`RadixTree::dec_lock_ref`].
+    /// to [`RadixTree::dec_lock_ref`]. The node the window starts inside is split at the
+    /// window's start first (`node` keeps its id), so that only the window's pages are locked
+    /// and the window KV before it stays evictable.
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`];
@@ -377,6 +379,25 @@ impl RadixTree {
             return Err(CacheError::InvalidRequestState(
                 "the window before the node holds a tombstone",
             ));
+        }
+        // Nodes split at page boundaries only: with a window that is a page multiple (as
+        // `RadixCache` requires) the window's start is one.
+        let window = self.swa_ref()?.window;
+        let (mut i, mut covered) = (idx, 0);
+        while i != self.root {
+            let len = self.nodes[i as usize].key.len();
+            if covered + len > window {
+                let at = len - (window - covered);
+                if at.is_multiple_of(self.page_size) {
+                    self.split(i, at);
+                }
+                break;
+            }
+            covered += len;
+            if covered >= window {
+                break;
+            }
+            i = self.nodes[i as usize].parent;
         }
         let mut receipt = self.inc_lock_ref(node)?;
         let top = self.swa_window_walk(idx, |w, i| {

@@ -866,3 +866,82 @@ fn a_jamba_like_compare_adds_the_other_policy_kv_match_and_saved_and_summarises_
     assert!(skipped[0].contains("radixkv-hicache"), "{out}");
     assert!(!out.lines().any(|l| l.starts_with("hicache")), "{out}");
 }
+
+#[test]
+fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
+    let dir = temp_dir();
+    let m = radixkv_scheduler_api::Preset::GemmaLike.geometry();
+    let page = m.checked_swa_bytes_per_token().unwrap() * m.page_size as u64;
+    let pages = 1024;
+    let bytes = (pages * page).to_string();
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "3",
+        "--model",
+        "gemma-like",
+        "--device-tokens",
+        "32768",
+        "--swa-bytes",
+        &bytes,
+        "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "swa pool         window 1024 tokens: 1,024 pages",
+        "SWA pages",
+        "and 0 SWA pages still held",
+    ] {
+        assert!(out.contains(line), "{line:?} missing in {out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let run = &json["runs"][0];
+    assert_eq!(run["config"], "radix-lru");
+    let swa = &run["swa"];
+    assert_eq!(swa["window"], 1024);
+    assert_eq!(swa["pages"], pages);
+    assert_eq!(swa["page_bytes"], page);
+    assert_eq!(swa["leaked_pages"], 0);
+    assert!(run["hit_tokens_device"].as_u64().unwrap() > 0, "{run}");
+    let occ = run["occupancy"].as_array().unwrap();
+    assert!(!occ.is_empty());
+    assert!(
+        occ.iter()
+            .all(|o| o["swa_in_use"].is_f64() && o["swa_cached"].is_f64()),
+        "{occ:?}"
+    );
+    assert!(occ.iter().any(|o| o["swa_in_use"].as_f64().unwrap() > 0.0));
+    // --compare runs the radix configurations and says why the others cannot run.
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "gemma-like",
+        "--device-tokens",
+        "16384",
+        "--compare",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for row in ["disabled ", "radix-lru "] {
+        assert!(
+            out.lines().any(|l| l.starts_with(row)),
+            "{row} missing in {out}"
+        );
+    }
+    let skipped: Vec<&str> = out.lines().filter(|l| l.contains("skipped")).collect();
+    assert!(
+        skipped.iter().any(|l| l.contains("radixkv-hicache")),
+        "{out}"
+    );
+    assert!(
+        skipped.iter().any(|l| l.contains("radixkv-session")),
+        "{out}"
+    );
+}

@@ -77,7 +77,7 @@ enum Cmd {
     /// the flags), or with --example a commented example naming every key.
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
-        #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "mamba_policy", "device_tokens", "page_size",
+        #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "swa_bytes", "mamba_policy", "device_tokens", "page_size",
             "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
         example: bool,
         #[command(flatten)]
@@ -231,15 +231,20 @@ struct ManagerArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Model geometry preset; replaces the --config file's model section, keeping its page size.
-    /// jamba-like (Mamba layers) runs on the disabled and radix caches, with or without sessions
-    /// (a host tier is refused as not wired); gemma-like (sliding-window layers) is sized (`radixkv config`
-    /// prints its pools) but a replay refuses it [default: the --config file's model, else dense]
+    /// jamba-like (Mamba layers) runs on the disabled and radix caches, with or without
+    /// sessions; gemma-like (sliding-window layers) runs on the disabled and radix caches without
+    /// sessions (a host tier is refused as not wired for both) [default: the --config file's
+    /// model, else dense]
     #[arg(long, value_parser = model_parser())]
     model: Option<Preset>,
     /// Bytes of the Mamba state slot pool (models with Mamba layers; `[pools] mamba_bytes`)
     /// [default: the full-attention pool's bytes]
     #[arg(long, value_name = "BYTES")]
     mamba_bytes: Option<u64>,
+    /// Bytes of the sliding-window KV pool (models with sliding-window layers; `[pools]
+    /// swa_bytes`) [default: the full-attention pool's bytes]
+    #[arg(long, value_name = "BYTES")]
+    swa_bytes: Option<u64>,
     /// How Mamba states are admitted and evicted (models with Mamba layers; `mamba_policy`):
     /// marconi (branch-point and prompt-end checkpoints, FLOPs-per-byte eviction) or sglang
     /// (request-end checkpoints, LRU) [default: the --config file's, else marconi]
@@ -505,13 +510,19 @@ fn pools_comment(p: &Pools) -> String {
 /// accounting that does not balance.
 fn leak_check(r: &Report) -> Result<()> {
     let slots = r.mamba.map_or(0, |m| m.leaked_slots);
-    if r.leaked_tokens == 0 && slots == 0 && r.open_sessions_at_end == 0 && r.accounting_balanced {
+    let swa_pages = r.swa.map_or(0, |s| s.leaked_pages);
+    if r.leaked_tokens == 0
+        && slots == 0
+        && swa_pages == 0
+        && r.open_sessions_at_end == 0
+        && r.accounting_balanced
+    {
         return Ok(());
     }
     Err(ManagerError::Invariant(radixkv_radix::InvariantViolation(
         format!(
-            "{}: leak check failed: {} tokens and {slots} Mamba slots still held, {} sessions \
-             open, accounting {}",
+            "{}: leak check failed: {} tokens, {slots} Mamba slots and {swa_pages} SWA pages \
+             still held, {} sessions open, accounting {}",
             r.config,
             r.leaked_tokens,
             r.open_sessions_at_end,
@@ -646,6 +657,9 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
     }
     if let Some(b) = run.mamba_bytes {
         m.pools.mamba_bytes = Some(b);
+    }
+    if let Some(b) = run.swa_bytes {
+        m.pools.swa_bytes = Some(b);
     }
     if let Some(p) = run.mamba_policy {
         m.mamba_policy = Some(p);

@@ -13,7 +13,7 @@ pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
     CpuBreakdown, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION, Report,
-    ReportFile, TierRatios, fmt_bytes, fmt_count, fmt_pool,
+    ReportFile, SwaReport, TierRatios, fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 

@@ -60,6 +60,14 @@ pub struct OccupancySample {
     /// Models with Mamba layers: fraction of the state slots holding evictable cached states.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mamba_cached: Option<f64>,
+    /// Models with sliding-window layers: fraction of the SWA pages owned by running requests
+    /// or locked by them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swa_in_use: Option<f64>,
+    /// Models with sliding-window layers: fraction of the SWA pages holding evictable window
+    /// KV.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swa_cached: Option<f64>,
 }
 
 /// Prefill FLOPs of the prompts at their first admission, from the model's compute shape.
@@ -103,6 +111,23 @@ pub struct MambaReport {
     pub cached_at_end: u64,
     /// Slots still held by a request or locked at the end (must be 0).
     pub leaked_slots: u64,
+}
+
+/// The sliding-window KV pool of a replay (models with sliding-window layers).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SwaReport {
+    /// The sliding window in tokens.
+    pub window: u64,
+    /// Pages in the SWA pool.
+    pub pages: u64,
+    /// Modeled bytes of one SWA page (every sliding-window layer).
+    pub page_bytes: u64,
+    /// Pages running requests freed as their window slid past them.
+    pub pages_slid_out: u64,
+    /// Pages of cached window KV left at the end.
+    pub cached_at_end: u64,
+    /// Pages still owned by a request or locked at the end (must be 0).
+    pub leaked_pages: u64,
 }
 
 /// Cache-manager CPU time per request, by lifecycle phase (µs).
@@ -149,6 +174,8 @@ pub struct Report {
     pub prefill_flops: Option<PrefillFlops>,
     /// The Mamba state pool (`None` on a model without Mamba layers).
     pub mamba: Option<MambaReport>,
+    /// The sliding-window KV pool (`None` on a model without sliding-window layers).
+    pub swa: Option<SwaReport>,
     /// Token hit ratios.
     pub hit_ratio: TierRatios,
     /// Tokens an infinite cache would have reused.
@@ -464,6 +491,31 @@ impl fmt::Display for Report {
                 100.0 * mean(&|o| o.mamba_cached.unwrap_or(0.0))
             )?;
         }
+        if let Some(swa) = &self.swa {
+            writeln!(
+                f,
+                "swa pool         window {} tokens: {} pages of {} ({} modeled); {} pages slid \
+                 out of request windows, {} cached at the end",
+                swa.window,
+                fmt_count(swa.pages),
+                fmt_bytes(swa.page_bytes),
+                fmt_bytes(swa.pages.saturating_mul(swa.page_bytes)),
+                fmt_count(swa.pages_slid_out),
+                fmt_count(swa.cached_at_end)
+            )?;
+            let n = self.occupancy.len().max(1) as f64;
+            let mean =
+                |f: &dyn Fn(&OccupancySample) -> f64| self.occupancy.iter().map(f).sum::<f64>() / n;
+            writeln!(
+                f,
+                "pool occupancy   mean over the run: KV pages {:.1}% in use + {:.1}% cached; \
+                 SWA pages {:.1}% in use + {:.1}% cached",
+                100.0 * mean(&|o| o.in_use),
+                100.0 * mean(&|o| o.cached),
+                100.0 * mean(&|o| o.swa_in_use.unwrap_or(0.0)),
+                100.0 * mean(&|o| o.swa_cached.unwrap_or(0.0))
+            )?;
+        }
         if let Some(fl) = &self.prefill_flops {
             writeln!(
                 f,
@@ -532,6 +584,9 @@ impl fmt::Display for Report {
             self.mamba.map_or(String::new(), |m| format!(
                 " and {} Mamba slots",
                 m.leaked_slots
+            )) + &self.swa.map_or(String::new(), |s| format!(
+                " and {} SWA pages",
+                s.leaked_pages
             )),
             self.open_sessions_at_end,
             if self.accounting_balanced {

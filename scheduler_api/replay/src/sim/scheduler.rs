@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::cost::CostModel;
 use super::ideal::IdealCache;
 use super::memory::MemoryUse;
-use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, quantile};
+use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, SwaReport, quantile};
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
@@ -691,12 +691,21 @@ impl Sim<'_> {
                 m.evictable as f64 / slots,
             )
         });
+        let swa = kv.swa_accounting().map(|s| {
+            let pages = s.total.max(1) as f64;
+            (
+                (s.protected + s.request_owned) as f64 / pages,
+                s.evictable as f64 / pages,
+            )
+        });
         self.report.occupancy.push(OccupancySample {
             t_s: self.now_us / 1e6,
             in_use: (a.protected + a.request_owned + a.session_held) as f64 / total,
             cached: a.evictable as f64 / total,
             mamba_in_use: mamba.map(|m| m.0),
             mamba_cached: mamba.map(|m| m.1),
+            swa_in_use: swa.map(|m| m.0),
+            swa_cached: swa.map(|m| m.1),
         });
         if self.report.occupancy.len() >= 2048 {
             let kept: Vec<_> = self.report.occupancy.iter().step_by(2).copied().collect();
@@ -737,6 +746,22 @@ impl Sim<'_> {
                 checkpoints_skipped: m.counters.mamba_checkpoints_skipped,
                 cached_at_end: (acc.evictable + acc.protected) as u64,
                 leaked_slots: (acc.request_owned + acc.protected) as u64,
+            });
+        }
+        if let Some(acc) = kv.swa_accounting() {
+            r.accounting_balanced &= acc.balanced();
+            let model = &self.cfg.manager.model;
+            let page_bytes = model
+                .checked_swa_bytes_per_token()
+                .and_then(|b| b.checked_mul(model.page_size as u64))
+                .unwrap_or(0);
+            r.swa = Some(SwaReport {
+                window: model.sliding_window.map_or(0, u64::from),
+                pages: acc.total as u64,
+                page_bytes,
+                pages_slid_out: m.counters.swa_pages_slid_out,
+                cached_at_end: (acc.evictable + acc.protected) as u64,
+                leaked_pages: (acc.request_owned + acc.protected) as u64,
             });
         }
         r.open_sessions_at_end = kv.open_sessions() as u64;
