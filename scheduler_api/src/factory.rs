@@ -389,9 +389,9 @@ fn build<B: DeviceBackend>(
         },
         // Each request gets a tracking slot where one can be spared; the manager hands it to
         // the engine (`Admitted::mamba_track`, `KvCacheManager::mamba_track`), which keeps the
-        // state at the last page boundary in it. The disabled cache stores no state, and the
-        // session layer does not hand a held turn's tracking slot over yet: off there.
-        mamba_track: !matches!(cfg.cache, CacheKind::Disabled) && cfg.sessions.is_none(),
+        // state at the last page boundary in it (a session slot keeps it across turns). The
+        // disabled cache stores no state.
+        mamba_track: !matches!(cfg.cache, CacheKind::Disabled),
         swa: match (pools.swa, pools.sliding_window) {
             (Some(p), Some(w)) => Some(SwaConfig {
                 window: usize::try_from(w).map_err(|_| {

@@ -33,8 +33,8 @@
 //!   ([`Admitted::mamba_cow`]). Where a slot can be spared, a request also gets a tracking
 //!   slot ([`Admitted::mamba_track`], [`KvCacheManager::mamba_track`]) in which the engine
 //!   keeps the state at the last page boundary, so that a finish off a page boundary still
-//!   leaves its state (at the computed length floored to a page; not yet with sessions
-//!   configured). Admission needs KV room *and* a slot
+//!   leaves its state (at the computed length floored to a page). Admission needs KV room
+//!   *and* a slot
 //!   ([`WaitReason::NoStateSlot`]); [`KvCacheManager::mamba_accounting`] and the `mamba_*`
 //!   metrics say where every slot is. A session turn served from its slot continues in the
 //!   slot the previous turn left (same [`Admitted::mamba_slot`], no copy); idle sessions'

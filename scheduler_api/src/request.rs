@@ -167,8 +167,10 @@ pub struct Admitted {
     /// boundary is passed); it moves as chunks are cached, see
     /// [`KvCacheManager::mamba_track`](crate::KvCacheManager::mamba_track). A finish that does
     /// not end a page stores this state, at the computed length floored to a page, for the
-    /// next request on the path. `None` on other models, without a spare slot, with the
-    /// disabled cache, and (for now) with sessions configured.
+    /// next request on the path. `None` on other models, without a spare slot, and with the
+    /// disabled cache. A session turn served from its session's slot continues in the
+    /// tracking slot the previous turn left (same slot, `pos` at its computed length floored
+    /// to a page).
     pub mamba_track: Option<MambaTrack>,
 }
 

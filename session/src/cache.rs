@@ -605,7 +605,11 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             allocated_len: committed,
             cache_protected_len: req.cache_protected_len,
             mamba_slot: req.mamba_slot.take(),
-            mamba_track: req.mamba_track.take(),
+            // The engine keeps the tracked state at the last page boundary of the computed KV.
+            mamba_track: req
+                .mamba_track
+                .take()
+                .map(|t| MambaTrack { pos: aligned, ..t }),
             mamba_checkpoints: keep,
             swa_evicted_len: req.swa_evicted_len.min(committed),
             lent: false,

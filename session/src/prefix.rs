@@ -3,8 +3,8 @@
 
 use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
-    KvEvent, LockReceipt, NodeId, PageId, PrefixCache, RequestKv, RequestMatch, Result, RowHolder,
-    TreeMatch, ensure_inv, pages_for,
+    KvEvent, LockReceipt, MambaTrack, NodeId, PageId, PrefixCache, RequestKv, RequestMatch, Result,
+    RowHolder, TreeMatch, align_down, ensure_inv, pages_for,
 };
 
 use crate::cache::{SessionAwareCache, adopt_history};
@@ -135,7 +135,11 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                 slot.committed_len = committed;
                 slot.allocated_len = committed;
                 slot.mamba_slot = req.mamba_slot.take();
-                slot.mamba_track = req.mamba_track.take();
+                // The engine keeps the tracked state at the last page boundary it computed.
+                slot.mamba_track = req.mamba_track.take().map(|t| MambaTrack {
+                    pos: align_down(committed, p),
+                    ..t
+                });
                 slot.swa_evicted_len = req.swa_evicted_len.min(committed);
                 // The match verified that the key extends the history.
                 adopt_history(&mut s.history, &req.key);
@@ -516,7 +520,12 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
 
     fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> Result<()> {
         if req.kv_lent {
-            // Later turns stay in the session's row; they reach the tree on demotion.
+            // Later turns stay in the session's row; they reach the tree on demotion. The
+            // tracking position follows the computed KV as the inner cache's chunk would move it.
+            let p = self.inner.page_size();
+            if let Some(t) = &mut req.mamba_track {
+                t.pos = t.pos.max(align_down(req.committed_len, p));
+            }
             return Ok(());
         }
         self.inner.cache_unfinished_req(req)
