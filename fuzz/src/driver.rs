@@ -808,6 +808,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                     max_held_tokens: usize::from(*pages) * self.p,
                     max_session_tokens: usize::from(*cap_pages).max(1) * self.p,
                     idle_ttl: ttl.map(u64::from),
+                    max_held_state_slots: usize::MAX,
                 });
                 self.reap();
             }

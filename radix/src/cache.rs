@@ -286,6 +286,12 @@ pub trait PrefixCache {
     fn has_state_slots(&self) -> bool {
         false
     }
+    /// True when requests of this cache hold sliding-window pages ([`RequestKv::swa_pages`]):
+    /// the part of [`PrefixCache::has_state_slots`] that a session layer cannot keep across
+    /// turns yet (it keeps a Mamba slot, see `radixkv-session`).
+    fn has_window_state(&self) -> bool {
+        false
+    }
 
     // ----- tree level -----
 

@@ -109,12 +109,12 @@
 //!
 //! Not built yet for the sliding window: SWA together with Mamba slots in one cache (refused by
 //! [`RadixCache::new`]) and everything above the cache (sessions refuse it through
-//! [`PrefixCache::has_state_slots`], the host tier refuses it, the scheduler API does not build
+//! [`PrefixCache::has_window_state`], the host tier refuses it, the scheduler API does not build
 //! it).
 //!
-//! The Mamba component is not yet carried by the session layer or the host tier
-//! (`HiRadixCache` refuses a configuration with Mamba slots), and `KvCacheManager` refuses
-//! hybrid models until the whole path is wired.
+//! The session layer carries the Mamba component (a streaming session's slot keeps the
+//! request's running state across turns, see `radixkv-session`); the host tier does not yet
+//! (`HiRadixCache` refuses a configuration with Mamba slots).
 //!
 //! ## Errors
 //! No panic is reachable from the public API. Bad input (empty or misaligned keys, mismatched

@@ -41,9 +41,9 @@ pub struct RadixConfig {
     /// Slots of the Mamba state pool (hybrid Transformer–Mamba models; one slot holds the
     /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
     /// deepest cached state, every running request holds its own slot, and requests leave
-    /// states behind as [`RadixConfig::mamba_policy`] says (see the crate docs). Not yet
-    /// supported under a session layer (which refuses to open a session over it, see
-    /// [`PrefixCache::has_state_slots`]) or the host tier (which refuses it).
+    /// states behind as [`RadixConfig::mamba_policy`] says (see the crate docs). A session
+    /// layer keeps a streaming session's running slot across turns (`radixkv-session`); the
+    /// host tier does not support it yet (it refuses it).
     pub mamba_slots: Option<u32>,
     /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
     /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
@@ -366,6 +366,10 @@ impl PrefixCache for RadixCache {
 
     fn has_state_slots(&self) -> bool {
         self.tree.mamba_enabled() || self.tree.swa_enabled()
+    }
+
+    fn has_window_state(&self) -> bool {
+        self.tree.swa_enabled()
     }
 
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {

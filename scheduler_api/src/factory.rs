@@ -11,7 +11,7 @@
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
 //! | `disabled`, `radix`, SWA layers     | `RadixCache` with its SWA page pool            |
-//! | `radix` + sessions                  | `SessionAwareCache<RadixCache, SimClock>`      |
+//! | `radix` + sessions (Mamba layers too) | `SessionAwareCache<RadixCache, SimClock>`    |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
 //! | `hicache` + sessions                | `SessionAwareCache<Tiered<_>, SimClock>`       |
@@ -28,10 +28,11 @@
 //! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
 //! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
-//! and so does a model with sliding-window layers (SWA pages: the `pools.swa_bytes` budget over
-//! a page of SWA KV; the window from the geometry). Under a host tier or with sessions, and a
-//! model with both kinds of layers, it is still [`ManagerError::NotWired`]: its pools are sized
-//! but no cache carries them there yet. The
+//! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
+//! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry) without
+//! sessions. Mamba layers under a host tier, sliding-window layers under a host tier or with
+//! sessions, and a model with both kinds of layers are still [`ManagerError::NotWired`]: their
+//! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
@@ -270,7 +271,8 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// or Mamba layers under a host tier or with sessions, or with both kinds of layers;
+/// or Mamba layers under a host tier, sliding-window layers with sessions, or both kinds of
+/// layers in one model;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -408,6 +410,8 @@ fn build<B: DeviceBackend>(
         max_held_tokens: b.max_held_tokens,
         max_session_tokens: b.per_session_cap_tokens,
         idle_ttl: Some(b.idle_ttl_ms),
+        // Held states are bounded by the pool: a request short of a slot demotes idle sessions.
+        max_held_state_slots: usize::MAX,
     });
     Ok(match (&cfg.cache, backend) {
         // The radix pools' only failure is an impossible size: say so as a config error.
@@ -432,11 +436,11 @@ fn build<B: DeviceBackend>(
 ///
 /// - sliding-window layers under a host tier or with sessions (neither carries window KV yet),
 ///   or beside Mamba layers in one model (the tree does not carry both components at once);
-/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states;
-/// - Mamba layers with sessions: a session slot does not keep a Mamba state across turns.
+/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states.
 ///
 /// Mamba layers or sliding-window layers on the device-only caches (`radix`, `disabled`) are
-/// wired: the radix tree carries the states or the window KV as a component of its nodes.
+/// wired: the radix tree carries the states or the window KV as a component of its nodes, and
+/// with Mamba layers a session slot keeps its running state across turns.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if n.sliding_window > 0 {
@@ -462,21 +466,12 @@ fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
             });
         }
     }
-    if n.mamba > 0 {
-        if matches!(cfg.cache, CacheKind::HiCache(_)) {
-            return Err(ManagerError::NotWired {
-                kind: "a model with Mamba layers under a host tier (moving Mamba states \
-                       between the device and the host)",
-                needs: "radixkv-hicache",
-            });
-        }
-        if cfg.sessions.is_some() {
-            return Err(ManagerError::NotWired {
-                kind: "a model with Mamba layers with sessions (a session slot keeping its \
-                       Mamba state across turns)",
-                needs: "radixkv-session",
-            });
-        }
+    if n.mamba > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
+        return Err(ManagerError::NotWired {
+            kind: "a model with Mamba layers under a host tier (moving Mamba states between \
+                   the device and the host)",
+            needs: "radixkv-hicache",
+        });
     }
     Ok(())
 }
@@ -575,7 +570,8 @@ mod tests {
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
         // A sliding-window model builds on the device-only caches, its SWA pool sized from
-        // its budget, and is refused under a host tier, naming what is missing.
+        // its budget, and is refused under a host tier, naming what is missing; a Mamba model
+        // builds on the device-only caches, with sessions too, and is refused under a host tier.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -627,16 +623,17 @@ mod tests {
                 ..Default::default()
             });
             match build_cache(&mamba) {
-                Err(ManagerError::NotWired { needs, .. }) => assert_eq!(
-                    needs,
-                    if hicache {
-                        "radixkv-hicache"
-                    } else {
-                        "radixkv-session"
-                    }
-                ),
+                Err(ManagerError::NotWired { needs, .. }) => {
+                    assert!(hicache);
+                    assert_eq!(needs, "radixkv-hicache");
+                }
                 Err(e) => panic!("Mamba with sessions: {e:?}"),
-                Ok(_) => panic!("Mamba with sessions must be refused"),
+                Ok(mut c) => {
+                    assert!(!hicache, "Mamba under a host tier must be refused");
+                    assert!(c.mamba_accounting().is_some(), "the Mamba component");
+                    c.open_session(1, true, None)
+                        .expect("sessions open over Mamba");
+                }
             }
         }
     }

@@ -19,9 +19,11 @@
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
 //!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
-//!   (a Jamba-like hybrid) or sliding-window layers (Gemma-like) on the disabled and radix
-//!   caches. The other hybrid combinations — Mamba or sliding-window layers under a host tier
-//!   or with sessions, both kinds in one model — are
+//!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
+//!   session slot keeps its running state across turns), or sliding-window layers
+//!   (Gemma-like) on the disabled and radix caches. The other hybrid combinations — Mamba or
+//!   sliding-window layers under a host tier, sliding-window layers with sessions, both kinds
+//!   in one model — are
 //!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
 //!   that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
@@ -30,7 +32,9 @@
 //!   engine copies that state into the request's slot before its first forward
 //!   ([`Admitted::mamba_cow`]). Admission needs KV room *and* a slot
 //!   ([`WaitReason::NoStateSlot`]); [`KvCacheManager::mamba_accounting`] and the `mamba_*`
-//!   metrics say where every slot is.
+//!   metrics say where every slot is. A session turn served from its slot continues in the
+//!   slot the previous turn left (same [`Admitted::mamba_slot`], no copy); idle sessions'
+//!   held states count as request-held slots and are demoted when a request finds none free.
 //! - **Sliding-window KV** (models with `S` layers): the SWA page pool holds
 //!   `pools.swa_bytes / (page_size × SWA KV bytes per token)` pages, the window comes from the
 //!   geometry. A running request owns SWA pages beside its full-KV row; admission needs

@@ -265,6 +265,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn has_state_slots(&self) -> bool {
         self.cache.has_state_slots()
     }
+    fn has_window_state(&self) -> bool {
+        self.cache.has_window_state()
+    }
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
         self.cache.check_request(req)
     }

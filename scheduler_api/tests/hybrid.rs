@@ -7,7 +7,7 @@ mod common;
 use common::admitted;
 use radixkv_scheduler_api::{
     Admission, CacheKind, CheckpointKind, HostTier, KvCacheManager, MambaPolicyKind, ManagerConfig,
-    ManagerError, Preset, ReqId, Request, SessionBudget, WaitReason,
+    ManagerError, Preset, ReqId, Request, WaitReason,
 };
 
 /// The Jamba-like geometry with pages of 4 tokens.
@@ -204,15 +204,8 @@ fn retract_caches_the_state_at_a_page_end_and_the_request_hits_it_again() {
 #[test]
 fn combinations_not_wired_yet_are_refused_by_name() {
     let base = || KvCacheManager::builder().model(jamba()).device_tokens(4096);
+    // (Sessions are wired: see `hybrid_sessions.rs`.)
     let cases = [
-        (
-            base().sessions(SessionBudget {
-                max_held_tokens: 1024,
-                ..Default::default()
-            }),
-            "radixkv-session",
-            "sessions",
-        ),
         (
             base().host_tier(HostTier::ratio(4096, 2.0)),
             "radixkv-hicache",

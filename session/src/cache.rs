@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use ahash::HashMap;
 use radixkv_radix::{
-    CacheError, FinishKind, LockReceipt, PrefixCache, RadixKey, RequestKv, RowHolder, RowId,
-    pages_for,
+    CacheError, FinishKind, LockReceipt, MambaCheckpoint, PrefixCache, RadixKey, RequestKv,
+    RowHolder, RowId, align_down, pages_for,
 };
 
 use crate::clock::{Clock, SystemClock};
@@ -23,15 +23,23 @@ pub struct SessionConfig {
     /// Default idle TTL in clock ticks (`None`: no expiry). [`SessionAwareCache::open`] may
     /// override it per session.
     pub idle_ttl: Option<u64>,
+    /// State slots (Mamba running states and pending checkpoints) all idle sessions together
+    /// may hold, over a cache with the Mamba component. Over it, the least recently used
+    /// idle sessions are demoted. Independently of it, a new request that finds no free
+    /// state slot demotes idle sessions holding one (see the crate docs), so held slots never
+    /// keep a request from starting.
+    pub max_held_state_slots: usize,
 }
 
 impl SessionConfig {
-    /// A budget of `max_held_tokens`, a per-session cap of the same size and no TTL.
+    /// A budget of `max_held_tokens`, a per-session cap of the same size, no TTL and no cap
+    /// on held state slots beyond the pool (see [`SessionConfig::max_held_state_slots`]).
     pub fn with_budget(max_held_tokens: usize) -> Self {
         SessionConfig {
             max_held_tokens,
             max_session_tokens: max_held_tokens,
             idle_ttl: None,
+            max_held_state_slots: usize::MAX,
         }
     }
 }
@@ -82,11 +90,23 @@ pub(crate) struct Slot {
     pub(crate) committed_len: usize,
     pub(crate) allocated_len: usize,
     pub(crate) cache_protected_len: usize,
+    /// The running Mamba state after the slot's committed tokens (a cache with the Mamba
+    /// component): the next turn continues from it in place.
     pub(crate) mamba_slot: Option<u32>,
+    /// Mamba checkpoints the turn took past its cached prefix (all at or below the committed
+    /// KV): stored in the tree with the KV on demotion, freed on release.
+    pub(crate) mamba_checkpoints: Vec<MambaCheckpoint>,
     pub(crate) swa_evicted_len: usize,
     pub(crate) lent: bool,
     /// Session-held tokens while idle (owned pages × page size), cached for O(1) accounting.
     pub(crate) held_tokens: usize,
+}
+
+impl Slot {
+    /// State slots the slot holds (its running Mamba state and its checkpoints).
+    pub(crate) fn state_slots(&self) -> usize {
+        usize::from(self.mamba_slot.is_some()) + self.mamba_checkpoints.len()
+    }
 }
 
 #[derive(Debug)]
@@ -127,6 +147,8 @@ pub struct SessionAwareCache<C, K = SystemClock> {
     pub(crate) seq: u64,
     /// Σ `held_tokens` over idle slots.
     pub(crate) held_tokens: usize,
+    /// Σ state slots over idle slots.
+    pub(crate) held_states: usize,
 }
 
 impl<C: std::fmt::Debug, K> std::fmt::Debug for SessionAwareCache<C, K> {
@@ -160,6 +182,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             expiry: BTreeSet::new(),
             seq: 0,
             held_tokens: 0,
+            held_states: 0,
         }
     }
 
@@ -191,15 +214,13 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     ///
     /// # Errors
     /// [`SessionError::AlreadyOpen`]; [`SessionError::Cache`] with [`CacheError::Config`] over
-    /// a cache whose requests own per-request state beyond their row (Mamba slots,
-    /// sliding-window pages): sessions do not keep or hand back that state yet, so a held turn
-    /// would leak it.
+    /// a cache whose requests hold sliding-window pages ([`PrefixCache::has_window_state`]):
+    /// sessions do not keep or hand back the SWA frontier yet, so a held turn would leak it.
+    /// (A Mamba slot is kept, see the crate docs.)
     pub fn open(&mut self, id: u64, streaming: bool, ttl: Option<u64>) -> Result<(), SessionError> {
-        if self.inner.has_state_slots() {
+        if self.inner.has_window_state() {
             return Err(SessionError::Cache(CacheError::Config(
-                "sessions over a cache with per-request state (Mamba slots, sliding-window pages) \
-                 are not supported yet"
-                    .into(),
+                "sessions over a cache with sliding-window layers are not supported yet".into(),
             )));
         }
         if self.sessions.contains_key(&id) {
@@ -272,7 +293,9 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             self.demote_idle(id)?;
             report.expired += 1;
         }
-        while self.held_tokens > self.cfg.max_held_tokens {
+        while self.held_tokens > self.cfg.max_held_tokens
+            || self.held_states > self.cfg.max_held_state_slots
+        {
             let Some(&(_, _, id)) = self.lru.first() else {
                 break;
             };
@@ -334,9 +357,15 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         self.lru.len()
     }
 
-    /// Mamba state slots held by idle sessions.
+    /// Mamba running-state slots held by idle sessions.
     pub fn held_mamba_slots(&self) -> usize {
         self.idle_slots().filter(|s| s.mamba_slot.is_some()).count()
+    }
+
+    /// State slots held by idle sessions: their running Mamba states plus their pending
+    /// checkpoints (what [`SessionConfig::max_held_state_slots`] bounds).
+    pub fn held_state_slots(&self) -> usize {
+        self.held_states
     }
 
     pub(crate) fn idle_slots(&self) -> impl Iterator<Item = &Slot> + '_ {
@@ -373,6 +402,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         };
         debug_assert!(!slot.lent && s.idle_key.is_none());
         self.held_tokens += slot.held_tokens;
+        self.held_states += slot.state_slots();
         s.idle_key = Some((now, seq));
         self.lru.insert((now, seq, id));
         if let Some(ttl) = s.ttl {
@@ -394,6 +424,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         }
         if let Some(slot) = s.slot.as_ref() {
             self.held_tokens = self.held_tokens.saturating_sub(slot.held_tokens);
+            self.held_states = self.held_states.saturating_sub(slot.state_slots());
         }
     }
 
@@ -418,18 +449,38 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     }
 
     /// Releases a detached slot without caching anything: frees the owned pages and the row,
-    /// releases the lock (the protected prefix becomes ordinary cache).
+    /// frees its Mamba state and checkpoints, releases the lock (the protected prefix becomes
+    /// ordinary cache).
     pub(crate) fn release_slot(&mut self, slot: Slot) -> Result<(), CacheError> {
         let pools = self.inner.pools_mut();
         let freed = pools
             .rows
             .set_holder(slot.row, RowHolder::Request)
             .and_then(|_| pools.release_row(slot.row));
+        let states = self.free_states(slot.mamba_slot, slot.mamba_checkpoints);
         let unlocked = match slot.lock {
             Some(l) => self.inner.dec_lock_ref(l),
             None => Ok(()),
         };
-        freed.and(unlocked)
+        freed.and(states).and(unlocked)
+    }
+
+    /// Frees state slots the session layer holds, through the inner cache's finish of a
+    /// request that holds nothing else (which frees a row-less request's slots).
+    pub(crate) fn free_states(
+        &mut self,
+        mamba_slot: Option<u32>,
+        checkpoints: Vec<MambaCheckpoint>,
+    ) -> Result<(), CacheError> {
+        if mamba_slot.is_none() && checkpoints.is_empty() {
+            return Ok(());
+        }
+        let mut req = RequestKv {
+            mamba_slot,
+            mamba_checkpoints: checkpoints,
+            ..RequestKv::default()
+        };
+        self.inner.cache_finished_req(&mut req, FinishKind::Aborted)
     }
 
     /// Hands a detached slot to the inner cache as a finished request over `history`: the
@@ -458,6 +509,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.allocated_len = slot.allocated_len.max(req.committed_len);
         req.cache_protected_len = slot.cache_protected_len;
         req.mamba_slot = slot.mamba_slot;
+        req.mamba_checkpoints = slot.mamba_checkpoints;
         req.swa_evicted_len = slot.swa_evicted_len;
         self.inner
             .cache_finished_req(&mut req, FinishKind::Finished)
@@ -475,6 +527,22 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             .unwrap_or_default();
         self.cache_slot(slot, history)?;
         Ok(true)
+    }
+
+    /// Demotes the least recently used idle session that holds a state slot (its state goes to
+    /// the tree as evictable cache or is freed, so a state slot can be had). False if none
+    /// holds one.
+    pub(crate) fn reclaim_state(&mut self) -> Result<bool, CacheError> {
+        let victim = self.lru.iter().map(|&(_, _, id)| id).find(|id| {
+            self.sessions
+                .get(id)
+                .and_then(|s| s.slot.as_ref())
+                .is_some_and(|sl| sl.state_slots() > 0)
+        });
+        match victim {
+            Some(id) => self.demote_idle(id),
+            None => Ok(false),
+        }
     }
 
     /// Demotes idle sessions (least recently used first) until the inner cache can supply
@@ -509,13 +577,27 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         pools.truncate_row(row, pages_for(committed, p))?;
         pools.rows.set_holder(row, RowHolder::Session)?;
         let held_tokens = self.owned_tokens(row)?;
+        // Checkpoints the forward pass has passed stay with the KV (stored on demotion, as a
+        // finish would); those past the committed KV hold no state and are freed.
+        let aligned = align_down(committed, p);
+        let (keep, drop): (Vec<_>, Vec<_>) = std::mem::take(&mut req.mamba_checkpoints)
+            .into_iter()
+            .partition(|c| c.pos <= aligned);
+        if let Err(e) = self.free_states(None, drop) {
+            // The caller finishes the request as aborted: it frees what the request still holds.
+            req.mamba_checkpoints = keep;
+            return Err(e);
+        }
+        // The copy on write ran with the turn's first forward.
+        req.mamba_cow = None;
         Ok(Slot {
             row,
             lock,
             committed_len: committed,
             allocated_len: committed,
             cache_protected_len: req.cache_protected_len,
-            mamba_slot: req.mamba_slot,
+            mamba_slot: req.mamba_slot.take(),
+            mamba_checkpoints: keep,
             swa_evicted_len: req.swa_evicted_len.min(committed),
             lent: false,
             held_tokens,

@@ -10,8 +10,8 @@
 //! else is a [`SessionError::NotExtending`] for that request and the session is untouched.
 //! - **Save.** When a turn finishes, the session's *slot* takes over everything the request
 //!   owned: its request-pool row (page table), committed and allocated lengths, the
-//!   tree-owned (`cache_protected_len`) prefix, its lock receipt, and the hybrid-model state
-//!   (Mamba slot, SWA frontier). Pages past the committed KV (speculative overshoot, a retract
+//!   tree-owned (`cache_protected_len`) prefix, its lock receipt, and the Mamba state (see
+//!   below). Pages past the committed KV (speculative overshoot, a retract
 //!   gap) are freed, and the request is cleared so it cannot free anything twice.
 //! - **Restore.** The next turn's `match_request` lends the row back without a tree walk:
 //!   `prefix = min(committed, len − 1)`, the rest of the row is trimmed. Lending is idempotent,
@@ -27,6 +27,35 @@
 //! - **Close** releases an idle slot at once (owned pages freed, lock released). With a turn
 //!   in flight the close is deferred: the turn's KV is then cached like an ordinary finished
 //!   request (or freed if it aborts). Closing an unknown session is [`SessionError::Unknown`].
+//!
+//! ## Hybrid models: the Mamba state
+//! Over a cache with the Mamba component, the slot also keeps the finished turn's **running
+//! Mamba slot**: the state after exactly its committed tokens. The next turn is lent that slot
+//! and continues in place — no copy on write, and no cut-back of the match to a state the tree
+//! holds: its usable prefix is the whole held length even where the tree has no state. (When
+//! a turn could use only part of the held tokens, e.g. under `max_prefix_len`, the state cannot
+//! be cut back: the slot is demoted and the turn matches the tree.) Checkpoints the turn's
+//! first run took past its cached prefix ([`RequestKv::mamba_checkpoints`]) stay with the slot;
+//! those past its committed KV are freed at once.
+//! - **Demotion** hands the state to the inner cache as a finish would: stored as the state of
+//!   the node ending the committed KV where that ends a page and the cache's Mamba policy keeps
+//!   it, freed otherwise; the checkpoints are stored with the KV.
+//! - **Close** of an idle slot frees the state and the checkpoints with the KV (a deferred close
+//!   caches them like a finished request).
+//! - **Abort or retract of a lent turn** that allocated KV may have run a forward pass that
+//!   advanced the state past the slot's tokens: the state is freed and the slot demoted (its
+//!   KV, still exact, becomes cache). A lent turn given back before it allocated anything (an
+//!   admission wait) keeps the slot as it was.
+//! - **Bounds.** [`SessionConfig::max_held_state_slots`] caps the state slots idle sessions
+//!   hold (over it the least recently used are demoted), and a request that finds no free state
+//!   slot in `begin_request` demotes idle sessions holding one (least recently used first) and
+//!   retries, so held states never keep a new request from starting.
+//! - [`PrefixCache::check_request`] is the inner cache's (its Mamba-slot audit included), and
+//!   `check_invariants` audits every idle slot as the request it was, plus that no state slot is
+//!   held twice.
+//!
+//! Sliding-window layers are not carried yet: [`SessionAwareCache::open`] refuses a cache whose
+//! requests hold SWA pages ([`PrefixCache::has_window_state`]).
 //!
 //! ## Bounds and demotion
 //! Pinned, unbounded session KV starves admission, so held KV is bounded three ways
@@ -45,7 +74,9 @@
 //! `free + evictable + protected + session_held + request_owned == total` always holds.
 //! `check_invariants` runs the inner cache's audit and then checks every slot against the
 //! pools (row holder, protected pages, held pages, the idle index) — it is extended, never
-//! skipped, while slots legitimately hold their locks.
+//! skipped, while slots legitimately hold their locks. In the Mamba slot pool a held state is
+//! a request-held slot (`free + evictable + protected + request_owned == total` per pool), and
+//! [`SessionAwareCache::held_state_slots`] says how many of those the idle sessions hold.
 //!
 //! ## Errors
 //! No panic is reachable from the public API. Session misuse returns a [`SessionError`]
@@ -88,6 +119,9 @@
 //! [`PrefixCache`]: radixkv_radix::PrefixCache
 //! [`RequestKv::session`]: radixkv_radix::RequestKv::session
 //! [`PrefixCache::session_held_tokens`]: radixkv_radix::PrefixCache::session_held_tokens
+//! [`PrefixCache::check_request`]: radixkv_radix::PrefixCache::check_request
+//! [`PrefixCache::has_window_state`]: radixkv_radix::PrefixCache::has_window_state
+//! [`RequestKv::mamba_checkpoints`]: radixkv_radix::RequestKv::mamba_checkpoints
 
 #![warn(missing_docs)]
 

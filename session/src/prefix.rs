@@ -50,7 +50,9 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         }
         // The key already obeys the len − 1 rule; a retract retry can leave committed one past it.
         let prefix = slot.committed_len.min(max);
-        if prefix < slot.cache_protected_len {
+        // A Mamba state is the state after exactly the committed tokens: it cannot be cut back.
+        let state_cut = slot.mamba_slot.is_some() && prefix < slot.committed_len;
+        if prefix < slot.cache_protected_len || state_cut {
             // Sessions are append-only: below the tree-owned prefix the row cannot be reused in
             // place (writing there would overwrite shared pages).
             if again {
@@ -89,7 +91,10 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.committed_len = prefix;
         req.allocated_len = prefix;
         req.cache_protected_len = slot.cache_protected_len;
+        // The running state continues in place: no copy, no cut back to a cached state.
         req.mamba_slot = slot.mamba_slot;
+        req.mamba_cow = None;
+        req.kv_match_len = 0;
         req.swa_evicted_len = slot.swa_evicted_len;
         req.kv_lent = true;
         Ok(Some(RequestMatch {
@@ -118,20 +123,32 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             ));
         };
         let row = slot.row;
+        // An aborted or retracted turn that allocated KV may have run a forward pass, which
+        // advanced the running Mamba state in place past the slot's tokens: that state is
+        // stale, and the slot is demoted without it below.
+        let mut stale_state = None;
         match kind {
             FinishKind::Finished => {
                 let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
                 slot.committed_len = committed;
                 slot.allocated_len = committed;
-                slot.mamba_slot = req.mamba_slot;
+                slot.mamba_slot = req.mamba_slot.take();
                 slot.swa_evicted_len = req.swa_evicted_len.min(committed);
                 // The match verified that the key extends the history.
                 adopt_history(&mut s.history, &req.key);
             }
             FinishKind::Aborted => {
+                if slot.mamba_slot.is_some() && req.allocated_len > slot.committed_len {
+                    stale_state = slot.mamba_slot.take();
+                }
                 slot.allocated_len = slot.committed_len;
             }
         }
+        // A lent turn plans no checkpoints of its own; should it hold any, the slot takes
+        // them (stored with the KV on demotion, past the committed KV freed then).
+        slot.mamba_checkpoints
+            .extend(std::mem::take(&mut req.mamba_checkpoints));
+        slot.mamba_checkpoints.sort_by_key(|c| c.pos);
         slot.lent = false;
         let keep = pages_for(slot.committed_len, p);
         let closing = s.closing;
@@ -157,9 +174,18 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                     FinishKind::Aborted => self.release_slot(slot)?,
                 }
             }
+            if let Some(state) = stale_state {
+                self.free_states(Some(state), Vec::new())?;
+            }
             return trimmed.and(held).and(owned.map(|_| ()));
         }
         trimmed.and(held).and(owned.map(|_| ()))?;
+        if let Some(state) = stale_state {
+            // The KV is still exact: it goes to the tree as cache, without a state.
+            let freed = self.free_states(Some(state), Vec::new());
+            let demoted = self.demote_idle(id).map(|_| ());
+            return freed.and(demoted);
+        }
         if kind == FinishKind::Finished {
             self.after_save(id)?;
         }
@@ -283,8 +309,19 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.reset()
     }
 
+    /// The inner cache's audit of the request (its Mamba slot included).
+    fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_request(req)
+    }
+
+    fn has_window_state(&self) -> bool {
+        self.inner.has_window_state()
+    }
+
     fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
         self.inner.check_invariants()?;
+        let mut states = ahash::HashSet::default();
+        let mut idle_states = 0usize;
         let pools = self.inner.pools();
         let p = self.inner.page_size();
         let mut idle = 0usize;
@@ -319,6 +356,16 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                 slot.lock.is_some() || slot.cache_protected_len == 0,
                 "session {id}: protected prefix without a lock"
             );
+            for st in slot
+                .mamba_slot
+                .iter()
+                .chain(slot.mamba_checkpoints.iter().map(|c| &c.slot))
+            {
+                ensure_inv!(
+                    states.insert(*st),
+                    "session {id}: state slot {st} is held twice"
+                );
+            }
             if slot.lent {
                 ensure_inv!(
                     s.idle_key.is_none(),
@@ -327,6 +374,26 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                 continue;
             }
             idle += 1;
+            idle_states += slot.state_slots();
+            // The slot as the request it was: the inner cache audits its row and Mamba slots.
+            let as_req = RequestKv {
+                row: Some(slot.row),
+                committed_len: slot.committed_len,
+                allocated_len: slot.allocated_len,
+                cache_protected_len: slot.cache_protected_len,
+                mamba_slot: slot.mamba_slot,
+                mamba_checkpoints: slot.mamba_checkpoints.clone(),
+                ..RequestKv::default()
+            };
+            self.inner
+                .check_request(&as_req)
+                .map_err(|e| InvariantViolation(format!("session {id}: {}", e.0)))?;
+            ensure_inv!(
+                slot.mamba_checkpoints
+                    .iter()
+                    .all(|c| c.pos <= slot.committed_len),
+                "session {id}: a Mamba checkpoint lies past the committed KV"
+            );
             let pages = pools.rows.pages(slot.row).map(|v| v.len()).unwrap_or(0);
             ensure_inv!(
                 slot.committed_len >= slot.cache_protected_len
@@ -362,6 +429,11 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
             );
             held += slot.held_tokens;
         }
+        ensure_inv!(
+            idle_states == self.held_states,
+            "session state slots: {idle_states} held by idle slots, counter {}",
+            self.held_states
+        );
         ensure_inv!(
             self.lru.len() == idle
                 && self.expiry.len() <= idle
@@ -404,9 +476,17 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.match_request(req)
     }
 
+    /// A request that finds no free state slot (every Mamba slot running, locked or held by
+    /// a session) demotes idle sessions holding one, least recently used first, and retries:
+    /// a held session state never keeps a new request from starting.
     fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
         if !req.kv_lent {
-            return self.inner.begin_request(req);
+            loop {
+                match self.inner.begin_request(req) {
+                    Err(CacheError::OutOfStateSlots { .. }) if self.reclaim_state()? => {}
+                    r => return r,
+                }
+            }
         }
         // A lent turn got its row and prefix at match time; the slot keeps the lock.
         match req.row {
@@ -448,7 +528,7 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
     }
 
     /// Forwarded: sessions refuse a cache with sliding-window layers
-    /// ([`PrefixCache::has_state_slots`]), so only requests outside sessions reach it.
+    /// ([`PrefixCache::has_window_state`]), so only requests outside sessions reach it.
     fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
         self.inner.slide_window(req)
     }

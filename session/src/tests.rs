@@ -1,8 +1,8 @@
 //! Unit tests: every path of the session layer, with invariants checked after each step.
 
 use radixkv_radix::{
-    CacheError, FinishKind, KeyRef, Namespace, PageId, PrefixCache, RadixCache, RadixConfig,
-    RadixKey, RequestKv, RequestMatch, RowHolder, SessionTag, TokenId,
+    CacheError, FinishKind, KeyRef, MambaPolicy, Namespace, PageId, PrefixCache, RadixCache,
+    RadixConfig, RadixKey, RequestKv, RequestMatch, RowHolder, SessionTag, TokenId,
 };
 
 use crate::{
@@ -28,6 +28,23 @@ fn cache_with(pages: usize, cfg: SessionConfig) -> (Cache, ManualClock) {
     )
 }
 
+fn mamba_cache(slots: u32, policy: MambaPolicy, cfg: SessionConfig) -> (Cache, ManualClock) {
+    let inner = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 64,
+        max_rows: 16,
+        mamba_slots: Some(slots),
+        mamba_policy: policy,
+        ..Default::default()
+    })
+    .unwrap();
+    let clock = ManualClock::new(0);
+    (
+        SessionAwareCache::with_clock(inner, cfg, clock.clone()),
+        clock,
+    )
+}
+
 fn cache() -> (Cache, ManualClock) {
     cache_with(64, SessionConfig::with_budget(1 << 20))
 }
@@ -35,6 +52,11 @@ fn cache() -> (Cache, ManualClock) {
 fn ok(c: &Cache) {
     c.check_invariants().unwrap();
     assert!(c.accounting().balanced(), "{:?}", c.accounting());
+    if let Some(a) = c.inner().mamba_accounting() {
+        assert!(a.balanced(), "{a:?}");
+        // Idle sessions' states are request-held slots of the pool (never tree-held).
+        assert!(a.request_owned >= c.held_state_slots(), "{a:?}");
+    }
 }
 
 fn req(id: Option<u64>, tokens: Vec<TokenId>) -> RequestKv {
@@ -547,29 +569,6 @@ fn allocation_pressure_demotes_idle_sessions_but_never_lent_ones() {
 }
 
 #[test]
-fn hybrid_state_travels_with_the_slot_and_reset_waits_for_sessions() {
-    let (mut c, _) = cache();
-    c.open(1, true, None).unwrap();
-    let mut t1 = req(Some(1), (0..10).collect());
-    start(&mut c, &mut t1, &[1, 2]);
-    t1.mamba_slot = Some(7);
-    t1.swa_evicted_len = 4;
-    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
-    assert_eq!(c.held_mamba_slots(), 1);
-    assert_eq!(c.reset(), Err(CacheError::Busy("sessions hold KV")));
-    ok(&c);
-    let mut t2 = req(Some(1), extend(&t1, 0..3));
-    c.match_request(&mut t2).unwrap();
-    assert_eq!((t2.mamba_slot, t2.swa_evicted_len), (Some(7), 4));
-    assert_eq!(c.held_mamba_slots(), 0);
-    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
-    assert_eq!(c.held_mamba_slots(), 1);
-    c.close(1).unwrap();
-    assert_eq!(c.reset(), Ok(()));
-    assert_drained(&c);
-}
-
-#[test]
 fn explicit_demotion_keeps_shared_prefixes_cached() {
     let (mut c, _) = cache();
     c.open(1, true, None).unwrap();
@@ -643,31 +642,12 @@ fn overflowing_counts_are_errors_with_an_idle_session_present() {
 }
 
 #[test]
-fn sessions_refuse_a_cache_whose_requests_own_mamba_slots() {
-    let inner = RadixCache::new(RadixConfig {
-        page_size: P,
-        total_pages: 64,
-        max_rows: 16,
-        mamba_slots: Some(4),
-        ..Default::default()
-    })
-    .unwrap();
-    assert!(inner.has_state_slots());
-    let mut c = SessionAwareCache::with_clock(
-        inner,
-        SessionConfig::with_budget(1 << 20),
-        ManualClock::new(0),
-    );
-    assert!(c.has_state_slots());
-    // Sessions would hold a turn's Mamba slot past its finish and never hand it back: refused,
-    // and nothing is opened.
-    assert!(matches!(
-        c.open(1, true, None),
-        Err(SessionError::Cache(CacheError::Config(_)))
-    ));
-    assert_eq!(c.open_sessions(), 0);
+fn sessions_open_over_mamba_but_refuse_sliding_window_pages() {
+    let (mut c, _) = mamba_cache(4, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+    assert!(c.has_state_slots() && !c.has_window_state());
+    c.open(1, true, None).unwrap();
     ok(&c);
-    // Nor are a cache's sliding-window pages kept or handed back: refused the same way.
+    // A cache's sliding-window pages are not kept or handed back yet: refused, nothing opened.
     let swa = RadixCache::new(RadixConfig {
         page_size: P,
         total_pages: 64,
@@ -684,7 +664,7 @@ fn sessions_refuse_a_cache_whose_requests_own_mamba_slots() {
         SessionConfig::with_budget(1 << 20),
         ManualClock::new(0),
     );
-    assert!(c.has_state_slots());
+    assert!(c.has_state_slots() && c.has_window_state());
     assert!(matches!(
         c.open(1, true, None),
         Err(SessionError::Cache(CacheError::Config(_)))
@@ -703,4 +683,273 @@ fn sessions_refuse_a_cache_whose_requests_own_mamba_slots() {
     let (mut kv_only, _) = cache();
     assert!(!kv_only.has_state_slots());
     kv_only.open(1, true, None).unwrap();
+}
+
+// ----- Mamba: a session slot keeps the running state across turns -----
+
+fn mamba(c: &Cache) -> radixkv_radix::ComponentAccounting {
+    c.inner().mamba_accounting().unwrap()
+}
+
+fn policies() -> [MambaPolicy; 2] {
+    [MambaPolicy::Sglang, MambaPolicy::default()]
+}
+
+#[test]
+fn a_mamba_turn_continues_from_the_held_state_without_a_copy_or_a_cut_back() {
+    for policy in policies() {
+        let (mut c, _) = mamba_cache(8, policy, SessionConfig::with_budget(1 << 20));
+        c.open(1, true, None).unwrap();
+        let mut t1 = req(Some(1), (0..10).collect());
+        start(&mut c, &mut t1, &[100, 101]);
+        let running = t1.mamba_slot.unwrap();
+        let checkpoints = t1.mamba_checkpoints.len();
+        c.check_request(&t1).unwrap();
+        c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+        ok(&c);
+        // The slot holds the running state after the 11 committed tokens (and the turn's
+        // checkpoints, all at or below them); none of them is in the tree.
+        assert_eq!(c.held_mamba_slots(), 1);
+        assert_eq!(c.held_state_slots(), 1 + checkpoints);
+        assert_eq!(mamba(&c).request_owned, 1 + checkpoints, "{policy:?}");
+        assert_eq!(mamba(&c).evictable + mamba(&c).protected, 0);
+        // The tree alone has no state to continue from: a plain request matches nothing.
+        let mut plain = req(None, extend(&t1, 0..3));
+        assert_eq!(c.match_request(&mut plain).unwrap().prefix_len, 0);
+        // Turn 2 continues at the whole held length (11, not page-aligned), in the same slot.
+        let mut t2 = req(Some(1), extend(&t1, 200..203));
+        let m = c.match_request(&mut t2).unwrap();
+        assert!(m.from_session);
+        assert_eq!(m.prefix_len, 11);
+        assert_eq!(t2.mamba_slot, Some(running));
+        assert_eq!(t2.mamba_cow, None, "no copy");
+        assert_eq!(
+            c.held_state_slots(),
+            checkpoints,
+            "the running state is lent"
+        );
+        c.begin_request(&mut t2).unwrap();
+        let todo = t2.key.len() - t2.committed_len;
+        c.alloc_tokens(&mut t2, todo).unwrap();
+        t2.commit(todo).unwrap();
+        c.check_request(&t2).unwrap();
+        ok(&c);
+        t2.append_tokens(&[300]);
+        c.cache_finished_req(&mut t2, FinishKind::Finished).unwrap();
+        ok(&c);
+        assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(15));
+        assert_eq!(
+            c.sessions[&1].slot.as_ref().unwrap().mamba_slot,
+            Some(running)
+        );
+        // Turn 3 again from the slot.
+        let mut t3 = req(Some(1), extend(&t2, 400..402));
+        assert_eq!(turn(&mut c, &mut t3, &[5]).prefix_len, 15);
+        assert_eq!(t3.mamba_slot, None);
+        // Close frees everything the slot held: no state stays request-held.
+        c.close(1).unwrap();
+        assert_eq!(mamba(&c).request_owned, 0, "{policy:?}");
+        assert_eq!(mamba(&c).free, mamba(&c).total - mamba(&c).evictable);
+        assert_drained(&c);
+    }
+}
+
+#[test]
+fn demotion_stores_a_page_aligned_state_and_frees_an_unaligned_one() {
+    let (mut c, _) = mamba_cache(8, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+    // Session 1 ends at 12 committed tokens (a page boundary): its state is stored there.
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101, 102]);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(12));
+    assert_eq!(c.demote(1), Ok(true));
+    ok(&c);
+    assert_eq!(c.held_state_slots(), 0);
+    let a = mamba(&c);
+    assert_eq!((a.request_owned, a.evictable), (0, 1), "{a:?}");
+    // The next turn continues from the stored state through the tree.
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    let m = turn(&mut c, &mut t2, &[1]);
+    assert!(!m.from_session);
+    assert_eq!(m.prefix_len, 12);
+    // Session 2 ends at 11 committed tokens: no node ends there, so its state is freed.
+    c.open(2, true, None).unwrap();
+    let mut u1 = req(Some(2), (1000..1010).collect());
+    turn(&mut c, &mut u1, &[100, 101]);
+    let before = mamba(&c);
+    assert_eq!(c.demote(2), Ok(true));
+    ok(&c);
+    let after = mamba(&c);
+    assert_eq!(after.request_owned, before.request_owned - 1);
+    assert_eq!(after.free, before.free + 1, "{before:?} → {after:?}");
+    c.close(1).unwrap();
+    c.close(2).unwrap();
+    assert_eq!(mamba(&c).request_owned, 0);
+    assert_drained(&c);
+}
+
+#[test]
+fn marconi_checkpoints_held_by_a_slot_are_stored_on_demotion() {
+    let marconi = MambaPolicy::Marconi(radixkv_radix::MarconiParams {
+        prompt_end: true,
+        ..Default::default()
+    });
+    let (mut c, _) = mamba_cache(8, marconi, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    start(&mut c, &mut t1, &[100, 101]);
+    // The prompt-end checkpoint at 8 (the 10-token prompt floored to a page).
+    assert_eq!(
+        t1.mamba_checkpoints
+            .iter()
+            .map(|x| x.pos)
+            .collect::<Vec<_>>(),
+        vec![8]
+    );
+    c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+    assert_eq!(c.held_state_slots(), 2);
+    c.demote(1).unwrap();
+    ok(&c);
+    // The checkpoint went to the tree; the running state (11 tokens, unaligned) was freed.
+    let a = mamba(&c);
+    assert_eq!((a.request_owned, a.evictable), (0, 1), "{a:?}");
+    let mut other = req(None, extend(&t1, 0..2));
+    assert_eq!(c.match_request(&mut other).unwrap().prefix_len, 8);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn an_aborted_lent_turn_that_ran_drops_the_stale_state_and_demotes() {
+    let (mut c, _) = mamba_cache(8, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[100, 101, 102]);
+    // Lent and given back before anything ran (an admission wait): the state is intact.
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    assert!(c.match_request(&mut t2).unwrap().from_session);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    assert_eq!(c.held_mamba_slots(), 1);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(12));
+    // Lent, run and retracted: the running state moved past the slot's tokens, so it is freed
+    // and the KV goes to the tree without a state.
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    start(&mut c, &mut t2, &[]);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert_eq!(c.held_state_slots(), 0);
+    let a = mamba(&c);
+    assert_eq!(
+        (a.request_owned, a.evictable + a.protected),
+        (0, 0),
+        "{a:?}"
+    );
+    // The retried turn runs through the tree (no state there: from scratch) and becomes the
+    // slot again.
+    let mut t2 = req(Some(1), extend(&t1, 200..203));
+    assert_eq!(turn(&mut c, &mut t2, &[1]).prefix_len, 0);
+    assert_eq!(c.held_mamba_slots(), 1);
+    c.close(1).unwrap();
+    assert_drained(&c);
+}
+
+#[test]
+fn held_states_are_capped_and_never_keep_a_new_request_from_a_slot() {
+    // The cap: at most one held state slot; the least recently used session is demoted.
+    let cfg = SessionConfig {
+        max_held_state_slots: 1,
+        ..SessionConfig::with_budget(1 << 20)
+    };
+    let (mut c, clock) = mamba_cache(8, MambaPolicy::Sglang, cfg);
+    for id in [1, 2] {
+        c.open(id, true, None).unwrap();
+        let mut t = req(Some(id), (id as u32 * 100..id as u32 * 100 + 10).collect());
+        turn(&mut c, &mut t, &[1, 2]);
+        clock.advance(1);
+    }
+    assert_eq!(c.held_state_slots(), 1);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert!(c.session_info(2).unwrap().slot_committed_len.is_some());
+    c.close(1).unwrap();
+    c.close(2).unwrap();
+    assert_drained(&c);
+
+    // Pressure: two slots, both held by idle sessions; a new request demotes the older one.
+    let (mut c, clock) = mamba_cache(2, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+    for id in [1, 2] {
+        c.open(id, true, None).unwrap();
+        let mut t = req(Some(id), (id as u32 * 100..id as u32 * 100 + 10).collect());
+        turn(&mut c, &mut t, &[1, 2]);
+        clock.advance(1);
+    }
+    assert_eq!((mamba(&c).free, c.held_state_slots()), (0, 2));
+    let mut r = req(None, (5000..5010).collect());
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    ok(&c);
+    assert!(r.mamba_slot.is_some());
+    assert_eq!(
+        c.session_info(1).unwrap().slot_committed_len,
+        None,
+        "LRU demoted"
+    );
+    assert!(c.session_info(2).unwrap().slot_committed_len.is_some());
+    // Every slot running or held, none idle to demote: a typed error, nothing changes.
+    let mut s = req(None, (6000..6010).collect());
+    c.match_request(&mut s).unwrap();
+    c.demote(2).unwrap();
+    let mut q = req(None, (7000..7010).collect());
+    c.match_request(&mut q).unwrap();
+    c.begin_request(&mut q).unwrap();
+    assert!(matches!(
+        c.begin_request(&mut s),
+        Err(CacheError::OutOfStateSlots { .. })
+    ));
+    ok(&c);
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut q, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut s, FinishKind::Aborted).unwrap();
+    c.close(1).unwrap();
+    c.close(2).unwrap();
+    assert_eq!(mamba(&c).request_owned, 0);
+    assert_drained(&c);
+}
+
+#[test]
+fn the_request_audit_reaches_the_inner_caches_mamba_check() {
+    let (mut c, _) = mamba_cache(4, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
+    let mut r = req(None, (0..10).collect());
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.check_request(&r).unwrap();
+    let own = r.mamba_slot.take();
+    // A running request without its Mamba slot is caught through the session layer.
+    assert!(c.check_request(&r).is_err());
+    r.mamba_slot = own;
+    // So is an idle session slot whose state the pool does not hold for a request.
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    turn(&mut c, &mut t1, &[1, 2]);
+    let held = c.sessions[&1].slot.as_ref().unwrap().mamba_slot;
+    c.sessions
+        .get_mut(&1)
+        .unwrap()
+        .slot
+        .as_mut()
+        .unwrap()
+        .mamba_slot = Some(3);
+    assert!(c.check_invariants().is_err());
+    c.sessions
+        .get_mut(&1)
+        .unwrap()
+        .slot
+        .as_mut()
+        .unwrap()
+        .mamba_slot = held;
+    ok(&c);
+    c.close(1).unwrap();
+    assert_drained(&c);
 }

@@ -4,12 +4,16 @@
 //! small pool, so budgets, TTL expiry and allocation pressure demote sessions all the time.
 //! The device memory model is one value per KV slot; at teardown the pool must hold nothing
 //! but free or evictable pages.
+//!
+//! The hybrid variant ([`MambaDevice`]) runs the same model over a cache with Mamba state slots
+//! (a small pool, either policy): session slots keep the running state across turns, demotion
+//! and pressure hand it to the tree or free it, and at teardown no slot is request-held.
 
 use std::convert::Infallible;
 
 use proptest::prelude::*;
 use proptest_state_machine::prop_state_machine;
-use radixkv_radix::{PrefixCache, RadixCache, RadixConfig};
+use radixkv_radix::{MambaPolicy, MarconiParams, PrefixCache, RadixCache, RadixConfig};
 use radixkv_tests::model_kv::SlotMemory;
 use radixkv_tests::session_model::{Flight, Machine, Profile, Sut, Tier};
 
@@ -66,8 +70,86 @@ impl Tier for Device {
     fn drain(_: &mut Sut<Self>) {}
 
     fn check_drained(sut: &Sut<Self>) {
-        let pages = &sut.c.pools().pages;
-        assert_eq!(pages.available() + pages.tree_pages(), PAGES);
+        Device::check_drained_pages(sut.c.pools());
+    }
+}
+
+/// The device-only tier over a hybrid model: the cache also has a pool of Mamba state slots.
+struct MambaDevice;
+
+/// How a hybrid run is built: state slots, and Marconi (with prompt-end checkpoints) or the
+/// SGLang-style policy.
+#[derive(Clone, Debug)]
+struct Hybrid {
+    slots: u32,
+    marconi: bool,
+}
+
+impl Tier for MambaDevice {
+    type Inner = RadixCache;
+    type Kv = SlotMemory;
+    type Params = Hybrid;
+    type Extra = Infallible;
+    const PROFILE: Profile = Device::PROFILE;
+    const RUNNING_STATE: bool = true;
+
+    fn params() -> BoxedStrategy<Hybrid> {
+        (3u32..24, any::<bool>())
+            .prop_map(|(slots, marconi)| Hybrid { slots, marconi })
+            .boxed()
+    }
+
+    fn extra_ops() -> Vec<(u32, BoxedStrategy<Infallible>)> {
+        Vec::new()
+    }
+
+    fn build(h: &Hybrid) -> (SlotMemory, RadixCache) {
+        let mamba_policy = if h.marconi {
+            MambaPolicy::Marconi(MarconiParams {
+                prompt_end: true,
+                ..Default::default()
+            })
+        } else {
+            MambaPolicy::Sglang
+        };
+        let inner = RadixCache::new(RadixConfig {
+            page_size: P,
+            total_pages: PAGES,
+            max_rows: 16,
+            mamba_slots: Some(h.slots),
+            mamba_policy,
+            ..Default::default()
+        })
+        .unwrap();
+        (SlotMemory::new(PAGES, P), inner)
+    }
+
+    fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
+        true
+    }
+
+    fn apply_extra(_: &mut Sut<Self>, op: Infallible) {
+        match op {}
+    }
+
+    fn drain(_: &mut Sut<Self>) {}
+
+    fn check_drained(sut: &Sut<Self>) {
+        Device::check_drained_pages(sut.c.pools());
+        let m = sut.c.inner().mamba_accounting().unwrap();
+        assert!(m.balanced(), "{m:?}");
+        assert_eq!(
+            m.request_owned + m.protected,
+            0,
+            "state slots leaked: {m:?}"
+        );
+        assert_eq!(sut.c.held_state_slots(), 0);
+    }
+}
+
+impl Device {
+    fn check_drained_pages(pools: &radixkv_radix::DevicePools) {
+        assert_eq!(pools.pages.available() + pools.pages.tree_pages(), PAGES);
     }
 }
 
@@ -75,4 +157,10 @@ prop_state_machine! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
     fn sessions_under_pressure(sequential 1..80 => Machine<Device>);
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #[test]
+    fn hybrid_sessions_under_pressure(sequential 1..80 => Machine<MambaDevice>);
 }

@@ -107,7 +107,19 @@ impl<T: Tier> Sut<T> {
     /// when the request was aborted (out of memory or a failed load).
     fn admit(&mut self, f: &mut Flight, session: Option<u64>, rematch: bool) -> bool {
         let p = self.page_size();
-        let expect = session.and_then(|id| self.expectation(id).map(|e| (id, e)));
+        let mut expect = session.and_then(|id| self.expectation(id).map(|e| (id, e)));
+        let len = f.req.key.tokens.len();
+        if let Some((id, (committed, _))) = &expect
+            && T::RUNNING_STATE
+            && *committed > len - 1
+        {
+            // The held state is the state after all `committed` tokens: the slot is demoted.
+            if let Some(s) = self.sessions.get_mut(id) {
+                s.saved = None;
+            }
+            expect = None;
+            self.bump("state cannot be cut back");
+        }
         let m = self.c.match_request(&mut f.req).unwrap();
         let tokens = f.req.key.tokens.clone();
         self.verify(&f.req.prefix_pages, m.prefix_len, &tokens, "matched prefix");
@@ -135,7 +147,20 @@ impl<T: Tier> Sut<T> {
             assert_eq!(f.req.prefix_pages, pages);
             self.bump("rematched");
         }
-        self.c.begin_request(&mut f.req).unwrap();
+        match self.c.begin_request(&mut f.req) {
+            Ok(()) => {}
+            // Every state slot is running (no idle session holds one to demote): nothing is
+            // held, the request gives up.
+            Err(CacheError::OutOfStateSlots { .. }) if T::RUNNING_STATE => {
+                assert!(f.req.row.is_none() && f.req.mamba_slot.is_none());
+                self.c
+                    .cache_finished_req(&mut f.req, FinishKind::Aborted)
+                    .unwrap();
+                self.bump("out of state slots");
+                return false;
+            }
+            Err(e) => panic!("begin_request: {e}"),
+        }
         if !T::load_back(self, f) {
             return false;
         }

@@ -61,6 +61,11 @@ pub trait Tier: Sized + 'static {
     type Extra: Clone + std::fmt::Debug + 'static;
     /// Sizes of a run.
     const PROFILE: Profile;
+    /// True when the inner cache gives each request a running state that a session slot
+    /// keeps across turns (a cache with Mamba slots): a slot whose next turn would use fewer
+    /// tokens than it holds cannot cut that state back, so it is demoted and the turn matches
+    /// the tree, and a request may find no free state slot (it is aborted then).
+    const RUNNING_STATE: bool = false;
 
     /// Draws the build parameters.
     fn params() -> BoxedStrategy<Self::Params>;

@@ -1,0 +1,148 @@
+//! Streaming sessions on a hybrid Transformer–Mamba model (the Jamba-like preset) through the
+//! manager: a session's slot keeps the running Mamba state, so each turn continues at the
+//! whole held length in the same state slot (no copy on write), and closing, demotion and a
+//! request short of a state slot hand the held state back.
+
+mod common;
+
+use common::admitted;
+use radixkv_scheduler_api::{
+    Admitted, KvCacheManager, MambaPolicyKind, Preset, ReqId, Request, SessionBudget,
+};
+
+/// The Jamba-like geometry with pages of 4 tokens.
+fn jamba() -> radixkv_scheduler_api::ModelGeometry {
+    let mut m = Preset::JambaLike.geometry();
+    m.page_size = 4;
+    m
+}
+
+fn manager(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
+    let slot = jamba().checked_mamba_slot_bytes().unwrap();
+    KvCacheManager::builder()
+        .model(jamba())
+        .device_tokens(1024)
+        .max_rows(8)
+        .mamba_bytes(slots * slot)
+        .mamba_policy(policy)
+        .sessions(SessionBudget {
+            max_held_tokens: 512,
+            idle_ttl_ms: 60_000,
+            per_session_cap_tokens: 512,
+        })
+        .build()
+        .unwrap()
+}
+
+/// Both pools balance and every running request passes the cache's audit (its Mamba slot
+/// included).
+fn balanced(kv: &KvCacheManager) {
+    let m = kv.mamba_accounting().unwrap();
+    assert!(m.balanced(), "{m:?}");
+    assert!(kv.accounting().balanced(), "{:?}", kv.accounting());
+    kv.check_invariants().unwrap();
+}
+
+/// Arrives, admits and prefills one request (of `session`, if any) in one step.
+fn start(
+    kv: &mut KvCacheManager,
+    session: Option<u64>,
+    tokens: Vec<u32>,
+    out: u32,
+) -> (ReqId, Admitted) {
+    let mut r = Request::new(tokens).max_new_tokens(out as usize);
+    if let Some(s) = session {
+        r = r.session(s);
+    }
+    let id = kv.arrive(r).unwrap();
+    let a = admitted(kv, id);
+    kv.extend(id, a.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    kv.end_step(step).unwrap();
+    kv.chunk_done(id).unwrap();
+    balanced(kv);
+    (id, a)
+}
+
+/// One turn: prefill, `out − 1` decode steps (tokens 9000, 9001, …), finish.
+fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Admitted {
+    let (id, a) = start(kv, Some(session), tokens, out);
+    for t in 0..out.saturating_sub(1) {
+        kv.decode(id, 9_000 + t).unwrap();
+        let step = kv.begin_step();
+        kv.end_step(step).unwrap();
+        balanced(kv);
+    }
+    kv.finish(id).unwrap();
+    balanced(kv);
+    a
+}
+
+#[test]
+fn three_turns_continue_in_the_held_state_slot_and_close_frees_it() {
+    for policy in [MambaPolicyKind::Sglang, MambaPolicyKind::Marconi] {
+        let mut kv = manager(8, policy);
+        let t1: Vec<u32> = (0..10).collect();
+        let a1 = turn(&mut kv, 7, t1.clone(), 3);
+        assert_eq!(a1.cached_tokens(), 0);
+        let slot = a1.mamba_slot.expect("a running state slot");
+        // The idle session holds the running state (a request-held slot of the pool).
+        assert!(kv.mamba_accounting().unwrap().request_owned >= 1);
+        // Turn 2 extends turn 1 (prompt + both fed-back outputs): it continues at the whole
+        // held length, in the same slot, with no copy.
+        let mut t2 = t1.clone();
+        t2.extend([9_000, 9_001, 50, 51, 52]);
+        let a2 = turn(&mut kv, 7, t2.clone(), 3);
+        assert_eq!(a2.device_tokens, 12, "{policy:?}");
+        assert_eq!(a2.mamba_slot, Some(slot));
+        assert_eq!(a2.mamba_cow, None);
+        // Turn 3: 17 held tokens, not page-aligned, and no state in the tree there: still the
+        // whole length (a tree match would stop at a cached state).
+        let mut t3 = t2.clone();
+        t3.extend([9_000, 9_001, 60, 61]);
+        let a3 = turn(&mut kv, 7, t3, 2);
+        assert_eq!(a3.device_tokens, 17, "{policy:?}");
+        assert_eq!(a3.mamba_slot, Some(slot));
+        assert_eq!(a3.mamba_cow, None);
+        kv.close_session(7).unwrap();
+        kv.drain().unwrap();
+        balanced(&kv);
+        let m = kv.mamba_accounting().unwrap();
+        assert_eq!(m.request_owned, 0, "close freed the held state: {m:?}");
+        let a = kv.accounting();
+        assert_eq!(a.session_held + a.protected + a.request_owned, 0, "{a:?}");
+    }
+}
+
+#[test]
+fn a_request_short_of_a_state_slot_demotes_an_idle_session() {
+    // Two state slots; session 7's idle slot holds one.
+    let mut kv = manager(2, MambaPolicyKind::Sglang);
+    turn(&mut kv, 7, (0..10).collect(), 3);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 1);
+    // One request takes the free slot; the next finds none free and demotes the session
+    // rather than wait for it.
+    let (a, _) = start(&mut kv, None, (100..110).collect(), 2);
+    let (b, adm) = start(&mut kv, None, (200..210).collect(), 2);
+    assert!(adm.mamba_slot.is_some());
+    assert_eq!(
+        kv.metrics().gauges.held_sessions,
+        0,
+        "session 7 was demoted"
+    );
+    kv.finish(a).unwrap();
+    kv.finish(b).unwrap();
+    balanced(&kv);
+    // Its demoted state (12 tokens, ending a page) went to the tree as evictable cache and
+    // was evicted there for `b`'s slot: the next turn matches the tree, which has no state to
+    // continue from, and starts over; it becomes the session's slot again.
+    let mut t2: Vec<u32> = (0..10).collect();
+    t2.extend([9_000, 9_001, 50]);
+    let a2 = turn(&mut kv, 7, t2, 2);
+    assert_eq!(a2.device_tokens, 0);
+    assert_eq!(kv.metrics().gauges.held_sessions, 1);
+    kv.close_session(7).unwrap();
+    kv.drain().unwrap();
+    balanced(&kv);
+    assert_eq!(kv.mamba_accounting().unwrap().request_owned, 0);
+}
