@@ -2,8 +2,8 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (Mamba or sliding-window layers under a host tier or
-//! with sessions, see [`crate::geometry`]) or not built at all (the CUDA backend):
+//! [`crate::factory::build_cache`] yet (Mamba or sliding-window layers under a host tier,
+//! sliding-window layers with sessions, see [`crate::geometry`]) or not built at all (the CUDA backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
