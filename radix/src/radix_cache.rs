@@ -1,5 +1,6 @@
 //! [`RadixCache`]: the device-only prefix cache over a [`RadixTree`] and the device pools.
 
+use crate::RowId;
 use crate::alloc::{DevicePools, PageState, RowHolder};
 use crate::cache::{
     FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch, alloc_tokens_kv,
@@ -325,9 +326,7 @@ impl RadixCache {
             .row
             .ok_or(CacheError::InvalidRequestState("request has no row"))?;
         let p = self.pools.page_size;
-        let (pages, protected) = self.pools.rows.parts_mut(row)?;
-        let mut buf = std::mem::take(pages);
-        let owned_from = (*protected).min(len / p);
+        let (mut buf, owned_from) = self.take_row_pages(row, len)?;
         let opts = InsertOptions {
             priority: req.priority,
             chunked,
@@ -347,11 +346,33 @@ impl RadixCache {
             }
             None => self.insert_owned(req.key.prefix(len), &mut buf[..len / p], owned_from, opts),
         };
+        self.put_row_pages(row, buf, len, res)
+    }
+
+    /// Takes the row's page table out for an insert of its first `len` tokens, with the index
+    /// of its first page the tree does not own yet.
+    fn take_row_pages(&mut self, row: RowId, len: usize) -> Result<(Vec<PageId>, usize)> {
+        let p = self.pools.page_size;
+        let (pages, protected) = self.pools.rows.parts_mut(row)?;
+        let owned_from = (*protected).min(len / p);
+        Ok((std::mem::take(pages), owned_from))
+    }
+
+    /// Puts back the page table [`RadixCache::take_row_pages`] took; when the insert (`res`)
+    /// succeeded, the row's first `len / P` pages are canonical and protected, and the
+    /// duplicates it replaced (owned by the row, by nobody now) go back to the pool.
+    fn put_row_pages<T>(
+        &mut self,
+        row: RowId,
+        buf: Vec<PageId>,
+        len: usize,
+        res: Result<T>,
+    ) -> Result<T> {
+        let p = self.pools.page_size;
         let (pages, protected) = self.pools.rows.parts_mut(row)?;
         *pages = buf;
         let r = res?;
         *protected = (*protected).max(len / p);
-        // Duplicates were owned by the row; they are owned by nobody now and go back.
         let dups = std::mem::take(&mut self.scratch);
         self.pools.pages.free(&dups)?;
         self.scratch = dups;

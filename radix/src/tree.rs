@@ -408,13 +408,17 @@ impl RadixTree {
 
     /// Depth of `id` in tokens (length of the key from the root to the end of the node).
     pub fn depth_tokens(&self, id: NodeId) -> Result<usize> {
-        let mut i = self.resolve(id)?;
+        Ok(self.depth_of(self.resolve(id)?))
+    }
+
+    /// [`RadixTree::depth_tokens`] of a resolved node index.
+    fn depth_of(&self, mut i: u32) -> usize {
         let mut d = 0;
         while i != self.root {
             d += self.nodes[i as usize].key.len();
             i = self.nodes[i as usize].parent;
         }
-        Ok(d)
+        d
     }
 
     // ---------------------------------------------------------------------------------------

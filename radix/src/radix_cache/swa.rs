@@ -351,9 +351,7 @@ impl RadixCache {
                 "the request's SWA table is shorter than the inserted prefix",
             ));
         }
-        let (pages, protected) = self.pools.rows.parts_mut(row)?;
-        let mut buf = std::mem::take(pages);
-        let owned_from = (*protected).min(len / p);
+        let (mut buf, owned_from) = self.take_row_pages(row, len)?;
         let opts = InsertOptions {
             priority: req.priority,
             chunked,
@@ -367,13 +365,7 @@ impl RadixCache {
                 done = Some(r);
                 Ok(r.kv)
             });
-        let (pages, protected) = self.pools.rows.parts_mut(row)?;
-        *pages = buf;
-        let r = res?;
-        *protected = (*protected).max(len / p);
-        let dups = std::mem::take(&mut self.scratch);
-        self.pools.pages.free(&dups)?;
-        self.scratch = dups;
+        let r = self.put_row_pages(row, buf, len, res)?;
         // The tree holds (or freed as duplicates) every SWA page of `[from, len)` now: keep
         // its canonical pages of the window before `len`, locked by the caller next.
         let keep = from.max(len.saturating_sub(window));

@@ -238,15 +238,6 @@ impl RadixTree {
         Ok((e.slot != NIL).then(|| CheckpointKind::from_index(e.kind)))
     }
 
-    fn depth_of(&self, mut i: u32) -> usize {
-        let mut d = 0;
-        while i != self.root {
-            d += self.nodes[i as usize].key.len();
-            i = self.nodes[i as usize].parent;
-        }
-        d
-    }
-
     /// Where `key` (truncated to whole pages) leaves the tree's device paths at a *branch
     /// point*: the depth of the deepest common prefix when the key goes on past it and the
     /// cached path there either goes on inside the same edge or has other device children.

@@ -383,6 +383,31 @@ fn write_policy_name(w: &WritePolicy) -> String {
     }
 }
 
+impl Report {
+    /// The mean occupancy over the run of the KV pool and one extra pool (`pool` names it;
+    /// `extra` reads its in-use and cached shares from a sample).
+    fn write_occupancy(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        pool: &str,
+        extra: impl Fn(&OccupancySample) -> (Option<f64>, Option<f64>),
+    ) -> fmt::Result {
+        let n = self.occupancy.len().max(1) as f64;
+        let mean = |get: &dyn Fn(&OccupancySample) -> f64| {
+            100.0 * self.occupancy.iter().map(get).sum::<f64>() / n
+        };
+        writeln!(
+            f,
+            "pool occupancy   mean over the run: KV pages {:.1}% in use + {:.1}% cached; \
+             {pool} {:.1}% in use + {:.1}% cached",
+            mean(&|o| o.in_use),
+            mean(&|o| o.cached),
+            mean(&|o| extra(o).0.unwrap_or(0.0)),
+            mean(&|o| extra(o).1.unwrap_or(0.0))
+        )
+    }
+}
+
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let r = &self.hit_ratio;
@@ -478,18 +503,7 @@ impl fmt::Display for Report {
                 fmt_count(mamba.checkpoints_skipped),
                 fmt_count(mamba.cached_at_end)
             )?;
-            let n = self.occupancy.len().max(1) as f64;
-            let mean =
-                |f: &dyn Fn(&OccupancySample) -> f64| self.occupancy.iter().map(f).sum::<f64>() / n;
-            writeln!(
-                f,
-                "pool occupancy   mean over the run: KV pages {:.1}% in use + {:.1}% cached; \
-                 Mamba slots {:.1}% in use + {:.1}% cached",
-                100.0 * mean(&|o| o.in_use),
-                100.0 * mean(&|o| o.cached),
-                100.0 * mean(&|o| o.mamba_in_use.unwrap_or(0.0)),
-                100.0 * mean(&|o| o.mamba_cached.unwrap_or(0.0))
-            )?;
+            self.write_occupancy(f, "Mamba slots", |o| (o.mamba_in_use, o.mamba_cached))?;
         }
         if let Some(swa) = &self.swa {
             writeln!(
@@ -503,18 +517,7 @@ impl fmt::Display for Report {
                 fmt_count(swa.pages_slid_out),
                 fmt_count(swa.cached_at_end)
             )?;
-            let n = self.occupancy.len().max(1) as f64;
-            let mean =
-                |f: &dyn Fn(&OccupancySample) -> f64| self.occupancy.iter().map(f).sum::<f64>() / n;
-            writeln!(
-                f,
-                "pool occupancy   mean over the run: KV pages {:.1}% in use + {:.1}% cached; \
-                 SWA pages {:.1}% in use + {:.1}% cached",
-                100.0 * mean(&|o| o.in_use),
-                100.0 * mean(&|o| o.cached),
-                100.0 * mean(&|o| o.swa_in_use.unwrap_or(0.0)),
-                100.0 * mean(&|o| o.swa_cached.unwrap_or(0.0))
-            )?;
+            self.write_occupancy(f, "SWA pages", |o| (o.swa_in_use, o.swa_cached))?;
         }
         if let Some(fl) = &self.prefill_flops {
             writeln!(
