@@ -121,6 +121,8 @@ pub struct KvCacheManager {
     cfg: ManagerConfig,
     requests: Table<Tracked>,
     reserved_total: usize,
+    /// Sum of the running requests' `swa_peak`: the SWA pages admission promised them.
+    swa_peak_total: usize,
     waiting: usize,
     running: usize,
     metrics: Metrics,
@@ -204,6 +206,7 @@ impl KvCacheManager {
             cfg,
             requests: Table::default(),
             reserved_total: 0,
+            swa_peak_total: 0,
             waiting: 0,
             running: 0,
             metrics: Metrics::default(),
@@ -433,8 +436,25 @@ impl KvCacheManager {
                 self.reserved_total
             )));
         }
+        let mut swa_peak = 0;
         for t in self.requests.values() {
             self.cache.check_request(&t.kv)?;
+            if t.phase == Phase::Running {
+                swa_peak += t.swa_peak;
+                let own = own_swa_pages(&t.kv, self.cfg.model.page_size.max(1));
+                if own > t.swa_peak {
+                    return Err(inv(format!(
+                        "a running request owns {own} SWA pages, past its admitted peak of {}",
+                        t.swa_peak
+                    )));
+                }
+            }
+        }
+        if swa_peak != self.swa_peak_total {
+            return Err(inv(format!(
+                "SWA peaks sum to {swa_peak} but the total says {}",
+                self.swa_peak_total
+            )));
         }
         let running = self
             .requests
@@ -667,13 +687,9 @@ impl KvCacheManager {
                     capacity: a.total.saturating_mul(page),
                 }));
             }
-            // What running requests may still take beyond the SWA pages they own now.
-            let claimed: usize = self
-                .requests
-                .values()
-                .filter(|r| r.phase == Phase::Running)
-                .map(|r| r.swa_peak.saturating_sub(own_swa_pages(&r.kv, page)))
-                .sum();
+            // What running requests may still take beyond the SWA pages they own now (no
+            // running request owns more than its peak: `check_invariants`).
+            let claimed = self.swa_peak_total.saturating_sub(a.request_owned);
             // Read under a temporary lock of the window KV before the match's end, as the
             // admission will lock it.
             let t = self
@@ -731,6 +747,7 @@ impl KvCacheManager {
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
         t.swa_peak = swa_peak;
+        self.swa_peak_total += swa_peak;
         t.phase = Phase::Running;
         t.row_capacity = 0;
         self.reserved_total += t.reserved;
@@ -947,6 +964,8 @@ impl KvCacheManager {
         let t = running_mut(&mut self.requests, id)?;
         self.reserved_total -= t.reserved;
         t.reserved = 0;
+        self.swa_peak_total -= t.swa_peak;
+        t.swa_peak = 0;
         t.phase = Phase::Waiting;
         t.row_capacity = 0;
         self.running -= 1;
@@ -1199,7 +1218,10 @@ impl KvCacheManager {
     fn forget(&mut self, t: &Tracked) {
         self.reserved_total -= t.reserved;
         match t.phase {
-            Phase::Running => self.running -= 1,
+            Phase::Running => {
+                self.running -= 1;
+                self.swa_peak_total -= t.swa_peak;
+            }
             Phase::Waiting => self.waiting -= 1,
         }
     }
