@@ -43,8 +43,8 @@ pub struct RadixConfig {
     /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
     /// deepest cached state, every running request holds its own slot, and requests leave
     /// states behind as [`RadixConfig::mamba_policy`] says (see the crate docs). A session
-    /// layer keeps a streaming session's running slot across turns (`radixkv-session`); the
-    /// host tier does not support it yet (it refuses it).
+    /// layer keeps a streaming session's running slot across turns (`radixkv-session`), and the
+    /// host tier (`radixkv-hicache`) backs up and loads states with their KV.
     pub mamba_slots: Option<u32>,
     /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
     /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
