@@ -824,8 +824,8 @@ impl KvCacheManager {
         // Inserting may rewrite the row; the next allocation asks the cache again.
         t.row_capacity = 0;
         self.cache.cache_unfinished_req(&mut t.kv)?;
-        if let Some(w) = self.swa_window {
-            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+        if self.swa_window.is_some() {
+            let freed = slide(self.cache.as_mut(), &mut t.kv)?;
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         Ok(())
@@ -843,8 +843,8 @@ impl KvCacheManager {
         if t.kv.allocated_len < t.kv.key.len() {
             return Err(t.lifecycle(id, "decode before the prompt is allocated"));
         }
-        if let Some(w) = self.swa_window {
-            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+        if self.swa_window.is_some() {
+            let freed = slide(self.cache.as_mut(), &mut t.kv)?;
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         let pos = t.kv.allocated_len;
@@ -1302,20 +1302,12 @@ fn own_swa_pages(kv: &RequestKv, page: usize) -> usize {
     kv.swa_pages.len().saturating_sub(tree_held)
 }
 
-/// Frees the window KV of `kv` that slid out of the window (`PrefixCache::slide_window`), when
-/// some did: cheap otherwise. Returns the pages freed.
+/// Frees the window KV of `kv` that slid out of the window and releases its SWA locks once the
+/// window has passed its cached prefix: `PrefixCache::slide_window`, which alone decides what
+/// slid out (a request without a row has nothing to slide). Returns the pages freed.
 #[inline]
-fn slide(
-    cache: &mut dyn ManagedCache,
-    window: usize,
-    page: usize,
-    kv: &mut RequestKv,
-) -> Result<usize> {
+fn slide(cache: &mut dyn ManagedCache, kv: &mut RequestKv) -> Result<usize> {
     if kv.row.is_none() {
-        return Ok(0);
-    }
-    let target = (kv.committed_len / page * page).saturating_sub(window);
-    if target <= kv.swa_evicted_len {
         return Ok(0);
     }
     Ok(cache.slide_window(kv)?)
