@@ -594,26 +594,15 @@ impl KvCacheManager {
         // none is free they are demoted (least recently used first, the request's own session
         // never: its slot is what the match just declined or lent) until one is.
         if t.kv.row.is_none() && self.cache.pools().rows.available() == 0 {
-            let mut demoted = false;
-            if self.cache.held_sessions() > 0 {
-                let own = t.kv.session.map(|s| s.id);
-                let mut order: Vec<(u64, u64)> = self
-                    .sessions_open
-                    .iter()
-                    .filter(|&&s| Some(s) != own)
-                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
-                    .collect();
-                order.sort_unstable();
-                for (_, sid) in order {
-                    if self.cache.demote_session(sid)? {
-                        self.metrics.counters.session_demotions += 1;
-                        demoted = true;
-                        if self.cache.pools().rows.available() > 0 {
-                            break;
-                        }
-                    }
-                }
-            }
+            let demoted = self.cache.held_sessions() > 0
+                && demote_idle_sessions(
+                    self.cache.as_mut(),
+                    &self.sessions_open,
+                    &self.session_use,
+                    &mut self.metrics.counters.session_demotions,
+                    t.kv.session.map(|s| s.id),
+                    |cache| Ok(cache.pools().rows.available() > 0),
+                )?;
             if self.cache.pools().rows.available() == 0 {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, "admission waits: no row");
@@ -635,24 +624,15 @@ impl KvCacheManager {
             // that stands in the way. Their slots keep their first turn's prefix locked, which
             // the session budget does not count, so demote them (least recently used first;
             // their KV stays in the tree as evictable cache) until the request fits.
-            let own = t.kv.session.map(|s| s.id);
-            let mut order: Vec<(u64, u64)> = self
-                .sessions_open
-                .iter()
-                .filter(|&&s| Some(s) != own)
-                .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
-                .collect();
-            order.sort_unstable();
-            for (_, sid) in order {
-                if self.cache.demote_session(sid)? {
-                    self.metrics.counters.session_demotions += 1;
-                    available =
-                        admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
-                    if needed <= available {
-                        break;
-                    }
-                }
-            }
+            let reserved_total = self.reserved_total;
+            demote_idle_sessions(
+                self.cache.as_mut(),
+                &self.sessions_open,
+                &self.session_use,
+                &mut self.metrics.counters.session_demotions,
+                t.kv.session.map(|s| s.id),
+                |cache| Ok(needed <= admission_available(cache, &t.kv, reserved_total)?),
+            )?;
             // Demotion inserted into the tree: match again so the handles are current.
             m = self.cache.match_request(&mut t.kv)?;
             needed = (len - m.prefix_len)
@@ -1036,13 +1016,14 @@ impl KvCacheManager {
                 requests: self.requests.len(),
             });
         }
-        let mut ids: Vec<u64> = self.sessions_open.iter().copied().collect();
-        ids.sort_unstable();
-        for sid in ids {
-            if self.cache.demote_session(sid)? {
-                self.metrics.counters.session_demotions += 1;
-            }
-        }
+        demote_idle_sessions(
+            self.cache.as_mut(),
+            &self.sessions_open,
+            &self.session_use,
+            &mut self.metrics.counters.session_demotions,
+            None,
+            |_| Ok(false),
+        )?;
         self.cache.reset()?;
         self.buffer_cache_events();
         Ok(())
@@ -1241,6 +1222,39 @@ impl LayerWait for LoadsNotStarted {
         // Complete, unsuccessfully: `wait_layer` says how.
         true
     }
+}
+
+/// Demotes the open sessions' idle slots, least recently used first and never `except`'s
+/// (the admitting request's own session), until `enough` holds after a demotion; counts each
+/// demotion in `demotions`. Returns whether any slot was demoted.
+///
+/// # Errors
+/// Cache errors from a demotion or from `enough`.
+fn demote_idle_sessions(
+    cache: &mut dyn ManagedCache,
+    sessions_open: &HashSet<u64>,
+    session_use: &ahash::HashMap<u64, u64>,
+    demotions: &mut u64,
+    except: Option<u64>,
+    mut enough: impl FnMut(&mut dyn ManagedCache) -> Result<bool>,
+) -> Result<bool> {
+    let mut order: Vec<(u64, u64)> = sessions_open
+        .iter()
+        .filter(|&&s| Some(s) != except)
+        .map(|&s| (session_use.get(&s).copied().unwrap_or(0), s))
+        .collect();
+    order.sort_unstable();
+    let mut demoted = false;
+    for (_, sid) in order {
+        if cache.demote_session(sid)? {
+            *demotions += 1;
+            demoted = true;
+            if enough(cache)? {
+                break;
+            }
+        }
+    }
+    Ok(demoted)
 }
 
 /// Admission budget for a matched request. Locking the matched path takes it out of
