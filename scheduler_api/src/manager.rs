@@ -149,8 +149,6 @@ pub struct KvCacheManager {
     open_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
-    /// The cache has the Mamba component (read once): state counters are tracked.
-    has_mamba: bool,
     /// The sliding window in tokens when the cache has the SWA component (read once).
     swa_window: Option<usize>,
 }
@@ -198,7 +196,6 @@ impl KvCacheManager {
             None => build_cache_with_clock(&cfg, clock.clone())?,
         };
         let page_granular = cache.page_granular();
-        let has_mamba = cache.mamba_accounting().is_some();
         let swa_window = cache.swa_window();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
@@ -222,7 +219,6 @@ impl KvCacheManager {
             step_error: None,
             open_step: None,
             ended_step: 0,
-            has_mamba,
             swa_window,
         })
     }
@@ -578,17 +574,9 @@ impl KvCacheManager {
         if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
             t.kv.session = None;
         }
+        // (A Mamba hit needs two slots, the cached state and the request's copy: the config
+        // refuses a pool of fewer.)
         let mut m = self.cache.match_request(&mut t.kv)?;
-        // A Mamba hit keeps the cached state and copies it into a slot of the request's own:
-        // two slots. A one-slot pool can never serve one, so its cached state goes (the KV
-        // stays) and the request runs as a miss rather than wait forever.
-        if self.has_mamba
-            && t.kv.prefix_len > 0
-            && self.cache.mamba_accounting().is_some_and(|a| a.total < 2)
-        {
-            self.cache.evict_mamba_states(usize::MAX);
-            m = self.cache.match_request(&mut t.kv)?;
-        }
         // A session turn served from its slot has its row from the match; anything else needs
         // a free one. Idle sessions keep rows that only their next turn would use, so when
         // none is free they are demoted (least recently used first, the request's own session
