@@ -27,7 +27,8 @@
 //!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
 //!   that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
-//!   `pools.mamba_bytes / slot bytes` slots. Every running request holds one slot of its own
+//!   `pools.mamba_bytes / slot bytes` slots, at least 2 (a budget for fewer is a
+//!   [`ManagerError::Config`]: a hit holds the cached state and the request's copy). Every running request holds one slot of its own
 //!   ([`Admitted::mamba_slot`]); a hit is usable only up to the deepest cached state, and the
 //!   engine copies that state into the request's slot before its first forward
 //!   ([`Admitted::mamba_cow`]). Where a slot can be spared, a request also gets a tracking
