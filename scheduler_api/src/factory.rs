@@ -30,7 +30,9 @@
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
 //! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
 //! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry) without
-//! sessions. Mamba layers under a host tier, sliding-window layers under a host tier or with
+//! sessions; Mamba layers also build under a host tier (`HiRadixCache` moves the states with
+//! their KV; HostSim's simulated state slots are 64 bytes each, like its token-sized KV pools,
+//! while an engine's backend holds the model's). Sliding-window layers under a host tier or with
 //! sessions, and a model with both kinds of layers are still [`ManagerError::NotWired`]: their
 //! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
@@ -271,8 +273,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// or Mamba layers under a host tier, sliding-window layers with sessions, or both kinds of
-/// layers in one model;
+/// layers under a host tier or with sessions, or both kinds of layers in one model;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -436,12 +437,12 @@ fn build<B: DeviceBackend>(
 /// than built into a cache that would ignore their pools:
 ///
 /// - sliding-window layers under a host tier or with sessions (neither carries window KV yet),
-///   or beside Mamba layers in one model (the tree does not carry both components at once);
-/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states.
+///   or beside Mamba layers in one model (the tree does not carry both components at once).
 ///
 /// Mamba layers or sliding-window layers on the device-only caches (`radix`, `disabled`) are
 /// wired: the radix tree carries the states or the window KV as a component of its nodes, and
-/// with Mamba layers a session slot keeps its running state across turns.
+/// with Mamba layers a session slot keeps its running state across turns. Mamba layers under a
+/// host tier are wired too: `HiRadixCache` backs up and loads the states with their KV.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if n.sliding_window > 0 {
@@ -466,13 +467,6 @@ fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
                 needs: "radixkv-session",
             });
         }
-    }
-    if n.mamba > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
-        return Err(ManagerError::NotWired {
-            kind: "a model with Mamba layers under a host tier (moving Mamba states between \
-                   the device and the host)",
-            needs: "radixkv-hicache",
-        });
     }
     Ok(())
 }
@@ -572,7 +566,7 @@ mod tests {
         assert!(e.contains("device_backend"), "points at the builder: {e}");
         // A sliding-window model builds on the device-only caches, its SWA pool sized from
         // its budget, and is refused under a host tier, naming what is missing; a Mamba model
-        // builds on the device-only caches, with sessions too, and is refused under a host tier.
+        // builds on every cache kind, with sessions too.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -607,35 +601,18 @@ mod tests {
             let hicache = matches!(cache, CacheKind::HiCache(_));
             let mut mamba = ManagerConfig { cache, ..base() };
             mamba.model = Preset::JambaLike.geometry();
-            match build_cache(&mamba) {
-                Ok(c) => {
-                    assert!(!hicache);
-                    let a = c.mamba_accounting().expect("the Mamba component");
-                    assert_eq!(a.total as u64, mamba.pools().unwrap().mamba.unwrap().slots);
-                }
-                Err(e) => {
-                    assert!(hicache, "{e:?}");
-                    let e = e.to_string();
-                    assert!(e.contains("radixkv-hicache") && e.contains("Mamba"), "{e}");
-                }
-            }
+            // Every cache kind carries the Mamba component, the host tier included.
+            let c = build_cache(&mamba).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            let a = c.mamba_accounting().expect("the Mamba component");
+            assert_eq!(a.total as u64, mamba.pools().unwrap().mamba.unwrap().slots);
             mamba.sessions = Some(SessionBudget {
                 max_held_tokens: mamba.device_tokens / 4,
                 ..Default::default()
             });
-            match build_cache(&mamba) {
-                Err(ManagerError::NotWired { needs, .. }) => {
-                    assert!(hicache);
-                    assert_eq!(needs, "radixkv-hicache");
-                }
-                Err(e) => panic!("Mamba with sessions: {e:?}"),
-                Ok(mut c) => {
-                    assert!(!hicache, "Mamba under a host tier must be refused");
-                    assert!(c.mamba_accounting().is_some(), "the Mamba component");
-                    c.open_session(1, true, None)
-                        .expect("sessions open over Mamba");
-                }
-            }
+            let mut c = build_cache(&mamba).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            assert!(c.mamba_accounting().is_some(), "the Mamba component");
+            c.open_session(1, true, None)
+                .expect("sessions open over Mamba");
         }
     }
 }

@@ -91,6 +91,26 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
     }
 
+    /// When no device Mamba slot is free or evictable but pending backups lock states (until
+    /// their acks), completes those backups ([`HiRadixCache::finish_pinned_backups`], counted
+    /// in [`HiCacheStats::backups_awaited_for_room`]) so that a request can have a slot.
+    ///
+    /// [`HiCacheStats::backups_awaited_for_room`]: super::HiCacheStats::backups_awaited_for_room
+    pub(super) fn unpin_states_if_short(&mut self) -> Result<()> {
+        let Some(a) = self.inner.mamba_accounting() else {
+            return Ok(());
+        };
+        let pinned = self
+            .pending_writes
+            .values()
+            .any(|w| !w.state_locks.is_empty());
+        if a.free + a.evictable == 0 && pinned {
+            self.stats.backups_awaited_for_room += 1;
+            self.finish_pinned_backups()?;
+        }
+        Ok(())
+    }
+
     /// Free host Mamba slots (0 without the Mamba pool).
     pub(super) fn mamba_host_free(&self) -> usize {
         self.ctrl

@@ -327,7 +327,9 @@ pub struct HiCacheStats {
     /// Backup submissions the backend refused (the operations stay queued and are retried).
     pub refused_submissions: u64,
     /// Times [`PrefixCache::make_room`] waited for the backups pinning device KV (and applied
-    /// their acks) because evicting the unpinned KV alone could not free enough pages.
+    /// their acks) because evicting the unpinned KV alone could not free enough pages, or
+    /// `begin_request` did so because every device Mamba slot was held and pending backups
+    /// locked some of them.
     pub backups_awaited_for_room: u64,
     /// Mamba states whose backup was queued (with their node's KV, or alone for a node whose
     /// KV was backed up before).
@@ -895,6 +897,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         });
         if !anchor_ok {
             self.match_request(req)?;
+        }
+        if self.mamba {
+            self.unpin_states_if_short()?;
         }
         if self.load_back_on_begin && req.host_hit_len > 0 {
             self.init_load_back(req, self.load_back_quota_tokens)?;
