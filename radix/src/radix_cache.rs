@@ -393,10 +393,30 @@ impl PrefixCache for RadixCache {
         self.tree.swa_enabled()
     }
 
+    fn sliding_window(&self) -> Option<usize> {
+        self.tree.swa_window().ok()
+    }
+
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
         check_request_kv(self, req)?;
         self.check_request_mamba(req)?;
         self.check_request_swa(req)
+    }
+
+    /// The request audit with the parked receipt standing in for `req.lock` (the SWA part
+    /// reads it).
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        check_request_kv(self, req)?;
+        self.check_request_mamba(req)?;
+        self.check_window_table(req, lock.or(req.lock.as_ref()))
+    }
+
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        self.truncate_request_swa(req, len)
     }
 
     fn pools(&self) -> &DevicePools {

@@ -110,6 +110,16 @@ impl RadixCache {
         &self,
         req: &RequestKv,
     ) -> std::result::Result<(), InvariantViolation> {
+        self.check_window_table(req, req.lock.as_ref())
+    }
+
+    /// [`RadixCache::check_request_swa`] with the receipt that locks the request's tree
+    /// window pages given apart (a session slot keeps it beside the parked request).
+    pub(super) fn check_window_table(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
         let (Ok(pool), Ok(window)) = (self.tree.swa_pool(), self.tree.swa_window()) else {
             ensure_inv!(
                 req.swa_pages.is_empty() && req.swa_evicted_len == 0,
@@ -144,7 +154,7 @@ impl RadixCache {
         );
         let tree_held = req.cache_protected_len.saturating_sub(from) / p;
         ensure_inv!(
-            tree_held == 0 || req.lock.as_ref().is_some_and(LockReceipt::locks_swa_window),
+            tree_held == 0 || lock.is_some_and(LockReceipt::locks_swa_window),
             "the request references tree window pages without an SWA lock"
         );
         for (j, &pg) in req.swa_pages.iter().enumerate() {
@@ -439,6 +449,37 @@ impl RadixCache {
         req.clear_kv_state();
         self.debug_audit();
         result.and(freed_swa).and(freed).and(unlocked)
+    }
+
+    /// [`PrefixCache::truncate_request`] with the SWA component: the window pages beside the
+    /// freed full-KV pages go too, and the window before the new end must still be held.
+    pub(super) fn truncate_request_swa(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        crate::cache::check_truncate(req, len)?;
+        let row = req.row.ok_or(CacheError::InvalidRequestState(
+            "truncate_request without a row",
+        ))?;
+        let p = self.pools.page_size;
+        let keep = crate::types::pages_for(len, p);
+        // The row must be live before anything is freed.
+        self.pools.rows.pages(row)?;
+        if let Ok(window) = self.tree.swa_window() {
+            let from = req.swa_evicted_len;
+            let committed = req.committed_len.min(len);
+            if from > align_down(committed, p).saturating_sub(window) {
+                return Err(CacheError::InvalidRequestState(
+                    "truncating into the window the request no longer holds",
+                ));
+            }
+            // Every page past the cut lies past `cache_protected_len`: the request's own.
+            let table = keep.saturating_sub(from / p).min(req.swa_pages.len());
+            self.tree.free_swa_pages(&req.swa_pages[table..])?;
+            req.swa_pages.truncate(table);
+        }
+        self.pools.truncate_row(row, keep)?;
+        req.allocated_len = len;
+        req.committed_len = req.committed_len.min(len);
+        self.debug_audit();
+        Ok(())
     }
 
     /// [`PrefixCache::slide_window`]: 0 without the SWA component.
