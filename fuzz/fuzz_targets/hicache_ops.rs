@@ -206,6 +206,7 @@ fuzz_target!(|input: Input| {
         max_session_tokens: usize::from(s.budget_pages).max(1) * p,
         idle_ttl: s.ttl.map(u64::from),
         max_held_state_slots: usize::MAX,
+        max_held_window_pages: usize::MAX,
     };
     let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), s.events);
     let mut faulty = false;

@@ -151,6 +151,7 @@ fn config(s: &Setup) -> ManagerConfig {
             max_held_tokens: budget.min(pages * p),
             idle_ttl_ms: 50,
             per_session_cap_tokens: budget.max(1),
+            max_held_window_pages: None,
         }),
         events: s.events,
         reserve_clip_tokens: usize::from(s.clip % 32),

@@ -815,6 +815,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                     max_session_tokens: usize::from(*cap_pages).max(1) * self.p,
                     idle_ttl: ttl.map(u64::from),
                     max_held_state_slots: usize::MAX,
+                    max_held_window_pages: usize::MAX,
                 });
                 self.reap();
             }

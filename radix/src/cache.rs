@@ -286,15 +286,20 @@ pub trait PrefixCache {
     fn has_state_slots(&self) -> bool {
         false
     }
-    /// True when requests of this cache hold sliding-window pages ([`RequestKv::swa_pages`]):
-    /// the part of [`PrefixCache::has_state_slots`] that a session layer cannot keep across
-    /// turns yet (it keeps a Mamba slot, see `radixkv-session`).
+    /// True when requests of this cache hold sliding-window pages ([`RequestKv::swa_pages`]),
+    /// the part of [`PrefixCache::has_state_slots`] that grows with the request: a decorator
+    /// that keeps a request's KV past its finish (a session) trims it with
+    /// [`PrefixCache::truncate_request`] and audits it with [`PrefixCache::check_parked`].
     fn has_window_state(&self) -> bool {
         false
     }
+    /// The sliding window in tokens when requests of this cache hold sliding-window pages
+    /// (see [`PrefixCache::has_window_state`]); `None` otherwise.
+    fn sliding_window(&self) -> Option<usize> {
+        None
+    }
 
     // ----- tree level -----
-
     /// Longest cached page-aligned prefix of `key`; appends its device pages to `out`.
     ///
     /// # Errors
@@ -363,6 +368,24 @@ pub trait PrefixCache {
         check_request_kv(self, req)
     }
 
+    /// [`PrefixCache::check_request`] for a request's KV state that a decorator keeps
+    /// parked while no request runs it (a session slot between turns): `req` carries
+    /// everything but the lock receipt, which the decorator holds and passes as `lock`. A
+    /// cache whose audit reads the receipt (the sliding-window component checks that it
+    /// locks the tree's window pages in the table) overrides this; the default ignores
+    /// `lock`.
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        let _ = lock;
+        self.check_request(req)
+    }
+
     // ----- request level -----
 
     /// Matches the request's key (under the `len − 1` rule) and records the result in `req`.
@@ -407,6 +430,28 @@ pub trait PrefixCache {
     fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
         let _ = req;
         Ok(0)
+    }
+
+    /// Shrinks a running (or parked) request's KV to its first `len` tokens
+    /// (`cache_protected_len <= len <= allocated_len`): frees its own full-KV pages past
+    /// `len`'s last page and, with the sliding-window component, the window pages beside
+    /// them; `allocated_len` becomes `len` and `committed_len` at most `len`. Mamba slots are
+    /// left alone (the caller decides what a cut-back state is worth).
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidRequestState`] for a request without a row, a `len` outside that
+    /// range, or (sliding-window layers) a cut that would need window KV the request no
+    /// longer holds (`swa_evicted_len` past `align_down(len) − window`); nothing changes then.
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        check_truncate(req, len)?;
+        let row = req.row.ok_or(CacheError::InvalidRequestState(
+            "truncate_request without a row",
+        ))?;
+        let p = self.page_size();
+        self.pools_mut().truncate_row(row, pages_for(len, p))?;
+        req.allocated_len = len;
+        req.committed_len = req.committed_len.min(len);
+        Ok(())
     }
 
     // ----- pool level -----
@@ -454,6 +499,25 @@ pub trait PrefixCache {
             request_owned: (pools.pages.owned_pages() * p).saturating_sub(session_held),
         }
     }
+}
+
+/// The checks every [`PrefixCache::truncate_request`] shares: a row, and
+/// `cache_protected_len <= len <= allocated_len`.
+///
+/// # Errors
+/// [`CacheError::InvalidRequestState`].
+pub(crate) fn check_truncate(req: &RequestKv, len: usize) -> Result<()> {
+    if req.row.is_none() {
+        return Err(CacheError::InvalidRequestState(
+            "truncate_request without a row",
+        ));
+    }
+    if len < req.cache_protected_len || len > req.allocated_len {
+        return Err(CacheError::InvalidRequestState(
+            "truncate_request outside the request's own KV",
+        ));
+    }
+    Ok(())
 }
 
 /// [`PrefixCache::alloc_tokens`] for the full-KV pool alone (the trait's default; a cache with

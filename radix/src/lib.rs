@@ -107,10 +107,22 @@
 //!   [`RadixCache::swa_accounting`] and the audits (after every operation in debug builds) cover
 //!   the SWA pool like the full-KV pool.
 //!
-//! Not built yet for the sliding window: SWA together with Mamba slots in one cache (refused by
-//! [`RadixCache::new`]) and everything above the cache (sessions refuse it through
-//! [`PrefixCache::has_window_state`], the host tier refuses it, the scheduler API does not build
-//! it).
+//! - *Both components in one tree* (a model with full-attention, sliding-window and Mamba
+//!   layers: [`RadixConfig::mamba_slots`] and [`RadixConfig::swa`] together): a match ends only
+//!   at a node boundary where both validators pass — a Mamba state there *and* a full window of
+//!   live window KV before it ([`RadixTree::match_swa`] checks both) — and a hit's receipt
+//!   locks the path, the window and the state ([`RadixTree::inc_lock_ref_swa_mamba`]); a
+//!   request holds its running Mamba slot beside its window table, and allocation stays atomic
+//!   across the full-KV and SWA pools (states are taken at begin). Eviction cascades Full >
+//!   SWA > Mamba on a node: evicting full KV drops both components, tombstoning a node's window
+//!   KV drops its unlocked state (a state whose window is gone could not be resumed, and
+//!   [`RadixTree::insert_mamba_state`] refuses one there: [`MambaInsert::WindowTombstone`]),
+//!   evicting a state keeps the KV of both kinds. The audits check all three pools and that no
+//!   unlocked state sits on a window tombstone.
+//!
+//! Sessions carry the sliding window (a streaming session's slot keeps its window table across
+//! turns through [`PrefixCache::truncate_request`] and [`PrefixCache::check_parked`], see
+//! `radixkv-session`); the host tier does not yet (it refuses it).
 //!
 //! The session layer carries the Mamba component (a streaming session's slot keeps the
 //! request's running state across turns, see `radixkv-session`); the host tier does not yet

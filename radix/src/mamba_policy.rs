@@ -639,7 +639,7 @@ impl MambaAdmission {
                         }
                         Ok(())
                     }
-                    Ok(MambaInsert::AlreadyCached) => Ok(()),
+                    Ok(MambaInsert::AlreadyCached | MambaInsert::WindowTombstone) => Ok(()),
                     // Nothing changed: the request still holds the slot.
                     Err(e) => tree.free_mamba_slot(slot).and(Err(e)),
                 }

@@ -62,8 +62,12 @@ pub struct RadixConfig {
     /// where a full window of live window KV precedes their end, every running request holds
     /// SWA pages beside its full-KV row ([`RequestKv::swa_pages`], freed as they slide out of
     /// the window by [`PrefixCache::slide_window`]), and inserts cache both (see
-    /// [`SwaConfig`] and the crate docs). Not yet supported together with `mamba_slots`, under
-    /// a session layer or the host tier (each refuses it with a typed error).
+    /// [`SwaConfig`] and the crate docs). Together with `mamba_slots` the one tree carries
+    /// both components: a match ends only where both a Mamba state and a full live window
+    /// precede its end, a hit's receipt locks both, and tombstoning a node's window KV evicts
+    /// its unlocked Mamba state with it (the cascade). A session layer keeps a streaming
+    /// session's window across turns (`radixkv-session`); the host tier does not support it
+    /// yet (it refuses it).
     pub swa: Option<SwaConfig>,
 }
 
@@ -271,6 +275,59 @@ impl RadixCache {
         Ok(())
     }
 
+    /// Frees every Mamba slot a request holds (running, tracking, checkpoints).
+    fn free_request_states(&mut self, req: &mut RequestKv) -> Result<()> {
+        if let Some(s) = req.mamba_slot.take() {
+            self.tree.free_mamba_slot(s)?;
+        }
+        if let Some(t) = req.mamba_track.take() {
+            self.tree.free_mamba_slot(t.slot)?;
+        }
+        if !req.mamba_checkpoints.is_empty() {
+            MambaAdmission::free_checkpoints(&mut self.tree, req)?;
+        }
+        Ok(())
+    }
+
+    /// The Mamba part of a finish whose KV insert ended at `end` (`None`: nothing inserted)
+    /// after `aligned` tokens. Checkpoints the forward pass passed are stored with the KV; the
+    /// others (and all of them on abort) are freed. The running state is the state after the
+    /// last computed token, so it is cached (where the policy keeps it) where that token ends
+    /// a page (a node boundary); otherwise the tracking slot, which holds the state at the
+    /// computed length floored to a page (where `end` ends), is. The other one, and both on
+    /// abort, are freed. Every slot is released, errors or not.
+    fn finish_request_states(
+        &mut self,
+        req: &mut RequestKv,
+        aligned: usize,
+        end: Option<NodeId>,
+    ) -> Result<()> {
+        let mut result = Ok(());
+        if !req.mamba_checkpoints.is_empty() {
+            if end.is_some() {
+                let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
+                result = result.and(stored);
+            }
+            result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
+        }
+        let track = req.mamba_track.take().map(|t| t.slot);
+        match req.mamba_slot.take() {
+            Some(slot) => {
+                let at_page = aligned == req.committed_len;
+                let cached = self
+                    .mamba
+                    .finish_state(&mut self.tree, slot, track, end, at_page);
+                result = result.and(cached);
+            }
+            None => {
+                if let Some(t) = track {
+                    result = result.and(self.tree.free_mamba_slot(t));
+                }
+            }
+        }
+        result
+    }
+
     /// True in disabled (no sharing) mode.
     pub fn is_disabled(&self) -> bool {
         self.disabled
@@ -393,10 +450,30 @@ impl PrefixCache for RadixCache {
         self.tree.swa_enabled()
     }
 
+    fn sliding_window(&self) -> Option<usize> {
+        self.tree.swa_window().ok()
+    }
+
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
         check_request_kv(self, req)?;
         self.check_request_mamba(req)?;
         self.check_request_swa(req)
+    }
+
+    /// The request audit with the parked receipt standing in for `req.lock` (the SWA part
+    /// reads it).
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        check_request_kv(self, req)?;
+        self.check_request_mamba(req)?;
+        self.check_window_table(req, lock.or(req.lock.as_ref()))
+    }
+
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        self.truncate_request_swa(req, len)
     }
 
     fn pools(&self) -> &DevicePools {
@@ -703,15 +780,7 @@ impl PrefixCache for RadixCache {
         }
         let Some(row) = req.row else {
             // Never began: nothing held but a possible stray lock.
-            if let Some(s) = req.mamba_slot.take() {
-                self.tree.free_mamba_slot(s)?;
-            }
-            if let Some(t) = req.mamba_track.take() {
-                self.tree.free_mamba_slot(t.slot)?;
-            }
-            if !req.mamba_checkpoints.is_empty() {
-                MambaAdmission::free_checkpoints(&mut self.tree, req)?;
-            }
+            self.free_request_states(req)?;
             if let Some(l) = req.lock.take() {
                 self.tree.dec_lock_ref(l)?;
             }
@@ -727,34 +796,7 @@ impl PrefixCache for RadixCache {
                 .insert_request_prefix(req, aligned, false)
                 .map(|r| end = Some(r.last_node));
         }
-        // Checkpoints the forward pass passed are stored with the KV; the others (and all of
-        // them on abort) are freed. The running state is the state after the last computed
-        // token, so it is cached (where the policy keeps it) where that token ends a page (a
-        // node boundary); otherwise the tracking slot, which holds the state at the computed
-        // length floored to a page (where `end` ends), is. The other one, and both on abort,
-        // are freed.
-        if !req.mamba_checkpoints.is_empty() {
-            if end.is_some() {
-                let stored = self.mamba.store_checkpoints(&mut self.tree, req, aligned);
-                result = result.and(stored);
-            }
-            result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
-        }
-        let track = req.mamba_track.take().map(|t| t.slot);
-        match req.mamba_slot.take() {
-            Some(slot) => {
-                let at_page = aligned == req.committed_len;
-                let cached = self
-                    .mamba
-                    .finish_state(&mut self.tree, slot, track, end, at_page);
-                result = result.and(cached);
-            }
-            None => {
-                if let Some(t) = track {
-                    result = result.and(self.tree.free_mamba_slot(t));
-                }
-            }
-        }
+        result = result.and(self.finish_request_states(req, aligned, end));
         // Free everything the row still owns (the unaligned tail, over-allocation, or all of it
         // on abort), release the lock and the row.
         let freed = self.pools.release_row(row);

@@ -382,15 +382,24 @@ fn bad_swa_configurations_are_typed_errors() {
         (4, 6, 8, None, "window not a multiple of the page size"),
         (4, 8, 0, None, "no SWA pages"),
         (4, 8, u32::MAX as usize + 1, None, "too many SWA pages"),
-        (4, 8, 8, Some(4), "SWA with Mamba"),
+        (
+            4,
+            6,
+            8,
+            Some(4),
+            "SWA with Mamba, window not a multiple of the page size",
+        ),
     ] {
         assert!(
             matches!(with(p, w, n, m), Err(CacheError::Config(_))),
             "{what}"
         );
     }
+    // Both components in one tree are a valid configuration.
+    let both = with(4, 8, 8, Some(4)).unwrap();
+    assert!(both.mamba_accounting().is_some() && both.swa_accounting().is_some());
     let c = with(4, 8, 8, None).unwrap();
-    assert!(c.has_state_slots(), "sessions must refuse it");
+    assert!(c.has_state_slots() && c.has_window_state());
     assert_eq!(c.swa_window(), Some(8));
     assert_eq!(swa(&c).total, 8);
 }

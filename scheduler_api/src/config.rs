@@ -2,8 +2,8 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (Mamba or sliding-window layers under a host tier,
-//! sliding-window layers with sessions, see [`crate::geometry`]) or not built at all (the CUDA backend):
+//! [`crate::factory::build_cache`] yet (Mamba or sliding-window layers under a host tier, see
+//! [`crate::geometry`]) or not built at all (the CUDA backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
@@ -228,6 +228,12 @@ pub struct SessionBudget {
     pub idle_ttl_ms: u64,
     /// Tokens one session may hold.
     pub per_session_cap_tokens: usize,
+    /// Sliding-window pages all idle sessions may own (the window KV each keeps for its next
+    /// turn), for a model with sliding-window layers; over it the least recently used are
+    /// demoted. Left out, the SWA pool bounds them: an allocation short of window pages
+    /// demotes idle sessions owning some either way. More than the SWA pool, or set for a
+    /// model without sliding-window layers, is a [`ManagerError::Config`].
+    pub max_held_window_pages: Option<u64>,
 }
 
 impl Default for SessionBudget {
@@ -236,6 +242,7 @@ impl Default for SessionBudget {
             max_held_tokens: 256 << 10,
             idle_ttl_ms: 300_000,
             per_session_cap_tokens: 128 << 10,
+            max_held_window_pages: None,
         }
     }
 }
@@ -513,6 +520,23 @@ impl ManagerConfig {
             }
             if s.per_session_cap_tokens == 0 {
                 return bad("per-session cap must be positive".into());
+            }
+            if let Some(w) = s.max_held_window_pages {
+                match self.pools()?.swa {
+                    None => {
+                        return bad(format!(
+                            "sessions.max_held_window_pages = {w} is set but the model has no \
+                             sliding-window layer"
+                        ));
+                    }
+                    Some(pool) if w > pool.pages => {
+                        return bad(format!(
+                            "sessions may hold {w} window pages but the SWA pool has only {}",
+                            pool.pages
+                        ));
+                    }
+                    Some(_) => {}
+                }
             }
         }
         Ok(())

@@ -11,7 +11,7 @@
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
 //! | `disabled`, `radix`, SWA layers     | `RadixCache` with its SWA page pool            |
-//! | `radix` + sessions (Mamba layers too) | `SessionAwareCache<RadixCache, SimClock>`    |
+//! | `radix` + sessions (Mamba or SWA layers too) | `SessionAwareCache<RadixCache, SimClock>` |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
 //! | `hicache` + sessions                | `SessionAwareCache<Tiered<_>, SimClock>`       |
@@ -29,11 +29,12 @@
 //! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
 //! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
-//! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry) without
-//! sessions; Mamba layers also build under a host tier (`HiRadixCache` moves the states with
-//! their KV; HostSim's simulated state slots are 64 bytes each, like its token-sized KV pools,
-//! while an engine's backend holds the model's). Sliding-window layers under a host tier or with
-//! sessions, and a model with both kinds of layers are still [`ManagerError::NotWired`]: their
+//! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry; a session
+//! slot keeps its window KV across turns); Mamba layers also build under a host tier
+//! (`HiRadixCache` moves the states with their KV; HostSim's simulated state slots are 64 bytes
+//! each, like its token-sized KV pools, while an engine's backend holds the model's).
+//! Sliding-window layers under a host tier and a model with both kinds of layers are still
+//! [`ManagerError::NotWired`]: their
 //! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
@@ -218,6 +219,12 @@ pub trait ManagedCache: PrefixCache + Send {
     fn swa_available_locked(&mut self, _node: Option<NodeId>) -> Result<Option<usize>> {
         Ok(None)
     }
+    /// SWA pages idle sessions own (request-owned in [`ManagedCache::swa_accounting`], but
+    /// no running request's: an allocation short of window pages demotes those sessions, so
+    /// admission may count on them). 0 for a cache without sessions or the SWA component.
+    fn session_held_window_pages(&self) -> usize {
+        0
+    }
 }
 
 impl ManagedCache for RadixCache {
@@ -273,7 +280,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers under a host tier or with sessions, or both kinds of layers in one model;
+/// layers under a host tier, or both kinds of layers in one model;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -412,8 +419,13 @@ fn build<B: DeviceBackend>(
         max_held_tokens: b.max_held_tokens,
         max_session_tokens: b.per_session_cap_tokens,
         idle_ttl: Some(b.idle_ttl_ms),
-        // Held states are bounded by the pool: a request short of a slot demotes idle sessions.
+        // Held states are bounded by the pool: a request short of a slot demotes idle sessions,
+        // and so are held window pages unless capped (an allocation short of window pages
+        // demotes idle sessions owning some).
         max_held_state_slots: usize::MAX,
+        max_held_window_pages: b
+            .max_held_window_pages
+            .map_or(usize::MAX, |w| usize::try_from(w).unwrap_or(usize::MAX)),
     });
     Ok(match (&cfg.cache, backend) {
         // The radix pools' only failure is an impossible size: say so as a config error.
@@ -436,12 +448,12 @@ fn build<B: DeviceBackend>(
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
 /// than built into a cache that would ignore their pools:
 ///
-/// - sliding-window layers under a host tier or with sessions (neither carries window KV yet),
-///   or beside Mamba layers in one model (the tree does not carry both components at once).
+/// - sliding-window layers under a host tier (it does not move window KV yet), or beside Mamba
+///   layers in one model (the tree does not carry both components at once).
 ///
 /// Mamba layers or sliding-window layers on the device-only caches (`radix`, `disabled`) are
 /// wired: the radix tree carries the states or the window KV as a component of its nodes, and
-/// with Mamba layers a session slot keeps its running state across turns. Mamba layers under a
+/// a session slot keeps its running state or its window KV across turns. Mamba layers under a
 /// host tier are wired too: `HiRadixCache` backs up and loads the states with their KV.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
@@ -458,13 +470,6 @@ fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
                 kind: "a model with sliding-window layers under a host tier (moving window \
                        KV between the device and the host)",
                 needs: "radixkv-hicache",
-            });
-        }
-        if cfg.sessions.is_some() {
-            return Err(ManagerError::NotWired {
-                kind: "a model with sliding-window layers with sessions (a session slot \
-                       keeping its window KV across turns)",
-                needs: "radixkv-session",
             });
         }
     }

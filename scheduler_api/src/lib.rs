@@ -21,9 +21,9 @@
 //!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
 //!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
 //!   session slot keeps its running state across turns), or sliding-window layers
-//!   (Gemma-like) on the disabled and radix caches. The other hybrid combinations — Mamba or
-//!   sliding-window layers under a host tier, sliding-window layers with sessions, both kinds
-//!   in one model — are
+//!   (Gemma-like) on the disabled and radix caches, with or without sessions (a session slot
+//!   keeps its window KV across turns). The other hybrid combinations — Mamba or
+//!   sliding-window layers under a host tier, both kinds in one model — are
 //!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
 //!   that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds

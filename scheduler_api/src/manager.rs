@@ -646,7 +646,14 @@ impl KvCacheManager {
         let mut swa_peak = 0;
         if let Some(window) = self.swa_window {
             let extend = len - m.prefix_len;
-            swa_peak = swa_peak_pages(extend, output_left, window, page);
+            // A turn lent its session's slot already owns the slot's window pages: they count
+            // in its peak, and are not what the running requests own.
+            let lent = if t.kv.kv_lent {
+                own_swa_pages(&t.kv, page)
+            } else {
+                0
+            };
+            swa_peak = lent.saturating_add(swa_peak_pages(extend, output_left, window, page));
             let a = self.cache.swa_accounting().unwrap_or_default();
             if swa_peak > a.total {
                 tracing::debug!(parent: &t.span, swa_peak, "never admissible: SWA pool");
@@ -656,8 +663,11 @@ impl KvCacheManager {
                 }));
             }
             // What running requests may still take beyond the SWA pages they own now (no
-            // running request owns more than its peak: `check_invariants`).
-            let claimed = self.swa_peak_total.saturating_sub(a.request_owned);
+            // running request owns more than its peak: `check_invariants`). Request-owned
+            // pages also count the idle sessions' windows and this turn's lent one.
+            let held = self.cache.session_held_window_pages();
+            let running_owned = a.request_owned.saturating_sub(held).saturating_sub(lent);
+            let claimed = self.swa_peak_total.saturating_sub(running_owned);
             // Read under a temporary lock of the window KV before the match's end, as the
             // admission will lock it.
             let t = self
@@ -668,12 +678,42 @@ impl KvCacheManager {
                 .cache
                 .swa_available_locked(t.kv.last_node)?
                 .unwrap_or(a.free + a.evictable);
-            let available = free.saturating_sub(claimed);
-            if swa_peak > available {
+            // Idle sessions' windows are demoted when an allocation is short of window pages.
+            let available = free.saturating_add(held).saturating_sub(claimed);
+            if swa_peak - lent > available && self.running == 0 {
+                // Nothing runs to free window pages: idle sessions stand in the way (their
+                // slots' locks keep the window of their cached prefix, which their held pages
+                // do not count). Demote the least recently used other one and try again.
+                let own = t.kv.session.map(|s| s.id);
+                let mut order: Vec<(u64, u64)> = self
+                    .sessions_open
+                    .iter()
+                    .filter(|&&s| Some(s) != own)
+                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
+                    .collect();
+                order.sort_unstable();
+                for (_, sid) in order {
+                    if self.cache.demote_session(sid)? {
+                        self.metrics.counters.session_demotions += 1;
+                        // Each retry follows a demotion: at most one per open session.
+                        return self.admit(id);
+                    }
+                }
+            }
+            if swa_peak - lent > available {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, swa_peak, available, "admission waits: SWA room");
+                // As for full-KV room: a lent turn gives its session's slot back while it waits.
+                let give_back = t.kv.kv_lent
+                    && t.kv
+                        .session
+                        .is_some_and(|s| self.sessions_open.contains(&s.id));
+                if give_back && let Some(t) = self.requests.get_mut(id.0) {
+                    self.cache
+                        .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+                }
                 return Ok(Admission::Wait(WaitReason::NoWindowRoom {
-                    needed: swa_peak.saturating_mul(page),
+                    needed: (swa_peak - lent).saturating_mul(page),
                     available: available.saturating_mul(page),
                 }));
             }

@@ -98,4 +98,23 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
     fn mamba_stats(&self) -> Option<radixkv_radix::MambaStats> {
         self.inner().mamba_stats()
     }
+
+    fn swa_accounting(&self) -> Option<radixkv_radix::ComponentAccounting> {
+        self.inner().swa_accounting()
+    }
+
+    fn swa_window(&self) -> Option<usize> {
+        self.inner().swa_window()
+    }
+
+    fn swa_available_locked(
+        &mut self,
+        node: Option<radixkv_radix::NodeId>,
+    ) -> Result<Option<usize>> {
+        self.inner_mut().swa_available_locked(node)
+    }
+
+    fn session_held_window_pages(&self) -> usize {
+        self.held_window_pages()
+    }
 }

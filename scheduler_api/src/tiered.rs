@@ -299,6 +299,19 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn has_window_state(&self) -> bool {
         self.cache.has_window_state()
     }
+    fn sliding_window(&self) -> Option<usize> {
+        self.cache.sliding_window()
+    }
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&radixkv_radix::LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        self.cache.check_parked(req, lock)
+    }
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> radixkv_radix::Result<()> {
+        self.cache.truncate_request(req, len)
+    }
     fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
         self.cache.check_request(req)
     }

@@ -29,6 +29,7 @@ fn manager(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
             max_held_tokens: 512,
             idle_ttl_ms: 60_000,
             per_session_cap_tokens: 512,
+            max_held_window_pages: None,
         })
         .build()
         .unwrap()

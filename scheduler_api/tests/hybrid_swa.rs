@@ -8,7 +8,7 @@ mod common;
 use common::admitted;
 use radixkv_scheduler_api::{
     Admission, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry,
-    NeverReason, Preset, ReqId, Request, SessionBudget, WaitReason,
+    NeverReason, Preset, ReqId, Request, WaitReason,
 };
 
 /// The Gemma-like geometry with pages of 4 tokens and a window of 8 tokens (2 pages).
@@ -281,13 +281,6 @@ fn combinations_not_wired_yet_are_refused() {
         cache: CacheKind::HiCache(HostTier::ratio(1024, 2.0)),
         ..base()
     };
-    let sessions = ManagerConfig {
-        sessions: Some(SessionBudget {
-            max_held_tokens: 256,
-            ..Default::default()
-        }),
-        ..base()
-    };
     let mut both = base();
     both.model.layer_pattern =
         Some(radixkv_scheduler_api::config::LayerPattern::parse("SSSSMA").unwrap());
@@ -296,7 +289,6 @@ fn combinations_not_wired_yet_are_refused() {
     both.model.compute = None;
     for (cfg, needs, what) in [
         (hi, "radixkv-hicache", "host tier"),
-        (sessions, "radixkv-session", "sessions"),
         (both, "radixkv-radix", "Mamba"),
     ] {
         match KvCacheManager::new(cfg) {

@@ -426,6 +426,7 @@ fn session_manager(hicache: bool) -> KvCacheManager {
             max_held_tokens: 128,
             idle_ttl_ms: 1_000,
             per_session_cap_tokens: 128,
+            max_held_window_pages: None,
         });
     if hicache {
         b = b.host_tier(HostTier::ratio(256, 4.0));
@@ -1025,6 +1026,7 @@ fn sessions_over_hicache_allocate_through_a_demoted_sessions_pending_backup() {
                 max_held_tokens: 128,
                 idle_ttl_ms: 1_000_000,
                 per_session_cap_tokens: 128,
+                max_held_window_pages: None,
             })
             .host_tier(HostTier::ratio(256, 4.0).write_policy(policy))
             .build()
@@ -1108,6 +1110,7 @@ fn a_request_waiting_for_a_row_demotes_idle_sessions() {
                 max_held_tokens: 128,
                 idle_ttl_ms: 1_000_000,
                 per_session_cap_tokens: 128,
+                max_held_window_pages: None,
             });
         if hicache {
             b = b.host_tier(HostTier::ratio(256, 4.0));

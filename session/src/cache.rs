@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use ahash::HashMap;
 use radixkv_radix::{
-    CacheError, FinishKind, LockReceipt, MambaCheckpoint, MambaTrack, PrefixCache, RadixKey,
-    RequestKv, RowHolder, RowId, align_down, pages_for,
+    CacheError, FinishKind, LockReceipt, MambaCheckpoint, MambaTrack, PageId, PrefixCache,
+    RadixKey, RequestKv, RowHolder, RowId, align_down,
 };
 
 use crate::clock::{Clock, SystemClock};
@@ -29,17 +29,25 @@ pub struct SessionConfig {
     /// state slot demotes idle sessions holding one (see the crate docs), so held slots never
     /// keep a request from starting.
     pub max_held_state_slots: usize,
+    /// Sliding-window pages (the window KV of their last turn, see the crate docs) all idle
+    /// sessions together may own, over a cache with sliding-window layers. Over it, the least
+    /// recently used idle sessions are demoted. Independently of it, an allocation that finds
+    /// the window pool short demotes idle sessions owning window pages, so held windows never
+    /// keep a request from running.
+    pub max_held_window_pages: usize,
 }
 
 impl SessionConfig {
     /// A budget of `max_held_tokens`, a per-session cap of the same size, no TTL and no cap
-    /// on held state slots beyond the pool (see [`SessionConfig::max_held_state_slots`]).
+    /// on held state slots or window pages beyond their pools (see
+    /// [`SessionConfig::max_held_state_slots`], [`SessionConfig::max_held_window_pages`]).
     pub fn with_budget(max_held_tokens: usize) -> Self {
         SessionConfig {
             max_held_tokens,
             max_session_tokens: max_held_tokens,
             idle_ttl: None,
             max_held_state_slots: usize::MAX,
+            max_held_window_pages: usize::MAX,
         }
     }
 }
@@ -99,10 +107,18 @@ pub(crate) struct Slot {
     /// The turn's Mamba tracking slot (the state at the last page boundary of the committed
     /// KV): lent with the running state, handed to the inner finish on demotion.
     pub(crate) mamba_track: Option<MambaTrack>,
+    /// Sliding-window layers: the tokens before the window the slot holds (see
+    /// [`RequestKv::swa_evicted_len`]).
     pub(crate) swa_evicted_len: usize,
+    /// Sliding-window layers: the window KV of the committed tokens from `swa_evicted_len` on
+    /// (see [`RequestKv::swa_pages`]): the tree's window pages of the cached prefix first,
+    /// locked by `lock`, then the slot's own. Empty while lent (the running turn holds it).
+    pub(crate) swa_pages: Vec<PageId>,
     pub(crate) lent: bool,
     /// Session-held tokens while idle (owned pages × page size), cached for O(1) accounting.
     pub(crate) held_tokens: usize,
+    /// Window pages the slot owns while idle (its SWA table past the tree's pages).
+    pub(crate) held_window_pages: usize,
 }
 
 impl Slot {
@@ -111,6 +127,16 @@ impl Slot {
         usize::from(self.mamba_slot.is_some())
             + usize::from(self.mamba_track.is_some())
             + self.mamba_checkpoints.len()
+    }
+
+    /// The window pages of the slot's table that are its own (past the tree's window pages
+    /// of its cached prefix).
+    pub(crate) fn own_window_pages(&self, page_size: usize) -> usize {
+        let tree_held = self
+            .cache_protected_len
+            .saturating_sub(self.swa_evicted_len)
+            / page_size.max(1);
+        self.swa_pages.len().saturating_sub(tree_held)
     }
 }
 
@@ -154,6 +180,8 @@ pub struct SessionAwareCache<C, K = SystemClock> {
     pub(crate) held_tokens: usize,
     /// Σ state slots over idle slots.
     pub(crate) held_states: usize,
+    /// Σ `held_window_pages` over idle slots.
+    pub(crate) held_window: usize,
 }
 
 impl<C: std::fmt::Debug, K> std::fmt::Debug for SessionAwareCache<C, K> {
@@ -188,6 +216,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             seq: 0,
             held_tokens: 0,
             held_states: 0,
+            held_window: 0,
         }
     }
 
@@ -218,16 +247,8 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     /// Opens a session. `ttl` overrides the configured idle TTL (in clock ticks).
     ///
     /// # Errors
-    /// [`SessionError::AlreadyOpen`]; [`SessionError::Cache`] with [`CacheError::Config`] over
-    /// a cache whose requests hold sliding-window pages ([`PrefixCache::has_window_state`]):
-    /// sessions do not keep or hand back the SWA frontier yet, so a held turn would leak it.
-    /// (A Mamba slot is kept, see the crate docs.)
+    /// [`SessionError::AlreadyOpen`].
     pub fn open(&mut self, id: u64, streaming: bool, ttl: Option<u64>) -> Result<(), SessionError> {
-        if self.inner.has_window_state() {
-            return Err(SessionError::Cache(CacheError::Config(
-                "sessions over a cache with sliding-window layers are not supported yet".into(),
-            )));
-        }
         if self.sessions.contains_key(&id) {
             return Err(SessionError::AlreadyOpen(id));
         }
@@ -300,6 +321,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         }
         while self.held_tokens > self.cfg.max_held_tokens
             || self.held_states > self.cfg.max_held_state_slots
+            || self.held_window > self.cfg.max_held_window_pages
         {
             let Some(&(_, _, id)) = self.lru.first() else {
                 break;
@@ -373,6 +395,12 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         self.held_states
     }
 
+    /// Sliding-window pages idle sessions own (what [`SessionConfig::max_held_window_pages`]
+    /// bounds): in the window pool they are request-owned pages.
+    pub fn held_window_pages(&self) -> usize {
+        self.held_window
+    }
+
     pub(crate) fn idle_slots(&self) -> impl Iterator<Item = &Slot> + '_ {
         self.sessions
             .values()
@@ -408,6 +436,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         debug_assert!(!slot.lent && s.idle_key.is_none());
         self.held_tokens += slot.held_tokens;
         self.held_states += slot.state_slots();
+        self.held_window += slot.held_window_pages;
         s.idle_key = Some((now, seq));
         self.lru.insert((now, seq, id));
         if let Some(ttl) = s.ttl {
@@ -430,6 +459,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         if let Some(slot) = s.slot.as_ref() {
             self.held_tokens = self.held_tokens.saturating_sub(slot.held_tokens);
             self.held_states = self.held_states.saturating_sub(slot.state_slots());
+            self.held_window = self.held_window.saturating_sub(slot.held_window_pages);
         }
     }
 
@@ -453,21 +483,12 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         Ok(owned * self.inner.page_size())
     }
 
-    /// Releases a detached slot without caching anything: frees the owned pages and the row,
-    /// frees its Mamba state and checkpoints, releases the lock (the protected prefix becomes
+    /// Releases a detached slot without caching anything: the inner cache finishes it as an
+    /// aborted request, which frees the owned pages and the row, its own window pages, its
+    /// Mamba state and checkpoints, and releases the lock (the protected prefix becomes
     /// ordinary cache).
     pub(crate) fn release_slot(&mut self, slot: Slot) -> Result<(), CacheError> {
-        let pools = self.inner.pools_mut();
-        let freed = pools
-            .rows
-            .set_holder(slot.row, RowHolder::Request)
-            .and_then(|_| pools.release_row(slot.row));
-        let states = self.free_states(slot.mamba_slot, slot.mamba_track, slot.mamba_checkpoints);
-        let unlocked = match slot.lock {
-            Some(l) => self.inner.dec_lock_ref(l),
-            None => Ok(()),
-        };
-        freed.and(states).and(unlocked)
+        self.finish_slot(slot, RadixKey::default(), FinishKind::Aborted)
     }
 
     /// Frees state slots the session layer holds, through the inner cache's finish of a
@@ -491,9 +512,19 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     }
 
     /// Hands a detached slot to the inner cache as a finished request over `history`: the
-    /// committed, page-aligned KV is inserted (shared prefixes dedup), the tail freed, the lock
-    /// and row released.
+    /// committed, page-aligned KV is inserted (shared prefixes dedup; the window KV the slot
+    /// holds with it, tombstones before it), the tail freed, the lock and row released.
     pub(crate) fn cache_slot(&mut self, slot: Slot, history: RadixKey) -> Result<(), CacheError> {
+        self.finish_slot(slot, history, FinishKind::Finished)
+    }
+
+    /// The inner finish of a detached slot as the request it was, over `history`.
+    fn finish_slot(
+        &mut self,
+        slot: Slot,
+        history: RadixKey,
+        kind: FinishKind,
+    ) -> Result<(), CacheError> {
         if let Err(e) = self
             .inner
             .pools_mut()
@@ -511,16 +542,19 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.last_node = slot.lock.as_ref().map(|l| l.anchor());
         req.lock = slot.lock;
         // The history always covers the committed KV; the clamp only guards a caller that broke
-        // the append-only contract.
-        req.committed_len = slot.committed_len.min(req.key.len());
+        // the append-only contract (an aborted finish inserts nothing and needs no key).
+        req.committed_len = match kind {
+            FinishKind::Finished => slot.committed_len.min(req.key.len()),
+            FinishKind::Aborted => slot.committed_len,
+        };
         req.allocated_len = slot.allocated_len.max(req.committed_len);
         req.cache_protected_len = slot.cache_protected_len;
         req.mamba_slot = slot.mamba_slot;
         req.mamba_checkpoints = slot.mamba_checkpoints;
         req.mamba_track = slot.mamba_track;
         req.swa_evicted_len = slot.swa_evicted_len;
-        self.inner
-            .cache_finished_req(&mut req, FinishKind::Finished)
+        req.swa_pages = slot.swa_pages;
+        self.inner.cache_finished_req(&mut req, kind)
     }
 
     /// Demotes session `id`'s idle slot into the inner cache. False if it had none.
@@ -553,6 +587,31 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         }
     }
 
+    /// Demotes idle sessions owning window pages (least recently used first) until what they
+    /// owned covers the `short` pages the window pool lacks. Demotes nothing when even all of
+    /// them would not suffice. Returns true if it demoted any (worth retrying).
+    pub(crate) fn reclaim_window(&mut self, short: usize) -> Result<bool, CacheError> {
+        if self.held_window < short || self.held_window == 0 {
+            return Ok(false);
+        }
+        let mut got = 0;
+        while got < short {
+            let victim = self.lru.iter().find_map(|&(_, _, id)| {
+                self.sessions
+                    .get(&id)
+                    .and_then(|s| s.slot.as_ref())
+                    .filter(|sl| sl.held_window_pages > 0)
+                    .map(|sl| (id, sl.held_window_pages))
+            });
+            let Some((id, pages)) = victim else {
+                break;
+            };
+            self.demote_idle(id)?;
+            got += pages;
+        }
+        Ok(got > 0)
+    }
+
     /// Demotes idle sessions (least recently used first) until the inner cache can supply
     /// `tokens`. Demotes nothing when even all of them would not suffice, so a failing
     /// allocation leaves the sessions as they were. Returns true if it is worth retrying.
@@ -581,9 +640,12 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             .ok_or(CacheError::InvalidRequestState("request has no row"))?;
         let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
         let p = self.inner.page_size();
-        let pools = self.inner.pools_mut();
-        pools.truncate_row(row, pages_for(committed, p))?;
-        pools.rows.set_holder(row, RowHolder::Session)?;
+        // The row and the window table go together (the window before `committed` is held).
+        self.inner.truncate_request(req, committed)?;
+        self.inner
+            .pools_mut()
+            .rows
+            .set_holder(row, RowHolder::Session)?;
         let held_tokens = self.owned_tokens(row)?;
         // Checkpoints the forward pass has passed stay with the KV (stored on demotion, as a
         // finish would); those past the committed KV hold no state and are freed.
@@ -598,7 +660,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         }
         // The copy on write ran with the turn's first forward.
         req.mamba_cow = None;
-        Ok(Slot {
+        let mut slot = Slot {
             row,
             lock,
             committed_len: committed,
@@ -611,10 +673,14 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                 .take()
                 .map(|t| MambaTrack { pos: aligned, ..t }),
             mamba_checkpoints: keep,
-            swa_evicted_len: req.swa_evicted_len.min(committed),
+            swa_evicted_len: req.swa_evicted_len,
+            swa_pages: std::mem::take(&mut req.swa_pages),
             lent: false,
             held_tokens,
-        })
+            held_window_pages: 0,
+        };
+        slot.held_window_pages = slot.own_window_pages(p);
+        Ok(slot)
     }
 
     /// After a turn stored its slot: the per-session cap, then TTL and budget.

@@ -54,8 +54,30 @@
 //!   `check_invariants` audits every idle slot as the request it was, plus that no state slot is
 //!   held twice.
 //!
-//! Sliding-window layers are not carried yet: [`SessionAwareCache::open`] refuses a cache whose
-//! requests hold SWA pages ([`PrefixCache::has_window_state`]).
+//! ## Sliding-window layers: the window KV
+//! Over a cache whose requests hold sliding-window pages ([`PrefixCache::has_window_state`]),
+//! the slot also keeps the finished turn's **window**: its SWA page table from
+//! [`RequestKv::swa_evicted_len`] on (the window before the committed end, and the pages after
+//! it), the tree's window pages of its cached prefix in it locked by the slot's receipt. The
+//! pages that slid out during the turn were freed by [`PrefixCache::slide_window`] already.
+//! - **Restore.** The next turn is lent the table, and with it the receipt (a slide that moves
+//!   the window past the cached prefix releases the receipt's window locks, as for any
+//!   request); it continues at the whole held length without re-prefilling the window. A cut
+//!   back below the held length that would need window KV the slot no longer holds demotes the
+//!   slot instead, as for a Mamba state.
+//! - **Demotion** hands the table to the inner cache's finish insert, which tombstones what
+//!   slid out and stores (or revives) the window before the committed end; **close** frees the
+//!   slot's own window pages. [`PrefixCache::truncate_request`] trims the row and the table
+//!   together whenever a slot is stored or lent.
+//! - **Abort or retract of a lent turn** rolls the table back with the row, unless the turn slid
+//!   the window past the slot's end: then the slot is dropped, its KV (still exact) finished by
+//!   the inner cache as cache where its window still reaches the page-aligned end, freed
+//!   otherwise; the session keeps its history.
+//! - **Bounds.** [`SessionConfig::max_held_window_pages`] caps the window pages idle sessions
+//!   own ([`SessionAwareCache::held_window_pages`]; in the window pool they are request-owned
+//!   pages), and an allocation short of window pages demotes idle sessions owning some
+//!   (least recently used first) and retries. `check_invariants` audits every idle slot's table
+//!   through [`PrefixCache::check_parked`] with the slot's receipt.
 //!
 //! ## Bounds and demotion
 //! Pinned, unbounded session KV starves admission, so held KV is bounded three ways
@@ -122,6 +144,10 @@
 //! [`PrefixCache::check_request`]: radixkv_radix::PrefixCache::check_request
 //! [`PrefixCache::has_window_state`]: radixkv_radix::PrefixCache::has_window_state
 //! [`RequestKv::mamba_checkpoints`]: radixkv_radix::RequestKv::mamba_checkpoints
+//! [`RequestKv::swa_evicted_len`]: radixkv_radix::RequestKv::swa_evicted_len
+//! [`PrefixCache::slide_window`]: radixkv_radix::PrefixCache::slide_window
+//! [`PrefixCache::truncate_request`]: radixkv_radix::PrefixCache::truncate_request
+//! [`PrefixCache::check_parked`]: radixkv_radix::PrefixCache::check_parked
 
 #![warn(missing_docs)]
 

@@ -52,7 +52,17 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let prefix = slot.committed_len.min(max);
         // A Mamba state is the state after exactly the committed tokens: it cannot be cut back.
         let state_cut = slot.mamba_slot.is_some() && prefix < slot.committed_len;
-        if prefix < slot.cache_protected_len || state_cut {
+        // Nor can the window: a cut needs the window before its end, which may have slid out.
+        let evicted = if again {
+            req.swa_evicted_len
+        } else {
+            slot.swa_evicted_len
+        };
+        let window_cut = self
+            .inner
+            .sliding_window()
+            .is_some_and(|w| evicted > align_down(prefix, p).saturating_sub(w));
+        if prefix < slot.cache_protected_len || state_cut || window_cut {
             // Sessions are append-only: below the tree-owned prefix the row cannot be reused in
             // place (writing there would overwrite shared pages).
             if again {
@@ -64,15 +74,45 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             return Ok(None);
         }
         let row = slot.row;
-        let pools = self.inner.pools_mut();
+        let window_state = self.inner.has_window_state();
+        if !again {
+            // The request takes the slot's KV: its row and lengths, its window table and, with
+            // sliding-window layers, the lock on the tree's window pages in it (a slide may
+            // release that part; it comes back with the row).
+            let Some(slot) = self.sessions.get_mut(&id).and_then(|s| s.slot.as_mut()) else {
+                return Err(CacheError::InvalidRequestState("session slot vanished"));
+            };
+            req.row = Some(row);
+            req.committed_len = slot.committed_len;
+            req.allocated_len = slot.allocated_len;
+            req.cache_protected_len = slot.cache_protected_len;
+            req.swa_evicted_len = slot.swa_evicted_len;
+            req.swa_pages = std::mem::take(&mut slot.swa_pages);
+            if window_state {
+                req.lock = slot.lock.take();
+            }
+        }
         // Pool calls first: if one fails (a stale row would be a bug), the slot stays idle.
-        pools.truncate_row(row, pages_for(prefix, p))?;
-        pools.rows.set_holder(row, RowHolder::Request)?;
-        req.prefix_pages.clear();
-        let lent_pages = pools.rows.pages(row)?.get(..pages_for(prefix, p)).ok_or(
-            CacheError::InvalidRequestState("session row is shorter than its committed KV"),
-        )?;
-        req.prefix_pages.extend_from_slice(lent_pages);
+        let cut = self.inner.truncate_request(req, prefix).and_then(|()| {
+            let pools = self.inner.pools_mut();
+            pools.rows.set_holder(row, RowHolder::Request)?;
+            req.prefix_pages.clear();
+            let lent_pages = pools.rows.pages(row)?.get(..pages_for(prefix, p)).ok_or(
+                CacheError::InvalidRequestState("session row is shorter than its committed KV"),
+            )?;
+            req.prefix_pages.extend_from_slice(lent_pages);
+            Ok(())
+        });
+        if let Err(e) = cut {
+            if !again && let Some(slot) = self.sessions.get_mut(&id).and_then(|s| s.slot.as_mut()) {
+                slot.swa_pages = std::mem::take(&mut req.swa_pages);
+                if let Some(l) = req.lock.take() {
+                    slot.lock = Some(l);
+                }
+                req.clear_kv_state();
+            }
+            return Err(e);
+        }
         if !again {
             self.unmark_idle(id);
         }
@@ -82,7 +122,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         slot.lent = true;
         slot.committed_len = prefix;
         slot.allocated_len = prefix;
-        slot.swa_evicted_len = slot.swa_evicted_len.min(prefix);
+        slot.held_window_pages = 0;
         req.row = Some(row);
         req.prefix_len = prefix;
         req.host_hit_len = 0;
@@ -96,7 +136,6 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req.mamba_track = slot.mamba_track;
         req.mamba_cow = None;
         req.kv_match_len = 0;
-        req.swa_evicted_len = slot.swa_evicted_len;
         req.kv_lent = true;
         Ok(Some(RequestMatch {
             prefix_len: prefix,
@@ -109,14 +148,14 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     /// or rolled back to the previous turn (aborted, retracted).
     fn take_back(&mut self, id: u64, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
         let p = self.inner.page_size();
-        let Some(s) = self.sessions.get_mut(&id) else {
+        let Some(s) = self.sessions.get(&id) else {
             return Err(CacheError::InvalidRequestState(
                 "lent turn of an unknown session",
             ));
         };
         let Some(slot) = s
             .slot
-            .as_mut()
+            .as_ref()
             .filter(|sl| sl.lent && req.row == Some(sl.row))
         else {
             return Err(CacheError::InvalidRequestState(
@@ -124,51 +163,89 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             ));
         };
         let row = slot.row;
-        // An aborted or retracted turn that allocated KV may have run a forward pass, which
-        // advanced the running Mamba state in place past the slot's tokens: that state is
-        // stale, and the slot is demoted without it below.
+        let previous = slot.committed_len;
+        // An aborted or retracted turn that allocated KV may have run a forward pass: that
+        // advanced the running Mamba state in place past the slot's tokens (stale: the slot is
+        // demoted without it below), and may have slid the window past the slot's end.
+        let ran = req.allocated_len > previous;
+        if kind == FinishKind::Aborted
+            && ran
+            && self
+                .inner
+                .sliding_window()
+                .is_some_and(|w| req.swa_evicted_len > align_down(previous, p).saturating_sub(w))
+        {
+            return self.drop_windowless(id, req, previous);
+        }
+        let keep_len = match kind {
+            FinishKind::Finished => req.committed_len.min(req.allocated_len).min(req.key.len()),
+            FinishKind::Aborted => previous,
+        };
+        // The row and the window table go back to what the slot keeps.
+        let trimmed = self.inner.truncate_request(req, keep_len);
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return Err(CacheError::InvalidRequestState("session vanished"));
+        };
+        let Some(slot) = s.slot.as_mut() else {
+            return Err(CacheError::InvalidRequestState("session slot vanished"));
+        };
         let mut stale_state = None;
         let mut stale_track = None;
         match kind {
             FinishKind::Finished => {
-                let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
-                slot.committed_len = committed;
-                slot.allocated_len = committed;
+                slot.committed_len = keep_len;
+                slot.allocated_len = keep_len;
                 slot.mamba_slot = req.mamba_slot.take();
                 // The engine keeps the tracked state at the last page boundary it computed.
                 slot.mamba_track = req.mamba_track.take().map(|t| MambaTrack {
-                    pos: align_down(committed, p),
+                    pos: align_down(keep_len, p),
                     ..t
                 });
-                slot.swa_evicted_len = req.swa_evicted_len.min(committed);
                 // The match verified that the key extends the history.
                 adopt_history(&mut s.history, &req.key);
             }
             FinishKind::Aborted => {
-                if slot.mamba_slot.is_some() && req.allocated_len > slot.committed_len {
+                if slot.mamba_slot.is_some() && ran {
                     stale_state = slot.mamba_slot.take();
                     stale_track = slot.mamba_track.take();
                 }
                 slot.allocated_len = slot.committed_len;
             }
         }
+        // The window KV (and the lock lent with it) comes back with the row.
+        slot.swa_evicted_len = req.swa_evicted_len;
+        slot.swa_pages = std::mem::take(&mut req.swa_pages);
+        let stray_lock = match (req.lock.take(), slot.lock.is_some()) {
+            (Some(l), false) => {
+                slot.lock = Some(l);
+                None
+            }
+            (l, _) => l,
+        };
+        slot.held_window_pages = slot.own_window_pages(p);
         // A lent turn plans no checkpoints of its own; should it hold any, the slot takes
         // them (stored with the KV on demotion, past the committed KV freed then).
         slot.mamba_checkpoints
             .extend(std::mem::take(&mut req.mamba_checkpoints));
         slot.mamba_checkpoints.sort_by_key(|c| c.pos);
         slot.lent = false;
-        let keep = pages_for(slot.committed_len, p);
         let closing = s.closing;
         req.clear_kv_state();
-        let pools = self.inner.pools_mut();
-        let trimmed = pools.truncate_row(row, keep);
-        let held = pools.rows.set_holder(row, RowHolder::Session);
+        let unlocked = match stray_lock {
+            Some(l) => self.inner.dec_lock_ref(l),
+            None => Ok(()),
+        };
+        let held = self
+            .inner
+            .pools_mut()
+            .rows
+            .set_holder(row, RowHolder::Session);
         let owned = self.owned_tokens(row);
         if let Some(slot) = self.sessions.get_mut(&id).and_then(|s| s.slot.as_mut()) {
             slot.held_tokens = owned.as_ref().copied().unwrap_or(0);
         }
         self.mark_idle(id);
+        let done = trimmed.and(unlocked).and(held).and(owned.map(|_| ()));
         if closing {
             let slot = self.take_idle_slot(id);
             let history = self
@@ -185,9 +262,9 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             if stale_state.is_some() || stale_track.is_some() {
                 self.free_states(stale_state, stale_track, Vec::new())?;
             }
-            return trimmed.and(held).and(owned.map(|_| ()));
+            return done;
         }
-        trimmed.and(held).and(owned.map(|_| ()))?;
+        done?;
         if stale_state.is_some() {
             // The KV is still exact: it goes to the tree as cache, without a state.
             let freed = self.free_states(stale_state, stale_track, Vec::new());
@@ -198,6 +275,41 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             self.after_save(id)?;
         }
         Ok(())
+    }
+
+    /// An aborted lent turn that slid the window past its slot's end: the slot cannot continue
+    /// (the window before its end is gone). The slot's KV, still exact, is finished by the
+    /// inner cache as a request that computed `previous` tokens: cached where its window
+    /// starts at or before the page-aligned end (the window KV before it tombstoned), freed
+    /// otherwise; the running Mamba state ran past it and is freed. The session keeps its
+    /// history without a slot (closed, if its close waited for this turn).
+    fn drop_windowless(&mut self, id: u64, req: &mut RequestKv, previous: usize) -> Result<()> {
+        let p = self.inner.page_size();
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return Err(CacheError::InvalidRequestState("session vanished"));
+        };
+        let slot = s.slot.take();
+        if s.closing {
+            self.sessions.remove(&id);
+        }
+        let stale = self.free_states(req.mamba_slot.take(), req.mamba_track.take(), Vec::new());
+        if let Some(slot) = slot {
+            req.mamba_checkpoints.extend(slot.mamba_checkpoints);
+            req.mamba_checkpoints.sort_by_key(|c| c.pos);
+            if let Some(l) = slot.lock
+                && let Some(stray) = req.lock.replace(l)
+            {
+                self.inner.dec_lock_ref(stray)?;
+            }
+        }
+        req.committed_len = previous;
+        let kind = if req.swa_evicted_len <= align_down(previous, p) {
+            FinishKind::Finished
+        } else {
+            FinishKind::Aborted
+        };
+        let finished = self.inner.cache_finished_req(req, kind);
+        stale.and(finished)
     }
 
     /// End of a turn that ran through the inner cache (first turn, or after a demotion): the
@@ -326,10 +438,27 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.has_window_state()
     }
 
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
+    }
+
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_parked(req, lock)
+    }
+
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        self.inner.truncate_request(req, len)
+    }
+
     fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
         self.inner.check_invariants()?;
         let mut states = ahash::HashSet::default();
         let mut idle_states = 0usize;
+        let mut idle_window = 0usize;
         let pools = self.inner.pools();
         let p = self.inner.page_size();
         let mut idle = 0usize;
@@ -360,9 +489,11 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                 "session {id}: row protects {prot} pages, slot {}",
                 slot.cache_protected_len
             );
+            // With sliding-window layers a lent slot's lock travels with its window table.
+            let lock_lent = slot.lent && self.inner.has_window_state();
             ensure_inv!(
-                slot.lock.is_some() || slot.cache_protected_len == 0,
-                "session {id}: protected prefix without a lock"
+                slot.lock.is_some() != lock_lent || (slot.cache_protected_len == 0 && !lock_lent),
+                "session {id}: protected prefix without a lock, or a lent lock kept"
             );
             for st in slot
                 .mamba_slot
@@ -380,11 +511,23 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                     s.idle_key.is_none(),
                     "session {id}: lent slot is indexed as idle"
                 );
+                ensure_inv!(
+                    slot.swa_pages.is_empty() && slot.held_window_pages == 0,
+                    "session {id}: a lent slot keeps window pages"
+                );
                 continue;
             }
             idle += 1;
             idle_states += slot.state_slots();
-            // The slot as the request it was: the inner cache audits its row and Mamba slots.
+            idle_window += slot.held_window_pages;
+            ensure_inv!(
+                slot.held_window_pages == slot.own_window_pages(p),
+                "session {id}: cached held window pages {} but the table owns {}",
+                slot.held_window_pages,
+                slot.own_window_pages(p)
+            );
+            // The slot as the request it was: the inner cache audits its row, Mamba slots and
+            // window table (with the slot's receipt for the tree's window pages in it).
             let as_req = RequestKv {
                 row: Some(slot.row),
                 committed_len: slot.committed_len,
@@ -393,10 +536,12 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                 mamba_slot: slot.mamba_slot,
                 mamba_track: slot.mamba_track,
                 mamba_checkpoints: slot.mamba_checkpoints.clone(),
+                swa_evicted_len: slot.swa_evicted_len,
+                swa_pages: slot.swa_pages.clone(),
                 ..RequestKv::default()
             };
             self.inner
-                .check_request(&as_req)
+                .check_parked(&as_req, slot.lock.as_ref())
                 .map_err(|e| InvariantViolation(format!("session {id}: {}", e.0)))?;
             ensure_inv!(
                 slot.mamba_checkpoints
@@ -439,6 +584,11 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
             );
             held += slot.held_tokens;
         }
+        ensure_inv!(
+            idle_window == self.held_window,
+            "session window pages: {idle_window} owned by idle slots, counter {}",
+            self.held_window
+        );
         ensure_inv!(
             idle_states == self.held_states,
             "session state slots: {idle_states} held by idle slots, counter {}",
@@ -507,14 +657,31 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         }
     }
 
+    /// The inner allocation; when the full-KV pool is short, idle sessions are demoted (least
+    /// recently used first) and it is retried, and likewise when the sliding-window pool is
+    /// short, demoting idle sessions that own window pages.
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
-        match self.inner.alloc_tokens(req, n) {
-            Err(CacheError::OutOfPages { needed, .. })
-                if self.reclaim_for(needed.saturating_mul(self.inner.page_size()))? =>
-            {
-                self.inner.alloc_tokens(req, n)
+        let (mut kv_tried, mut window_tried) = (false, false);
+        loop {
+            let retry = match self.inner.alloc_tokens(req, n) {
+                Err(CacheError::OutOfPages { needed, .. }) if !kv_tried => {
+                    kv_tried = true;
+                    self.reclaim_for(needed.saturating_mul(self.inner.page_size()))?
+                }
+                Err(CacheError::OutOfComponentPages {
+                    component: "swa",
+                    needed,
+                    available,
+                }) if !window_tried => {
+                    window_tried = true;
+                    self.reclaim_window(needed.saturating_sub(available))?
+                }
+                r => return r,
+            };
+            if !retry {
+                // Nothing was demoted: the allocation fails as it did.
+                return self.inner.alloc_tokens(req, n);
             }
-            r => r,
         }
     }
 
@@ -542,8 +709,8 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         }
     }
 
-    /// Forwarded: sessions refuse a cache with sliding-window layers
-    /// ([`PrefixCache::has_window_state`]), so only requests outside sessions reach it.
+    /// Forwarded: a lent turn holds its session's window table (and the lock on the tree's
+    /// window pages in it) while it runs, so the inner cache slides it as any request's.
     fn slide_window(&mut self, req: &mut RequestKv) -> Result<usize> {
         self.inner.slide_window(req)
     }

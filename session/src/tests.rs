@@ -654,47 +654,307 @@ fn overflowing_counts_are_errors_with_an_idle_session_present() {
 }
 
 #[test]
-fn sessions_open_over_mamba_but_refuse_sliding_window_pages() {
+fn sessions_open_over_mamba_and_sliding_window_caches() {
     let (mut c, _) = mamba_cache(4, MambaPolicy::Sglang, SessionConfig::with_budget(1 << 20));
     assert!(c.has_state_slots() && !c.has_window_state());
+    assert_eq!(c.sliding_window(), None);
     c.open(1, true, None).unwrap();
     ok(&c);
-    // A cache's sliding-window pages are not kept or handed back yet: refused, nothing opened.
-    let swa = RadixCache::new(RadixConfig {
+    let (mut c, _) = swa_cache(64, SessionConfig::with_budget(1 << 20));
+    assert!(c.has_state_slots() && c.has_window_state());
+    assert_eq!(c.sliding_window(), Some(W));
+    c.open(1, true, None).unwrap();
+    // Requests outside sessions still run, and the window slides through the session layer.
+    let mut r = RequestKv::new(RadixKey::new((0..(W + 3 * P) as u32 + 1).collect()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.alloc_tokens(&mut r, W + 3 * P + 1).unwrap();
+    r.commit(W + 3 * P + 1).unwrap();
+    assert_eq!(c.slide_window(&mut r).unwrap(), 3);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    ok(&c);
+    c.close(1).unwrap();
+    assert_swa_drained(&c);
+}
+
+// ----- Sliding-window layers: a session slot keeps the window across turns -----
+
+/// The sliding window of the SWA tests: two pages.
+const W: usize = 2 * P;
+
+fn swa_cache(swa_pages: usize, cfg: SessionConfig) -> (Cache, ManualClock) {
+    let inner = RadixCache::new(RadixConfig {
         page_size: P,
         total_pages: 64,
         max_rows: 16,
         swa: Some(radixkv_radix::SwaConfig {
-            window: P,
-            pages: 64,
+            window: W,
+            pages: swa_pages,
         }),
         ..Default::default()
     })
     .unwrap();
-    let mut c = SessionAwareCache::with_clock(
-        swa,
-        SessionConfig::with_budget(1 << 20),
-        ManualClock::new(0),
+    let clock = ManualClock::new(0);
+    (
+        SessionAwareCache::with_clock(inner, cfg, clock.clone()),
+        clock,
+    )
+}
+
+fn swa(c: &Cache) -> radixkv_radix::ComponentAccounting {
+    c.inner().swa_accounting().unwrap()
+}
+
+/// `ok` plus the window pool: balanced, and idle sessions' window pages are request-owned.
+fn swa_ok(c: &Cache) {
+    ok(c);
+    let a = swa(c);
+    assert!(a.balanced(), "{a:?}");
+    assert!(a.request_owned >= c.held_window_pages(), "{a:?}");
+}
+
+/// Nothing is held: both pools are free or unlocked tree KV, no rows, no session pages.
+fn assert_swa_drained(c: &Cache) {
+    assert_drained(c);
+    let a = swa(c);
+    assert_eq!(a.free + a.evictable, a.total, "{a:?}");
+    assert_eq!(c.held_window_pages(), 0);
+}
+
+/// `start` with the slides a decode loop makes: after each computed token the window that
+/// left is freed (the manager slides before every decode allocation).
+fn swa_start(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatch {
+    let m = c.match_request(r).unwrap();
+    c.begin_request(r).unwrap();
+    let todo = r.key.len() - r.committed_len;
+    c.alloc_tokens(r, todo).unwrap();
+    r.commit(todo).unwrap();
+    c.cache_unfinished_req(r).unwrap();
+    c.slide_window(r).unwrap();
+    swa_ok(c);
+    c.check_request(r).unwrap();
+    for (i, &t) in generated.iter().enumerate() {
+        r.append_tokens(&[t]);
+        if i + 1 < generated.len() {
+            c.alloc_tokens(r, 1).unwrap();
+            r.commit(1).unwrap();
+            c.slide_window(r).unwrap();
+        }
+    }
+    swa_ok(c);
+    c.check_request(r).unwrap();
+    m
+}
+
+fn swa_turn(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatch {
+    let m = swa_start(c, r, generated);
+    c.cache_finished_req(r, FinishKind::Finished).unwrap();
+    swa_ok(c);
+    assert!(r.row.is_none() && r.lock.is_none() && r.swa_pages.is_empty() && !r.kv_lent);
+    m
+}
+
+fn slot_window(c: &Cache, id: u64) -> (usize, Vec<PageId>) {
+    let sl = c.sessions[&id].slot.as_ref().unwrap();
+    (sl.swa_evicted_len, sl.swa_pages.clone())
+}
+
+#[test]
+fn a_swa_turn_continues_from_the_held_window_without_a_refill() {
+    let (mut c, _) = swa_cache(64, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..30).collect());
+    swa_turn(&mut c, &mut t1, &[100, 101, 102, 103, 104, 105]);
+    // The slot holds the window before its committed end (35 tokens), and only that: the
+    // pages that slid out were freed by the slides.
+    let committed = c.session_info(1).unwrap().slot_committed_len.unwrap();
+    assert_eq!(committed, 35);
+    let (evicted, pages) = slot_window(&c, 1);
+    assert!(
+        evicted > 0 && evicted <= align_down(committed) - W,
+        "{evicted}"
     );
-    assert!(c.has_state_slots() && c.has_window_state());
+    assert_eq!(evicted / P + pages.len(), committed.div_ceil(P));
+    assert!(c.held_window_pages() > 0 && c.held_window_pages() <= pages.len());
+    // Turn 2 is lent the row and the window as they are: no tree walk, no re-prefill of the
+    // window, and the request holds exactly the slot's window pages.
+    let mut t2 = req(Some(1), extend(&t1, 200..210));
+    let m = c.match_request(&mut t2).unwrap();
+    assert!(m.from_session);
+    assert_eq!(m.prefix_len, committed);
+    assert_eq!((t2.swa_evicted_len, t2.swa_pages.clone()), (evicted, pages));
+    assert_eq!(
+        c.held_window_pages(),
+        0,
+        "lent pages are the running turn's"
+    );
+    c.begin_request(&mut t2).unwrap();
+    c.check_request(&t2).unwrap();
+    swa_ok(&c);
+    let todo = t2.key.len() - t2.committed_len;
+    c.alloc_tokens(&mut t2, todo).unwrap();
+    t2.commit(todo).unwrap();
+    c.cache_unfinished_req(&mut t2).unwrap();
+    assert!(
+        c.slide_window(&mut t2).unwrap() > 0,
+        "the old window slides out"
+    );
+    c.check_request(&t2).unwrap();
+    t2.append_tokens(&[7]);
+    c.cache_finished_req(&mut t2, FinishKind::Finished).unwrap();
+    swa_ok(&c);
+    let (evicted2, _) = slot_window(&c, 1);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(46));
+    assert!(evicted2 > evicted);
+    // Demotion hands the window to the tree: the history's page-aligned end is matchable
+    // again (its window is live), the session holds nothing and its next turn matches there.
+    assert!(c.demote(1).unwrap());
+    swa_ok(&c);
+    assert_eq!(c.held_window_pages(), 0);
+    assert_eq!(c.session_held_tokens(), 0);
+    let mut t3 = req(Some(1), extend(&t2, 300..305));
+    let m = swa_turn(&mut c, &mut t3, &[8, 9]);
+    assert!(!m.from_session);
+    assert_eq!(m.prefix_len, align_down(46));
+    // A second turn after the demotion is lent the new slot again.
+    let mut t4 = req(Some(1), extend(&t3, 400..402));
+    let m = swa_turn(&mut c, &mut t4, &[1]);
+    assert!(m.from_session);
+    c.close(1).unwrap();
+    assert_swa_drained(&c);
+}
+
+fn align_down(n: usize) -> usize {
+    n / P * P
+}
+
+#[test]
+fn an_aborted_swa_turn_rolls_back_or_drops_a_slot_whose_window_slid_out() {
+    // Rolled back: the turn allocated but its window stayed behind the slot's end.
+    let (mut c, _) = swa_cache(64, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..28).collect());
+    swa_turn(&mut c, &mut t1, &[100, 101]);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, Some(29));
+    let before = (slot_window(&c, 1), swa(&c), c.accounting());
+    let mut t2 = req(Some(1), extend(&t1, 200..201));
+    swa_start(&mut c, &mut t2, &[]);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    swa_ok(&c);
+    assert_eq!((slot_window(&c, 1), swa(&c), c.accounting()), before);
+    // Dropped: the aborted turn computed past a window and slid the slot's window out. The
+    // slot's KV becomes cache (its end's window is gone: a tombstone there), the session
+    // keeps its history without a slot, and its next turn matches the tree.
+    let mut t2 = req(Some(1), extend(&t1, 200..240));
+    swa_start(&mut c, &mut t2, &[]);
+    assert!(t2.swa_evicted_len > align_down(29) - W);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    swa_ok(&c);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    assert_eq!(c.session_info(1).unwrap().history_len, 30);
+    assert_eq!(c.held_window_pages(), 0);
+    assert_eq!(swa(&c).request_owned, 0);
+    let mut t3 = req(Some(1), extend(&t1, 500..504));
+    let m = swa_turn(&mut c, &mut t3, &[1, 2]);
+    assert!(!m.from_session);
+    c.close(1).unwrap();
+    assert_swa_drained(&c);
+}
+
+#[test]
+fn closing_a_swa_session_frees_its_window_idle_or_deferred() {
+    let (mut c, _) = swa_cache(64, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..30).collect());
+    swa_turn(&mut c, &mut t1, &[100, 101]);
+    assert!(c.held_window_pages() > 0);
+    assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
+    assert_swa_drained(&c);
+    for kind in [FinishKind::Finished, FinishKind::Aborted] {
+        let (mut c, _) = swa_cache(64, SessionConfig::with_budget(1 << 20));
+        c.open(1, true, None).unwrap();
+        let mut t1 = req(Some(1), (0..30).collect());
+        swa_turn(&mut c, &mut t1, &[100, 101]);
+        let mut t2 = req(Some(1), extend(&t1, 200..230));
+        swa_start(&mut c, &mut t2, &[5, 6]);
+        assert_eq!(c.close(1), Ok(CloseOutcome::Deferred));
+        swa_ok(&c);
+        c.cache_finished_req(&mut t2, kind).unwrap();
+        assert_eq!(c.open_sessions(), 0);
+        assert_swa_drained(&c);
+    }
+}
+
+#[test]
+fn held_windows_are_capped_and_never_keep_a_request_from_window_pages() {
+    // The cap: over `max_held_window_pages` the least recently used idle session is demoted.
+    let cfg = SessionConfig {
+        max_held_window_pages: 1,
+        ..SessionConfig::with_budget(1 << 20)
+    };
+    let (mut c, clock) = swa_cache(64, cfg);
+    for id in [1, 2] {
+        c.open(id, true, None).unwrap();
+        let mut t = req(
+            Some(id),
+            (id as u32 * 1000..id as u32 * 1000 + 30).collect(),
+        );
+        swa_turn(&mut c, &mut t, &[1, 2]);
+        clock.advance(1);
+    }
+    assert!(c.held_window_pages() <= 1);
+    assert_eq!(
+        c.session_info(1).unwrap().slot_committed_len,
+        None,
+        "LRU demoted"
+    );
+    assert!(c.session_info(2).unwrap().slot_committed_len.is_some());
+    for id in [1, 2] {
+        c.close(id).unwrap();
+    }
+    assert_swa_drained(&c);
+    // The pool: a request short of window pages demotes idle sessions that own some.
+    let (mut c, _) = swa_cache(12, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..30).collect());
+    swa_turn(&mut c, &mut t1, &[100, 101]);
+    let held = c.held_window_pages();
+    assert!(held > 0);
+    let a = swa(&c);
+    // One page more than free + evictable: only the session's page makes it fit.
+    let len = ((a.free + a.evictable + 1) * P) as u32;
+    assert!(held >= 1);
+    let mut other = RequestKv::new(RadixKey::new((5000..5000 + len).collect()));
+    c.match_request(&mut other).unwrap();
+    c.begin_request(&mut other).unwrap();
+    let n = other.key.len();
+    c.alloc_tokens(&mut other, n).unwrap();
+    swa_ok(&c);
+    assert_eq!(c.held_window_pages(), 0);
+    assert_eq!(c.session_info(1).unwrap().slot_committed_len, None);
+    c.cache_finished_req(&mut other, FinishKind::Aborted)
+        .unwrap();
+    // Even all held windows are not enough: nothing is demoted, the allocation fails typed.
+    let mut t2 = req(Some(1), extend(&t1, 0..3));
+    swa_turn(&mut c, &mut t2, &[1]);
+    let held = c.held_window_pages();
+    let mut huge = RequestKv::new(RadixKey::new((9000..9000 + 64 * P as u32).collect()));
+    c.match_request(&mut huge).unwrap();
+    c.begin_request(&mut huge).unwrap();
+    let n = huge.key.len();
     assert!(matches!(
-        c.open(1, true, None),
-        Err(SessionError::Cache(CacheError::Config(_)))
+        c.alloc_tokens(&mut huge, n),
+        Err(CacheError::OutOfComponentPages {
+            component: "swa",
+            ..
+        })
     ));
-    assert_eq!(c.open_sessions(), 0);
-    // Requests outside sessions still run, and the window slides through the session layer.
-    let mut r = RequestKv::new(RadixKey::new((0..3 * P as u32 + 1).collect()));
-    c.match_request(&mut r).unwrap();
-    c.begin_request(&mut r).unwrap();
-    c.alloc_tokens(&mut r, 3 * P + 1).unwrap();
-    r.commit(3 * P + 1).unwrap();
-    assert_eq!(c.slide_window(&mut r).unwrap(), 2);
-    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
-    ok(&c);
-    // A KV-only cache has no state slots and opens sessions as before.
-    let (mut kv_only, _) = cache();
-    assert!(!kv_only.has_state_slots());
-    kv_only.open(1, true, None).unwrap();
+    assert_eq!(c.held_window_pages(), held);
+    swa_ok(&c);
+    c.cache_finished_req(&mut huge, FinishKind::Aborted)
+        .unwrap();
+    c.close(1).unwrap();
+    assert_swa_drained(&c);
 }
 
 // ----- Mamba: a session slot keeps the running state across turns -----

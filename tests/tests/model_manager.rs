@@ -217,6 +217,7 @@ impl Harness {
                 max_held_tokens: 64,
                 idle_ttl_ms: 1_000_000,
                 per_session_cap_tokens: 48,
+                max_held_window_pages: None,
             });
         }
         let kv = b.build().unwrap();

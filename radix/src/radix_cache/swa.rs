@@ -46,11 +46,6 @@ pub(super) fn check_config(cfg: &RadixConfig) -> Result<()> {
     let Some(w) = cfg.swa else {
         return Ok(());
     };
-    if cfg.mamba_slots.is_some() {
-        return Err(CacheError::Config(
-            "sliding-window layers together with Mamba slots are not supported yet".into(),
-        ));
-    }
     if w.window == 0 {
         return Err(CacheError::Config(
             "the sliding window must be at least one token".into(),
@@ -110,6 +105,16 @@ impl RadixCache {
         &self,
         req: &RequestKv,
     ) -> std::result::Result<(), InvariantViolation> {
+        self.check_window_table(req, req.lock.as_ref())
+    }
+
+    /// [`RadixCache::check_request_swa`] with the receipt that locks the request's tree
+    /// window pages given apart (a session slot keeps it beside the parked request).
+    pub(super) fn check_window_table(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
         let (Ok(pool), Ok(window)) = (self.tree.swa_pool(), self.tree.swa_window()) else {
             ensure_inv!(
                 req.swa_pages.is_empty() && req.swa_evicted_len == 0,
@@ -144,7 +149,7 @@ impl RadixCache {
         );
         let tree_held = req.cache_protected_len.saturating_sub(from) / p;
         ensure_inv!(
-            tree_held == 0 || req.lock.as_ref().is_some_and(LockReceipt::locks_swa_window),
+            tree_held == 0 || lock.is_some_and(LockReceipt::locks_swa_window),
             "the request references tree window pages without an SWA lock"
         );
         for (j, &pg) in req.swa_pages.iter().enumerate() {
@@ -164,7 +169,9 @@ impl RadixCache {
     }
 
     /// [`RadixCache::match_tree`] with the SWA component: the KV match cut back to the deepest
-    /// node boundary with a full window of live window KV before it.
+    /// node boundary with a full window of live window KV before it (and, with the Mamba
+    /// component too, a Mamba state at it). The second value is how far the KV matched (with
+    /// the Mamba component, for the forward pass to checkpoint there; 0 otherwise).
     pub(super) fn match_tree_swa(
         &mut self,
         key: KeyRef<'_>,
@@ -177,16 +184,39 @@ impl RadixCache {
             last_device: m.anchor,
             last_node: m.anchor,
         };
-        Ok((usable, 0))
+        let kv_len = if self.tree.mamba_enabled() {
+            m.kv.device_len
+        } else {
+            0
+        };
+        Ok((usable, kv_len))
     }
 
-    /// Locks `anchor`'s root path and, unless it is the root, the window KV before its end.
+    /// Locks `anchor`'s root path and, unless it is the root, the window KV before its end
+    /// (and its Mamba state, with that component).
     fn lock_swa_anchor(&mut self, anchor: NodeId) -> Result<LockReceipt> {
         if anchor == self.tree.root() {
             self.tree.inc_lock_ref(anchor)
+        } else if self.tree.mamba_enabled() {
+            self.tree.inc_lock_ref_swa_mamba(anchor)
         } else {
             self.tree.inc_lock_ref_swa(anchor)
         }
+    }
+
+    /// With the Mamba component: the request's own running slot, a copy-on-write destination
+    /// of the locked state on a hit (`receipt` locks it) or a fresh slot at the root. `None`
+    /// without the component.
+    fn mamba_slot_for(&mut self, receipt: &LockReceipt) -> Result<Option<(u32, Option<MambaCow>)>> {
+        if !self.tree.mamba_enabled() {
+            return Ok(None);
+        }
+        let slot = if receipt.locks_mamba_state() {
+            self.tree.cow_mamba(receipt).map(|c| (c.dst, Some(c)))?
+        } else {
+            (self.tree.alloc_mamba_slot()?, None)
+        };
+        Ok(Some(slot))
     }
 
     /// The tree's window pages of tokens `[from, end)` on the path ending with node `last`,
@@ -229,12 +259,20 @@ impl RadixCache {
                 "begin_request called twice",
             ));
         }
+        let mamba = self.tree.mamba_enabled();
+        if mamba && req.mamba_slots_held() > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "begin_request on a request that already holds a Mamba slot",
+            ));
+        }
         let root = self.tree.root();
         let anchor_ok = req.last_node.is_some_and(|n| {
             n == root
                 || (self.tree.contains(n)
                     && self.tree.device_pages(n).is_ok_and(|p| !p.is_empty())
-                    && self.tree.depth_tokens(n) == Ok(req.prefix_len))
+                    && self.tree.depth_tokens(n) == Ok(req.prefix_len)
+                    // A Mamba hit needs its state still there (it may have been evicted).
+                    && (!mamba || self.tree.mamba_state(n).is_ok_and(|s| s.is_some())))
         });
         let locked = match req.last_node {
             Some(n) if anchor_ok => self.lock_swa_anchor(n).ok(),
@@ -257,9 +295,19 @@ impl RadixCache {
                 return Err(e);
             }
         };
+        let slot = match self.mamba_slot_for(&receipt) {
+            Ok(s) => s,
+            Err(e) => {
+                self.tree.dec_lock_ref(receipt)?;
+                return Err(e);
+            }
+        };
         let row = match self.pools.rows.alloc() {
             Ok(r) => r,
             Err(e) => {
+                if let Some((s, _)) = slot {
+                    self.tree.free_mamba_slot(s)?;
+                }
                 self.tree.dec_lock_ref(receipt)?;
                 return Err(e);
             }
@@ -274,6 +322,14 @@ impl RadixCache {
         req.committed_len = len;
         req.allocated_len = len;
         req.cache_protected_len = len;
+        if let Some((s, cow)) = slot {
+            req.mamba_slot = Some(s);
+            req.mamba_cow = cow;
+            // Disabled mode caches nothing, so it takes no checkpoint either.
+            if !self.disabled {
+                self.mamba.plan(&mut self.tree, req);
+            }
+        }
         self.debug_audit();
         Ok(())
     }
@@ -395,8 +451,19 @@ impl RadixCache {
         req.last_node = Some(r.kv.last_node);
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
+        // With the Mamba component, as without SWA: the chunk's forward has run (a hit's copy
+        // is done), and the checkpoints it passed are taken.
+        req.mamba_cow = None;
+        let stored = if req.mamba_checkpoints.is_empty() {
+            Ok(())
+        } else {
+            self.mamba.store_checkpoints(&mut self.tree, req, aligned)
+        };
+        if let Some(t) = &mut req.mamba_track {
+            t.pos = aligned;
+        }
         self.debug_audit();
-        Ok(())
+        stored
     }
 
     /// [`PrefixCache::cache_finished_req`] with the SWA component: inserts the full KV and
@@ -408,23 +475,35 @@ impl RadixCache {
         kind: FinishKind,
     ) -> Result<()> {
         let Some(row) = req.row else {
-            // Never began: nothing held but a possible stray lock.
+            // Never began: nothing held but a possible stray lock (and, from a session layer,
+            // Mamba slots).
+            let states = self.free_request_states(req);
             let unlocked = match req.lock.take() {
                 Some(l) => self.tree.dec_lock_ref(l),
                 None => Ok(()),
             };
             req.clear_kv_state();
-            return unlocked;
+            return states.and(unlocked);
         };
         let p = self.pools.page_size;
         let aligned = align_down(req.committed_len, p);
         let mut result = Ok(());
         let mut owned_from = req.cache_protected_len;
+        let mut end = None;
         if kind == FinishKind::Finished && !self.disabled && aligned > 0 {
             match self.insert_request_prefix_swa(req, aligned, false) {
-                Ok(_) => owned_from = owned_from.max(aligned),
+                Ok(r) => {
+                    owned_from = owned_from.max(aligned);
+                    end = Some(r.kv.last_node);
+                }
                 Err(e) => result = Err(e),
             }
+        }
+        // The Mamba component, as without SWA: checkpoints the forward passed are stored with
+        // the KV, the running or tracked state becomes the state of the inserted end (where
+        // the policy keeps it and its window is live), the rest is freed.
+        if self.tree.mamba_enabled() {
+            result = result.and(self.finish_request_states(req, aligned, end));
         }
         // The request's own SWA pages: past the insert (the unaligned tail, over-allocation),
         // or all of them on abort. The tree's pages before them are only forgotten.
@@ -439,6 +518,37 @@ impl RadixCache {
         req.clear_kv_state();
         self.debug_audit();
         result.and(freed_swa).and(freed).and(unlocked)
+    }
+
+    /// [`PrefixCache::truncate_request`] with the SWA component: the window pages beside the
+    /// freed full-KV pages go too, and the window before the new end must still be held.
+    pub(super) fn truncate_request_swa(&mut self, req: &mut RequestKv, len: usize) -> Result<()> {
+        crate::cache::check_truncate(req, len)?;
+        let row = req.row.ok_or(CacheError::InvalidRequestState(
+            "truncate_request without a row",
+        ))?;
+        let p = self.pools.page_size;
+        let keep = crate::types::pages_for(len, p);
+        // The row must be live before anything is freed.
+        self.pools.rows.pages(row)?;
+        if let Ok(window) = self.tree.swa_window() {
+            let from = req.swa_evicted_len;
+            let committed = req.committed_len.min(len);
+            if from > align_down(committed, p).saturating_sub(window) {
+                return Err(CacheError::InvalidRequestState(
+                    "truncating into the window the request no longer holds",
+                ));
+            }
+            // Every page past the cut lies past `cache_protected_len`: the request's own.
+            let table = keep.saturating_sub(from / p).min(req.swa_pages.len());
+            self.tree.free_swa_pages(&req.swa_pages[table..])?;
+            req.swa_pages.truncate(table);
+        }
+        self.pools.truncate_row(row, keep)?;
+        req.allocated_len = len;
+        req.committed_len = req.committed_len.min(len);
+        self.debug_audit();
+        Ok(())
     }
 
     /// [`PrefixCache::slide_window`]: 0 without the SWA component.

@@ -96,8 +96,20 @@ impl MambaComponent {
         self.clock
     }
 
+    /// True when node `idx` carries a state.
+    pub(super) fn has_state(&self, idx: u32) -> bool {
+        self.get(idx).slot != NIL
+    }
+
+    /// Drops node `idx`'s state if it has one and it is unlocked (the cascade of a component
+    /// with a higher eviction priority on the same node). Returns whether it went.
+    pub(super) fn drop_unlocked_state(&mut self, idx: u32) -> bool {
+        let e = self.get(idx);
+        e.slot != NIL && e.lock == 0 && self.drop_state(idx)
+    }
+
     /// Refreshes the recency of `idx`'s (unlocked or locked) state.
-    fn touch(&mut self, idx: u32) {
+    pub(super) fn touch(&mut self, idx: u32) {
         let now = self.tick();
         let e = self.entry(idx);
         let old = std::mem::replace(&mut e.tick, now);
@@ -186,6 +198,10 @@ pub enum MambaInsert {
     /// The node already had a state: the request's slot was freed (and the cached state's
     /// recency refreshed).
     AlreadyCached,
+    /// The tree also has the sliding-window component and the node's window KV is a
+    /// tombstone: a state there could not be resumed (no match ends there until a later
+    /// insert revives the window), so the request's slot was freed.
+    WindowTombstone,
 }
 
 impl RadixTree {
@@ -444,15 +460,44 @@ impl RadixTree {
             ));
         }
         let mut receipt = self.inc_lock_ref(node)?;
-        let m = self.mamba_mut()?;
-        let e = *m.entry(idx);
-        if e.lock == 0 {
-            m.lru.remove(&(e.tick, idx));
-            m.protected += 1;
-        }
-        m.entry(idx).lock += 1;
+        self.mamba_lock(idx);
         receipt.mamba = true;
         Ok(receipt)
+    }
+
+    /// Locks the root path of `node`, the window KV before its end (as
+    /// [`RadixTree::inc_lock_ref_swa`]) **and** its Mamba state (as
+    /// [`RadixTree::inc_lock_ref_mamba`]), in one receipt: what a match of a tree with both
+    /// components needs.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`] unless both components are on,
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the node carries
+    /// no state or part of its window is a tombstone. Nothing changes on error.
+    pub fn inc_lock_ref_swa_mamba(&mut self, node: NodeId) -> Result<LockReceipt> {
+        let idx = self.resolve(node)?;
+        if self.mamba_ref()?.get(idx).slot == NIL {
+            return Err(CacheError::InvalidRequestState(
+                "the node carries no Mamba state to lock",
+            ));
+        }
+        // Splits keep `node`'s id (and its state) on the lower part.
+        let mut receipt = self.inc_lock_ref_swa(node)?;
+        self.mamba_lock(idx);
+        receipt.mamba = true;
+        Ok(receipt)
+    }
+
+    /// Adds one Mamba lock to node `idx`'s state (which it has).
+    fn mamba_lock(&mut self, idx: u32) {
+        if let Some(m) = self.mamba.as_deref_mut() {
+            let e = *m.entry(idx);
+            if e.lock == 0 {
+                m.lru.remove(&(e.tick, idx));
+                m.protected += 1;
+            }
+            m.entry(idx).lock += 1;
+        }
     }
 
     /// Releases the Mamba lock a receipt holds (validation happens before; see
@@ -578,7 +623,12 @@ impl RadixTree {
             ));
         }
         let generation = self.generations[idx as usize];
+        let window_dead = self.swa.as_deref().is_some_and(|w| !w.live(idx));
         let m = self.mamba_mut()?;
+        if window_dead && m.get(idx).slot == NIL {
+            m.pool.free_request(slot)?;
+            return Ok(MambaInsert::WindowTombstone);
+        }
         if m.get(idx).slot != NIL {
             m.pool.free_request(slot)?;
             m.touch(idx);
@@ -743,6 +793,12 @@ impl RadixTree {
                 "node {k}: Mamba lock {} > KV lock {}",
                 e.lock,
                 n.lock_ref
+            );
+            // The cascade (SWA before Mamba on a node): an unlocked state never sits on a node
+            // whose window KV is a tombstone.
+            ensure_inv!(
+                e.lock > 0 || self.swa.as_deref().is_none_or(|w| w.live(k)),
+                "node {k}: an unlocked Mamba state on a window tombstone"
             );
             states += 1;
             if e.lock > 0 {

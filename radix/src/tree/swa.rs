@@ -70,7 +70,7 @@ impl SwaComponent {
         self.nodes.get(idx as usize)
     }
 
-    fn live(&self, idx: u32) -> bool {
+    pub(super) fn live(&self, idx: u32) -> bool {
         self.get(idx).is_some_and(SwaNode::live)
     }
 
@@ -294,8 +294,10 @@ impl RadixTree {
 
     /// Longest prefix of `key` whose full KV is on device **and** that has a full window of
     /// live window KV before its end: the KV match of [`RadixTree::match_prefix`] cut back to
-    /// the deepest such node boundary. Appends the full-KV pages of the usable prefix only to
-    /// `out`. Refreshes the recency of the window KV the match needs. Takes no lock.
+    /// the deepest such node boundary. With the Mamba component too, the boundary must also
+    /// carry a Mamba state (both validators pass there). Appends the full-KV pages of the
+    /// usable prefix only to `out`. Refreshes the recency of the window KV the match needs
+    /// (and of the state). Takes no lock.
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`] without the component (nothing changes then).
@@ -307,18 +309,25 @@ impl RadixTree {
         let (mut best, mut anchor) = (0, self.root);
         {
             let w = self.swa_ref()?;
+            let m = self.mamba.as_deref();
             let (mut depth, mut run) = (0usize, 0usize);
             for &i in &path {
                 let len = self.nodes[i as usize].key.len();
                 depth += len;
                 run = if w.live(i) { run + len } else { 0 };
-                if run >= w.window || run == depth {
+                let window_ok = run >= w.window || run == depth;
+                if window_ok && m.is_none_or(|m| m.has_state(i)) {
                     (best, anchor) = (depth, i);
                 }
             }
         }
         out.truncate(start + best / self.page_size);
         self.swa_window_walk(anchor, |w, i| w.touch(i));
+        if anchor != self.root
+            && let Some(m) = self.mamba.as_deref_mut()
+        {
+            m.touch(anchor);
+        }
         Ok(SwaMatch {
             kv,
             usable_len: best,
@@ -516,6 +525,10 @@ impl RadixTree {
                 break;
             };
             done += w.tombstone(idx);
+            // The cascade on a node: SWA before Mamba, so its unlocked state goes too.
+            if let Some(m) = self.mamba.as_deref_mut() {
+                m.drop_unlocked_state(idx);
+            }
         }
         done
     }
@@ -533,7 +546,12 @@ impl RadixTree {
                 "only unlocked live window KV can be tombstoned",
             ));
         }
-        Ok(w.tombstone(idx))
+        let n = w.tombstone(idx);
+        // The cascade on a node: SWA before Mamba, so its unlocked state goes too.
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.drop_unlocked_state(idx);
+        }
+        Ok(n)
     }
 
     /// Inserts `key` like [`RadixTree::insert`] (same `pages` / `replaced` contract for the

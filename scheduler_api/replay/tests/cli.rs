@@ -941,8 +941,54 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         skipped.iter().any(|l| l.contains("radixkv-hicache")),
         "{out}"
     );
+    // Sessions keep their window across turns: that row runs too.
     assert!(
-        skipped.iter().any(|l| l.contains("radixkv-session")),
+        out.lines().any(|l| l.starts_with("radix-lru+sessions ")),
         "{out}"
     );
+    assert!(
+        !skipped.iter().any(|l| l.contains("radixkv-session")),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
+    let dir = temp_dir();
+    // A pool the sessions' windows press on: idle sessions are demoted for window room, every
+    // step is audited, and the leak check at the end finds no page of either pool held.
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "8",
+        "--model",
+        "gemma-like",
+        "--device-tokens",
+        "32768",
+        "--session-tokens",
+        "4096",
+        "--check-invariants-every",
+        "1",
+        "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "config           radix-lru+sessions",
+        "and 0 SWA pages still held",
+        "0 sessions open",
+    ] {
+        assert!(out.contains(line), "{line:?} missing in {out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let run = &json["runs"][0];
+    assert_eq!(run["swa"]["leaked_pages"], 0);
+    assert!(
+        run["counters"]["session_demotions"].as_u64().unwrap() > 0,
+        "{run}"
+    );
+    assert!(run["hit_tokens_device"].as_u64().unwrap() > 0, "{run}");
 }
