@@ -149,8 +149,8 @@ pub use config::{
 };
 pub use error::{BackendMismatch, ManagerError, Result, StallCause};
 pub use manager::{
-    Admission, Admitted, KvCacheManager, NeverReason, ReqId, Request, StepHandle, StepSummary,
-    WaitReason,
+    Admission, Admitted, KvCacheManager, MambaCheckpoints, NeverReason, ReqId, Request, StepHandle,
+    StepSummary, WaitReason,
 };
 pub use metrics::Metrics;
 pub use radixkv_radix::{

@@ -44,7 +44,8 @@ use crate::factory::{
 use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
 pub use crate::request::{
-    Admission, Admitted, NeverReason, ReqId, Request, StepHandle, StepSummary, WaitReason,
+    Admission, Admitted, MambaCheckpoints, NeverReason, ReqId, Request, StepHandle, StepSummary,
+    WaitReason,
 };
 use crate::sessions::SimClock;
 use crate::table::Table;
@@ -789,7 +790,7 @@ impl KvCacheManager {
             kv_match_tokens: kv_match,
             mamba_slot: t.kv.mamba_slot,
             mamba_cow: t.kv.mamba_cow,
-            mamba_checkpoints: t.kv.mamba_checkpoints.clone(),
+            mamba_checkpoints: MambaCheckpoints::from_slice(&t.kv.mamba_checkpoints),
             mamba_track: t.kv.mamba_track,
         }))
     }
