@@ -884,6 +884,7 @@ fuzz_target!(|input: Input| {
                 max_session_tokens: usize::from(s.cap_pages).max(1) * p,
                 idle_ttl: s.ttl.map(u64::from),
                 max_held_state_slots: usize::from(s.held_slots % 8),
+                max_held_window_pages: usize::MAX,
             };
             let mut d = Driver::new(inner, scfg, KvModel::new(pages, p), s.events);
             for op in &ops {

@@ -83,6 +83,7 @@ fn a_demoted_session_state_comes_back_from_the_host() {
             max_held_tokens: 512,
             idle_ttl_ms: 60_000,
             per_session_cap_tokens: 512,
+            max_held_window_pages: None,
         })
         .build()
         .unwrap();
