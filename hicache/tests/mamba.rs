@@ -38,6 +38,7 @@ struct Setup {
     layout: HostLayout,
     policy: WritePolicy,
     mamba_policy: MambaPolicy,
+    gated: bool,
 }
 
 impl Default for Setup {
@@ -50,13 +51,18 @@ impl Default for Setup {
             layout: HostLayout::PageFirst,
             policy: WritePolicy::WriteThrough,
             mamba_policy: MambaPolicy::Sglang,
+            gated: false,
         }
     }
 }
 
 fn build(s: &Setup) -> HiRadixCache<HostSim> {
     let g = KvGeometry::new(LAYERS, s.page_size, BYTES_PER_TOKEN).unwrap();
-    let backend = Arc::new(HostSim::new(g, s.device_pages, HostSimConfig::default()).unwrap());
+    let sim = HostSimConfig {
+        gated: s.gated,
+        ..Default::default()
+    };
+    let backend = Arc::new(HostSim::new(g, s.device_pages, sim).unwrap());
     HiRadixCache::new(
         HiCacheConfig {
             radix: RadixConfig {
@@ -124,7 +130,12 @@ fn serve_mamba(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (RequestMatch, 
     c.begin_request(&mut r).unwrap();
     c.check_request(&r).unwrap();
     if let Some(step) = c.start_loading().unwrap() {
-        wait_layers(c, step.producer);
+        let counter = c.layer_counter().clone();
+        counter.set_consumer(step.producer);
+        if (0..counter.layers()).any(|l| counter.wait_until(l).is_err()) {
+            // A failed load: the next step repairs it (KV and state) before it returns `Ok`.
+            c.step().unwrap();
+        }
     }
     check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
     if r.prefix_len > 0 {
@@ -394,11 +405,12 @@ fn host_slot_exhaustion_degrades_to_kv_only() {
     c.check_invariants().unwrap();
 }
 
-/// Random traffic over shared prefixes, with device and Mamba evictions, every write policy:
-/// the audits hold after every step and every reused state and page holds the right bytes
-/// (checked inside `serve_mamba`).
+/// Random traffic over shared prefixes, with device and Mamba evictions and failing backup
+/// and load copies, every write policy: the audits hold after every step and every reused state and
+/// page holds the right bytes (checked inside `serve_mamba`).
 #[test]
 fn random_traffic_keeps_states_and_audits() {
+    let mut repaired = 0;
     for (seed, policy, mp, p) in [
         (1u64, WritePolicy::WriteThrough, MambaPolicy::Sglang, 4),
         (2, WritePolicy::WriteBack, MambaPolicy::Sglang, 1),
@@ -429,13 +441,25 @@ fn random_traffic_keeps_states_and_audits() {
             })
             .collect();
         let mut hits = 0;
+        let mut load_faults = 0;
         for step in 0..300 {
             let conv = &convs[(rng.next_u32() % 6) as usize];
             let len = 2 + rng.next_u32() as usize % (conv.len() - 1);
             let t = conv[..len].to_vec();
             let (m, loaded) = serve_mamba(&mut c, &t);
             hits += usize::from(m.prefix_len + loaded > 0);
-            match rng.next_u32() % 5 {
+            match rng.next_u32() % 7 {
+                // The next load copy fails: repaired at the next step. (One fault at a time:
+                // two would fail the repair's copy too.)
+                6 if c.stats().failed_loads == load_faults => {
+                    load_faults += 1;
+                    c.backend().fail_next_copies(StreamKind::Load, 1);
+                }
+                6 => {}
+                5 => {
+                    // The next backup copy fails: undone (KV and states) at its ack.
+                    c.backend().fail_next_copies(StreamKind::Write, 1);
+                }
                 0 => {
                     c.evict((rng.next_u32() % 16) as usize);
                 }
@@ -458,5 +482,42 @@ fn random_traffic_keeps_states_and_audits() {
         assert!(hits > 20, "seed {seed}: {hits} hits, {st:?}");
         assert!(st.mamba_states_loaded > 0, "seed {seed}: {st:?}");
         assert!(st.mamba_states_backed_up > 0, "seed {seed}: {st:?}");
+        assert!(st.failed_writes > 0, "seed {seed}: {st:?}");
+        assert_eq!(st.failed_loads, st.repaired_loads, "seed {seed}: {st:?}");
+        repaired += st.repaired_loads;
     }
+    assert!(repaired > 0, "no load failed and was repaired");
+}
+
+/// A state whose backup is in flight stays locked on device until the ack: a Mamba eviction
+/// cannot free (and a later request reuse) the slot the copy still reads, so the host copy
+/// holds the right bytes.
+#[test]
+fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
+    let mut c = build(&Setup {
+        gated: true,
+        ..Default::default()
+    });
+    let gate = c.backend().gate().unwrap().clone();
+    let a = tokens(1, 8);
+    serve_mamba(&mut c, &a);
+    assert_eq!(
+        c.controller().pending().0,
+        1,
+        "the backup is held by the gate"
+    );
+    c.evict_mamba_states(usize::MAX);
+    // Another request runs meanwhile and writes its own states (into a freed slot, if any).
+    serve_mamba(&mut c, &tokens(2, 8));
+    gate.open();
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    c.evict(usize::MAX / 2);
+    let mut a2 = a.clone();
+    a2.push(5);
+    // The load-back checks the state's bytes against A's.
+    let (_, loaded) = serve_mamba(&mut c, &a2);
+    assert_eq!(loaded, 8);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
 }
