@@ -22,10 +22,11 @@
 //!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
 //!   session slot keeps its running state across turns), or sliding-window layers
 //!   (Gemma-like) on the disabled and radix caches, with or without sessions (a session slot
-//!   keeps its window KV across turns). The other hybrid combinations — Mamba or
-//!   sliding-window layers under a host tier, both kinds in one model — are
-//!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
-//!   that does not carry their pools yet.
+//!   keeps its window KV across turns), or both kinds in one model (full attention, sliding
+//!   window and Mamba layers: one tree carries both components, admission needs room in each
+//!   of the three pools). The other hybrid combinations — Mamba or sliding-window layers
+//!   under a host tier — are validated and sized but fail to build with
+//!   [`ManagerError::NotWired`], naming the crate that does not carry their pools yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
 //!   `pools.mamba_bytes / slot bytes` slots. Every running request holds one slot of its own
 //!   ([`Admitted::mamba_slot`]); a hit is usable only up to the deepest cached state, and the
