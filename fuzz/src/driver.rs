@@ -330,9 +330,15 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 }))
             }
             Err(e) => {
-                // No row free, or the host tier's load queue is full (back-pressure).
+                // No row free, no Mamba state slot to be had, or the host tier's load queue
+                // is full (back-pressure).
                 assert!(
-                    matches!(e, CacheError::OutOfRows { .. } | CacheError::Busy(_)),
+                    matches!(
+                        e,
+                        CacheError::OutOfRows { .. }
+                            | CacheError::OutOfStateSlots { .. }
+                            | CacheError::Busy(_)
+                    ),
                     "begin failed: {e}"
                 );
                 assert!(req.row.is_none() && req.lock.is_none());

@@ -99,8 +99,9 @@
 //!
 //! ## Not yet here
 //! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
-//! [`HiRadixCache`] does not pass extra pools to the controller yet: the Mamba and SWA pools
-//! that own those slots arrive with their own issue.
+//! [`HiRadixCache`] moves Mamba states with their KV (the tree's Mamba component; see its
+//! module docs, "Extra pools"); sliding-window KV under the host tier is not carried yet (a
+//! radix configuration with SWA layers is refused).
 
 mod backend;
 mod controller;
@@ -117,7 +118,7 @@ pub use backend::{
 };
 pub use controller::{
     Acks, CacheOperation, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep,
-    OpId, PoolName, PoolTransfer, TransferStats, merge_runs,
+    OpId, PoolName, PoolTransfer, SlotOwner, TransferStats, merge_runs,
 };
 pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use radixkv_hicache::{
     DeviceBackend, ExtraPoolSpec, HiCacheError, HostLayout, HostPool, HostSim, HostSimConfig,
-    HybridCacheController, KvGeometry, PoolName, PoolTransfer, merge_runs,
+    HybridCacheController, KvGeometry, PoolName, PoolTransfer, SlotOwner, merge_runs,
 };
 use radixkv_radix::{PageAllocator, PageId};
 
@@ -207,12 +207,14 @@ fn extra_pool_failure_rolls_back_every_pool() {
             host_slots: 4,
             device_slots: 4,
             item_bytes: 24,
+            device_owner: SlotOwner::Controller,
         },
         ExtraPoolSpec {
             name: PoolName::Swa,
             host_slots: 2,
             device_slots: 2,
             item_bytes: 40,
+            device_owner: SlotOwner::Controller,
         },
     ];
     let (_dev, mut ctrl) = setup(2, 16, 16, HostSimConfig::default(), &extra);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use radixkv_hicache::{
     DeviceBackend, ExtraPoolSpec, HiCacheError, HostLayout, HostPool, HostSim, HostSimConfig,
-    HybridCacheController, KvGeometry, PoolName, PoolTransfer, StreamKind,
+    HybridCacheController, KvGeometry, PoolName, PoolTransfer, SlotOwner, StreamKind,
 };
 use radixkv_radix::{PageAllocator, PageId};
 
@@ -23,12 +23,14 @@ fn setup(layout: HostLayout) -> (Arc<HostSim>, HybridCacheController<HostSim>) {
             host_slots: 8,
             device_slots: 6,
             item_bytes: MAMBA_ITEM,
+            device_owner: SlotOwner::Controller,
         },
         ExtraPoolSpec {
             name: PoolName::Swa,
             host_slots: 4,
             device_slots: 8,
             item_bytes: SWA_ITEM,
+            device_owner: SlotOwner::Controller,
         },
     ];
     let ctrl = HybridCacheController::new(dev.clone(), pool, &extra).unwrap();

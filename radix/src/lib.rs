@@ -177,6 +177,7 @@ pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPol
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};
 pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
+pub use tree::mamba_tier::MambaHostHit;
 pub use tree::swa::{SwaInsert, SwaMatch};
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};

@@ -43,8 +43,8 @@ pub struct RadixConfig {
     /// states of all Mamba layers). `None`: a KV-only tree. With it, matches stop at the
     /// deepest cached state, every running request holds its own slot, and requests leave
     /// states behind as [`RadixConfig::mamba_policy`] says (see the crate docs). A session
-    /// layer keeps a streaming session's running slot across turns (`radixkv-session`); the
-    /// host tier does not support it yet (it refuses it).
+    /// layer keeps a streaming session's running slot across turns (`radixkv-session`), and the
+    /// host tier (`radixkv-hicache`) backs up and loads states with their KV.
     pub mamba_slots: Option<u32>,
     /// How Mamba states are admitted and evicted ([`crate::mamba_policy`]); default
     /// [`MambaPolicy::Marconi`]. Validated even without Mamba slots.
@@ -193,7 +193,7 @@ impl RadixCache {
     /// holds exactly one running slot, in the request state, one distinct request-held slot
     /// per pending checkpoint, at ascending page-aligned positions past its cached prefix, and
     /// at most one distinct request-held tracking slot, at a page-aligned position no further
-    /// than its computed length (the Mamba part of [`PrefixCache::check_request`], which runs
+    /// than its computed length, and at most [`RequestKv::MAX_MAMBA_SLOTS`] in all (the Mamba part of [`PrefixCache::check_request`], which runs
     /// it).
     ///
     /// # Errors
@@ -227,6 +227,12 @@ impl RadixCache {
         ensure_inv!(
             req.row.is_some() || req.mamba_checkpoints.is_empty(),
             "a request without a row holds Mamba checkpoints"
+        );
+        ensure_inv!(
+            req.mamba_slots_held() <= RequestKv::MAX_MAMBA_SLOTS,
+            "the request holds {} Mamba slots, more than {}",
+            req.mamba_slots_held(),
+            RequestKv::MAX_MAMBA_SLOTS
         );
         let mut last = req.cache_protected_len;
         for (i, c) in req.mamba_checkpoints.iter().enumerate() {

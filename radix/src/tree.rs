@@ -665,6 +665,7 @@ mod check;
 mod children;
 mod locks;
 pub(crate) mod mamba;
+pub(crate) mod mamba_tier;
 pub(crate) mod swa;
 #[cfg(test)]
 mod tests;

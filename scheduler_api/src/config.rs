@@ -38,7 +38,8 @@ pub struct PoolBudgets {
     /// Bytes of the sliding-window KV pool (default: the full-attention pool's bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swa_bytes: Option<u64>,
-    /// Bytes of the Mamba state slot pool (default: the full-attention pool's bytes).
+    /// Bytes of the Mamba state slot pool (default: the full-attention pool's bytes); at least
+    /// two slots' worth (a hit holds the cached state and the request's copy of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mamba_bytes: Option<u64>,
 }
@@ -548,8 +549,8 @@ impl ManagerConfig {
     ///
     /// # Errors
     /// [`ManagerError::Config`] for an invalid geometry, a budget for a pool the model does not
-    /// have, a budget that fits no page or slot, or a count that overflows or that a pool
-    /// cannot address.
+    /// have, a budget that fits no page or fewer than 2 Mamba slots, or a count that overflows
+    /// or that a pool cannot address.
     pub fn pools(&self) -> Result<Pools> {
         self.model.validate()?;
         let m = &self.model;
@@ -1189,6 +1190,10 @@ mod tests {
             (
                 "[model]\npreset = \"jamba-like\"\n[pools]\nmamba_bytes = 8716287\n",
                 "fits no state slot of 8716288 bytes",
+            ),
+            (
+                "[model]\npreset = \"jamba-like\"\n[pools]\nmamba_bytes = 17432575\n",
+                "holds 1 state slot of 8716288 bytes; it needs at least 2",
             ),
             (
                 "[model]\npreset = \"gemma-like\"\n[pools]\nswa_bytes = 5242879\n",

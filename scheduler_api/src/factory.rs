@@ -32,8 +32,10 @@
 //! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
 //! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry; a session
 //! slot keeps its window KV across turns), and so does a model with both kinds of layers (one
-//! tree carries both components). Mamba layers or sliding-window layers under a host tier are
-//! still [`ManagerError::NotWired`]: their
+//! tree carries both components); Mamba layers also build under a host tier (`HiRadixCache`
+//! moves the states with their KV; HostSim's simulated state slots are 64 bytes each, like its
+//! token-sized KV pools, while an engine's backend holds the model's). Sliding-window layers
+//! under a host tier are still [`ManagerError::NotWired`]: their
 //! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
@@ -279,7 +281,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// or Mamba layers under a host tier;
+/// layers under a host tier;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -447,26 +449,19 @@ fn build<B: DeviceBackend>(
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
 /// than built into a cache that would ignore their pools:
 ///
-/// - sliding-window layers under a host tier (it does not move window KV yet);
-/// - Mamba layers under a host tier: `HiRadixCache` does not back up or load Mamba states.
+/// - sliding-window layers under a host tier (it does not move window KV yet).
 ///
 /// Mamba layers, sliding-window layers or both on the device-only caches (`radix`, `disabled`)
 /// are wired: the radix tree carries the states and the window KV as components of its nodes
 /// (both at once for a model with both), and a session slot keeps its running state and its
-/// window KV across turns.
+/// window KV across turns. Mamba layers under a host tier are wired too: `HiRadixCache` backs
+/// up and loads the states with their KV.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if n.sliding_window > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
         return Err(ManagerError::NotWired {
             kind: "a model with sliding-window layers under a host tier (moving window KV \
                    between the device and the host)",
-            needs: "radixkv-hicache",
-        });
-    }
-    if n.mamba > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
-        return Err(ManagerError::NotWired {
-            kind: "a model with Mamba layers under a host tier (moving Mamba states between \
-                   the device and the host)",
             needs: "radixkv-hicache",
         });
     }
@@ -568,7 +563,7 @@ mod tests {
         assert!(e.contains("device_backend"), "points at the builder: {e}");
         // A sliding-window model builds on the device-only caches, its SWA pool sized from
         // its budget, and is refused under a host tier, naming what is missing; a Mamba model
-        // builds on the device-only caches, with sessions too, and is refused under a host tier.
+        // builds on every cache kind, with sessions too.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -603,35 +598,18 @@ mod tests {
             let hicache = matches!(cache, CacheKind::HiCache(_));
             let mut mamba = ManagerConfig { cache, ..base() };
             mamba.model = Preset::JambaLike.geometry();
-            match build_cache(&mamba) {
-                Ok(c) => {
-                    assert!(!hicache);
-                    let a = c.mamba_accounting().expect("the Mamba component");
-                    assert_eq!(a.total as u64, mamba.pools().unwrap().mamba.unwrap().slots);
-                }
-                Err(e) => {
-                    assert!(hicache, "{e:?}");
-                    let e = e.to_string();
-                    assert!(e.contains("radixkv-hicache") && e.contains("Mamba"), "{e}");
-                }
-            }
+            // Every cache kind carries the Mamba component, the host tier included.
+            let c = build_cache(&mamba).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            let a = c.mamba_accounting().expect("the Mamba component");
+            assert_eq!(a.total as u64, mamba.pools().unwrap().mamba.unwrap().slots);
             mamba.sessions = Some(SessionBudget {
                 max_held_tokens: mamba.device_tokens / 4,
                 ..Default::default()
             });
-            match build_cache(&mamba) {
-                Err(ManagerError::NotWired { needs, .. }) => {
-                    assert!(hicache);
-                    assert_eq!(needs, "radixkv-hicache");
-                }
-                Err(e) => panic!("Mamba with sessions: {e:?}"),
-                Ok(mut c) => {
-                    assert!(!hicache, "Mamba under a host tier must be refused");
-                    assert!(c.mamba_accounting().is_some(), "the Mamba component");
-                    c.open_session(1, true, None)
-                        .expect("sessions open over Mamba");
-                }
-            }
+            let mut c = build_cache(&mamba).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            assert!(c.mamba_accounting().is_some(), "the Mamba component");
+            c.open_session(1, true, None)
+                .expect("sessions open over Mamba");
         }
     }
 }

@@ -810,9 +810,22 @@ pub(crate) fn paged_pool(
     })
 }
 
-/// A slot pool of `budget` bytes with slots of `slot_bytes`.
+/// The fewest slots a Mamba state pool may have: a hit holds the cached state and the
+/// request's copy of it.
+pub(crate) const MIN_MAMBA_SLOTS: u64 = 2;
+
+/// A slot pool of `budget` bytes with slots of `slot_bytes`: at least 2 slots, since a Mamba
+/// hit keeps the cached state and copies it into a slot of the request's own (a one-slot pool
+/// could never serve a hit).
 pub(crate) fn slot_pool(budget: u64, slot_bytes: u64) -> Result<SlotPool> {
     let slots = units_in_budget("Mamba", budget, slot_bytes, "state slot", "slots")?;
+    if slots < MIN_MAMBA_SLOTS {
+        return Err(ManagerError::Config(format!(
+            "the Mamba pool budget of {budget} bytes holds {slots} state slot of {slot_bytes} \
+             bytes; it needs at least {MIN_MAMBA_SLOTS} (a hit keeps the cached state and \
+             copies it into the request's own slot)"
+        )));
+    }
     Ok(SlotPool {
         slot_bytes,
         slots,
@@ -1064,6 +1077,12 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("fits no state slot")
+        );
+        assert_eq!(slot_pool(600, 300).unwrap().slots, 2);
+        let e = slot_pool(599, 300).unwrap_err().to_string();
+        assert!(
+            e.contains("holds 1 state slot") && e.contains("at least 2"),
+            "{e}"
         );
         assert!(
             slot_pool(u64::MAX, 1)

@@ -44,7 +44,8 @@ use crate::factory::{
 use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
 pub use crate::request::{
-    Admission, Admitted, NeverReason, ReqId, Request, StepHandle, StepSummary, WaitReason,
+    Admission, Admitted, MambaCheckpoints, NeverReason, ReqId, Request, StepHandle, StepSummary,
+    WaitReason,
 };
 use crate::sessions::SimClock;
 use crate::table::Table;
@@ -149,8 +150,6 @@ pub struct KvCacheManager {
     open_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
-    /// The cache has the Mamba component (read once): state counters are tracked.
-    has_mamba: bool,
     /// The sliding window in tokens when the cache has the SWA component (read once).
     swa_window: Option<usize>,
 }
@@ -198,7 +197,6 @@ impl KvCacheManager {
             None => build_cache_with_clock(&cfg, clock.clone())?,
         };
         let page_granular = cache.page_granular();
-        let has_mamba = cache.mamba_accounting().is_some();
         let swa_window = cache.swa_window();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
@@ -222,7 +220,6 @@ impl KvCacheManager {
             step_error: None,
             open_step: None,
             ended_step: 0,
-            has_mamba,
             swa_window,
         })
     }
@@ -578,42 +575,23 @@ impl KvCacheManager {
         if t.kv.session.is_some() && !t.kv.kv_lent && !self.cache.session_turn_ok(&t.kv) {
             t.kv.session = None;
         }
+        // (A Mamba hit needs two slots, the cached state and the request's copy: the config
+        // refuses a pool of fewer.)
         let mut m = self.cache.match_request(&mut t.kv)?;
-        // A Mamba hit keeps the cached state and copies it into a slot of the request's own:
-        // two slots. A one-slot pool can never serve one, so its cached state goes (the KV
-        // stays) and the request runs as a miss rather than wait forever.
-        if self.has_mamba
-            && t.kv.prefix_len > 0
-            && self.cache.mamba_accounting().is_some_and(|a| a.total < 2)
-        {
-            self.cache.evict_mamba_states(usize::MAX);
-            m = self.cache.match_request(&mut t.kv)?;
-        }
         // A session turn served from its slot has its row from the match; anything else needs
         // a free one. Idle sessions keep rows that only their next turn would use, so when
         // none is free they are demoted (least recently used first, the request's own session
         // never: its slot is what the match just declined or lent) until one is.
         if t.kv.row.is_none() && self.cache.pools().rows.available() == 0 {
-            let mut demoted = false;
-            if self.cache.held_sessions() > 0 {
-                let own = t.kv.session.map(|s| s.id);
-                let mut order: Vec<(u64, u64)> = self
-                    .sessions_open
-                    .iter()
-                    .filter(|&&s| Some(s) != own)
-                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
-                    .collect();
-                order.sort_unstable();
-                for (_, sid) in order {
-                    if self.cache.demote_session(sid)? {
-                        self.metrics.counters.session_demotions += 1;
-                        demoted = true;
-                        if self.cache.pools().rows.available() > 0 {
-                            break;
-                        }
-                    }
-                }
-            }
+            let demoted = self.cache.held_sessions() > 0
+                && demote_idle_sessions(
+                    self.cache.as_mut(),
+                    &self.sessions_open,
+                    &self.session_use,
+                    &mut self.metrics.counters.session_demotions,
+                    t.kv.session.map(|s| s.id),
+                    |cache| Ok(cache.pools().rows.available() > 0),
+                )?;
             if self.cache.pools().rows.available() == 0 {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, "admission waits: no row");
@@ -635,24 +613,15 @@ impl KvCacheManager {
             // that stands in the way. Their slots keep their first turn's prefix locked, which
             // the session budget does not count, so demote them (least recently used first;
             // their KV stays in the tree as evictable cache) until the request fits.
-            let own = t.kv.session.map(|s| s.id);
-            let mut order: Vec<(u64, u64)> = self
-                .sessions_open
-                .iter()
-                .filter(|&&s| Some(s) != own)
-                .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
-                .collect();
-            order.sort_unstable();
-            for (_, sid) in order {
-                if self.cache.demote_session(sid)? {
-                    self.metrics.counters.session_demotions += 1;
-                    available =
-                        admission_available(self.cache.as_mut(), &t.kv, self.reserved_total)?;
-                    if needed <= available {
-                        break;
-                    }
-                }
-            }
+            let reserved_total = self.reserved_total;
+            demote_idle_sessions(
+                self.cache.as_mut(),
+                &self.sessions_open,
+                &self.session_use,
+                &mut self.metrics.counters.session_demotions,
+                t.kv.session.map(|s| s.id),
+                |cache| Ok(needed <= admission_available(cache, &t.kv, reserved_total)?),
+            )?;
             // Demotion inserted into the tree: match again so the handles are current.
             m = self.cache.match_request(&mut t.kv)?;
             needed = (len - m.prefix_len)
@@ -821,7 +790,7 @@ impl KvCacheManager {
             kv_match_tokens: kv_match,
             mamba_slot: t.kv.mamba_slot,
             mamba_cow: t.kv.mamba_cow,
-            mamba_checkpoints: t.kv.mamba_checkpoints.clone(),
+            mamba_checkpoints: MambaCheckpoints::from_slice(&t.kv.mamba_checkpoints),
             mamba_track: t.kv.mamba_track,
         }))
     }
@@ -864,8 +833,8 @@ impl KvCacheManager {
         // Inserting may rewrite the row; the next allocation asks the cache again.
         t.row_capacity = 0;
         self.cache.cache_unfinished_req(&mut t.kv)?;
-        if let Some(w) = self.swa_window {
-            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+        if self.swa_window.is_some() {
+            let freed = slide(self.cache.as_mut(), &mut t.kv)?;
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         Ok(())
@@ -883,8 +852,8 @@ impl KvCacheManager {
         if t.kv.allocated_len < t.kv.key.len() {
             return Err(t.lifecycle(id, "decode before the prompt is allocated"));
         }
-        if let Some(w) = self.swa_window {
-            let freed = slide(self.cache.as_mut(), w, self.cfg.model.page_size, &mut t.kv)?;
+        if self.swa_window.is_some() {
+            let freed = slide(self.cache.as_mut(), &mut t.kv)?;
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         let pos = t.kv.allocated_len;
@@ -1076,13 +1045,14 @@ impl KvCacheManager {
                 requests: self.requests.len(),
             });
         }
-        let mut ids: Vec<u64> = self.sessions_open.iter().copied().collect();
-        ids.sort_unstable();
-        for sid in ids {
-            if self.cache.demote_session(sid)? {
-                self.metrics.counters.session_demotions += 1;
-            }
-        }
+        demote_idle_sessions(
+            self.cache.as_mut(),
+            &self.sessions_open,
+            &self.session_use,
+            &mut self.metrics.counters.session_demotions,
+            None,
+            |_| Ok(false),
+        )?;
         self.cache.reset()?;
         self.buffer_cache_events();
         Ok(())
@@ -1283,6 +1253,39 @@ impl LayerWait for LoadsNotStarted {
     }
 }
 
+/// Demotes the open sessions' idle slots, least recently used first and never `except`'s
+/// (the admitting request's own session), until `enough` holds after a demotion; counts each
+/// demotion in `demotions`. Returns whether any slot was demoted.
+///
+/// # Errors
+/// Cache errors from a demotion or from `enough`.
+fn demote_idle_sessions(
+    cache: &mut dyn ManagedCache,
+    sessions_open: &HashSet<u64>,
+    session_use: &ahash::HashMap<u64, u64>,
+    demotions: &mut u64,
+    except: Option<u64>,
+    mut enough: impl FnMut(&mut dyn ManagedCache) -> Result<bool>,
+) -> Result<bool> {
+    let mut order: Vec<(u64, u64)> = sessions_open
+        .iter()
+        .filter(|&&s| Some(s) != except)
+        .map(|&s| (session_use.get(&s).copied().unwrap_or(0), s))
+        .collect();
+    order.sort_unstable();
+    let mut demoted = false;
+    for (_, sid) in order {
+        if cache.demote_session(sid)? {
+            *demotions += 1;
+            demoted = true;
+            if enough(cache)? {
+                break;
+            }
+        }
+    }
+    Ok(demoted)
+}
+
 /// Admission budget for a matched request. Locking the matched path takes it out of
 /// `evictable`, so the budget is read under a temporary lock, as the real admission will see it.
 fn admission_available(
@@ -1342,20 +1345,12 @@ fn own_swa_pages(kv: &RequestKv, page: usize) -> usize {
     kv.swa_pages.len().saturating_sub(tree_held)
 }
 
-/// Frees the window KV of `kv` that slid out of the window (`PrefixCache::slide_window`), when
-/// some did: cheap otherwise. Returns the pages freed.
+/// Frees the window KV of `kv` that slid out of the window and releases its SWA locks once the
+/// window has passed its cached prefix: `PrefixCache::slide_window`, which alone decides what
+/// slid out (a request without a row has nothing to slide). Returns the pages freed.
 #[inline]
-fn slide(
-    cache: &mut dyn ManagedCache,
-    window: usize,
-    page: usize,
-    kv: &mut RequestKv,
-) -> Result<usize> {
+fn slide(cache: &mut dyn ManagedCache, kv: &mut RequestKv) -> Result<usize> {
     if kv.row.is_none() {
-        return Ok(0);
-    }
-    let target = (kv.committed_len / page * page).saturating_sub(window);
-    if target <= kv.swa_evicted_len {
         return Ok(0);
     }
     Ok(cache.slide_window(kv)?)

@@ -4,7 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use radixkv_radix::{MambaCheckpoint, MambaCow, MambaTrack, Namespace, TokenId};
+use radixkv_radix::{
+    CheckpointKind, MambaCheckpoint, MambaCow, MambaTrack, Namespace, RequestKv, TokenId,
+};
 
 use crate::error::Result;
 use crate::factory::{LayerWait, StepTransfers};
@@ -133,6 +135,66 @@ pub enum NeverReason {
     },
 }
 
+/// The Mamba checkpoints of one admission ([`Admitted::mamba_checkpoints`]), held inline so
+/// that an admission allocates nothing for them. Derefs to `&[MambaCheckpoint]`. Holds at most
+/// [`RequestKv::MAX_MAMBA_SLOTS`] (a request's checkpoints are among the slots it holds, which
+/// `check_request` bounds by that).
+#[derive(Clone, Copy)]
+pub struct MambaCheckpoints {
+    len: u8,
+    items: [MambaCheckpoint; RequestKv::MAX_MAMBA_SLOTS],
+}
+
+impl MambaCheckpoints {
+    const UNUSED: MambaCheckpoint = MambaCheckpoint {
+        pos: 0,
+        slot: 0,
+        kind: CheckpointKind::Branch,
+    };
+
+    /// The first [`RequestKv::MAX_MAMBA_SLOTS`] checkpoints of `all` (all of them for a
+    /// request that passes `check_request`).
+    pub fn from_slice(all: &[MambaCheckpoint]) -> Self {
+        let mut c = MambaCheckpoints::default();
+        for (dst, src) in c.items.iter_mut().zip(all) {
+            *dst = *src;
+            c.len += 1;
+        }
+        c
+    }
+}
+
+impl Default for MambaCheckpoints {
+    fn default() -> Self {
+        MambaCheckpoints {
+            len: 0,
+            items: [Self::UNUSED; RequestKv::MAX_MAMBA_SLOTS],
+        }
+    }
+}
+
+impl std::ops::Deref for MambaCheckpoints {
+    type Target = [MambaCheckpoint];
+
+    fn deref(&self) -> &[MambaCheckpoint] {
+        &self.items[..usize::from(self.len)]
+    }
+}
+
+impl std::fmt::Debug for MambaCheckpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl PartialEq for MambaCheckpoints {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for MambaCheckpoints {}
+
 /// What an admission reused and what remains to compute.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Admitted {
@@ -157,8 +219,9 @@ pub struct Admitted {
     /// The checkpoints the request's forward pass takes (the Marconi policy, see
     /// [`KvCacheManager::mamba_checkpoints`](crate::KvCacheManager::mamba_checkpoints)): when it
     /// passes position `pos` the engine copies the running state into `slot`. Empty on other
-    /// models and under the baseline policy.
-    pub mamba_checkpoints: Vec<MambaCheckpoint>,
+    /// models and under the baseline policy. Held inline (no allocation per admission); it
+    /// derefs to a slice.
+    pub mamba_checkpoints: MambaCheckpoints,
     /// The request's tracking slot (models with Mamba layers, where the policy keeps
     /// request-end states and a slot could be spared; see [`MambaTrack`] for the engine's
     /// contract): after every forward step the engine keeps in `slot` the running state at
@@ -340,4 +403,32 @@ impl StepHandle {
 pub struct StepSummary {
     /// Host↔device traffic of the step (zero for a device-only cache).
     pub transfers: StepTransfers,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mamba_checkpoints_hold_a_request_s_checkpoints_inline() {
+        let c = |pos, slot| MambaCheckpoint {
+            pos,
+            slot,
+            kind: CheckpointKind::PromptEnd,
+        };
+        let empty = MambaCheckpoints::default();
+        assert!(empty.is_empty());
+        assert_eq!(format!("{empty:?}"), "[]");
+        let two = MambaCheckpoints::from_slice(&[c(16, 3), c(32, 5)]);
+        assert_eq!(&*two, &[c(16, 3), c(32, 5)]);
+        assert_eq!(two[1].slot, 5);
+        assert_eq!(two, MambaCheckpoints::from_slice(&[c(16, 3), c(32, 5)]));
+        assert_ne!(two, MambaCheckpoints::from_slice(&[c(16, 3)]));
+        assert_eq!(format!("{two:?}"), format!("{:?}", [c(16, 3), c(32, 5)]));
+        // More than a request can hold: the first MAX_MAMBA_SLOTS (check_request refuses such
+        // a request).
+        let many: Vec<_> = (0..9).map(|i| c(16 * (i + 1), i as u32)).collect();
+        let capped = MambaCheckpoints::from_slice(&many);
+        assert_eq!(&*capped, &many[..RequestKv::MAX_MAMBA_SLOTS]);
+    }
 }

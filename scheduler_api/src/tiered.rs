@@ -70,9 +70,14 @@ impl Tiered<HostSim> {
             radix.total_pages,
             HostSimConfig::default(),
         )?);
-        Self::over(cfg, host, radix, device, sim.layers)
+        Self::over(cfg, host, radix, device, sim.layers, SIM_MAMBA_STATE_BYTES)
     }
 }
+
+/// Bytes of one Mamba state slot in HostSim's simulated buffers: like its KV pools, a token
+/// size, not the model's (an 8 MiB Jamba state per slot would make the simulation allocate
+/// gigabytes). The slot counts are the model's.
+pub(crate) const SIM_MAMBA_STATE_BYTES: usize = 64;
 
 impl<B: DeviceBackend> Tiered<B> {
     /// A HiCache for `cfg` with host tier `host` and device tier `radix`, over the engine's
@@ -89,18 +94,31 @@ impl<B: DeviceBackend> Tiered<B> {
         backend: Arc<B>,
     ) -> Result<Self> {
         check_geometry(cfg, &radix, backend.as_ref())?;
-        Self::over(cfg, host, radix, backend, cfg.model.layers)
+        let state_bytes = match cfg.pools()?.mamba {
+            Some(p) => usize::try_from(p.slot_bytes).map_err(|_| {
+                ManagerError::Config(format!(
+                    "a Mamba state of {} bytes is more than this machine can address",
+                    p.slot_bytes
+                ))
+            })?,
+            None => 0,
+        };
+        Self::over(cfg, host, radix, backend, cfg.model.layers, state_bytes)
     }
 
-    /// The cache over `device`, whose pools have `backend_layers` layers.
+    /// The cache over `device`, whose pools have `backend_layers` layers and, with Mamba
+    /// slots, Mamba state slots of `state_bytes` (host copies: the host tier's share of the
+    /// device slots, as for the KV).
     fn over(
         cfg: &ManagerConfig,
         host: &HostTier,
         radix: RadixConfig,
         device: Arc<B>,
         backend_layers: u32,
+        state_bytes: usize,
     ) -> Result<Self> {
         let page_size = radix.page_size;
+        let mamba_state_bytes = radix.mamba_slots.map(|_| state_bytes);
         let hc = HiCacheConfig {
             radix,
             host_size: HostSize::Pages(host.host_tokens / page_size),
@@ -110,6 +128,7 @@ impl<B: DeviceBackend> Tiered<B> {
             load_back_min_tokens: host.load_back_min_tokens,
             load_back_quota_tokens: host.load_back_quota_tokens,
             max_pending_ops: host.max_pending_ops,
+            mamba_state_bytes,
             ..Default::default()
         };
         Ok(Tiered {
@@ -247,6 +266,18 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
 
     fn host_tokens(&self) -> usize {
         self.cache.host_tokens()
+    }
+
+    fn mamba_accounting(&self) -> Option<radixkv_radix::ComponentAccounting> {
+        self.cache.device_cache().mamba_accounting()
+    }
+
+    fn evict_mamba_states(&mut self, n: usize) -> usize {
+        self.cache.evict_mamba_states(n)
+    }
+
+    fn mamba_stats(&self) -> Option<radixkv_radix::MambaStats> {
+        self.cache.device_cache().mamba_stats()
     }
 }
 

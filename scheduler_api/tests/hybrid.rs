@@ -143,30 +143,6 @@ fn admission_waits_for_a_state_slot_and_evicts_a_cached_state_for_one() {
 }
 
 #[test]
-fn a_one_slot_pool_serves_a_would_be_hit_as_a_miss_instead_of_waiting_forever() {
-    let mut kv = manager(1);
-    let (a, _) = prefill(&mut kv, (0..8).collect());
-    // The only slot is a's: another request waits.
-    let b = kv.arrive(Request::new((0..12).collect())).unwrap();
-    assert_eq!(
-        kv.admit(b).unwrap(),
-        Admission::Wait(WaitReason::NoStateSlot)
-    );
-    kv.finish(a).unwrap();
-    assert_eq!(kv.mamba_accounting().unwrap().evictable, 1);
-    // A hit would need the cached state and a copy of it: two slots. The state goes, the KV
-    // stays, and b runs as a miss.
-    let adm = admitted(&mut kv, b);
-    assert_eq!(adm.device_tokens, 0);
-    assert!(adm.mamba_cow.is_none() && adm.mamba_slot.is_some());
-    assert_eq!(adm.extend_tokens, 12);
-    assert_eq!(kv.metrics().counters.mamba_states_evicted, 1);
-    balanced(&kv);
-    kv.abort(b).unwrap();
-    assert_eq!(kv.mamba_accounting().unwrap().free, 1);
-}
-
-#[test]
 fn the_disabled_cache_gives_every_request_a_slot_and_keeps_no_state() {
     let mut kv = KvCacheManager::builder()
         .model(jamba())
@@ -205,23 +181,15 @@ fn retract_caches_the_state_at_a_page_end_and_the_request_hits_it_again() {
 
 #[test]
 fn combinations_not_wired_yet_are_refused_by_name() {
-    let base = || KvCacheManager::builder().model(jamba()).device_tokens(4096);
-    // (Sessions are wired: see `hybrid_sessions.rs`.)
-    let cases = [
-        (
-            base().host_tier(HostTier::ratio(4096, 2.0)),
-            "radixkv-hicache",
-            "host tier",
-        ),
-        (
-            KvCacheManager::builder()
-                .model(Preset::GemmaLike.geometry())
-                .device_tokens(4096)
-                .host_tier(HostTier::ratio(4096, 2.0)),
-            "radixkv-hicache",
-            "sliding-window",
-        ),
-    ];
+    // (Sessions are wired: see `hybrid_sessions.rs`; the host tier: `hybrid_hicache.rs`.)
+    let cases = [(
+        KvCacheManager::builder()
+            .model(Preset::GemmaLike.geometry())
+            .device_tokens(4096)
+            .host_tier(HostTier::ratio(4096, 2.0)),
+        "radixkv-hicache",
+        "sliding-window",
+    )];
     for (b, crate_name, what) in cases {
         match b.build() {
             Err(e @ ManagerError::NotWired { needs, .. }) => {
@@ -240,6 +208,9 @@ fn bad_mamba_budgets_are_typed_config_errors() {
     for (budget, says) in [
         (slot - 1, "fits no state slot"),
         (0, "fits no state slot"),
+        // A hit holds the cached state and the request's copy: one slot could never serve it.
+        (slot, "at least 2"),
+        (2 * slot - 1, "at least 2"),
         (u64::MAX, "more than"),
     ] {
         let e = KvCacheManager::builder()
@@ -265,8 +236,8 @@ fn bad_mamba_budgets_are_typed_config_errors() {
         matches!(&e, ManagerError::Config(m) if m.contains("no Mamba layer")),
         "{e:?}"
     );
-    // One slot exactly is a pool.
-    assert_eq!(manager(1).mamba_accounting().unwrap().total, 1);
+    // Two slots exactly is a pool.
+    assert_eq!(manager(2).mamba_accounting().unwrap().total, 2);
 }
 
 #[test]
@@ -388,7 +359,7 @@ fn mamba_policy_is_a_typed_config_key() {
     model.page_size = 4;
     let e = KvCacheManager::builder()
         .model(model.clone())
-        .device_tokens(1024)
+        .device_tokens(4096)
         .build()
         .unwrap_err();
     assert!(
@@ -399,7 +370,7 @@ fn mamba_policy_is_a_typed_config_key() {
     assert!(
         KvCacheManager::builder()
             .model(model)
-            .device_tokens(1024)
+            .device_tokens(4096)
             .mamba_policy(MambaPolicyKind::Sglang)
             .build()
             .is_ok()

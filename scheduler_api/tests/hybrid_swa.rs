@@ -140,6 +140,36 @@ fn decode_frees_the_window_pages_that_slide_out() {
 }
 
 #[test]
+fn the_swa_locks_go_at_the_decode_where_the_window_passes_the_cached_prefix() {
+    let mut kv = manager(64);
+    let first = prefill(&mut kv, (0..16).collect(), 1);
+    kv.finish(first).unwrap();
+    // 16 cached tokens, then 4 more: the chunk caches 20, and the request locks the window
+    // KV of [12, 20) until the window of its next token starts at 20.
+    let mut prompt: Vec<u32> = (0..16).collect();
+    prompt.extend([50, 51, 52, 53]);
+    let r = prefill(&mut kv, prompt, 32);
+    assert!(kv.swa_accounting().unwrap().protected > 0);
+    for i in 0..16 {
+        // `decode` commits the tokens before `pos` and slides before it allocates `pos`.
+        let pos = kv.decode(r, 2000 + i).unwrap();
+        let window_start = pos / 4 * 4 - 8;
+        let a = kv.swa_accounting().unwrap();
+        assert_eq!(
+            a.protected == 0,
+            window_start >= 20,
+            "SWA locks at token {pos} (window from {window_start}): {a:?}"
+        );
+        // The full-KV locks stay while the request runs.
+        assert!(kv.accounting().protected >= 20);
+        step(&mut kv);
+        balanced(&kv);
+    }
+    kv.finish(r).unwrap();
+    balanced(&kv);
+}
+
+#[test]
 fn admission_waits_for_swa_room() {
     // 6 SWA pages. A request with a long output may take its prompt's pages (2, kept locked
     // while its window covers them), its window (2 pages) and the pages around its ends: 6.

@@ -130,25 +130,32 @@ fn a_hit_needs_a_cached_state_and_every_pool_balances() {
 
 #[test]
 fn admission_waits_for_the_short_pool() {
-    // One state slot: a second request waits for it (the SWA and full-KV pools have room).
-    let mut kv = manager(64, 1, false);
-    let a = kv
-        .arrive(Request::new((0..12).collect()).max_new_tokens(4))
-        .unwrap();
-    let adm = admitted(&mut kv, a);
-    kv.extend(a, adm.extend_tokens).unwrap();
-    let b = kv
-        .arrive(Request::new((100..112).collect()).max_new_tokens(4))
+    // Two state slots, two running requests: a third waits for a slot (the SWA and full-KV
+    // pools have room).
+    let mut kv = manager(64, 2, false);
+    let mut ids = Vec::new();
+    for base in [0u32, 100] {
+        let r = kv
+            .arrive(Request::new((base..base + 12).collect()).max_new_tokens(4))
+            .unwrap();
+        let adm = admitted(&mut kv, r);
+        kv.extend(r, adm.extend_tokens).unwrap();
+        ids.push(r);
+    }
+    let c = kv
+        .arrive(Request::new((200..212).collect()).max_new_tokens(4))
         .unwrap();
     assert!(matches!(
-        kv.admit(b).unwrap(),
+        kv.admit(c).unwrap(),
         Admission::Wait(WaitReason::NoStateSlot)
     ));
     balanced(&kv);
-    finish_running(&mut kv, a);
-    let adm = admitted(&mut kv, b);
-    kv.extend(b, adm.extend_tokens).unwrap();
-    finish_running(&mut kv, b);
+    for r in ids {
+        finish_running(&mut kv, r);
+    }
+    let adm = admitted(&mut kv, c);
+    kv.extend(c, adm.extend_tokens).unwrap();
+    finish_running(&mut kv, c);
     // Few SWA pages: a prompt longer than the SWA room waits for window room.
     let mut kv = manager(6, 8, false);
     let a = kv

@@ -13,8 +13,9 @@
 //! buffer in the backend, both of its own item size; a merged transfer moves the KV runs and the
 //! extra pools' slot runs on the same stream before the same completion event, so an ack (or a
 //! layer event of a load) covers every pool. Allocation across all pools is all or nothing.
-//! (The pools' owners — Mamba, SWA — come in a later issue; `HiRadixCache` does not pass extra
-//! pools yet.)
+//! A pool's device slots may belong to the caller ([`SlotOwner::Caller`]: `HiRadixCache`'s
+//! Mamba pool, whose device slots are the tree's): a load then names its target slots and the
+//! controller allocates only host slots.
 //!
 //! A failed copy is reported in [`Acks::failed_writes`] / [`Acks::failed_loads`], never as a
 //! completed operation; its pages stay allocated and the owner decides what to do with them.
@@ -44,8 +45,8 @@ use crate::layer_counter::{LayerDoneCounter, wait_all};
 mod ops;
 
 pub use ops::{
-    Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer, TransferStats,
-    merge_runs,
+    Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer, SlotOwner,
+    TransferStats, merge_runs,
 };
 
 /// Default of [`HybridCacheController::max_pending_ops`]: operations per direction queued or
@@ -55,6 +56,7 @@ pub const DEFAULT_MAX_PENDING_OPS: usize = 4096;
 #[derive(Debug)]
 struct ExtraPool {
     name: PoolName,
+    owner: SlotOwner,
     host: SlotAllocator,
     device: SlotAllocator,
     host_mem: Arc<SlotMemory>,
@@ -127,8 +129,9 @@ pub struct HybridCacheController<B: DeviceBackend> {
     layers: Arc<LayerDoneCounter<B::Event>>,
     next_op: OpId,
     pairs: Vec<(u32, u32)>,
-    /// Host pages to free once every load issued up to the given op id has completed.
-    deferred_host: Vec<(OpId, Vec<u32>)>,
+    /// Host pages ([`PoolName::Kv`]) or extra-pool host slots to free once every load issued
+    /// up to the given op id has completed.
+    deferred_host: Vec<(OpId, PoolName, Vec<u32>)>,
     last_load: OpId,
     max_pending: usize,
     /// Operations queued or in flight, not yet returned by `poll_acks`: (writes, loads).
@@ -165,6 +168,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             backend.register_extra_pool(s.name, s.device_slots, s.item_bytes)?;
             pools.push(ExtraPool {
                 name: s.name,
+                owner: s.device_owner,
                 host: SlotAllocator::new(s.host_slots),
                 device: SlotAllocator::new(s.device_slots),
                 host_mem: Arc::new(SlotMemory::new(s.name, s.host_slots, s.item_bytes)?),
@@ -269,13 +273,40 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         if self.oldest_outstanding_load().is_none() {
             return self.host.free(&pages);
         }
-        self.deferred_host.push((self.last_load, pages));
+        self.deferred_host
+            .push((self.last_load, PoolName::Kv, pages));
+        Ok(())
+    }
+
+    /// Frees host slots of an extra pool like [`HybridCacheController::free_host_after_loads`]:
+    /// once every load queued or in flight now has completed (at once when none is).
+    ///
+    /// # Errors
+    /// Unknown pool, double free or out of range (checked now); nothing freed then.
+    pub fn free_extra_host_after_loads(&mut self, name: PoolName, slots: Vec<u32>) -> Result<()> {
+        let i = self.extra_index(name)?;
+        self.extra[i].host.check_free(&slots)?;
+        if self.oldest_outstanding_load().is_none() {
+            return self.extra[i].host.free(&slots);
+        }
+        self.deferred_host.push((self.last_load, name, slots));
         Ok(())
     }
 
     /// Host pages waiting in [`HybridCacheController::free_host_after_loads`].
     pub fn deferred_host_pages(&self) -> usize {
-        self.deferred_host.iter().map(|(_, p)| p.len()).sum()
+        self.deferred_extra_slots(PoolName::Kv)
+    }
+
+    /// Host slots of `name` waiting in
+    /// [`HybridCacheController::free_extra_host_after_loads`] (host pages for
+    /// [`PoolName::Kv`]).
+    pub fn deferred_extra_slots(&self, name: PoolName) -> usize {
+        self.deferred_host
+            .iter()
+            .filter(|(_, n, _)| *n == name)
+            .map(|(_, _, p)| p.len())
+            .sum()
     }
 
     fn oldest_outstanding_load(&self) -> Option<OpId> {
@@ -290,11 +321,19 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         }
         let oldest = self.oldest_outstanding_load();
         let host = &mut self.host;
-        self.deferred_host.retain(|(mark, pages)| {
+        let extra = &mut self.extra;
+        self.deferred_host.retain(|(mark, name, pages)| {
             if oldest.is_some_and(|o| o <= *mark) {
                 return true;
             }
-            if let Err(e) = host.free(pages) {
+            let freed = match name {
+                PoolName::Kv => host.free(pages),
+                n => match extra.iter_mut().find(|p| p.name == *n) {
+                    Some(p) => p.host.free(pages),
+                    None => Err(HiCacheError::UnknownPool(*n)),
+                },
+            };
+            if let Err(e) = freed {
                 tracing::error!(error = %e, "deferred host pages were freed twice");
             }
             false
@@ -309,17 +348,54 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         Ok(&self.extra_pool(name)?.host_mem)
     }
 
-    /// Copies host pages to device pages (all layers) on the load stream and waits: the
-    /// synchronous repair of a failed load, whose host copy is intact.
+    /// The host-side slot allocator of an extra pool (for audits).
     ///
     /// # Errors
-    /// Mismatched lengths, out-of-range pages, or the copy failed again.
-    pub fn reload_now(&mut self, host_pages: &[u32], device_pages: &[PageId]) -> Result<()> {
+    /// [`HiCacheError::UnknownPool`].
+    pub fn extra_host(&self, name: PoolName) -> Result<&SlotAllocator> {
+        Ok(&self.extra_pool(name)?.host)
+    }
+
+    /// Copies host pages to device pages (all layers), and the extra-pool slots of `extra`
+    /// (host to device, pairwise), on the load stream and waits: the synchronous repair of a
+    /// failed load, whose host copy is intact.
+    ///
+    /// # Errors
+    /// Mismatched lengths, unknown pools, out-of-range pages or slots, or the copy failed
+    /// again.
+    pub fn reload_now(
+        &mut self,
+        host_pages: &[u32],
+        device_pages: &[PageId],
+        extra: &[PoolTransfer],
+    ) -> Result<()> {
         if host_pages.len() != device_pages.len() {
             return Err(HiCacheError::BufferSize {
                 expected: host_pages.len(),
                 got: device_pages.len(),
             });
+        }
+        for t in extra {
+            if t.host_indices.len() != t.device_indices.len() {
+                return Err(HiCacheError::BufferSize {
+                    expected: t.host_indices.len(),
+                    got: t.device_indices.len(),
+                });
+            }
+            let p = self.extra_pool(t.name)?;
+            let mut pairs: Vec<(u32, u32)> = t
+                .device_indices
+                .iter()
+                .copied()
+                .zip(t.host_indices.iter().copied())
+                .collect();
+            let copy = SlotCopy {
+                direction: Direction::HostToDevice,
+                pool: t.name,
+                runs: merge_runs(&mut pairs).into(),
+                host: p.host_mem.clone(),
+            };
+            self.backend.enqueue_slot_copy(StreamKind::Load, copy)?;
         }
         let mut pairs: Vec<(u32, u32)> = device_pages
             .iter()
@@ -356,22 +432,33 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         r
     }
 
-    /// Free slots of an extra pool: (host, device).
+    /// Free slots of an extra pool: (host, device). The device part is 0 for a pool whose
+    /// device slots the caller owns ([`SlotOwner::Caller`]): the controller allocates none.
     ///
     /// # Errors
     /// [`HiCacheError::UnknownPool`].
     pub fn extra_available(&self, name: PoolName) -> Result<(usize, usize)> {
         let p = self.extra_pool(name)?;
-        Ok((p.host.available(), p.device.available()))
+        let device = match p.owner {
+            SlotOwner::Controller => p.device.available(),
+            SlotOwner::Caller => 0,
+        };
+        Ok((p.host.available(), device))
     }
 
     /// Frees slots of an extra pool.
     ///
     /// # Errors
-    /// Unknown pool, double free; nothing freed then.
+    /// Unknown pool, double free, device slots of a pool whose device slots the caller owns;
+    /// nothing freed then.
     pub fn free_extra(&mut self, name: PoolName, host: &[u32], device: &[u32]) -> Result<()> {
         let i = self.extra_index(name)?;
         let p = &mut self.extra[i];
+        if p.owner == SlotOwner::Caller && !device.is_empty() {
+            return Err(HiCacheError::Config(format!(
+                "the device slots of extra pool {name:?} are the caller's to free"
+            )));
+        }
         p.device.check_free(device)?;
         p.host.free(host)?;
         p.device.free(device)
@@ -489,6 +576,15 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 }
             };
             let p = &mut self.extra[i];
+            if dir == Direction::HostToDevice && p.owner == SlotOwner::Caller {
+                // The caller names the target slots: check them, allocate nothing.
+                if let Err(e) = check_caller_slots(p, t) {
+                    res = Err(e);
+                    break;
+                }
+                done += 1;
+                continue;
+            }
             let (src_pool, dst_pool, src, dst) = match dir {
                 Direction::DeviceToHost => (
                     &p.device,
@@ -524,6 +620,9 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             for t in &mut extra[..done] {
                 if let Ok(i) = self.extra_index(t.name) {
                     let p = &mut self.extra[i];
+                    if dir == Direction::HostToDevice && p.owner == SlotOwner::Caller {
+                        continue;
+                    }
                     let (pool, dst) = match dir {
                         Direction::DeviceToHost => (&mut p.host, &mut t.host_indices),
                         Direction::HostToDevice => (&mut p.device, &mut t.device_indices),
@@ -824,6 +923,30 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             res = res.and(t.wait());
         }
         res
+    }
+}
+
+/// Checks a load's caller-named device slots: one per host slot, in range and distinct; the
+/// host slots allocated.
+fn check_caller_slots(p: &ExtraPool, t: &PoolTransfer) -> Result<()> {
+    if t.device_indices.len() != t.host_indices.len() {
+        return Err(HiCacheError::BufferSize {
+            expected: t.host_indices.len(),
+            got: t.device_indices.len(),
+        });
+    }
+    if let Some(&h) = t.host_indices.iter().find(|&&h| !p.host.is_used(h)) {
+        return Err(HiCacheError::HostPageOutOfRange(h));
+    }
+    let mut seen = t.device_indices.clone();
+    seen.sort_unstable();
+    let dup = seen.windows(2).any(|w| w[0] == w[1]);
+    match seen.last() {
+        Some(&d) if d as usize >= p.device.total() || dup => Err(HiCacheError::Config(format!(
+            "device slot {d} of extra pool {:?} is out of range or named twice",
+            p.name
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -19,6 +19,18 @@ pub enum PoolName {
     Draft,
 }
 
+/// Who allocates the device-side slots of an extra pool.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum SlotOwner {
+    /// The controller: a load allocates the target slots from its own allocator.
+    #[default]
+    Controller,
+    /// The caller, which keeps its own allocator for the device slots (a cache whose tree owns
+    /// the Mamba state pool): a load names the target slots in
+    /// [`PoolTransfer::device_indices`], and the controller allocates only host slots.
+    Caller,
+}
+
 /// Sizes of an extra pool.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ExtraPoolSpec {
@@ -30,10 +42,14 @@ pub struct ExtraPoolSpec {
     pub device_slots: u32,
     /// Bytes of one slot (one Mamba state checkpoint, one SWA page, ...).
     pub item_bytes: usize,
+    /// Who allocates the device slots.
+    pub device_owner: SlotOwner,
 }
 
 /// Indices of one extra pool moved by an operation. For `write` the caller fills
-/// `device_indices` and the controller allocates `host_indices`; for `load` the reverse.
+/// `device_indices` and the controller allocates `host_indices`; for `load` the reverse, except
+/// for a pool whose device slots the caller owns ([`SlotOwner::Caller`]): there a load names both
+/// (the host slots it reads and the device slots it writes, pairwise).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolTransfer {
     /// Which pool.

@@ -57,11 +57,49 @@
 //! ([`HiRadixCache::finish_pinned_backups`], counted in
 //! [`HiCacheStats::backups_awaited_for_room`]), then evicts.
 //!
-//! # Extra pools
-//! The controller moves extra pools (Mamba state, SWA KV) with the KV, but this cache does not
-//! pass any yet: their owners arrive in a later issue.
+//! # Extra pools: Mamba states
+//! With Mamba slots in [`RadixConfig::mamba_slots`] the controller gets a Mamba pool
+//! ([`PoolName::Mamba`]) whose device side is the tree's state slot pool (the slot indices are
+//! the tree's; [`SlotOwner::Caller`]) and whose host side holds
+//! [`HiCacheConfig::mamba_host_slots`] copies of [`HiCacheConfig::mamba_state_bytes`] each. A
+//! node's state follows its KV through the same tier states:
+//! - **Backup.** Every backup (write-through at insert, selective write-through, a write-back
+//!   eviction, a session demotion's insert) carries the device states of its nodes that have
+//!   no host copy yet as one extra [`PoolTransfer`] of the same operation, so one ack covers
+//!   KV and states; the states of backed-up nodes above the chain whose state came later (a
+//!   checkpoint at a split) ride along, in an operation without KV pages if need be. Until the
+//!   ack the states are locked like the KV ([`RadixTree::inc_lock_ref_mamba`]), so no device
+//!   slot a copy reads is reused. A failed backup frees the host copies of its states with its
+//!   pages.
+//! - **Host slots short.** A backup that finds too few free host Mamba slots host-evicts
+//!   host-only leaves (host-policy order; each frees its state's slot) until enough are free;
+//!   if that is not enough, the shallowest states of the backup are left out and counted in
+//!   [`HiCacheStats::mamba_host_full`]: their KV is backed up without them (never an error).
+//! - **Device eviction.** A device eviction drops the node's device state (the tree's cascade)
+//!   and a Mamba eviction ([`HiRadixCache::evict_mamba_states`], or a slot allocation under
+//!   pressure) drops a device state alone; either way the host copy stays.
+//! - **Host eviction** of a host-only leaf frees its host state too
+//!   ([`HiCacheStats::mamba_host_evicted`]).
+//! - **Load-back.** A match is usable only up to the deepest device node with a device state;
+//!   [`PrefixCache::match_request`] reports as the host hit the way to the deepest node past
+//!   it with a host copy of its state. `begin_request` loads, in one operation, the host-only
+//!   KV down to that node and its state into a device slot taken from the tree's pool (evicting
+//!   an unlocked state if none is free; the KV pages and the slot are allocated all or
+//!   nothing), which becomes the node's device state: the request's prefix ends there, and its
+//!   [`RequestKv::mamba_cow`] copies from that slot. A node whose KV is still on device but
+//!   whose device state went loads the state alone. The state's slot copy is submitted before
+//!   the first layer's KV, so the forward pass runs the copy on write after its first layer
+//!   wait. A failed load is repaired (KV and state copied again) or demoted like a KV-only
+//!   one.
+//!
+//! Sliding-window KV is not carried by this cache yet: a `radix` with
+//! [`RadixConfig::swa`] is refused.
+//!
+//! [`RadixTree::inc_lock_ref_mamba`]: radixkv_radix::RadixTree::inc_lock_ref_mamba
+//! [`PoolTransfer`]: crate::PoolTransfer
 
 mod host_leaves;
+mod mamba;
 mod recovery;
 mod tiering;
 
@@ -77,7 +115,8 @@ use radixkv_radix::{
 
 use crate::backend::DeviceBackend;
 use crate::controller::{
-    Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId,
+    Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
+    SlotOwner,
 };
 use crate::error::{HiCacheError, Result as HiResult};
 use crate::geometry::HostLayout;
@@ -203,9 +242,20 @@ pub struct HiCacheConfig {
     /// Load host hits back in `begin_request` (otherwise only through
     /// [`HiRadixCache::init_load_back`]).
     pub load_back_on_begin: bool,
-    /// Extra pools registered with the controller (their buffers are allocated). The cache
-    /// itself moves none yet: the Mamba / SWA pools that own them come in a later issue.
+    /// Extra pools registered with the controller beside the ones the cache derives from
+    /// `radix` (their buffers are allocated, the cache moves nothing in them). The Mamba pool
+    /// of a `radix` with Mamba slots is registered by the cache itself: listing it here too is
+    /// refused.
     pub extra_pools: Vec<ExtraPoolSpec>,
+    /// Bytes of one Mamba state slot in the backend's device-side Mamba buffer (one slot holds
+    /// the states of every Mamba layer). Required when `radix.mamba_slots` is set (the cache
+    /// registers the backend's Mamba pool with `radix.mamba_slots` slots of this size);
+    /// ignored otherwise.
+    pub mamba_state_bytes: Option<usize>,
+    /// Host slots for copies of Mamba states (`None`: the host pool's share, i.e.
+    /// `radix.mamba_slots × host pages / device pages`, rounded up). Ignored without Mamba
+    /// slots.
+    pub mamba_host_slots: Option<u32>,
     /// Operations per direction (backups, loads) the controller holds queued or in flight
     /// before it refuses more (default [`DEFAULT_MAX_PENDING_OPS`]; see the module docs for what
     /// happens then).
@@ -224,6 +274,8 @@ impl Default for HiCacheConfig {
             load_back_quota_tokens: None,
             load_back_on_begin: true,
             extra_pools: Vec::new(),
+            mamba_state_bytes: None,
+            mamba_host_slots: None,
             max_pending_ops: DEFAULT_MAX_PENDING_OPS,
         }
     }
@@ -275,8 +327,22 @@ pub struct HiCacheStats {
     /// Backup submissions the backend refused (the operations stay queued and are retried).
     pub refused_submissions: u64,
     /// Times [`PrefixCache::make_room`] waited for the backups pinning device KV (and applied
-    /// their acks) because evicting the unpinned KV alone could not free enough pages.
+    /// their acks) because evicting the unpinned KV alone could not free enough pages, or
+    /// `begin_request` did so because every device Mamba slot was held and pending backups
+    /// locked some of them.
     pub backups_awaited_for_room: u64,
+    /// Mamba states whose backup was queued (with their node's KV, or alone for a node whose
+    /// KV was backed up before).
+    pub mamba_states_backed_up: u64,
+    /// Mamba states not backed up because no host slot could be freed (their nodes' KV was
+    /// backed up without them).
+    pub mamba_host_full: u64,
+    /// Mamba states loaded back from the host (with their load's KV).
+    pub mamba_states_loaded: u64,
+    /// Host copies of Mamba states freed by host eviction.
+    pub mamba_host_evicted: u64,
+    /// Load-backs abandoned because no device Mamba slot could be had.
+    pub mamba_load_back_no_slot: u64,
 }
 
 /// Deliberately broken variants of the cache, for tests that must show their checks catch
@@ -305,6 +371,10 @@ pub(crate) struct PendingWrite {
     pub(crate) nodes: Vec<NodeId>,
     /// The host pages written, sorted.
     pub(crate) host: Vec<u32>,
+    /// The Mamba states backed up: (node, host slot).
+    pub(crate) states: Vec<(NodeId, u32)>,
+    /// Locks on the backed-up states (their device slots must not be reused before the ack).
+    pub(crate) state_locks: Vec<LockReceipt>,
 }
 
 /// A queued or in-flight load.
@@ -318,6 +388,8 @@ pub(crate) struct PendingLoad {
     pub(crate) host: Vec<u32>,
     /// Target device pages.
     pub(crate) device: Vec<PageId>,
+    /// The Mamba state loaded into `last`: (host slot, device slot).
+    pub(crate) state: Option<(u32, u32)>,
 }
 
 /// The tiered prefix cache. See the module docs.
@@ -337,6 +409,8 @@ pub struct HiRadixCache<B: DeviceBackend> {
     pages: Vec<PageId>,
     host_scratch: Vec<u32>,
     mutations: TestMutations,
+    /// The tree carries the Mamba component: states move with the KV.
+    mamba: bool,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -354,9 +428,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// A tiered cache over `backend`, whose device pool must match `cfg.radix` (page size and
     /// pages).
     ///
+    /// With Mamba slots in `cfg.radix`, the controller gets a Mamba pool whose device side is
+    /// the tree's slot pool (`radix.mamba_slots` slots of `cfg.mamba_state_bytes`, the
+    /// backend's buffer) and whose host side holds `cfg.mamba_host_slots` copies.
+    ///
     /// # Errors
-    /// [`HiCacheError::Config`] for mismatched or impossible sizes, and for a `cfg.radix` with
-    /// Mamba slots or sliding-window layers (not supported by the tiered cache yet).
+    /// [`HiCacheError::Config`] for mismatched or impossible sizes, for Mamba slots without
+    /// `mamba_state_bytes` (or with 0 bytes or 0 host slots), a Mamba pool listed in
+    /// `extra_pools` as well, and for a `cfg.radix` with sliding-window layers (not supported
+    /// by the tiered cache yet).
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -367,12 +447,6 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 cfg.radix.total_pages,
                 cfg.radix.page_size
             )));
-        }
-        if cfg.radix.mamba_slots.is_some() {
-            // The tree's Mamba component has no host tier, backup or load-back yet.
-            return Err(HiCacheError::Config(
-                "the Mamba state component is not supported by the tiered cache yet".into(),
-            ));
         }
         if cfg.radix.swa.is_some() {
             // Nor has the sliding-window component (window pages are not backed up or loaded).
@@ -386,9 +460,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             ));
         }
         let host_pages = cfg.host_size.pages(&g, backend.device_pages())?;
+        let mut extra = cfg.extra_pools.clone();
+        if let Some(slots) = cfg.radix.mamba_slots {
+            extra.push(mamba_pool_spec(&cfg, slots, host_pages)?);
+        }
         let host = HostPool::new(g, host_pages, cfg.host_layout)?;
         let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
-        let mut ctrl = HybridCacheController::new(backend, host, &cfg.extra_pools)?;
+        let mamba = cfg.radix.mamba_slots.is_some();
+        let mut ctrl = HybridCacheController::new(backend, host, &extra)?;
         ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
             inner: RadixCache::new(cfg.radix)?,
@@ -405,6 +484,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             pages: Vec::new(),
             host_scratch: Vec::new(),
             mutations: TestMutations::default(),
+            mamba,
         })
     }
 
@@ -465,8 +545,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let root = tree.root();
         // Locks each node holds from pending backups: a backup locks its anchor's root path.
         let mut pins: HashMap<NodeId, u32> = HashMap::new();
-        for w in self.pending_writes.values() {
-            let Some(lock) = &w.lock else { continue };
+        for lock in self
+            .pending_writes
+            .values()
+            .flat_map(|w| w.lock.iter().chain(&w.state_locks))
+        {
             let mut n = lock.anchor();
             while n != root {
                 *pins.entry(n).or_default() += 1;
@@ -499,6 +582,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let _ = self.ctrl.wait_writes();
         let mut acks = self.ctrl.poll_acks();
         self.apply_acks(&mut acks)
+    }
+
+    /// Evicts up to `n` unlocked device Mamba states (least recently used first, or by the
+    /// tree's utility order; see `RadixTree::evict_mamba`): their nodes keep their KV and any
+    /// host copy of the state, which a later load-back brings back. Returns the states
+    /// evicted; 0 without the Mamba component.
+    pub fn evict_mamba_states(&mut self, n: usize) -> usize {
+        self.inner.parts_mut().0.evict_mamba(n)
+    }
+
+    /// Host Mamba state copies held (0 without the Mamba component).
+    pub fn host_mamba_states(&self) -> usize {
+        self.ctrl
+            .extra_host(PoolName::Mamba)
+            .map_or(0, |a| a.used())
     }
 
     /// Tokens held by the host tier.
@@ -613,6 +711,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     fn page_size(&self) -> usize {
         self.inner.page_size()
+    }
+
+    fn has_state_slots(&self) -> bool {
+        self.inner.has_state_slots()
+    }
+
+    fn has_window_state(&self) -> bool {
+        self.inner.has_window_state()
+    }
+
+    fn check_request(&self, req: &RequestKv) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_request(req)
     }
 
     fn pools(&self) -> &DevicePools {
@@ -741,11 +851,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 host.used()
             )));
         }
+        if self.mamba {
+            self.check_mamba_host()?;
+        }
         let pending = self
             .pending_writes
             .values()
-            .filter(|w| w.lock.is_some())
-            .count()
+            .map(|w| usize::from(w.lock.is_some()) + w.state_locks.len())
+            .sum::<usize>()
             + self.pending_loads.len();
         if pending > tree.outstanding_locks() {
             return Err(InvariantViolation(format!(
@@ -756,8 +869,16 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         Ok(())
     }
 
+    /// Without the Mamba component, the device tier's match (the host hit is the KV after the
+    /// device prefix). With it, the usable prefix ends at the deepest device node with a
+    /// device state, and the host hit reaches the deepest node past it with a host copy of its
+    /// state: `host_hit_len` is what a load-back of the host-only KV down to that node and of
+    /// its state adds to the prefix (it counts device KV between the two without a state too).
     fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
-        self.inner.match_request(req)
+        if !self.mamba || self.inner.is_disabled() {
+            return self.inner.match_request(req);
+        }
+        self.match_request_mamba(req)
     }
 
     fn begin_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
@@ -767,11 +888,18 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             ));
         }
         let tree = self.inner.tree();
-        let anchor_ok = req
-            .last_node
-            .is_some_and(|n| n == tree.root() || tree.device_pages(n).is_ok_and(|p| !p.is_empty()));
+        let mamba = self.mamba;
+        let anchor_ok = req.last_node.is_some_and(|n| {
+            n == tree.root()
+                || (tree.device_pages(n).is_ok_and(|p| !p.is_empty())
+                    // A Mamba hit needs its device state still there.
+                    && (!mamba || tree.mamba_state(n).is_ok_and(|s| s.is_some())))
+        });
         if !anchor_ok {
             self.match_request(req)?;
+        }
+        if self.mamba {
+            self.unpin_states_if_short()?;
         }
         if self.load_back_on_begin && req.host_hit_len > 0 {
             self.init_load_back(req, self.load_back_quota_tokens)?;
@@ -809,6 +937,44 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         }
         Ok(())
     }
+}
+
+/// The controller's Mamba pool for a tree of `slots` device slots (see [`HiRadixCache::new`]).
+fn mamba_pool_spec(cfg: &HiCacheConfig, slots: u32, host_pages: usize) -> HiResult<ExtraPoolSpec> {
+    if cfg.extra_pools.iter().any(|p| p.name == PoolName::Mamba) {
+        return Err(HiCacheError::Config(
+            "the Mamba pool is derived from radix.mamba_slots; do not list it in extra_pools"
+                .into(),
+        ));
+    }
+    let item_bytes = match cfg.mamba_state_bytes {
+        Some(b) if b > 0 => b,
+        _ => {
+            return Err(HiCacheError::Config(
+                "Mamba slots under a host tier need mamba_state_bytes (at least 1)".into(),
+            ));
+        }
+    };
+    let host_slots = match cfg.mamba_host_slots {
+        Some(0) => {
+            return Err(HiCacheError::Config(
+                "mamba_host_slots must be at least 1".into(),
+            ));
+        }
+        Some(n) => n,
+        None => {
+            let device = cfg.radix.total_pages.max(1) as u128;
+            let share = (u128::from(slots) * host_pages as u128).div_ceil(device);
+            u32::try_from(share.max(1)).unwrap_or(u32::MAX)
+        }
+    };
+    Ok(ExtraPoolSpec {
+        name: PoolName::Mamba,
+        host_slots,
+        device_slots: slots,
+        item_bytes,
+        device_owner: SlotOwner::Caller,
+    })
 }
 
 #[cfg(test)]

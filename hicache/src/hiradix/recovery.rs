@@ -7,7 +7,7 @@ use radixkv_radix::{Medium, NodeId, PageId, PrefixCache};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite};
 use crate::backend::DeviceBackend;
-use crate::controller::Acks;
+use crate::controller::{Acks, PoolName, PoolTransfer};
 use crate::error::{HiCacheError, Result};
 
 impl<B: DeviceBackend> HiRadixCache<B> {
@@ -32,6 +32,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             if let Some(w) = self.pending_writes.remove(id) {
                 self.report_backup(&w);
                 res = res.and(self.release(w.lock));
+                for l in w.state_locks {
+                    res = res.and(self.release(Some(l)));
+                }
             }
         }
         for id in &acks.loads {
@@ -55,6 +58,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.stats.failed_writes += 1;
             if let Some(mut w) = self.pending_writes.remove(id) {
                 res = res.and(self.release(w.lock.take()));
+                for l in std::mem::take(&mut w.state_locks) {
+                    res = res.and(self.release(Some(l)));
+                }
                 failed.push(w);
             }
         }
@@ -118,6 +124,20 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// device become device-only; host-only nodes below are removed. Host pages that held good
     /// bytes are freed only after the loads that may read them.
     fn drop_failed_backups(&mut self, failed: &[PendingWrite]) {
+        // The states a failed backup wrote hold garbage, and no load read them (their device
+        // states were locked on device): free them at once.
+        for w in failed {
+            for &(n, h) in &w.states {
+                if self
+                    .inner
+                    .tree()
+                    .mamba_host_state(n)
+                    .is_ok_and(|s| s == Some(h))
+                {
+                    self.drop_host_state(n, true);
+                }
+            }
+        }
         let mut bad: Vec<u32> = failed.iter().flat_map(|w| w.host.iter().copied()).collect();
         bad.sort_unstable();
         let tree = self.inner.tree();
@@ -147,6 +167,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut pages = Vec::new();
         for (_, n, reported) in doomed {
             pages.clear();
+            // A good host state goes with its node's host copy, after the loads that may read it.
+            self.drop_host_state(n, false);
             let (tree, _) = self.inner.parts_mut();
             let tokens = tree.node_key(n).map_or(0, <[u32]>::len);
             let dropped = if tree.on_device(n).unwrap_or(false) {
@@ -188,16 +210,28 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let lock = l.lock.take();
             // The host copy is the repair's source: only trust it while the anchor still holds
             // it (a failed backup above may have dropped it since).
-            let intact = self
-                .inner
-                .tree()
-                .host_pages(l.last)
-                .ok()
-                .flatten()
-                .and_then(<[u32]>::last)
-                .is_some_and(|p| l.host.contains(p));
-            let repaired = if intact {
-                self.ctrl.reload_now(&l.host, &l.device)
+            let tree = self.inner.tree();
+            let kv_intact = l.host.is_empty()
+                || tree
+                    .host_pages(l.last)
+                    .ok()
+                    .flatten()
+                    .and_then(<[u32]>::last)
+                    .is_some_and(|p| l.host.contains(p));
+            let state_intact = l
+                .state
+                .is_none_or(|(h, _)| tree.mamba_host_state(l.last).is_ok_and(|s| s == Some(h)));
+            let extra: Vec<PoolTransfer> = l
+                .state
+                .iter()
+                .map(|&(h, d)| PoolTransfer {
+                    name: PoolName::Mamba,
+                    host_indices: vec![h],
+                    device_indices: vec![d],
+                })
+                .collect();
+            let repaired = if kv_intact && state_intact {
+                self.ctrl.reload_now(&l.host, &l.device, &extra)
             } else {
                 Err(HiCacheError::Transfer(
                     "the host copy of a failed load is gone".into(),
@@ -244,6 +278,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 Ok(Some(p)) if p != tree.root() => n = p,
                 _ => break,
             }
+        }
+        // A state-only load: its state goes (the node keeps its device KV).
+        if chain.is_empty()
+            && let Some((_, d)) = l.state
+            && tree.mamba_state(l.last).is_ok_and(|s| s == Some(d))
+        {
+            let (tree, _) = self.inner.parts_mut();
+            return tree.evict_mamba_state(l.last).is_ok();
         }
         let mut freed: Vec<PageId> = Vec::new();
         for &n in &chain {

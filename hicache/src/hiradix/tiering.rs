@@ -7,6 +7,7 @@ use radixkv_radix::{NodeId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::{DeviceBackend, StreamKind};
+use crate::controller::{PoolName, PoolTransfer};
 use crate::error::{HiCacheError, Result};
 
 impl<B: DeviceBackend> HiRadixCache<B> {
@@ -21,18 +22,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 
     /// Backs up the qualifying part of `path` (root first): from the first node without a
     /// host copy down to the first node that has not been inserted often enough. Stopping
-    /// there keeps backed-up nodes root-connected.
+    /// there keeps backed-up nodes root-connected. With the Mamba component, the device
+    /// states of the nodes above (backed up before, but whose state was not: it came later,
+    /// e.g. a checkpoint at a split) ride along.
     pub(super) fn backup_path(&mut self, path: &[NodeId]) -> Result<()> {
         let Some(threshold) = self.backup_threshold() else {
             return Ok(());
         };
         let tree = self.inner.tree();
-        let Some(start) = path
+        let start = path
             .iter()
             .position(|&n| tree.host_pages(n).is_ok_and(|h| h.is_none()))
-        else {
-            return Ok(());
-        };
+            .unwrap_or(path.len());
         let mut chain = Vec::new();
         for &n in &path[start..] {
             let hits = tree.meta(n)?.hit_count.saturating_add(1);
@@ -41,19 +42,35 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
             chain.push(n);
         }
-        if !chain.is_empty() {
-            self.backup_chain(&chain, true)?;
+        let mut above = Vec::new();
+        if self.mamba {
+            for &n in &path[..start] {
+                if tree.on_device(n)? {
+                    above.push(n);
+                }
+            }
+        }
+        if !chain.is_empty() || !self.states_to_back_up(&above)?.is_empty() {
+            self.backup_chain(&chain, &above, true)?;
         }
         Ok(())
     }
 
     /// Queues one backup of `chain` (root first; the first node's parent is backed up or the
-    /// root; every node on device without a host copy). Evicts host leaves if the host is
-    /// short. With `lock`, the chain stays locked until the write is acknowledged. The host
-    /// copy is recorded now (so nothing backs it up twice) but reported by a host
-    /// `BlockStored` event only at the ack. Returns
-    /// `false` (and counts it) when the host cannot make room: the nodes stay device-only.
-    pub(super) fn backup_chain(&mut self, chain: &[NodeId], lock: bool) -> Result<bool> {
+    /// root; every node on device without a host copy), in one operation with the device
+    /// Mamba states of the chain and of `above` (backed-up device nodes) that have no host
+    /// copy yet. Evicts host leaves if the host is short of pages or Mamba slots; states that
+    /// still find no host slot are left out (counted). With `lock`, the chain and the states
+    /// stay locked until the write is acknowledged. The host copies are recorded now (so
+    /// nothing backs them up twice) but the KV's is reported by a host `BlockStored` event
+    /// only at the ack. Returns `false` (and counts it) when the host cannot make room for the
+    /// KV: the nodes stay device-only.
+    pub(super) fn backup_chain(
+        &mut self,
+        chain: &[NodeId],
+        above: &[NodeId],
+        lock: bool,
+    ) -> Result<bool> {
         if !self.ctrl.has_room(StreamKind::Write) {
             self.stats.backups_skipped_queue_full += 1;
             return Ok(false);
@@ -69,20 +86,37 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if free < need {
             self.evict_host((need - free) * p);
         }
+        // Shallowest first, so that a shortage of host slots drops the shallowest states.
+        let mut states = self.states_to_back_up(above)?;
+        states.extend(self.states_to_back_up(chain)?);
+        self.make_room_for_states(&mut states);
+        if need == 0 && states.is_empty() {
+            return Ok(false);
+        }
+        let extra = if states.is_empty() {
+            Vec::new()
+        } else {
+            vec![PoolTransfer {
+                name: PoolName::Mamba,
+                host_indices: Vec::new(),
+                device_indices: states.iter().map(|&(_, s)| s).collect(),
+            }]
+        };
         let pages = std::mem::take(&mut self.pages);
-        let res = self
-            .ctrl
-            .write(&pages, 0, Vec::new())
-            .map(|op| (op.id, op.host_pages.clone()));
+        let res = self.ctrl.write(&pages, 0, extra).map(|op| {
+            let slots = op.extra.first().map(|t| t.host_indices.clone());
+            (op.id, op.host_pages.clone(), slots.unwrap_or_default())
+        });
         self.pages = pages;
-        let (id, host) = match res {
+        let (id, host, host_slots) = match res {
             Ok(v) => v,
-            Err(HiCacheError::HostFull { .. }) => {
+            Err(HiCacheError::HostFull { .. } | HiCacheError::ExtraPoolFull { .. }) => {
                 self.stats.host_exhausted += 1;
                 return Ok(false);
             }
             Err(e) => return Err(e),
         };
+        let pin = lock && !self.mutations.unpinned_backups;
         let (tree, _) = self.inner.parts_mut();
         let mut at = 0;
         for &n in chain {
@@ -90,11 +124,19 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             tree.set_host_pages_unreported(n, host[at..at + len].to_vec())?;
             at += len;
         }
-        let last = *chain.last().expect("chain is not empty");
-        let lock = if lock && !self.mutations.unpinned_backups {
-            Some(tree.inc_lock_ref(last)?)
-        } else {
-            None
+        let mut backed = Vec::with_capacity(states.len());
+        let mut state_locks = Vec::new();
+        for (&(n, _), &h) in states.iter().zip(&host_slots) {
+            tree.set_mamba_host_state(n, h)?;
+            backed.push((n, h));
+            if pin {
+                // The device slot must not be evicted and reused while the copy reads it.
+                state_locks.push(tree.inc_lock_ref_mamba(n)?);
+            }
+        }
+        let lock = match chain.last() {
+            Some(&last) if pin => Some(tree.inc_lock_ref(last)?),
+            _ => None,
         };
         let mut host = host;
         host.sort_unstable();
@@ -104,9 +146,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 lock,
                 nodes: chain.to_vec(),
                 host,
+                states: backed,
+                state_locks,
             },
         );
         self.stats.backed_up_tokens += (need * p) as u64;
+        self.stats.mamba_states_backed_up += states.len() as u64;
         Ok(true)
     }
 
@@ -174,7 +219,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut chain = Vec::new();
         let mut taken = HashSet::new();
         let mut up = Vec::new();
+        let mut above = Vec::new();
         for &v in victims {
+            if tree.host_pages(v)?.is_some() {
+                // Backed up before: its KV needs no copy, its state may.
+                above.push(v);
+            }
             up.clear();
             let mut n = v;
             while n != root && tree.host_pages(n)?.is_none() && !taken.contains(&n) {
@@ -186,10 +236,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 chain.push(u);
             }
         }
-        if chain.is_empty() {
+        if chain.is_empty() && self.states_to_back_up(&above)?.is_empty() {
             return Ok(());
         }
-        if self.backup_chain(&chain, false)? {
+        if self.backup_chain(&chain, &above, false)? {
             if let Err(e) = self.ctrl.start_writing() {
                 // The victims are evicted right after this, so a refused backup cannot wait for
                 // a retry: a copy submitted later would read device pages already reused. Fail
@@ -210,9 +260,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// (the device tier's family, e.g. LFU or priority) until `tokens` are freed or none is
     /// left. Returns the tokens freed.
     pub fn evict_host(&mut self, tokens: usize) -> usize {
+        self.evict_host_leaves(tokens, 0).0
+    }
+
+    /// Host eviction until `tokens` are freed and `states` host Mamba states with them (or no
+    /// host-only leaf is left). Returns both counts.
+    pub(super) fn evict_host_leaves(&mut self, tokens: usize, states: usize) -> (usize, usize) {
         let mut done = 0;
+        let mut done_states = 0;
         let mut rebuilt = false;
-        while done < tokens {
+        while done < tokens || done_states < states {
             let (tree, _) = self.inner.parts_mut();
             let Some(v) = self.host_leaves.pop(tree) else {
                 if rebuilt {
@@ -223,6 +280,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 continue;
             };
             let parent = tree.parent(v).ok().flatten();
+            if self.drop_host_state(v, true) {
+                // The leaf is unlocked, so no load reads its state.
+                done_states += 1;
+                self.stats.mamba_host_evicted += 1;
+            }
+            let (tree, _) = self.inner.parts_mut();
             self.host_scratch.clear();
             let Ok(n) = tree.evict_host_leaf(v, &mut self.host_scratch) else {
                 continue;
@@ -239,15 +302,19 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 self.host_leaves.push(p, m);
             }
         }
-        done
+        (done, done_states)
     }
 
     /// Loads the request's host hit back to the device: allocates device pages (evicting if
     /// needed, never the request's own path), queues the load (start it with
     /// [`HiRadixCache::start_loading`]) and extends the request's prefix with the loaded pages.
-    /// Returns the tokens loaded; 0 when there is nothing to load, the hit is shorter than the
-    /// minimum or larger than `quota_tokens`, the match went stale, or the device cannot make
-    /// room (the request then proceeds with its device prefix).
+    /// With the Mamba component the same operation loads the host copy of the state at the
+    /// hit's end into a device slot (taken from the tree's pool, evicting an unlocked state if
+    /// none is free), which becomes that node's device state, so the match is usable there;
+    /// the prefix also takes in the device KV between the usable prefix and the loaded part.
+    /// Returns the tokens the prefix grew by; 0 when there is nothing to load, the hit is
+    /// shorter than the minimum or its KV larger than `quota_tokens`, the match went stale, or
+    /// the device cannot make room (the request then proceeds with its device prefix).
     ///
     /// # Errors
     /// [`CacheError::Busy`](radixkv_radix::CacheError::Busy) when the controller already holds
@@ -272,7 +339,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         let p = self.page_size();
         let tree = self.inner.tree();
-        if !tree.contains(anchor) {
+        if !tree.contains(anchor) || !tree.contains(device_end) {
             return Ok(0);
         }
         // The host-only chain from the device prefix down to the anchor.
@@ -287,12 +354,39 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             chain.push(n);
             n = tree.parent(n)?.unwrap_or(tree.root());
         }
-        if n != device_end || tokens != req.host_hit_len || chain.is_empty() {
+        chain.reverse();
+        // Mamba: the device nodes between the usable prefix and the chain (no state of their
+        // own), and the host state at the anchor.
+        let mut between = Vec::new();
+        let mut state = None;
+        if self.mamba {
+            let Some(h) = tree.mamba_host_state(anchor)? else {
+                return Ok(0);
+            };
+            if tree.mamba_state(anchor)?.is_some() {
+                return Ok(0);
+            }
+            let mut m = n;
+            let mut gained = tokens;
+            while m != device_end {
+                if m == tree.root() {
+                    return Ok(0);
+                }
+                gained += tree.node_key(m)?.len();
+                between.push(m);
+                m = tree.parent(m)?.unwrap_or(tree.root());
+            }
+            between.reverse();
+            if gained != req.host_hit_len {
+                return Ok(0);
+            }
+            state = Some(h);
+        } else if n != device_end || tokens != req.host_hit_len || chain.is_empty() {
             return Ok(0);
         }
-        chain.reverse();
+        let gain = req.host_hit_len;
         let min = self.load_back_min_tokens.div_ceil(p) * p;
-        if tokens < min {
+        if gain < min {
             self.stats.load_back_too_small += 1;
             return Ok(0);
         }
@@ -315,6 +409,23 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if free < need {
             self.evict_device((need - free) * p);
         }
+        let mut extra = Vec::new();
+        if let Some(h) = state {
+            let (tree, _) = self.inner.parts_mut();
+            match tree.alloc_mamba_slot() {
+                Ok(slot) => extra.push(PoolTransfer {
+                    name: PoolName::Mamba,
+                    host_indices: vec![h],
+                    device_indices: vec![slot],
+                }),
+                Err(_) => {
+                    tree.dec_lock_ref(lock)?;
+                    self.stats.mamba_load_back_no_slot += 1;
+                    return Ok(0);
+                }
+            }
+        }
+        let dev_slot = extra.first().map(|t| t.device_indices[0]);
         let mut host = std::mem::take(&mut self.host_scratch);
         host.clear();
         for &c in &chain {
@@ -323,12 +434,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let (tree, pools) = self.inner.parts_mut();
         let loaded = self
             .ctrl
-            .load(&host, &mut pools.pages, Vec::new())
+            .load(&host, &mut pools.pages, extra)
             .map(|op| (op.id, op.device_pages.clone()));
         self.host_scratch = host;
         let (id, dev) = match loaded {
             Ok(v) => v,
             Err(e) => {
+                if let Some(s) = dev_slot {
+                    tree.free_mamba_slot(s)?;
+                }
                 tree.dec_lock_ref(lock)?;
                 if matches!(e, HiCacheError::DeviceFull { .. }) {
                     self.stats.load_back_device_full += 1;
@@ -344,12 +458,23 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             tree.attach_device_pages(c, &dev[at..at + len])?;
             at += len;
         }
+        let mut lock = lock;
+        if let Some(s) = dev_slot {
+            tree.attach_mamba_state(anchor, s)?;
+            // The state is locked too until the ack: its slot must not be reused while the
+            // copy writes it.
+            let with_state = tree.inc_lock_ref_mamba(anchor)?;
+            tree.dec_lock_ref(std::mem::replace(&mut lock, with_state))?;
+        }
         let lock = if self.mutations.unpinned_loads {
             tree.dec_lock_ref(lock)?;
             None
         } else {
             Some(lock)
         };
+        for &b in &between {
+            req.prefix_pages.extend_from_slice(tree.device_pages(b)?);
+        }
         self.pending_loads.insert(
             id,
             PendingLoad {
@@ -357,13 +482,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 last: anchor,
                 host: self.host_scratch.clone(),
                 device: dev.clone(),
+                state: state.zip(dev_slot),
             },
         );
         req.prefix_pages.extend_from_slice(&dev);
-        req.prefix_len += tokens;
+        req.prefix_len += gain;
+        req.kv_match_len = req.kv_match_len.max(req.prefix_len);
         req.host_hit_len = 0;
         req.last_node = Some(anchor);
         self.stats.loaded_tokens += tokens as u64;
-        Ok(tokens)
+        if dev_slot.is_some() {
+            self.stats.mamba_states_loaded += 1;
+        }
+        Ok(gain)
     }
 }

@@ -24,7 +24,7 @@
 //! revives it.
 
 use super::*;
-use crate::cache::pages_to_alloc;
+use crate::cache::{alloc_row_pages, free_row_pages_from, pages_to_alloc};
 use crate::tree::swa::SwaInsert;
 
 /// Sliding-window attention layers of a [`RadixConfig`] (see [`RadixConfig::swa`]).
@@ -338,9 +338,6 @@ impl RadixCache {
     /// as many SWA pages, from both pools or from neither.
     pub(super) fn alloc_tokens_swa(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
         let need = pages_to_alloc(self, req, n)?;
-        let row = req.row.ok_or(CacheError::InvalidRequestState(
-            "alloc_tokens before begin_request",
-        ))?;
         if need > 0 {
             // Both pools are checked before either is touched: evicting full KV (which frees
             // its window KV with it) leaves the SWA pool's free + evictable unchanged, and
@@ -353,15 +350,10 @@ impl RadixCache {
                     available: a.free + a.evictable,
                 });
             }
-            self.make_room(need)?;
-            let (pages, _) = self.pools.rows.parts_mut(row)?;
-            let before = pages.len();
-            self.pools.pages.alloc_into(need, pages)?;
+            let before = alloc_row_pages(self, req, need)?;
             if let Err(e) = self.tree.alloc_swa_pages(need, &mut req.swa_pages) {
                 // Neither pool, then: the full-KV pages go back.
-                let (pages, _) = self.pools.rows.parts_mut(row)?;
-                let fresh = pages.split_off(before);
-                self.pools.pages.free(&fresh)?;
+                free_row_pages_from(self, req, before)?;
                 return Err(match e {
                     CacheError::OutOfPages { needed, available } => {
                         CacheError::OutOfComponentPages {

@@ -24,23 +24,27 @@ use crate::mamba_policy::{
 use crate::slots::{SlotState, StateSlotPool};
 use crate::types::ComponentAccounting;
 
-/// Per-node Mamba data, indexed by the node's arena index. `slot == NIL`: no state.
+/// Per-node Mamba data, indexed by the node's arena index. `slot == NIL`: no state on device;
+/// `host == NIL`: no host copy of the state (tiered caches, see `mamba_tier`).
 #[derive(Copy, Clone, Debug)]
-struct MambaNode {
-    slot: u32,
+pub(super) struct MambaNode {
+    pub(super) slot: u32,
+    /// The host slot holding a copy of the state (an index of the owner's host pool).
+    pub(super) host: u32,
     /// Requests that locked this node's state (each also locks the node's KV path).
-    lock: u32,
+    pub(super) lock: u32,
     /// The component's own recency tick (the LRU key while unlocked).
-    tick: u64,
-    /// The generation of the node that got the state: the audit catches a state left behind
-    /// by a removed node whose arena index was reused.
-    generation: u32,
+    pub(super) tick: u64,
+    /// The generation of the node that got the state (device or host): the audit catches a
+    /// state left behind by a removed node whose arena index was reused.
+    pub(super) generation: u32,
     /// Why the state was stored ([`CheckpointKind`] as its index).
-    kind: u8,
+    pub(super) kind: u8,
 }
 
-const NO_STATE: MambaNode = MambaNode {
+pub(super) const NO_STATE: MambaNode = MambaNode {
     slot: NIL,
+    host: NIL,
     lock: 0,
     tick: 0,
     generation: 0,
@@ -50,10 +54,10 @@ const NO_STATE: MambaNode = MambaNode {
 /// The Mamba component of a [`RadixTree`] (see the module docs).
 #[derive(Debug)]
 pub(crate) struct MambaComponent {
-    pool: StateSlotPool,
-    nodes: Vec<MambaNode>,
+    pub(super) pool: StateSlotPool,
+    pub(super) nodes: Vec<MambaNode>,
     /// Unlocked states by (tick, node index): the eviction order under slot pressure.
-    lru: BTreeSet<(u64, u32)>,
+    pub(super) lru: BTreeSet<(u64, u32)>,
     /// Tree-held states that are locked.
     protected: usize,
     clock: u64,
@@ -76,18 +80,18 @@ impl MambaComponent {
     }
 
     #[inline]
-    fn get(&self, idx: u32) -> MambaNode {
+    pub(super) fn get(&self, idx: u32) -> MambaNode {
         self.nodes.get(idx as usize).copied().unwrap_or(NO_STATE)
     }
 
-    fn entry(&mut self, idx: u32) -> &mut MambaNode {
+    pub(super) fn entry(&mut self, idx: u32) -> &mut MambaNode {
         if idx as usize >= self.nodes.len() {
             self.nodes.resize(idx as usize + 1, NO_STATE);
         }
         &mut self.nodes[idx as usize]
     }
 
-    fn tick(&mut self) -> u64 {
+    pub(super) fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
     }
@@ -137,11 +141,18 @@ impl MambaComponent {
         // audit reports (the slot stays where it is).
         let freed = self.pool.free_tree(e.slot);
         debug_assert!(freed.is_ok(), "Mamba slot {} was not tree-held", e.slot);
-        self.nodes[idx as usize] = NO_STATE;
+        // A host copy of the state stays (with the generation and the kind it was stored as).
+        self.nodes[idx as usize] = MambaNode {
+            host: e.host,
+            generation: e.generation,
+            kind: e.kind,
+            ..NO_STATE
+        };
         true
     }
 
-    /// Frees every tree-held state (a reset: no lock is outstanding).
+    /// Frees every tree-held state and forgets every host copy (a reset: no lock is
+    /// outstanding; the owner resets its host pool).
     pub(super) fn clear_tree_states(&mut self) {
         for i in 0..self.nodes.len() as u32 {
             self.drop_state_uncounted(i);
@@ -744,6 +755,7 @@ impl RadixTree {
         m.pool.check()?;
         let mut seen = vec![false; m.pool.total()];
         let (mut states, mut protected, mut unlocked) = (0usize, 0usize, 0usize);
+        self.check_mamba_host(m)?;
         for (i, e) in m.nodes.iter().enumerate() {
             let k = i as u32;
             if e.slot == NIL {

@@ -83,14 +83,20 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the node has no host
-    /// copy, is not on device, or a child still has a host copy (backed-up nodes must stay
-    /// root-connected). Nothing changes on error.
+    /// copy, is not on device, still holds a host Mamba state (take it first with
+    /// [`RadixTree::take_mamba_host_state`]), or a child still has a host copy (backed-up
+    /// nodes must stay root-connected). Nothing changes on error.
     pub fn clear_host_pages(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<()> {
         let idx = self.resolve(id)?;
         let n = &self.nodes[idx as usize];
         if n.host.is_none() || !n.on_device() {
             return Err(CacheError::InvalidRequestState(
                 "only a device node with a host copy can drop it",
+            ));
+        }
+        if self.has_mamba_host_state(idx) {
+            return Err(CacheError::InvalidRequestState(
+                "take the node's host Mamba state first",
             ));
         }
         // A scan (`O(nodes)`): this is the rare failure path, and the child table keeps stale
@@ -179,12 +185,18 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when `id` is not a
-    /// host-only leaf (nothing changes then).
+    /// host-only leaf or still holds a host Mamba state (take it first with
+    /// [`RadixTree::take_mamba_host_state`]); nothing changes then.
     pub fn evict_host_leaf(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<usize> {
         let idx = self.resolve(id)?;
         if !self.is_host_leaf_idx(idx) {
             return Err(CacheError::InvalidRequestState(
                 "only an unlocked host-only leaf can be evicted from the host",
+            ));
+        }
+        if self.has_mamba_host_state(idx) {
+            return Err(CacheError::InvalidRequestState(
+                "take the node's host Mamba state first",
             ));
         }
         self.emit_removed(idx, Medium::Host);

@@ -1,0 +1,462 @@
+//! Mamba states on the host tier: byte-exact round trips of KV and states through HostSim
+//! (both host layouts, page sizes 1 and 16), failed backups and loads without leaks, host
+//! slot exhaustion, and random traffic with the audits after every step.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use radixkv_hicache::{
+    DeviceBackend, HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig,
+    HostSize, KvGeometry, PoolName, StreamKind, WritePolicy,
+};
+use radixkv_radix::{
+    FinishKind, MambaPolicy, PrefixCache, RadixConfig, RadixKey, RequestKv, RequestMatch,
+};
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
+
+const STATE_BYTES: usize = 48;
+
+/// The state after the tokens of `prefix`: a function of the prefix, as in a real model.
+fn state_bytes(prefix: &[u32]) -> Vec<u8> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &t in prefix {
+        h = mix(h ^ u64::from(t));
+    }
+    let mut out = vec![0; STATE_BYTES];
+    SplitMix64::seed_from_u64(h ^ prefix.len() as u64).fill_bytes(&mut out);
+    out
+}
+
+struct Setup {
+    page_size: usize,
+    device_pages: usize,
+    slots: u32,
+    host_slots: Option<u32>,
+    layout: HostLayout,
+    policy: WritePolicy,
+    mamba_policy: MambaPolicy,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            page_size: 4,
+            device_pages: 16,
+            slots: 8,
+            host_slots: None,
+            layout: HostLayout::PageFirst,
+            policy: WritePolicy::WriteThrough,
+            mamba_policy: MambaPolicy::Sglang,
+        }
+    }
+}
+
+fn build(s: &Setup) -> HiRadixCache<HostSim> {
+    let g = KvGeometry::new(LAYERS, s.page_size, BYTES_PER_TOKEN).unwrap();
+    let backend = Arc::new(HostSim::new(g, s.device_pages, HostSimConfig::default()).unwrap());
+    HiRadixCache::new(
+        HiCacheConfig {
+            radix: RadixConfig {
+                page_size: s.page_size,
+                total_pages: s.device_pages,
+                max_rows: 8,
+                events: true,
+                mamba_slots: Some(s.slots),
+                mamba_policy: s.mamba_policy,
+                ..Default::default()
+            },
+            host_size: HostSize::Ratio(4.0),
+            host_layout: s.layout,
+            write_policy: s.policy,
+            load_back_min_tokens: 1,
+            mamba_state_bytes: Some(STATE_BYTES),
+            mamba_host_slots: s.host_slots,
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap()
+}
+
+fn read_state<B: DeviceBackend>(c: &HiRadixCache<B>, slot: u32) -> Vec<u8> {
+    let mut out = vec![0; STATE_BYTES];
+    c.backend()
+        .read_extra_slot(PoolName::Mamba, slot, &mut out)
+        .unwrap();
+    out
+}
+
+/// The engine's side of one request: after its forward, every slot it holds has the state
+/// its contract asks for (running: at the computed length; tracking: at the last page boundary;
+/// checkpoints: at their positions).
+fn write_states<B: DeviceBackend>(c: &HiRadixCache<B>, r: &RequestKv) {
+    let b = c.backend();
+    let t = &r.key.tokens;
+    let p = c.page_size();
+    if let Some(s) = r.mamba_slot {
+        b.write_extra_slot(PoolName::Mamba, s, &state_bytes(&t[..r.committed_len]))
+            .unwrap();
+    }
+    if let Some(tr) = r.mamba_track {
+        let at = r.committed_len - r.committed_len % p;
+        b.write_extra_slot(PoolName::Mamba, tr.slot, &state_bytes(&t[..at]))
+            .unwrap();
+    }
+    for ck in &r.mamba_checkpoints {
+        if ck.pos <= r.committed_len {
+            b.write_extra_slot(PoolName::Mamba, ck.slot, &state_bytes(&t[..ck.pos]))
+                .unwrap();
+        }
+    }
+}
+
+/// One request end to end: match, begin (load-back), wait for the loads, check the bytes of
+/// the reused KV and of the state it copies on write, compute the rest and finish. Returns
+/// what the match and the load gave.
+fn serve_mamba(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (RequestMatch, usize) {
+    let p = c.page_size();
+    let h = hashes(tokens, p);
+    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    let m = c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.check_request(&r).unwrap();
+    if let Some(step) = c.start_loading().unwrap() {
+        wait_layers(c, step.producer);
+    }
+    check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
+    if r.prefix_len > 0 {
+        let cow = r.mamba_cow.expect("a hit copies its state");
+        assert_eq!(
+            read_state(c, cow.src),
+            state_bytes(&tokens[..r.prefix_len]),
+            "the state of the {}-token hit holds the wrong bytes",
+            r.prefix_len
+        );
+        let src = read_state(c, cow.src);
+        c.backend()
+            .write_extra_slot(PoolName::Mamba, cow.dst, &src)
+            .unwrap();
+    } else {
+        assert!(r.mamba_cow.is_none());
+    }
+    let rest = tokens.len() - r.prefix_len;
+    let from = r.prefix_len;
+    c.alloc_tokens(&mut r, rest).unwrap();
+    let row = r.row.unwrap();
+    let pages = c.pools().rows.pages(row).unwrap().to_vec();
+    let whole = tokens.len() / p;
+    write_pages(&**c.backend(), &pages[from / p..whole], &h[from / p..whole]);
+    r.commit(rest).unwrap();
+    write_states(c, &r);
+    let loaded = r.prefix_len - m.prefix_len;
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    c.check_invariants().unwrap();
+    (m, loaded)
+}
+
+fn round_trip(page_size: usize, layout: HostLayout) {
+    let p = page_size;
+    let mut c = build(&Setup {
+        page_size: p,
+        device_pages: 12,
+        layout,
+        ..Default::default()
+    });
+    let a = tokens(1, 4 * p);
+    let (m, _) = serve_mamba(&mut c, &a);
+    assert_eq!(m.prefix_len, 0);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.stats().mamba_states_backed_up, 1, "{:?}", c.stats());
+    assert_eq!(c.host_mamba_states(), 1);
+    // Off the device entirely: KV demoted, the device state goes with it (the cascade), the
+    // host copy stays.
+    c.evict(usize::MAX / 2);
+    c.check_invariants().unwrap();
+    assert_eq!(c.device_cache().mamba_accounting().unwrap().evictable, 0);
+    // Scribble over every device slot: a load that did not copy would be caught.
+    for s in 0..8 {
+        c.backend()
+            .write_extra_slot(PoolName::Mamba, s, &[0xEE; STATE_BYTES])
+            .unwrap();
+    }
+    let mut b = a.clone();
+    b.push(7);
+    let (m, loaded) = serve_mamba(&mut c, &b);
+    assert_eq!((m.prefix_len, m.host_hit_len, loaded), (0, 4 * p, 4 * p));
+    assert_eq!(c.stats().mamba_states_loaded, 1);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+
+    // Only the device state goes (its KV stays on device): the load brings back the state
+    // alone, in an operation without KV pages.
+    c.evict_mamba_states(usize::MAX);
+    c.check_invariants().unwrap();
+    for s in 0..8 {
+        c.backend()
+            .write_extra_slot(PoolName::Mamba, s, &[0xDD; STATE_BYTES])
+            .unwrap();
+    }
+    let mut probe = RequestKv::new(RadixKey::new(b.clone()));
+    let m = c.match_request(&mut probe).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (0, 4 * p));
+    let loaded_before = c.stats().loaded_tokens;
+    let (_, loaded) = serve_mamba(&mut c, &b);
+    assert_eq!(loaded, 4 * p);
+    assert_eq!(c.stats().loaded_tokens, loaded_before, "no KV was loaded");
+    assert_eq!(c.stats().mamba_states_loaded, 2);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn round_trip_layer_first_page_1() {
+    round_trip(1, HostLayout::LayerFirst);
+}
+
+#[test]
+fn round_trip_layer_first_page_16() {
+    round_trip(16, HostLayout::LayerFirst);
+}
+
+#[test]
+fn round_trip_page_first_page_1() {
+    round_trip(1, HostLayout::PageFirst);
+}
+
+#[test]
+fn round_trip_page_first_page_16() {
+    round_trip(16, HostLayout::PageFirst);
+}
+
+#[test]
+fn config_errors_are_typed() {
+    let g = KvGeometry::new(LAYERS, 4, BYTES_PER_TOKEN).unwrap();
+    let backend = Arc::new(HostSim::new(g, 8, HostSimConfig::default()).unwrap());
+    let radix = RadixConfig {
+        page_size: 4,
+        total_pages: 8,
+        mamba_slots: Some(4),
+        ..Default::default()
+    };
+    let bad = [
+        HiCacheConfig {
+            radix: radix.clone(),
+            ..Default::default()
+        },
+        HiCacheConfig {
+            radix: radix.clone(),
+            mamba_state_bytes: Some(0),
+            ..Default::default()
+        },
+        HiCacheConfig {
+            radix: radix.clone(),
+            mamba_state_bytes: Some(8),
+            mamba_host_slots: Some(0),
+            ..Default::default()
+        },
+    ];
+    for cfg in bad {
+        assert!(matches!(
+            HiRadixCache::new(cfg, backend.clone()),
+            Err(HiCacheError::Config(_))
+        ));
+    }
+    // The default host share: 4 slots × (16 host pages / 8 device pages).
+    let c = HiRadixCache::new(
+        HiCacheConfig {
+            radix,
+            host_size: HostSize::Pages(16),
+            mamba_state_bytes: Some(8),
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap();
+    assert_eq!(
+        c.controller().extra_host(PoolName::Mamba).unwrap().total(),
+        8
+    );
+}
+
+/// A backup whose copy fails takes its state's host copy down with the KV's: nothing leaks,
+/// nothing is served from it.
+#[test]
+fn failed_backup_undoes_the_state_too() {
+    let mut c = build(&Setup::default());
+    let a = tokens(1, 16);
+    c.backend().fail_next_copies(StreamKind::Write, 2);
+    serve_mamba(&mut c, &a);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert!(c.stats().failed_writes >= 1, "{:?}", c.stats());
+    assert_eq!(c.host_mamba_states(), 0, "the failed state copy is freed");
+    assert_eq!(c.host_tokens(), 0);
+    // The prefix is still served from the device, with its state.
+    let mut b = a.clone();
+    b.push(1);
+    let (m, _) = serve_mamba(&mut c, &b);
+    assert_eq!(m.prefix_len, 16);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+}
+
+/// A load whose copy fails is repaired (KV and state again) at the next step; one that cannot
+/// be repaired is demoted. Either way the audits hold and no slot leaks.
+#[test]
+fn failed_load_is_repaired_with_its_state() {
+    let mut c = build(&Setup::default());
+    let a = tokens(1, 16);
+    serve_mamba(&mut c, &a);
+    c.flush().unwrap();
+    c.evict(usize::MAX / 2);
+    let mut b = a.clone();
+    b.push(3);
+    let mut r = RequestKv::new(RadixKey::new(b.clone()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    assert_eq!(r.prefix_len, 16);
+    // Fail the state copy (submitted first) and a layer.
+    c.backend().fail_next_copies(StreamKind::Load, 2);
+    let step = c.start_loading().unwrap().unwrap();
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    assert!(counter.wait_until(0).is_err());
+    c.step().unwrap();
+    assert_eq!(c.stats().repaired_loads, 1, "{:?}", c.stats());
+    let cow = r.mamba_cow.unwrap();
+    assert_eq!(read_state(&c, cow.src), state_bytes(&b[..16]));
+    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&b, 4)[..4]);
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+
+    // Unrepairable: the repair fails too, so the load is demoted once unlocked.
+    c.evict(usize::MAX / 2);
+    let mut r = RequestKv::new(RadixKey::new(b.clone()));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    c.backend().fail_next_copies(StreamKind::Load, 100);
+    let step = c.start_loading().unwrap().unwrap();
+    c.layer_counter().set_consumer(step.producer);
+    assert!(c.layer_counter().wait_until(0).is_err());
+    assert!(c.step().is_err(), "the repair fails too");
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    // Unlocked now: the next step retries the repair (still failing: its error is returned)
+    // and demotes the load (KV back to host-only, the device state dropped).
+    assert!(c.step().is_err());
+    assert_eq!(c.stats().demoted_failed_loads, 1, "{:?}", c.stats());
+    c.check_invariants().unwrap();
+    let mut probe = RequestKv::new(RadixKey::new(b.clone()));
+    let m = c.match_request(&mut probe).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (0, 16), "host-only again");
+    let a_dev = c.device_cache().mamba_accounting().unwrap();
+    assert_eq!(a_dev.request_owned, 0, "no slot leaked: {a_dev:?}");
+}
+
+/// With one host slot for two states, the second backup makes room by host-evicting the
+/// first (host-only) leaf, or backs up its KV without the state when nothing can go.
+#[test]
+fn host_slot_exhaustion_degrades_to_kv_only() {
+    let mut c = build(&Setup {
+        host_slots: Some(1),
+        ..Default::default()
+    });
+    let a = tokens(1, 8);
+    let b = tokens(2, 8);
+    serve_mamba(&mut c, &a);
+    c.flush().unwrap();
+    assert_eq!(c.host_mamba_states(), 1);
+    // A is still on device, so its host state cannot be host-evicted: B's goes without one.
+    serve_mamba(&mut c, &b);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.stats().mamba_host_full, 1, "{:?}", c.stats());
+    assert_eq!(c.host_mamba_states(), 1);
+    // Demote both; a third backup host-evicts the host-only leaf holding the slot.
+    c.evict(usize::MAX / 2);
+    let d = tokens(3, 8);
+    serve_mamba(&mut c, &d);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert!(c.stats().mamba_host_evicted >= 1, "{:?}", c.stats());
+    assert_eq!(c.stats().mamba_states_backed_up, 2);
+    // D round-trips with its state.
+    c.evict(usize::MAX / 2);
+    let mut d2 = d.clone();
+    d2.push(9);
+    let (_, loaded) = serve_mamba(&mut c, &d2);
+    assert_eq!(loaded, 8);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+}
+
+/// Random traffic over shared prefixes, with device and Mamba evictions, every write policy:
+/// the audits hold after every step and every reused state and page holds the right bytes
+/// (checked inside `serve_mamba`).
+#[test]
+fn random_traffic_keeps_states_and_audits() {
+    for (seed, policy, mp, p) in [
+        (1u64, WritePolicy::WriteThrough, MambaPolicy::Sglang, 4),
+        (2, WritePolicy::WriteBack, MambaPolicy::Sglang, 1),
+        (
+            3,
+            WritePolicy::WriteThroughSelective { hits: 2 },
+            MambaPolicy::default(),
+            4,
+        ),
+        (4, WritePolicy::WriteThrough, MambaPolicy::default(), 2),
+    ] {
+        let mut c = build(&Setup {
+            page_size: p,
+            device_pages: 24,
+            slots: 10,
+            host_slots: Some(6),
+            policy,
+            mamba_policy: mp,
+            ..Default::default()
+        });
+        let mut rng = SplitMix64::seed_from_u64(seed);
+        // Six conversations over two shared stems; a request is a prefix of one of them.
+        let convs: Vec<Vec<u32>> = (0..6u32)
+            .map(|k| {
+                let mut t: Vec<u32> = (0..(2 * p) as u32).map(|i| (k % 2) * 100 + i).collect();
+                t.extend((0..(6 * p) as u32).map(|i| k * 10_000 + i));
+                t
+            })
+            .collect();
+        let mut hits = 0;
+        for step in 0..300 {
+            let conv = &convs[(rng.next_u32() % 6) as usize];
+            let len = 2 + rng.next_u32() as usize % (conv.len() - 1);
+            let t = conv[..len].to_vec();
+            let (m, loaded) = serve_mamba(&mut c, &t);
+            hits += usize::from(m.prefix_len + loaded > 0);
+            match rng.next_u32() % 5 {
+                0 => {
+                    c.evict((rng.next_u32() % 16) as usize);
+                }
+                1 => {
+                    c.evict_mamba_states(1 + (rng.next_u32() % 3) as usize);
+                }
+                2 => {
+                    c.flush().unwrap();
+                }
+                _ => {
+                    c.step().unwrap();
+                }
+            }
+            c.check_invariants()
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+        }
+        c.flush().unwrap();
+        c.check_invariants().unwrap();
+        let st = c.stats();
+        assert!(hits > 20, "seed {seed}: {hits} hits, {st:?}");
+        assert!(st.mamba_states_loaded > 0, "seed {seed}: {st:?}");
+        assert!(st.mamba_states_backed_up > 0, "seed {seed}: {st:?}");
+    }
+}
