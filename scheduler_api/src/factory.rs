@@ -11,6 +11,7 @@
 //! | `disabled`, `radix`                 | `RadixCache`                                   |
 //! | `disabled`, `radix`, Mamba layers   | `RadixCache` with its Mamba state slot pool    |
 //! | `disabled`, `radix`, SWA layers     | `RadixCache` with its SWA page pool            |
+//! | `disabled`, `radix`, SWA + Mamba    | `RadixCache` with both pools, one tree         |
 //! | `radix` + sessions (Mamba or SWA layers too) | `SessionAwareCache<RadixCache, SimClock>` |
 //! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
@@ -30,11 +31,11 @@
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
 //! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
 //! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry; a session
-//! slot keeps its window KV across turns); Mamba layers also build under a host tier
-//! (`HiRadixCache` moves the states with their KV; HostSim's simulated state slots are 64 bytes
-//! each, like its token-sized KV pools, while an engine's backend holds the model's).
-//! Sliding-window layers under a host tier and a model with both kinds of layers are still
-//! [`ManagerError::NotWired`]: their
+//! slot keeps its window KV across turns), and so does a model with both kinds of layers (one
+//! tree carries both components); Mamba layers also build under a host tier (`HiRadixCache`
+//! moves the states with their KV; HostSim's simulated state slots are 64 bytes each, like its
+//! token-sized KV pools, while an engine's backend holds the model's). Sliding-window layers
+//! under a host tier are still [`ManagerError::NotWired`]: their
 //! pools are sized but no cache carries them there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
@@ -280,7 +281,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers under a host tier, or both kinds of layers in one model;
+/// layers under a host tier;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -387,7 +388,7 @@ fn build<B: DeviceBackend>(
         events: cfg.events,
         event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
-        // Sliding-window models and the combinations not wired yet are refused above. The
+        // The combinations not wired yet are refused above. The
         // disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
         mamba_slots,
         mamba_policy: match cfg.radix_mamba_policy()? {
@@ -448,30 +449,21 @@ fn build<B: DeviceBackend>(
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
 /// than built into a cache that would ignore their pools:
 ///
-/// - sliding-window layers under a host tier (it does not move window KV yet), or beside Mamba
-///   layers in one model (the tree does not carry both components at once).
+/// - sliding-window layers under a host tier (it does not move window KV yet).
 ///
-/// Mamba layers or sliding-window layers on the device-only caches (`radix`, `disabled`) are
-/// wired: the radix tree carries the states or the window KV as a component of its nodes, and
-/// a session slot keeps its running state or its window KV across turns. Mamba layers under a
-/// host tier are wired too: `HiRadixCache` backs up and loads the states with their KV.
+/// Mamba layers, sliding-window layers or both on the device-only caches (`radix`, `disabled`)
+/// are wired: the radix tree carries the states and the window KV as components of its nodes
+/// (both at once for a model with both), and a session slot keeps its running state and its
+/// window KV across turns. Mamba layers under a host tier are wired too: `HiRadixCache` backs
+/// up and loads the states with their KV.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
-    if n.sliding_window > 0 {
-        if n.mamba > 0 {
-            return Err(ManagerError::NotWired {
-                kind: "a model with both sliding-window and Mamba layers (one tree carrying \
-                       both components)",
-                needs: "radixkv-radix",
-            });
-        }
-        if matches!(cfg.cache, CacheKind::HiCache(_)) {
-            return Err(ManagerError::NotWired {
-                kind: "a model with sliding-window layers under a host tier (moving window \
-                       KV between the device and the host)",
-                needs: "radixkv-hicache",
-            });
-        }
+    if n.sliding_window > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
+        return Err(ManagerError::NotWired {
+            kind: "a model with sliding-window layers under a host tier (moving window KV \
+                   between the device and the host)",
+            needs: "radixkv-hicache",
+        });
     }
     Ok(())
 }

@@ -19,13 +19,14 @@
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
 //!   HostSim backend (`radixkv-hicache`), HiCache + sessions, and a model with Mamba layers
-//!   (a Jamba-like hybrid) on the disabled and radix caches, with or without sessions (a
-//!   session slot keeps its running state across turns), or sliding-window layers
+//!   (a Jamba-like hybrid) on every cache kind, with or without sessions (a session slot
+//!   keeps its running state across turns), or sliding-window layers
 //!   (Gemma-like) on the disabled and radix caches, with or without sessions (a session slot
-//!   keeps its window KV across turns). The other hybrid combinations — Mamba or
-//!   sliding-window layers under a host tier, both kinds in one model — are
-//!   validated and sized but fail to build with [`ManagerError::NotWired`], naming the crate
-//!   that does not carry their pools yet.
+//!   keeps its window KV across turns), or both kinds in one model (full attention, sliding
+//!   window and Mamba layers: one tree carries both components, admission needs room in each
+//!   of the three pools). The other hybrid combination — sliding-window layers under a host
+//!   tier — is validated and sized but fails to build with [`ManagerError::NotWired`], naming
+//!   the crate that does not carry its pool yet.
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
 //!   `pools.mamba_bytes / slot bytes` slots, at least 2 (a budget for fewer is a
 //!   [`ManagerError::Config`]: a hit holds the cached state and the request's copy). Every running request holds one slot of its own

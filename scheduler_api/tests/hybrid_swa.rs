@@ -281,16 +281,8 @@ fn combinations_not_wired_yet_are_refused() {
         cache: CacheKind::HiCache(HostTier::ratio(1024, 2.0)),
         ..base()
     };
-    let mut both = base();
-    both.model.layer_pattern =
-        Some(radixkv_scheduler_api::config::LayerPattern::parse("SSSSMA").unwrap());
-    both.model.mamba_conv_state_bytes = Some(1024);
-    both.model.mamba_ssm_state_bytes = Some(4096);
-    both.model.compute = None;
-    for (cfg, needs, what) in [
-        (hi, "radixkv-hicache", "host tier"),
-        (both, "radixkv-radix", "Mamba"),
-    ] {
+    // (A model with both sliding-window and Mamba layers builds: tests/hybrid_swa_mamba.rs.)
+    for (cfg, needs, what) in [(hi, "radixkv-hicache", "host tier")] {
         match KvCacheManager::new(cfg) {
             Err(e @ ManagerError::NotWired { .. }) => {
                 let ManagerError::NotWired { needs: n, .. } = &e else {

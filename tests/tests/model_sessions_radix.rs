@@ -147,6 +147,136 @@ impl Tier for MambaDevice {
     }
 }
 
+/// The device-only tier over a sliding-window model: the cache also has a pool of window
+/// pages (small, so allocations run short of them and demote idle sessions' windows); session
+/// slots keep their window tables across turns, and at teardown no window page is held.
+struct SwaDevice;
+
+impl Tier for SwaDevice {
+    type Inner = RadixCache;
+    type Kv = SlotMemory;
+    /// Window (pages) and SWA pool pages.
+    type Params = (usize, usize);
+    type Extra = Infallible;
+    const PROFILE: Profile = Device::PROFILE;
+    const WINDOW: bool = true;
+
+    fn params() -> BoxedStrategy<(usize, usize)> {
+        (1usize..4, 24usize..64).boxed()
+    }
+
+    fn extra_ops() -> Vec<(u32, BoxedStrategy<Infallible>)> {
+        Vec::new()
+    }
+
+    fn build(&(window, pages): &(usize, usize)) -> (SlotMemory, RadixCache) {
+        let inner = RadixCache::new(RadixConfig {
+            page_size: P,
+            total_pages: PAGES,
+            max_rows: 16,
+            swa: Some(radixkv_radix::SwaConfig {
+                window: window * P,
+                pages,
+            }),
+            ..Default::default()
+        })
+        .unwrap();
+        (SlotMemory::new(PAGES, P), inner)
+    }
+
+    fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
+        true
+    }
+
+    fn apply_extra(_: &mut Sut<Self>, op: Infallible) {
+        match op {}
+    }
+
+    fn drain(_: &mut Sut<Self>) {}
+
+    fn check_drained(sut: &Sut<Self>) {
+        Device::check_drained_pages(sut.c.pools());
+        let a = sut.c.inner().swa_accounting().unwrap();
+        assert!(a.balanced(), "{a:?}");
+        assert_eq!(
+            a.request_owned + a.protected,
+            0,
+            "window pages leaked: {a:?}"
+        );
+        assert_eq!(sut.c.held_window_pages(), 0);
+    }
+}
+
+/// The device-only tier over a model with all three kinds of layers: one tree carries both
+/// the window pages and the Mamba states (small pools of each), and a session slot keeps its
+/// running state and its window table across turns.
+struct SwaMambaDevice;
+
+impl Tier for SwaMambaDevice {
+    type Inner = RadixCache;
+    type Kv = SlotMemory;
+    /// Window (pages), SWA pool pages, state slots.
+    type Params = (usize, usize, u32);
+    type Extra = Infallible;
+    const PROFILE: Profile = Device::PROFILE;
+    const RUNNING_STATE: bool = true;
+    const WINDOW: bool = true;
+
+    fn params() -> BoxedStrategy<(usize, usize, u32)> {
+        (1usize..4, 24usize..64, 3u32..24).boxed()
+    }
+
+    fn extra_ops() -> Vec<(u32, BoxedStrategy<Infallible>)> {
+        Vec::new()
+    }
+
+    fn build(&(window, pages, slots): &(usize, usize, u32)) -> (SlotMemory, RadixCache) {
+        let inner = RadixCache::new(RadixConfig {
+            page_size: P,
+            total_pages: PAGES,
+            max_rows: 16,
+            mamba_slots: Some(slots),
+            mamba_policy: MambaPolicy::Sglang,
+            swa: Some(radixkv_radix::SwaConfig {
+                window: window * P,
+                pages,
+            }),
+            ..Default::default()
+        })
+        .unwrap();
+        (SlotMemory::new(PAGES, P), inner)
+    }
+
+    fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
+        true
+    }
+
+    fn apply_extra(_: &mut Sut<Self>, op: Infallible) {
+        match op {}
+    }
+
+    fn drain(_: &mut Sut<Self>) {}
+
+    fn check_drained(sut: &Sut<Self>) {
+        Device::check_drained_pages(sut.c.pools());
+        let a = sut.c.inner().swa_accounting().unwrap();
+        assert!(a.balanced(), "{a:?}");
+        assert_eq!(
+            a.request_owned + a.protected,
+            0,
+            "window pages leaked: {a:?}"
+        );
+        assert_eq!(sut.c.held_window_pages(), 0);
+        let m = sut.c.inner().mamba_accounting().unwrap();
+        assert!(m.balanced(), "{m:?}");
+        assert_eq!(
+            m.request_owned + m.protected,
+            0,
+            "state slots leaked: {m:?}"
+        );
+    }
+}
+
 impl Device {
     fn check_drained_pages(pools: &radixkv_radix::DevicePools) {
         assert_eq!(pools.pages.available() + pools.pages.tree_pages(), PAGES);
@@ -163,4 +293,16 @@ prop_state_machine! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
     #[test]
     fn hybrid_sessions_under_pressure(sequential 1..80 => Machine<MambaDevice>);
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #[test]
+    fn sliding_window_sessions_under_pressure(sequential 1..80 => Machine<SwaDevice>);
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #[test]
+    fn swa_and_mamba_sessions_under_pressure(sequential 1..80 => Machine<SwaMambaDevice>);
 }

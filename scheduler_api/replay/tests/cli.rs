@@ -992,3 +992,49 @@ fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
     );
     assert!(run["hit_tokens_device"].as_u64().unwrap() > 0, "{run}");
 }
+
+/// A model with all three kinds of layers (full attention, sliding window, Mamba), declared in
+/// a config file: one tree carries both components, and a replay with and without sessions
+/// runs with every step audited and leaves no page, slot or window page held.
+#[test]
+fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
+    let dir = temp_dir();
+    let f = dir.join("three.toml");
+    std::fs::write(
+        &f,
+        "[model]\nlayers = 8\nlayer_pattern = \"MMMSAMMS\"\nkv_bytes_per_token_per_layer = 4096\n\
+         page_size = 16\nsliding_window = 256\nmamba_conv_state_bytes = 49152\n\
+         mamba_ssm_state_bytes = 262144\n",
+    )
+    .unwrap();
+    for extra in [&[][..], &["--session-tokens", "4096"][..]] {
+        let args = [
+            &[
+                "demo",
+                "--config",
+                f.to_str().unwrap(),
+                "--conversations",
+                "4",
+                "--device-tokens",
+                "16384",
+                "--mamba-policy",
+                "sglang",
+                "--check-invariants-every",
+                "1",
+                "--quiet",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let o = radixkv(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = stdout(&o);
+        for line in [
+            "mamba states     sglang",
+            "swa pool         window 256 tokens",
+            "0 tokens and 0 Mamba slots and 0 SWA pages still held",
+        ] {
+            assert!(out.contains(line), "{line:?} missing in {out}");
+        }
+    }
+}

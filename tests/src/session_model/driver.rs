@@ -109,6 +109,11 @@ impl<T: Tier> Sut<T> {
         let p = self.page_size();
         let mut expect = session.and_then(|id| self.expectation(id).map(|e| (id, e)));
         let len = f.req.key.tokens.len();
+        // A cut back of a held window may or may not keep the window before its end.
+        let window_cut = T::WINDOW
+            && expect
+                .as_ref()
+                .is_some_and(|(_, (committed, _))| *committed > len - 1);
         if let Some((id, (committed, _))) = &expect
             && T::RUNNING_STATE
             && *committed > len - 1
@@ -124,6 +129,20 @@ impl<T: Tier> Sut<T> {
         let tokens = f.req.key.tokens.clone();
         self.verify(&f.req.prefix_pages, m.prefix_len, &tokens, "matched prefix");
         match expect {
+            Some((id, _)) if window_cut && !m.from_session => {
+                // The window before the shorter end slid out: the slot was demoted.
+                assert!(
+                    self.c
+                        .session_info(id)
+                        .unwrap()
+                        .slot_committed_len
+                        .is_none()
+                );
+                if let Some(s) = self.sessions.get_mut(&id) {
+                    s.saved = None;
+                }
+                self.bump("window cannot be cut back");
+            }
             Some((id, (committed, pages))) => {
                 assert!(m.from_session, "a held slot must answer the turn");
                 assert_eq!(m.prefix_len, committed.min(tokens.len() - 1));

@@ -66,6 +66,11 @@ pub trait Tier: Sized + 'static {
     /// tokens than it holds cannot cut that state back, so it is demoted and the turn matches
     /// the tree, and a request may find no free state slot (it is aborted then).
     const RUNNING_STATE: bool = false;
+    /// True when the inner cache's requests hold sliding-window pages that a session slot
+    /// keeps across turns: a slot whose next turn would use fewer tokens than it holds keeps
+    /// serving it only while the window before the shorter end is still held, else it is
+    /// demoted and the turn matches the tree (the model accepts either, and checks which).
+    const WINDOW: bool = false;
 
     /// Draws the build parameters.
     fn params() -> BoxedStrategy<Self::Params>;
