@@ -197,9 +197,18 @@ impl RequestKv {
     /// The Mamba state slots the request holds now: running, tracking and checkpoint slots
     /// (at most [`RequestKv::MAX_MAMBA_SLOTS`]).
     pub fn mamba_slots_held(&self) -> usize {
-        usize::from(self.mamba_slot.is_some())
-            + usize::from(self.mamba_track.is_some())
-            + self.mamba_checkpoints.len()
+        Self::count_mamba_slots(self.mamba_slot, self.mamba_track, &self.mamba_checkpoints)
+    }
+
+    /// The Mamba state slots a running slot, a tracking slot and checkpoints hold together:
+    /// [`RequestKv::mamba_slots_held`] of a request with those, for a holder that keeps them
+    /// outside a request (a session's idle slot).
+    pub fn count_mamba_slots(
+        running: Option<u32>,
+        track: Option<MambaTrack>,
+        checkpoints: &[MambaCheckpoint],
+    ) -> usize {
+        usize::from(running.is_some()) + usize::from(track.is_some()) + checkpoints.len()
     }
 
     /// A fresh request for `key`.
