@@ -22,9 +22,9 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp};
+use radixkv_fuzz::driver::{Driver, DriverOp, assert_evicts, assert_rematch_idempotent};
 use radixkv_fuzz::footprint::{assert_idle, footprint};
-use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
+use radixkv_fuzz::input::{Size, Tokens, finish_kind, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, KvStore, check_kv, prefix_values, row_pages, write_kv};
 use radixkv_fuzz::ok;
 use radixkv_radix::{
@@ -206,6 +206,14 @@ fn mamba_config(c: &Common, m: &MambaSetup) -> RadixConfig {
     }
 }
 
+/// True when `req` holds no row, lock, Mamba slot or SWA page.
+fn holds_nothing(req: &RequestKv) -> bool {
+    req.row.is_none()
+        && req.lock.is_none()
+        && req.mamba_slots_held() == 0
+        && req.swa_pages.is_empty()
+}
+
 /// The tokens of the root path of live node `n`.
 fn path_of(cache: &RadixCache, n: NodeId) -> Vec<TokenId> {
     let tree = cache.tree();
@@ -290,13 +298,7 @@ impl Harness {
             );
         }
         if rematch {
-            let pages = req.prefix_pages.clone();
-            assert_eq!(
-                self.cache.match_request(&mut req),
-                Ok(m),
-                "a re-match changed"
-            );
-            assert_eq!(pages, req.prefix_pages);
+            assert_rematch_idempotent(&mut self.cache, &mut req, m);
         }
         assert_eq!(before, footprint(&self.cache), "a match changed the pools");
         if let Err(e) = self.cache.begin_request(&mut req) {
@@ -308,10 +310,7 @@ impl Harness {
                 "begin failed: {e}"
             );
             assert!(
-                req.row.is_none()
-                    && req.lock.is_none()
-                    && req.mamba_slots_held() == 0
-                    && req.swa_pages.is_empty(),
+                holds_nothing(&req),
                 "a failed begin left the request holding something"
             );
             assert_eq!(
@@ -370,11 +369,7 @@ impl Harness {
         let r = &mut self.running[i];
         let (ns, req) = (r.ns, &mut r.req);
         let c = req.committed_len;
-        let n = if n.is_huge() {
-            n.0
-        } else {
-            n.0.min(req.key.len() - c)
-        };
+        let n = n.tokens_of(req.key.len() - c);
         if n == 0 {
             return;
         }
@@ -521,10 +516,7 @@ impl Harness {
             .cache_finished_req(&mut req, kind)
             .expect("end a running request");
         assert!(
-            req.row.is_none()
-                && req.lock.is_none()
-                && req.mamba_slots_held() == 0
-                && req.swa_pages.is_empty(),
+            holds_nothing(&req),
             "an ended request still holds something"
         );
         if kind == FinishKind::Finished && committed > 0 {
@@ -680,21 +672,11 @@ impl Harness {
                 abort,
                 overshoot,
             } => {
-                let kind = if *abort {
-                    FinishKind::Aborted
-                } else {
-                    FinishKind::Finished
-                };
-                self.finish(*req, kind, overshoot % 8);
+                self.finish(*req, finish_kind(*abort), overshoot % 8);
             }
             Op::Retract { req } => self.retract(*req),
             Op::Match { ns, share, tokens } => self.tree_match(*ns, *share, &tokens.0),
-            Op::Evict { tokens } => {
-                let evictable = self.cache.evictable_tokens();
-                let n = self.cache.evict(tokens.0);
-                assert!(n <= evictable);
-                assert_eq!(self.cache.evictable_tokens(), evictable - n);
-            }
+            Op::Evict { tokens } => assert_evicts(&mut self.cache, tokens.0),
             Op::EvictMamba { n } => {
                 let before = accounting_of(self.cache.mamba_accounting());
                 let (tree, _) = self.cache.parts_mut();
@@ -807,12 +789,7 @@ impl Harness {
     fn teardown(&mut self) {
         let mut n = 0u8;
         while !self.running.is_empty() {
-            let kind = if n % 2 == 0 {
-                FinishKind::Finished
-            } else {
-                FinishKind::Aborted
-            };
-            self.finish(0, kind, 0);
+            self.finish(0, finish_kind(n % 2 == 1), 0);
             self.audit();
             n = n.wrapping_add(1);
         }

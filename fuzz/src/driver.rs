@@ -14,13 +14,13 @@ use arbitrary::Arbitrary;
 use radixkv_hicache::{DeviceBackend, HiRadixCache};
 use radixkv_radix::{
     CacheError, FinishKind, Medium, PageId, PrefixCache, RadixCache, RadixKey, RequestKv,
-    SessionTag, TokenId, pages_for,
+    RequestMatch, SessionTag, TokenId, pages_for,
 };
 use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfig, SessionError};
 
 use crate::events::EventShadow;
 use crate::footprint::{assert_idle, footprint};
-use crate::input::{Size, Tokens, namespace, pick};
+use crate::input::{Size, Tokens, finish_kind, namespace, pick};
 use crate::kv::{KvStore, check_kv, row_pages, write_kv};
 use crate::ok;
 
@@ -312,14 +312,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         };
         assert!(m.prefix_len <= req.max_match_len());
         if rematch {
-            // A request rejected by admission matches again: idempotent.
-            let pages = req.prefix_pages.clone();
-            assert_eq!(
-                self.cache.match_request(&mut req),
-                Ok(m),
-                "a re-match changed"
-            );
-            assert_eq!(pages, req.prefix_pages);
+            assert_rematch_idempotent(&mut self.cache, &mut req, m);
         }
         match self.cache.begin_request(&mut req) {
             Ok(()) => {
@@ -453,11 +446,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         let Some(r) = self.running(t) else { return };
         let req = &mut r.req;
         let (alloc, committed) = (req.allocated_len, req.committed_len);
-        let n = if n.is_huge() {
-            n.0
-        } else {
-            n.0.min(req.key.len() - committed)
-        };
+        let n = n.tokens_of(req.key.len() - committed);
         if n == 0 {
             return;
         }
@@ -783,11 +772,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 abort,
                 overshoot,
             } => {
-                let kind = if *abort {
-                    FinishKind::Aborted
-                } else {
-                    FinishKind::Finished
-                };
+                let kind = finish_kind(*abort);
                 if self.running(*target).is_some_and(|r| !r.checked) {
                     self.settle();
                 }
@@ -795,12 +780,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             }
             DriverOp::Retract { target } => self.op_retract(*target),
             DriverOp::Match { tokens, share, ns } => self.op_match(&tokens.0, *share, *ns),
-            DriverOp::Evict { tokens } => {
-                let evictable = self.cache.evictable_tokens();
-                let n = self.cache.evict(tokens.0);
-                assert!(n <= evictable);
-                assert_eq!(self.cache.evictable_tokens(), evictable - n);
-            }
+            DriverOp::Evict { tokens } => assert_evicts(&mut self.cache, tokens.0),
             DriverOp::Tick { ticks } => {
                 self.clock.advance(u64::from(*ticks));
                 self.reap();
@@ -866,11 +846,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         self.settle();
         let ids: Vec<u64> = self.sessions.keys().copied().collect();
         for (n, &id) in ids.iter().enumerate() {
-            let kind = if n % 2 == 0 {
-                FinishKind::Finished
-            } else {
-                FinishKind::Aborted
-            };
+            let kind = finish_kind(n % 2 == 1);
             self.end(Target::Turn(id as u8), kind, 0);
         }
         while !self.plain.is_empty() {
@@ -888,6 +864,32 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         assert_eq!(self.cache.pools().rows.live(), 0, "rows leaked");
         assert_eq!((self.cache.open_sessions(), self.cache.held_rows()), (0, 0));
     }
+}
+
+/// Matches `req` again, as a request rejected by admission does: the match `m` it had, with
+/// the same pages.
+///
+/// # Panics
+/// When the second match differs.
+pub fn assert_rematch_idempotent<C: PrefixCache + ?Sized>(
+    cache: &mut C,
+    req: &mut RequestKv,
+    m: RequestMatch,
+) {
+    let pages = req.prefix_pages.clone();
+    assert_eq!(cache.match_request(req), Ok(m), "a re-match changed");
+    assert_eq!(pages, req.prefix_pages, "a re-match changed the pages");
+}
+
+/// Evicts up to `tokens`: no more than was evictable, and exactly that much less is after.
+///
+/// # Panics
+/// When the counts disagree.
+pub fn assert_evicts<C: PrefixCache + ?Sized>(cache: &mut C, tokens: usize) {
+    let evictable = cache.evictable_tokens();
+    let n = cache.evict(tokens);
+    assert!(n <= evictable);
+    assert_eq!(cache.evictable_tokens(), evictable - n);
 }
 
 fn s_streaming(sessions: &BTreeMap<u64, Sess>, id: u64) -> bool {

@@ -1,7 +1,7 @@
 //! Input pieces the operation sequences are decoded from (with `arbitrary`).
 
 use arbitrary::{Arbitrary, Result, Unstructured};
-use radixkv_radix::{Namespace, TokenId};
+use radixkv_radix::{FinishKind, Namespace, TokenId};
 
 /// A size a caller passes: usually small, sometimes within 16 of `usize::MAX`, where
 /// unchecked arithmetic wraps.
@@ -12,6 +12,16 @@ impl Size {
     /// True for the sizes near `usize::MAX`.
     pub fn is_huge(self) -> bool {
         self.0 > usize::MAX / 2
+    }
+
+    /// How many of `left` tokens a step asks for: a huge size as it is (the call must refuse
+    /// it), any other at most `left`.
+    pub fn tokens_of(self, left: usize) -> usize {
+        if self.is_huge() {
+            self.0
+        } else {
+            self.0.min(left)
+        }
     }
 }
 
@@ -52,6 +62,15 @@ pub fn namespace(i: u8) -> Namespace {
         0 => Namespace::DEFAULT,
         1 => Namespace::new("tenant-a"),
         _ => Namespace::new("tenant-b"),
+    }
+}
+
+/// How a request ends: aborted when `abort`, else finished.
+pub fn finish_kind(abort: bool) -> FinishKind {
+    if abort {
+        FinishKind::Aborted
+    } else {
+        FinishKind::Finished
     }
 }
 

@@ -197,9 +197,18 @@ impl RequestKv {
     /// The Mamba state slots the request holds now: running, tracking and checkpoint slots
     /// (at most [`RequestKv::MAX_MAMBA_SLOTS`]).
     pub fn mamba_slots_held(&self) -> usize {
-        usize::from(self.mamba_slot.is_some())
-            + usize::from(self.mamba_track.is_some())
-            + self.mamba_checkpoints.len()
+        Self::count_mamba_slots(self.mamba_slot, self.mamba_track, &self.mamba_checkpoints)
+    }
+
+    /// The Mamba state slots a running slot, a tracking slot and checkpoints hold together:
+    /// [`RequestKv::mamba_slots_held`] of a request with those, for a holder that keeps them
+    /// outside a request (a session's idle slot).
+    pub fn count_mamba_slots(
+        running: Option<u32>,
+        track: Option<MambaTrack>,
+        checkpoints: &[MambaCheckpoint],
+    ) -> usize {
+        usize::from(running.is_some()) + usize::from(track.is_some()) + checkpoints.len()
     }
 
     /// A fresh request for `key`.
@@ -530,29 +539,26 @@ pub(crate) fn alloc_tokens_kv<C: PrefixCache + ?Sized>(
     req: &mut RequestKv,
     n: usize,
 ) -> Result<()> {
-    let need = pages_to_alloc(cache, req, n)?;
+    let (row, need) = pages_to_alloc(cache, req, n)?;
     if need > 0 {
-        alloc_row_pages(cache, req, need)?;
+        alloc_row_pages(cache, row, need)?;
     }
     req.allocated_len += n;
     Ok(())
 }
 
-/// Makes room for `need` full-KV pages (evicting as needed) and appends them to the request's
-/// row; returns the row's page count before. Nothing is allocated on error. The full-KV part
+/// Makes room for `need` full-KV pages (evicting as needed) and appends them to a request's
+/// `row`; returns the row's page count before. Nothing is allocated on error. The full-KV part
 /// of every [`PrefixCache::alloc_tokens`] (a cache with more per-token pools allocates their
 /// pages after it, and hands these back with [`free_row_pages_from`] when that fails).
 ///
 /// # Errors
-/// A request without a row; those of [`PrefixCache::make_room`].
+/// A row that is not live; those of [`PrefixCache::make_room`].
 pub(crate) fn alloc_row_pages<C: PrefixCache + ?Sized>(
     cache: &mut C,
-    req: &RequestKv,
+    row: RowId,
     need: usize,
 ) -> Result<usize> {
-    let row = req.row.ok_or(CacheError::InvalidRequestState(
-        "alloc_tokens before begin_request",
-    ))?;
     cache.make_room(need)?;
     // Straight into the row's page table: no temporary page list on this hot path.
     let pools = cache.pools_mut();
@@ -562,26 +568,23 @@ pub(crate) fn alloc_row_pages<C: PrefixCache + ?Sized>(
     Ok(before)
 }
 
-/// Frees the pages of the request's row from index `from` on (the pages
-/// [`alloc_row_pages`] added, when another pool could not follow).
+/// Frees the pages of `row` from index `from` on (the pages [`alloc_row_pages`] added, when
+/// another pool could not follow).
 ///
 /// # Errors
-/// A request without a row, or pages the pool does not see as owned.
+/// A row that is not live, or pages the pool does not see as owned.
 pub(crate) fn free_row_pages_from<C: PrefixCache + ?Sized>(
     cache: &mut C,
-    req: &RequestKv,
+    row: RowId,
     from: usize,
 ) -> Result<()> {
-    let row = req
-        .row
-        .ok_or(CacheError::InvalidRequestState("request has no row"))?;
     let pools = cache.pools_mut();
     let (pages, _) = pools.rows.parts_mut(row)?;
     let fresh = pages.split_off(from.min(pages.len()));
     pools.pages.free(&fresh)
 }
 
-/// The pages a request's row needs for `n` more tokens.
+/// The request's row and the pages it needs for `n` more tokens.
 ///
 /// # Errors
 /// A request without a row; [`CacheError::SizeOverflow`] when `allocated_len + n` overflows.
@@ -589,7 +592,7 @@ pub(crate) fn pages_to_alloc<C: PrefixCache + ?Sized>(
     cache: &C,
     req: &RequestKv,
     n: usize,
-) -> Result<usize> {
+) -> Result<(RowId, usize)> {
     let row = req.row.ok_or(CacheError::InvalidRequestState(
         "alloc_tokens before begin_request",
     ))?;
@@ -600,7 +603,7 @@ pub(crate) fn pages_to_alloc<C: PrefixCache + ?Sized>(
         .ok_or(CacheError::SizeOverflow(
             "alloc_tokens: allocated_len + n overflows usize",
         ))?;
-    Ok(pages_for(total, cache.page_size()).saturating_sub(have))
+    Ok((row, pages_for(total, cache.page_size()).saturating_sub(have)))
 }
 
 /// [`PrefixCache::make_room`]'s default: evicts cached pages until `n` pages are free. Nothing

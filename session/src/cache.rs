@@ -122,11 +122,10 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// State slots the slot holds (its running Mamba state and its checkpoints).
+    /// State slots the slot holds (its running Mamba state, tracking slot and checkpoints),
+    /// counted as a request's ([`RequestKv::mamba_slots_held`]).
     pub(crate) fn state_slots(&self) -> usize {
-        usize::from(self.mamba_slot.is_some())
-            + usize::from(self.mamba_track.is_some())
-            + self.mamba_checkpoints.len()
+        RequestKv::count_mamba_slots(self.mamba_slot, self.mamba_track, &self.mamba_checkpoints)
     }
 
     /// The window pages of the slot's table that are its own (past the tree's window pages

@@ -337,7 +337,7 @@ impl RadixCache {
     /// [`PrefixCache::alloc_tokens`] with the SWA component: the row's new full-KV pages and
     /// as many SWA pages, from both pools or from neither.
     pub(super) fn alloc_tokens_swa(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
-        let need = pages_to_alloc(self, req, n)?;
+        let (row, need) = pages_to_alloc(self, req, n)?;
         if need > 0 {
             // Both pools are checked before either is touched: evicting full KV (which frees
             // its window KV with it) leaves the SWA pool's free + evictable unchanged, and
@@ -350,10 +350,10 @@ impl RadixCache {
                     available: a.free + a.evictable,
                 });
             }
-            let before = alloc_row_pages(self, req, need)?;
+            let before = alloc_row_pages(self, row, need)?;
             if let Err(e) = self.tree.alloc_swa_pages(need, &mut req.swa_pages) {
                 // Neither pool, then: the full-KV pages go back.
-                free_row_pages_from(self, req, before)?;
+                free_row_pages_from(self, row, before)?;
                 return Err(match e {
                     CacheError::OutOfPages { needed, available } => {
                         CacheError::OutOfComponentPages {
