@@ -603,7 +603,10 @@ pub(crate) fn pages_to_alloc<C: PrefixCache + ?Sized>(
         .ok_or(CacheError::SizeOverflow(
             "alloc_tokens: allocated_len + n overflows usize",
         ))?;
-    Ok((row, pages_for(total, cache.page_size()).saturating_sub(have)))
+    Ok((
+        row,
+        pages_for(total, cache.page_size()).saturating_sub(have),
+    ))
 }
 
 /// [`PrefixCache::make_room`]'s default: evicts cached pages until `n` pages are free. Nothing
