@@ -521,3 +521,47 @@ fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
     c.flush().unwrap();
     c.check_invariants().unwrap();
 }
+
+/// A load-back whose KV finds no device pages (a running request owns them) is abandoned
+/// before anything is attached: the device Mamba slot taken for it goes back, the host copies
+/// stay, and the request proceeds without the hit.
+#[test]
+fn a_load_that_cannot_get_its_pages_leaks_no_state_slot() {
+    let mut c = build(&Setup {
+        device_pages: 8,
+        slots: 6,
+        ..Default::default()
+    });
+    let a = tokens(1, 16);
+    serve_mamba(&mut c, &a);
+    c.flush().unwrap();
+    c.evict(usize::MAX / 2);
+    // X owns 6 of the 8 pages while it runs.
+    let mut x = RequestKv::new(RadixKey::new(tokens(9, 24)));
+    c.match_request(&mut x).unwrap();
+    c.begin_request(&mut x).unwrap();
+    c.alloc_tokens(&mut x, 24).unwrap();
+    let held = c.device_cache().mamba_accounting().unwrap().request_owned;
+    let mut b = a.clone();
+    b.push(1);
+    let mut r = RequestKv::new(RadixKey::new(b));
+    let m = c.match_request(&mut r).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (0, 16));
+    c.begin_request(&mut r).unwrap();
+    assert_eq!(r.prefix_len, 0, "the load was abandoned");
+    assert!(r.mamba_cow.is_none());
+    assert_eq!(c.stats().load_back_device_full, 1, "{:?}", c.stats());
+    assert_eq!(c.stats().mamba_states_loaded, 0);
+    c.check_invariants().unwrap();
+    c.check_request(&r).unwrap();
+    let acc = c.device_cache().mamba_accounting().unwrap();
+    assert_eq!(acc.request_owned, held + r.mamba_slots_held(), "{acc:?}");
+    assert_eq!(c.host_mamba_states(), 1, "the host copy stays");
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut x, FinishKind::Aborted).unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(
+        c.device_cache().mamba_accounting().unwrap().request_owned,
+        0
+    );
+}

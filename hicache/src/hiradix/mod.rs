@@ -4,7 +4,8 @@
 //! device only → writing (host pages allocated, copy in flight, node locked until the ack) →
 //! both → host only (device pages freed by eviction, node kept) → gone (host eviction). A load
 //! brings a host-only chain back to both. Backed-up nodes form a root-connected prefix, as do
-//! device-resident nodes; the tree checks both.
+//! device-resident nodes; the tree checks both. A node's Mamba state (hybrid models) follows
+//! the same states beside its KV (see "Extra pools" below).
 //!
 //! # Threads
 //! Copies run on the backend's streams, but the tree is only ever changed on the caller's
