@@ -5,42 +5,81 @@
 //! them has to decide *where* a request leaves one behind (admission) and *which* one to drop
 //! when the slot pool is full (eviction). Two policies:
 //!
-//! - [`MambaPolicy::Sglang`], the baseline (the rule of SGLang's Mamba radix cache): every
-//!   running request holds one slot for its running state and, where one can be spared, a
-//!   *tracking* slot ([`MambaTrack`]) into which the engine copies the state at the last page
-//!   boundary it passed; at request end the state at the computed length floored to a page
-//!   (the running state where the computed length ends a page, else the tracked one) becomes
-//!   the checkpoint of the inserted key; states are evicted least recently used.
-//! - [`MambaPolicy::Marconi`], the default, after Marconi (MLSys 2025). Admission: checkpoints
-//!   only where reuse is likely —
+//! - [`MambaPolicy::Sglang`], the baseline: the caching points of SGLang's `MambaRadixCache`
+//!   under `--mamba-scheduler-strategy extra_buffer` (the "V2" path, which pages larger than
+//!   one token require), as SGLang's `main` has it in 2026 (`mem_cache/mamba_radix_cache.py`
+//!   and `_mamba_radix_cache_v2_req_prepare_for_extend` in `managers/schedule_batch.py`, with
+//!   `mamba_branching_seqlen`), mapped onto this crate's request lifecycle:
+//!   - every running request holds a slot for its running state and, where one can be spared,
+//!     a *tracking* slot ([`MambaTrack`], SGLang's ping-pong track buffer) into which the
+//!     engine copies the state at the last page boundary it passed;
+//!   - after each prefill chunk (`cache_unfinished_req`, which SGLang also calls after the
+//!     last one, before decode) the tracking slot, holding the state at the chunk's end
+//!     floored to a page, is handed to the tree as the state of the inserted key's end
+//!     ([`CheckpointKind::PromptEnd`]; the last chunk's is the prompt's end) and the request
+//!     takes a fresh tracking slot (SGLang donates the track slot and allocates a new one);
+//!   - where the request's KV match went past the deepest cached state, the *branching point*
+//!     (SGLang's `mamba_branching_seqlen`: the KV match length) is checkpointed
+//!     ([`CheckpointKind::Branch`], through [`RequestKv::mamba_checkpoints`]); the chunk that
+//!     stores it hands over no chunk-end state (SGLang tracks one state per extend, and the
+//!     branching point replaces the extend's end);
+//!   - at request end the state at the computed length floored to a page (the running state
+//!     where the computed length ends a page, else the tracked one, unless that is still the
+//!     last chunk's end, already handed over) becomes the state of the inserted key
+//!     ([`CheckpointKind::RequestEnd`]);
+//!   - states are evicted least recently used.
+//!
+//!   Where this differs from SGLang it favours the baseline: SGLang tracks at multiples of
+//!   its `mamba_cache_chunk_size` (the larger of the kernel's chunk, 64, and the page) from
+//!   the cached prefix and skips extends shorter than that, and during decode it tracks only
+//!   every `mamba_track_interval` (256) tokens, so its request-end state lies up to 255
+//!   tokens before the end; here every position is floored to a page (16 tokens in the
+//!   replay). SGLang's default `no_buffer` strategy ("V1", page size 1 only) copies the live
+//!   state at every chunk end and stores it at the finish, at `len(tokens)`: the same
+//!   positions without the branching point.
+//! - [`MambaPolicy::Marconi`], the default, after Marconi (MLSys 2025), extended with the
+//!   baseline's caching points. Admission: checkpoints where reuse is likely —
 //!   - [`CheckpointKind::Branch`]: where the request's key leaves a cached path at a branch
 //!     point (the match ends inside an edge, or at a node whose path continues elsewhere) and
 //!     no state is there yet. Other requests share the path up to there, so the next one that
 //!     diverges from it hits the state. Found when the request begins, from the tree alone (no
-//!     insert needed: the match already splits the edge).
-//!   - [`CheckpointKind::PromptEnd`] (optional): the end of the prompt, floored to a page.
+//!     insert needed: the match already splits the edge). With
+//!     [`MarconiParams::match_end`] (default off) also the baseline's branching point, the
+//!     KV match length where it passed the deepest cached state (the end of a cached prompt
+//!     whose state is gone or never existed, which a request extending it is no branch of).
+//!   - [`CheckpointKind::PromptEnd`]: with [`MarconiParams::chunk_end`] (default on) the end of
+//!     every prefill chunk, handed over from the tracking slot as the baseline does (the one
+//!     kind of state the traces reward: a later turn's prompt extends an earlier prompt);
+//!     optionally ([`MarconiParams::prompt_end`], off) the end of the prompt through a
+//!     checkpoint slot of its own.
 //!   - [`CheckpointKind::RequestEnd`] (optional): the end of input + output floored to a
 //!     page, for the next turn (from the running or the tracking slot, like the baseline's;
-//!     hit-driven admission judges it when the request begins, so that a refused one holds no
-//!     tracking slot).
+//!     without chunk-end states hit-driven admission judges it when the request begins, so
+//!     that a refused one holds no tracking slot; with them, at the finish).
 //!
-//!   The engine receives the first two as [`RequestKv::mamba_checkpoints`]: a slot per
-//!   position into which the forward pass copies its running state when it passes there; the
-//!   cache stores them in the tree when the KV up to the position is inserted (a chunk or the
-//!   finish) and frees them when the request ends before (abort, or a finish short of the
-//!   position). Eviction: the unlocked state of lowest utility
-//!   `recency + alpha · efficiency / max efficiency`, where recency is normalised to `[0, 1]`
-//!   over the candidates and `efficiency = (F(L) − F(A)) / (slot_bytes + kv_bytes_per_token ·
-//!   (L − A))`: the prefill FLOPs ([`FlopCurve`]) the state saves beyond its nearest ancestor
-//!   with a state (depth `A`, 0 when none), per byte the state pins (its slot and the KV that
-//!   only it makes usable).
+//!   The engine receives the branch and prompt-end checkpoints as
+//!   [`RequestKv::mamba_checkpoints`]: a slot per position into which the forward pass copies
+//!   its running state when it passes there; the cache stores them in the tree when the KV up
+//!   to the position is inserted (a chunk or the finish) and frees them when the request ends
+//!   before (abort, or a finish short of the position). Eviction: the unlocked state of lowest
+//!   utility `recency + alpha · efficiency / max efficiency`, where recency is normalised to
+//!   `[0, 1]` over the candidates and `efficiency = (F(L) − F(A)) / (slot_bytes +
+//!   kv_bytes_per_token · (L − A))`: the prefill FLOPs ([`FlopCurve`]) the state saves beyond
+//!   its nearest ancestor with a state (depth `A`, 0 when none), per byte the state pins (its
+//!   slot and the KV that only it makes usable).
 //!
 //! Beyond Marconi:
 //! - *Hit-driven admission* ([`MarconiParams::min_hit_ratio`]): once 64 states of a kind were
 //!   stored, a kind whose states were hit fewer than `min_hit_ratio` times per stored state is
-//!   admitted only one time in 16 (the samples keep measuring it).
+//!   admitted only one time in 16 (the samples keep measuring it); by default
+//!   ([`MarconiParams::judge_when_full`]) only while no slot is free, since a state admitted
+//!   into a free slot evicts nothing.
 //! - *Batched eviction*: when a request needs a slot and none is free, the
 //!   `max(1, slots / 64)` lowest-utility states are evicted in one scan of the candidates.
+//!
+//! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
+//! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads
+//! it again after every chunk (the old slot is the tree's from then on).
 //!
 //! Tracking slots ([`RadixConfig::mamba_track`], on by default) serve both policies: a request
 //! takes one at `begin_request` only while another slot stays obtainable (else it runs without,
@@ -156,14 +195,25 @@ pub struct MarconiParams {
     /// Hit-driven admission: after 64 stored states of a kind, a kind with fewer hits per
     /// stored state than this is admitted one time in 16. 0 turns it off. In `[0, 1]`.
     pub min_hit_ratio: f64,
+    /// Keep the state at the end of every prefill chunk (the prompt's end, floored to a page,
+    /// for the last one) from the tracking slot, as [`CheckpointKind::PromptEnd`] — the
+    /// baseline's chunk states, under hit-driven admission. Needs tracking slots.
+    pub chunk_end: bool,
+    /// Also checkpoint where the KV match went past the deepest cached state (the KV match
+    /// length, as [`CheckpointKind::Branch`]; the baseline's branching point): the end of a
+    /// cached prompt whose state is gone, or that never had one.
+    pub match_end: bool,
+    /// Hit-driven admission judges a checkpoint only while no slot is free (one admitted
+    /// into a free slot evicts no other state).
+    pub judge_when_full: bool,
 }
 
 impl Default for MarconiParams {
     /// `alpha` 1.5, the default [`FlopCurve`], a Jamba-like state slot (about 16 MiB: 28 Mamba
     /// layers of 8192 channels × 16 states, f32, plus the conv state) and 4 attention layers
-    /// of 8 KV heads × 128, bf16 (16 KiB per token); request-end states on, prompt-end
-    /// checkpoints off, hit-driven admission at 0.5 (the best of the settings measured in the
-    /// module docs).
+    /// of 8 KV heads × 128, bf16 (16 KiB per token); request-end and chunk-end states on,
+    /// KV-match-end and prompt-end checkpoints off, hit-driven admission at 0.25 judging only
+    /// a full pool (the best of the settings measured by the replay; see the module docs).
     fn default() -> Self {
         MarconiParams {
             alpha: 1.5,
@@ -172,7 +222,10 @@ impl Default for MarconiParams {
             kv_bytes_per_token: 16 << 10,
             prompt_end: false,
             output_end: true,
-            min_hit_ratio: 0.5,
+            min_hit_ratio: 0.25,
+            chunk_end: true,
+            match_end: false,
+            judge_when_full: true,
         }
     }
 }
@@ -243,10 +296,11 @@ impl MarconiParams {
 /// How a cache with the Mamba component admits and evicts states (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MambaPolicy {
-    /// The SGLang-style baseline: a checkpoint at every request end, LRU eviction.
+    /// The SGLang-style baseline: SGLang's caching points (every prefill chunk's end, its
+    /// branching point, the request end; see the module docs), LRU eviction.
     Sglang,
-    /// Marconi-style admission (branch points, prompt and request ends) and FLOP-per-byte
-    /// aware eviction.
+    /// Marconi-style admission (branch points, chunk, prompt and request ends, judged by
+    /// their hits) and FLOP-per-byte aware eviction.
     Marconi(MarconiParams),
 }
 
@@ -292,7 +346,7 @@ impl MambaPolicy {
 pub enum CheckpointKind {
     /// Where the request's key leaves a cached path at a branch point.
     Branch = 0,
-    /// The end of the prompt (floored to a page).
+    /// The end of a prefill chunk (the last one's is the prompt's end), floored to a page.
     PromptEnd = 1,
     /// The end of input + output (the request's running state at its finish).
     RequestEnd = 2,
@@ -358,7 +412,10 @@ pub struct MambaCheckpoint {
 /// updates it from the computed length at every `cache_unfinished_req` and at the finish) and,
 /// at a finish whose computed length does not end a page, stores the slot as the
 /// [`CheckpointKind::RequestEnd`] state at `pos` and frees the running slot; at a finish that
-/// ends a page it stores the running slot and frees this one; an abort frees both.
+/// ends a page it stores the running slot and frees this one; an abort frees both. Where the
+/// policy keeps chunk-end states, `cache_unfinished_req` hands the slot to the tree as the
+/// state at the chunk's end and gives the request a fresh one at the same `pos` (the engine
+/// fills it from its next forward step on; a finish before one frees it unread).
 ///
 /// [`RadixConfig::mamba_track`]: crate::RadixConfig::mamba_track
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -423,6 +480,9 @@ impl MambaStats {
     }
 }
 
+/// Checkpoints one request holds at most (see [`RequestKv::mamba_slot`]).
+const MAX_CHECKPOINTS: usize = 2;
+
 /// Stored states of a kind after which hit-driven admission judges it.
 pub(crate) const ADMISSION_WARMUP: u64 = 64;
 /// One admission in this many for a kind judged rarely hit.
@@ -478,6 +538,9 @@ impl MambaAdmission {
         let Ok(stats) = tree.mamba_stats() else {
             return false;
         };
+        if params.judge_when_full && tree.mamba_accounting().is_ok_and(|a| a.free > 0) {
+            return true;
+        }
         let ok = admit(params, stats.kind(kind), &mut self.samples[kind.index()]);
         if !ok {
             tree.mamba_count_skip(kind);
@@ -491,6 +554,15 @@ impl MambaAdmission {
         match self.policy {
             MambaPolicy::Sglang => true,
             MambaPolicy::Marconi(p) => p.output_end,
+        }
+    }
+
+    /// Whether the policy keeps chunk-end states (the baseline always; Marconi with
+    /// [`MarconiParams::chunk_end`]).
+    fn keeps_chunk_ends(&self) -> bool {
+        match self.policy {
+            MambaPolicy::Sglang => true,
+            MambaPolicy::Marconi(p) => p.chunk_end,
         }
     }
 
@@ -513,8 +585,14 @@ impl MambaAdmission {
     pub(crate) fn plan(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         self.plan_checkpoints(tree, req);
         // Hit-driven admission judges the request-end state here, before a slot is held for
-        // it; a tracked request's state is stored at its finish without being judged again.
-        if self.track && self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd) {
+        // it (unless chunk-end states need the slot anyway: then the finish judges it); a
+        // tracked request's state is stored at its finish without being judged again.
+        let wanted = if self.keeps_chunk_ends() {
+            true
+        } else {
+            self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd)
+        };
+        if self.track && wanted {
             match Self::spare_slot(tree) {
                 Some(slot) => {
                     req.mamba_track = Some(MambaTrack {
@@ -533,6 +611,20 @@ impl MambaAdmission {
 
     fn plan_checkpoints(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         let Some(params) = self.policy.marconi().copied() else {
+            // The baseline's branching point (SGLang's `mamba_branching_seqlen`): where the
+            // KV match went past the deepest cached state, the state there is tracked by the
+            // chunk that reaches it.
+            let pos = align_down(req.kv_match_len, tree.page_size());
+            if pos > req.prefix_len && pos > req.cache_protected_len {
+                match Self::spare_slot(tree) {
+                    Some(slot) => req.mamba_checkpoints.push(MambaCheckpoint {
+                        pos,
+                        slot,
+                        kind: CheckpointKind::Branch,
+                    }),
+                    None => tree.mamba_count_skip(CheckpointKind::Branch),
+                }
+            }
             return;
         };
         let p = tree.page_size();
@@ -543,14 +635,24 @@ impl MambaAdmission {
         } else {
             0
         };
+        let match_end = if params.match_end && req.kv_match_len > req.prefix_len {
+            align_down(req.kv_match_len, p)
+        } else {
+            0
+        };
         let mut want = [
             (branch, CheckpointKind::Branch),
+            (match_end, CheckpointKind::Branch),
             (prompt_end, CheckpointKind::PromptEnd),
         ];
         want.sort_by_key(|w| w.0);
         let mut last = from;
         for (pos, kind) in want {
             if pos <= last {
+                continue;
+            }
+            if req.mamba_checkpoints.len() >= MAX_CHECKPOINTS {
+                tree.mamba_count_skip(kind);
                 continue;
             }
             if !self.admit(tree, kind) {
@@ -588,6 +690,59 @@ impl MambaAdmission {
             }
         }
         result
+    }
+
+    /// After a prefill chunk whose KV was inserted up to `aligned` tokens (ending at `node`)
+    /// and whose due checkpoints were stored (`checkpoint_taken`: at least one was): under
+    /// the baseline, the request's tracking slot, which holds the state at `aligned` (the
+    /// [`MambaTrack`] contract), becomes the [`CheckpointKind::PromptEnd`] state of `node`
+    /// (SGLang's `cache_unfinished_req`), unless the chunk already stored a checkpoint (SGLang
+    /// tracks one state per extend: a branching point inside the extend replaces its end), and
+    /// the request gets a fresh tracking slot, positioned at `aligned`, that the engine fills
+    /// from its next forward step on (none when no slot can be spared: the request then runs
+    /// untracked, counted in [`MambaStats::tracks_skipped`]). Marconi keeps the slot.
+    ///
+    /// # Errors
+    /// The state insert's error (the request keeps its tracking slot then).
+    pub(crate) fn after_chunk(
+        &mut self,
+        tree: &mut RadixTree,
+        req: &mut RequestKv,
+        node: NodeId,
+        aligned: usize,
+        checkpoint_taken: bool,
+    ) -> Result<()> {
+        let one_per_extend = matches!(self.policy, MambaPolicy::Sglang);
+        if !self.keeps_chunk_ends() || (one_per_extend && checkpoint_taken) {
+            return Ok(());
+        }
+        let Some(t) = req.mamba_track else {
+            return Ok(());
+        };
+        if !self.admit(tree, CheckpointKind::PromptEnd) {
+            return Ok(());
+        }
+        // Stored, or freed as a duplicate: either way the request no longer holds the slot.
+        tree.insert_mamba_state_as(node, t.slot, CheckpointKind::PromptEnd)?;
+        req.mamba_track = match Self::spare_slot(tree) {
+            Some(slot) => Some(MambaTrack { slot, pos: aligned }),
+            None => {
+                if let Some(st) = tree.mamba_stats_mut() {
+                    st.tracks_skipped += 1;
+                }
+                None
+            }
+        };
+        Ok(())
+    }
+
+    /// Whether the finish must free the tracking slot instead of storing it: under the
+    /// baseline when the computed length floored to a page (`aligned`, not the computed length
+    /// itself) is still the last chunk's end (`protected`). The state there was handed over at
+    /// that chunk (or the chunk stored a checkpoint instead, and SGLang tracks no second state
+    /// for it), and a tracking slot replaced at that chunk may not have been written yet.
+    pub(crate) fn drops_track_at_finish(&self, aligned: usize, protected: usize) -> bool {
+        self.keeps_chunk_ends() && aligned <= protected
     }
 
     /// Frees the slots of every checkpoint the request still holds (it ended before them).
@@ -630,7 +785,9 @@ impl MambaAdmission {
         let keep = self.keeps_request_end();
         let stored = match end {
             Some(node)
-                if keep && (track.is_some() || self.admit(tree, CheckpointKind::RequestEnd)) =>
+                if keep
+                    && ((track.is_some() && !self.keeps_chunk_ends())
+                        || self.admit(tree, CheckpointKind::RequestEnd)) =>
             {
                 match tree.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd) {
                     Ok(MambaInsert::Stored) => {

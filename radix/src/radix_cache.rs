@@ -672,7 +672,8 @@ impl PrefixCache for RadixCache {
         // The chunk's forward has run, so a hit's state copy is done (and its source no
         // longer locked), and the checkpoints it passed are taken.
         req.mamba_cow = None;
-        let stored = if req.mamba_checkpoints.is_empty() {
+        let pending = req.mamba_checkpoints.len();
+        let stored = if pending == 0 {
             Ok(())
         } else {
             self.mamba.store_checkpoints(&mut self.tree, req, aligned)
@@ -682,8 +683,12 @@ impl PrefixCache for RadixCache {
         if let Some(t) = &mut req.mamba_track {
             t.pos = aligned;
         }
+        let taken = req.mamba_checkpoints.len() < pending;
+        let chunk_state = self
+            .mamba
+            .after_chunk(&mut self.tree, req, r.last_node, aligned, taken);
         self.debug_audit();
-        stored
+        stored.and(chunk_state)
     }
 
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {
@@ -740,10 +745,18 @@ impl PrefixCache for RadixCache {
             }
             result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         }
-        let track = req.mamba_track.take().map(|t| t.slot);
+        let mut track = req.mamba_track.take().map(|t| t.slot);
+        let at_page = aligned == req.committed_len;
+        if !at_page
+            && self
+                .mamba
+                .drops_track_at_finish(aligned, req.cache_protected_len)
+            && let Some(t) = track.take()
+        {
+            result = result.and(self.tree.free_mamba_slot(t));
+        }
         match req.mamba_slot.take() {
             Some(slot) => {
-                let at_page = aligned == req.committed_len;
                 let cached = self
                     .mamba
                     .finish_state(&mut self.tree, slot, track, end, at_page);
