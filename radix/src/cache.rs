@@ -140,8 +140,8 @@ pub struct RequestKv {
     ///   [`CacheError::OutOfStateSlots`] when none can be had (free, or by evicting an unlocked
     ///   cached state);
     /// - at most 1 tracking slot ([`RequestKv::mamba_track`]);
-    /// - at most 2 checkpoint slots ([`RequestKv::mamba_checkpoints`]: a branch point and a
-    ///   prompt end, [`MambaPolicy::Marconi`](crate::MambaPolicy::Marconi) only),
+    /// - at most 2 checkpoint slots ([`RequestKv::mamba_checkpoints`]: branch points and a
+    ///   prompt end; the baseline takes at most its branching point),
     ///
     /// so at most [`RequestKv::MAX_MAMBA_SLOTS`] (4), counted by
     /// [`RequestKv::mamba_slots_held`]. The optional ones are taken at `begin_request` only
@@ -155,13 +155,17 @@ pub struct RequestKv {
     /// at the finish when the computed length does not end a page. Set by `begin_request`
     /// where the policy keeps request-end states, tracking is on
     /// ([`RadixConfig::mamba_track`](crate::RadixConfig::mamba_track)) and a slot can be
-    /// spared; `pos` is advanced by `cache_unfinished_req` and the finish.
+    /// spared; `pos` is advanced by `cache_unfinished_req` and the finish. A
+    /// `cache_unfinished_req` that hands the tracked state to the tree (chunk-end states, see
+    /// [`crate::mamba_policy`]) replaces the slot with a fresh one (or `None` when none can be
+    /// spared): the engine reads this field again after every chunk.
     pub mamba_track: Option<MambaTrack>,
     /// A Mamba hit's copy on write: the device backend copies the cached state `src` into the
     /// request's slot `dst` (= `mamba_slot`) before the request's first forward. Set by
     /// `begin_request`, cleared by the first `cache_unfinished_req` (the copy has run by then).
     pub mamba_cow: Option<MambaCow>,
-    /// Mamba checkpoints the forward pass must take (hybrid models, [`MambaPolicy::Marconi`]):
+    /// Mamba checkpoints the forward pass must take (hybrid models; see
+    /// [`MambaPolicy::Marconi`], and the baseline's branching point):
     /// at each `pos` the engine copies the request's running state into `slot`. Set by
     /// `begin_request` (ascending positions past the cached prefix, each with its own slot);
     /// the cache stores each one in the tree when it inserts the KV up to its position

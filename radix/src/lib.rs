@@ -44,15 +44,17 @@
 //! - *Insert* ([`RadixTree::insert_mamba_state`]): a request's slot becomes the node's state,
 //!   or is freed when the node already has one.
 //! - *Admission* ([`RadixConfig::mamba_policy`], [`mamba_policy`]): which states a
-//!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline: its state at
-//!   its end, at the computed length floored to a page (a node boundary): the running state
-//!   where that is the computed length, else the state the engine kept in the request's
+//!   [`RadixCache`] request leaves behind. [`MambaPolicy::Sglang`], the baseline, where SGLang
+//!   caches: the state at the end of every prefill chunk, handed over from the request's
 //!   tracking slot ([`RequestKv::mamba_track`], [`MambaTrack`]; one is taken where a slot can
-//!   be spared, [`RadixConfig::mamba_track`]).
-//!   [`MambaPolicy::Marconi`], the default: checkpoints at the branch point where the request
-//!   leaves a cached path, at its end and (optionally) at its prompt end, handed to the engine as
-//!   [`RequestKv::mamba_checkpoints`] (one slot each; stored with the KV that reaches them,
-//!   freed when the request ends first), with hit-driven admission per kind
+//!   be spared, [`RadixConfig::mamba_track`]), the branching point where the KV match passed
+//!   the deepest state, and the state at the request's end, at the computed length floored to
+//!   a page (a node boundary): the running state where that is the computed length, else the
+//!   tracked one.
+//!   [`MambaPolicy::Marconi`], the default: the same points plus checkpoints at the branch
+//!   point where the request leaves a cached path (and optionally at its prompt end), handed
+//!   to the engine as [`RequestKv::mamba_checkpoints`] (one slot each; stored with the KV that
+//!   reaches them, freed when the request ends first), with hit-driven admission per kind
 //!   ([`MambaStats`]).
 //! - *Locks*: a receipt locks the KV path to its anchor and, optionally, the anchor's state
 //!   (Mamba lock ≤ KV lock on every node).

@@ -5,42 +5,81 @@
 //! them has to decide *where* a request leaves one behind (admission) and *which* one to drop
 //! when the slot pool is full (eviction). Two policies:
 //!
-//! - [`MambaPolicy::Sglang`], the baseline (the rule of SGLang's Mamba radix cache): every
-//!   running request holds one slot for its running state and, where one can be spared, a
-//!   *tracking* slot ([`MambaTrack`]) into which the engine copies the state at the last page
-//!   boundary it passed; at request end the state at the computed length floored to a page
-//!   (the running state where the computed length ends a page, else the tracked one) becomes
-//!   the checkpoint of the inserted key; states are evicted least recently used.
-//! - [`MambaPolicy::Marconi`], the default, after Marconi (MLSys 2025). Admission: checkpoints
-//!   only where reuse is likely —
+//! - [`MambaPolicy::Sglang`], the baseline: the caching points of SGLang's `MambaRadixCache`
+//!   under `--mamba-scheduler-strategy extra_buffer` (the "V2" path, which pages larger than
+//!   one token require), as SGLang's `main` has it in 2026 (`mem_cache/mamba_radix_cache.py`
+//!   and `_mamba_radix_cache_v2_req_prepare_for_extend` in `managers/schedule_batch.py`, with
+//!   `mamba_branching_seqlen`), mapped onto this crate's request lifecycle:
+//!   - every running request holds a slot for its running state and, where one can be spared,
+//!     a *tracking* slot ([`MambaTrack`], SGLang's ping-pong track buffer) into which the
+//!     engine copies the state at the last page boundary it passed;
+//!   - after each prefill chunk (`cache_unfinished_req`, which SGLang also calls after the
+//!     last one, before decode) the tracking slot, holding the state at the chunk's end
+//!     floored to a page, is handed to the tree as the state of the inserted key's end
+//!     ([`CheckpointKind::PromptEnd`]; the last chunk's is the prompt's end) and the request
+//!     takes a fresh tracking slot (SGLang donates the track slot and allocates a new one);
+//!   - where the request's KV match went past the deepest cached state, the *branching point*
+//!     (SGLang's `mamba_branching_seqlen`: the KV match length) is checkpointed
+//!     ([`CheckpointKind::Branch`], through [`RequestKv::mamba_checkpoints`]); the chunk that
+//!     stores it hands over no chunk-end state (SGLang tracks one state per extend, and the
+//!     branching point replaces the extend's end);
+//!   - at request end the state at the computed length floored to a page (the running state
+//!     where the computed length ends a page, else the tracked one, unless that is still the
+//!     last chunk's end, already handed over) becomes the state of the inserted key
+//!     ([`CheckpointKind::RequestEnd`]);
+//!   - states are evicted least recently used.
+//!
+//!   Where this differs from SGLang it favours the baseline: SGLang tracks at multiples of
+//!   its `mamba_cache_chunk_size` (the larger of the kernel's chunk, 64, and the page) from
+//!   the cached prefix and skips extends shorter than that, and during decode it tracks only
+//!   every `mamba_track_interval` (256) tokens, so its request-end state lies up to 255
+//!   tokens before the end; here every position is floored to a page (16 tokens in the
+//!   replay). SGLang's default `no_buffer` strategy ("V1", page size 1 only) copies the live
+//!   state at every chunk end and stores it at the finish, at `len(tokens)`: the same
+//!   positions without the branching point.
+//! - [`MambaPolicy::Marconi`], the default, after Marconi (MLSys 2025), extended with the
+//!   baseline's caching points. Admission: checkpoints where reuse is likely —
 //!   - [`CheckpointKind::Branch`]: where the request's key leaves a cached path at a branch
 //!     point (the match ends inside an edge, or at a node whose path continues elsewhere) and
 //!     no state is there yet. Other requests share the path up to there, so the next one that
 //!     diverges from it hits the state. Found when the request begins, from the tree alone (no
-//!     insert needed: the match already splits the edge).
-//!   - [`CheckpointKind::PromptEnd`] (optional): the end of the prompt, floored to a page.
+//!     insert needed: the match already splits the edge). With
+//!     [`MarconiParams::match_end`] (default off) also the baseline's branching point, the
+//!     KV match length where it passed the deepest cached state (the end of a cached prompt
+//!     whose state is gone or never existed, which a request extending it is no branch of).
+//!   - [`CheckpointKind::PromptEnd`]: with [`MarconiParams::chunk_end`] (default on) the end of
+//!     every prefill chunk, handed over from the tracking slot as the baseline does (the one
+//!     kind of state the traces reward: a later turn's prompt extends an earlier prompt);
+//!     optionally ([`MarconiParams::prompt_end`], off) the end of the prompt through a
+//!     checkpoint slot of its own.
 //!   - [`CheckpointKind::RequestEnd`] (optional): the end of input + output floored to a
 //!     page, for the next turn (from the running or the tracking slot, like the baseline's;
-//!     hit-driven admission judges it when the request begins, so that a refused one holds no
-//!     tracking slot).
+//!     without chunk-end states hit-driven admission judges it when the request begins, so
+//!     that a refused one holds no tracking slot; with them, at the finish).
 //!
-//!   The engine receives the first two as [`RequestKv::mamba_checkpoints`]: a slot per
-//!   position into which the forward pass copies its running state when it passes there; the
-//!   cache stores them in the tree when the KV up to the position is inserted (a chunk or the
-//!   finish) and frees them when the request ends before (abort, or a finish short of the
-//!   position). Eviction: the unlocked state of lowest utility
-//!   `recency + alpha · efficiency / max efficiency`, where recency is normalised to `[0, 1]`
-//!   over the candidates and `efficiency = (F(L) − F(A)) / (slot_bytes + kv_bytes_per_token ·
-//!   (L − A))`: the prefill FLOPs ([`FlopCurve`]) the state saves beyond its nearest ancestor
-//!   with a state (depth `A`, 0 when none), per byte the state pins (its slot and the KV that
-//!   only it makes usable).
+//!   The engine receives the branch and prompt-end checkpoints as
+//!   [`RequestKv::mamba_checkpoints`]: a slot per position into which the forward pass copies
+//!   its running state when it passes there; the cache stores them in the tree when the KV up
+//!   to the position is inserted (a chunk or the finish) and frees them when the request ends
+//!   before (abort, or a finish short of the position). Eviction: the unlocked state of lowest
+//!   utility `recency + alpha · efficiency / max efficiency`, where recency is normalised to
+//!   `[0, 1]` over the candidates and `efficiency = (F(L) − F(A)) / (slot_bytes +
+//!   kv_bytes_per_token · (L − A))`: the prefill FLOPs ([`FlopCurve`]) the state saves beyond
+//!   its nearest ancestor with a state (depth `A`, 0 when none), per byte the state pins (its
+//!   slot and the KV that only it makes usable).
 //!
 //! Beyond Marconi:
 //! - *Hit-driven admission* ([`MarconiParams::min_hit_ratio`]): once 64 states of a kind were
 //!   stored, a kind whose states were hit fewer than `min_hit_ratio` times per stored state is
-//!   admitted only one time in 16 (the samples keep measuring it).
+//!   admitted only one time in 16 (the samples keep measuring it); by default
+//!   ([`MarconiParams::judge_when_full`]) only while no slot is free, since a state admitted
+//!   into a free slot evicts nothing.
 //! - *Batched eviction*: when a request needs a slot and none is free, the
 //!   `max(1, slots / 64)` lowest-utility states are evicted in one scan of the candidates.
+//!
+//! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
+//! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads
+//! it again after every chunk (the old slot is the tree's from then on).
 //!
 //! Tracking slots ([`RadixConfig::mamba_track`], on by default) serve both policies: a request
 //! takes one at `begin_request` only while another slot stays obtainable (else it runs without,
@@ -55,50 +94,52 @@
 //! [`RequestKv::mamba_checkpoints`]: crate::RequestKv::mamba_checkpoints
 //!
 //! ## Measured
+//! The replay of real traces through the manager decides the defaults; its table is in the
+//! README ("Hybrid models: the Mamba component"). On Mooncake and the weka agentic trace
+//! at the default pools both policies reach nearly the KV match (the KV pool, not the state
+//! policy, bounds the hit there), and the default is at or above the baseline on every run;
+//! with a 16× smaller Mamba pool it is 1.00–1.11× the baseline. What each change brought
+//! there (each switched off alone from a setting with the KV-match-end checkpoint on and a
+//! 0.5 hit threshold): chunk-end states are what the traces reward (without them Marconi
+//! stays at 0.043 of the baseline's 0.051 on Mooncake and 0.838 of 0.903 on weka),
+//! hit-driven admission judging every slot refused states the free slots had room for (0.875
+//! on weka), and the KV-match-end checkpoint changed nothing measurable (chunk ends already
+//! cover the cached prompt ends it targets) while it holds a slot per request, so it is off;
+//! a 0.25 threshold beat 0.5 with the small pool on weka (0.897 against 0.891).
+//!
 //! `cargo run --release -p radixkv-radix --example mamba_policy` (the traffic of
-//! `radix/tests/common/mamba_traffic.rs`; page 16, segment lengths drawn to the token, so a
-//! request ends on a page boundary one time in 16; 4 requests running at a time, the same slot
-//! count for every column, KV pool 8192 / 16384 pages). *Chat*: 400 conversations, 48 open at
-//! a time, 2–8 turns over 8 system prompts of 256–1024 tokens, user messages and outputs of
-//! 32–256 tokens. *Agentic*: 100 tasks, 24 open, 4–16 steps over 2 tool prefixes of 3–4K
-//! tokens, task descriptions of 128–512, tool calls of 16–64 and results of 32–384 tokens.
-//! Usable token hit ratio (hit tokens ending at a state per prompt token; the ideal is the
-//! KV-only match with an unbounded pool), median of three seeds (the runs are deterministic
-//! per seed), in brackets the median and range of the ratio to the baseline with tracking
-//! slots (the "sglang" column); "no tracking" runs with [`RadixConfig::mamba_track`] off:
+//! `radix/tests/common/mamba_traffic.rs`, which drives whole prefills without chunk inserts,
+//! so the baseline's states here are its request ends and branching points only; page 16,
+//! segment lengths drawn to the token, so a request ends on a page boundary one time in 16;
+//! 4 requests running at a time, the same slot count for every column, KV pool 8192 / 16384
+//! pages). *Chat*: 400 conversations, 48 open at a time, 2–8 turns over 8 system prompts of
+//! 256–1024 tokens, user messages and outputs of 32–256 tokens. *Agentic*: 100 tasks, 24
+//! open, 4–16 steps over 2 tool prefixes of 3–4K tokens, task descriptions of 128–512, tool
+//! calls of 16–64 and results of 32–384 tokens. Usable token hit ratio (hit tokens ending at
+//! a state per prompt token; the ideal is the KV-only match with an unbounded pool), median of
+//! three seeds (the runs are deterministic per seed), in brackets the median and range of the
+//! ratio to the baseline with tracking slots (the "sglang" column); "no tracking" runs with
+//! [`RadixConfig::mamba_track`] off:
 //!
 //! | workload | slots | ideal | sglang | sglang, no tracking | marconi (default) | marconi, no tracking | no hit-driven admission | + prompt end | alpha 0 |
 //! | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-//! | chat | 16 | 0.899 | 0.167 | 0.106 (0.63×, 0.55–0.71) | 0.453 (2.69×, 2.60–2.76) | 0.456 (2.82×, 2.62–2.84) | 0.257 (1.56×, 1.46–1.62) | 0.435 (2.61×, 2.51–2.68) | 0.442 (2.67×, 2.53–2.67) |
-//! | chat | 32 | 0.899 | 0.338 | 0.122 (0.35×, 0.34–0.40) | 0.567 (1.63×, 1.63–1.68) | 0.498 (1.46×, 1.43–1.47) | 0.546 (1.59×, 1.56–1.62) | 0.551 (1.62×, 1.58–1.63) | 0.545 (1.60×, 1.58–1.61) |
-//! | chat | 64 | 0.899 | 0.545 | 0.122 (0.22×, 0.22–0.25) | 0.735 (1.36×, 1.34–1.37) | 0.502 (0.92×, 0.92–0.93) | 0.740 (1.37×, 1.35–1.37) | 0.731 (1.34×, 1.32–1.36) | 0.700 (1.29×, 1.29–1.30) |
-//! | chat | 128 | 0.899 | 0.727 | 0.122 (0.17×, 0.16–0.19) | 0.839 (1.15×, 1.14–1.17) | 0.502 (0.69×, 0.68–0.70) | 0.839 (1.15×, 1.14–1.17) | 0.838 (1.15×, 1.14–1.17) | 0.836 (1.15×, 1.15–1.16) |
-//! | agentic | 16 | 0.952 | 0.317 | 0.246 (0.73×, 0.66–0.78) | 0.777 (2.47×, 2.22–2.50) | 0.748 (2.36×, 2.14–2.36) | 0.772 (2.46×, 2.15–2.50) | 0.758 (2.35×, 2.16–2.51) | 0.759 (2.42×, 2.08–2.44) |
-//! | agentic | 32 | 0.952 | 0.581 | 0.268 (0.47×, 0.37–0.47) | 0.877 (1.51×, 1.50–1.54) | 0.753 (1.30×, 1.29–1.32) | 0.878 (1.51×, 1.50–1.55) | 0.869 (1.50×, 1.49–1.53) | 0.840 (1.45×, 1.45–1.47) |
-//! | agentic | 64 | 0.952 | 0.789 | 0.268 (0.34×, 0.27–0.35) | 0.925 (1.17×, 1.17–1.18) | 0.753 (0.95×, 0.95–0.95) | 0.925 (1.17×, 1.17–1.18) | 0.924 (1.17×, 1.17–1.18) | 0.919 (1.16×, 1.16–1.17) |
-//! | agentic | 128 | 0.952 | 0.882 | 0.268 (0.30×, 0.24–0.31) | 0.942 (1.07×, 1.06–1.07) | 0.753 (0.85×, 0.85–0.85) | 0.942 (1.07×, 1.06–1.07) | 0.941 (1.07×, 1.06–1.07) | 0.949 (1.08×, 1.07–1.08) |
+//! | chat | 16 | 0.899 | 0.141 | 0.257 (1.82×, 1.78–1.96) | 0.257 (1.80×, 1.79–1.96) | 0.456 (3.24×, 3.23–3.44) | 0.257 (1.80×, 1.79–1.96) | 0.226 (1.57×, 1.55–1.73) | 0.238 (1.72×, 1.68–1.81) |
+//! | chat | 32 | 0.899 | 0.372 | 0.486 (1.32×, 1.31–1.34) | 0.546 (1.47×, 1.46–1.47) | 0.498 (1.35×, 1.34–1.35) | 0.546 (1.47×, 1.46–1.47) | 0.526 (1.41×, 1.41–1.43) | 0.491 (1.32×, 1.32–1.33) |
+//! | chat | 64 | 0.899 | 0.642 | 0.643 (1.00×, 1.00–1.00) | 0.740 (1.15×, 1.15–1.15) | 0.502 (0.78×, 0.77–0.79) | 0.740 (1.15×, 1.15–1.15) | 0.726 (1.12×, 1.11–1.13) | 0.703 (1.09×, 1.08–1.10) |
+//! | chat | 128 | 0.899 | 0.824 | 0.732 (0.89×, 0.88–0.89) | 0.839 (1.02×, 1.01–1.02) | 0.502 (0.61×, 0.61–0.61) | 0.839 (1.02×, 1.01–1.02) | 0.811 (0.99×, 0.98–1.00) | 0.837 (1.02×, 1.01–1.02) |
+//! | agentic | 16 | 0.952 | 0.510 | 0.708 (1.37×, 1.27–1.43) | 0.772 (1.51×, 1.40–1.53) | 0.748 (1.45×, 1.31–1.52) | 0.772 (1.51×, 1.40–1.53) | 0.718 (1.41×, 1.29–1.43) | 0.697 (1.36×, 1.25–1.41) |
+//! | agentic | 32 | 0.952 | 0.804 | 0.818 (1.02×, 1.02–1.06) | 0.878 (1.09×, 1.07–1.14) | 0.753 (0.94×, 0.91–0.98) | 0.878 (1.09×, 1.07–1.14) | 0.856 (1.06×, 1.06–1.12) | 0.840 (1.04×, 1.04–1.08) |
+//! | agentic | 64 | 0.952 | 0.910 | 0.886 (0.97×, 0.97–0.98) | 0.925 (1.02×, 1.01–1.02) | 0.753 (0.82×, 0.82–0.83) | 0.925 (1.02×, 1.01–1.02) | 0.918 (1.01×, 1.00–1.01) | 0.919 (1.01×, 1.00–1.01) |
+//! | agentic | 128 | 0.952 | 0.949 | 0.906 (0.96×, 0.95–0.96) | 0.942 (0.99×, 0.99–0.99) | 0.753 (0.79×, 0.79–0.79) | 0.942 (0.99×, 0.99–0.99) | 0.938 (0.99×, 0.99–0.99) | 0.949 (1.00×, 1.00–1.00) |
 //!
-//! Tracking is what makes request-end states exist on such traffic: without it the baseline
-//! keeps only the one end in 16 that falls on a page (0.11–0.27: 0.17–0.73× the tracked
-//! baseline), and Marconi falls back to its branch states (at most 0.50 on chat and 0.75 on
-//! agentic, whatever the slot count). With it the baseline gains most and the gap narrows at large
-//! pools; at 16 slots the tracking slots of the 4 running requests cost Marconi about as much
-//! as they bring (0.453 against 0.456 without). The default beats the baseline everywhere
-//! here; most of the gain at small pools is the branch states of the shared system and tool
-//! prefixes, which the baseline never stores (its states sit at request ends, which a new
-//! conversation does not reach). Hit-driven admission is what lifts chat at 16 slots from
-//! 1.56× to 2.69× (request-end states that are evicted before their next turn stop taking
-//! slots, tracking slots included, from the branch states). Prompt-end checkpoints lose a
-//! little everywhere (they hold a slot for the whole request and mostly duplicate the
-//! request-end state), so they are off by default. Where the baseline is below half of the
-//! ideal (chat at 16 and 32 slots, agentic at 16), the default reaches 2.69×, 1.63× and
-//! 2.47×: the 2× goal of the issue is not met on chat at 32 slots. A rough bound there: with
-//! 48 open conversations, 8 system prompts and about 20 slots left for conversation states
-//! (the 4 running requests hold up to 3 each), keeping 20 conversations whole and serving the
-//! other 28 their system prompt (about 0.45 of the prompt tokens: what the default reaches at
-//! 16 slots, nearly all from system-prompt states) gives about
-//! `20/48 · 0.9 + 28/48 · 0.45 ≈ 0.64`; the default is at 0.567, twice the baseline would be
-//! 0.68. These are synthetic shapes; the replay of the real traces decides the defaults.
+//! The default is 1.02–1.80× the baseline here except on agentic at 128 slots (0.99×, where
+//! every request-end state fits and the baseline's pure recency order keeps slightly more of
+//! them than the FLOP-weighted one). Tracking slots cost most at 16 slots: each of the 4
+//! running requests holds one, and Marconi without them reaches 0.456 on chat (3.24× the
+//! tracked baseline) against the default's 0.257; with larger pools tracking pays (chat 64:
+//! 0.740 against 0.502). Hit-driven admission never judges here (a slot is free whenever a
+//! checkpoint is planned: the spare-slot rule), so that column equals the default. These are
+//! synthetic shapes; the replay of the real traces decides the defaults.
 
 use crate::cache::RequestKv;
 use crate::error::{CacheError, Result};
@@ -156,14 +197,25 @@ pub struct MarconiParams {
     /// Hit-driven admission: after 64 stored states of a kind, a kind with fewer hits per
     /// stored state than this is admitted one time in 16. 0 turns it off. In `[0, 1]`.
     pub min_hit_ratio: f64,
+    /// Keep the state at the end of every prefill chunk (the prompt's end, floored to a page,
+    /// for the last one) from the tracking slot, as [`CheckpointKind::PromptEnd`] — the
+    /// baseline's chunk states, under hit-driven admission. Needs tracking slots.
+    pub chunk_end: bool,
+    /// Also checkpoint where the KV match went past the deepest cached state (the KV match
+    /// length, as [`CheckpointKind::Branch`]; the baseline's branching point): the end of a
+    /// cached prompt whose state is gone, or that never had one.
+    pub match_end: bool,
+    /// Hit-driven admission judges a checkpoint only while no slot is free (one admitted
+    /// into a free slot evicts no other state).
+    pub judge_when_full: bool,
 }
 
 impl Default for MarconiParams {
     /// `alpha` 1.5, the default [`FlopCurve`], a Jamba-like state slot (about 16 MiB: 28 Mamba
     /// layers of 8192 channels × 16 states, f32, plus the conv state) and 4 attention layers
-    /// of 8 KV heads × 128, bf16 (16 KiB per token); request-end states on, prompt-end
-    /// checkpoints off, hit-driven admission at 0.5 (the best of the settings measured in the
-    /// module docs).
+    /// of 8 KV heads × 128, bf16 (16 KiB per token); request-end and chunk-end states on,
+    /// KV-match-end and prompt-end checkpoints off, hit-driven admission at 0.25 judging only
+    /// a full pool (the best of the settings measured by the replay; see the module docs).
     fn default() -> Self {
         MarconiParams {
             alpha: 1.5,
@@ -172,7 +224,10 @@ impl Default for MarconiParams {
             kv_bytes_per_token: 16 << 10,
             prompt_end: false,
             output_end: true,
-            min_hit_ratio: 0.5,
+            min_hit_ratio: 0.25,
+            chunk_end: true,
+            match_end: false,
+            judge_when_full: true,
         }
     }
 }
@@ -243,10 +298,11 @@ impl MarconiParams {
 /// How a cache with the Mamba component admits and evicts states (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MambaPolicy {
-    /// The SGLang-style baseline: a checkpoint at every request end, LRU eviction.
+    /// The SGLang-style baseline: SGLang's caching points (every prefill chunk's end, its
+    /// branching point, the request end; see the module docs), LRU eviction.
     Sglang,
-    /// Marconi-style admission (branch points, prompt and request ends) and FLOP-per-byte
-    /// aware eviction.
+    /// Marconi-style admission (branch points, chunk, prompt and request ends, judged by
+    /// their hits) and FLOP-per-byte aware eviction.
     Marconi(MarconiParams),
 }
 
@@ -292,7 +348,7 @@ impl MambaPolicy {
 pub enum CheckpointKind {
     /// Where the request's key leaves a cached path at a branch point.
     Branch = 0,
-    /// The end of the prompt (floored to a page).
+    /// The end of a prefill chunk (the last one's is the prompt's end), floored to a page.
     PromptEnd = 1,
     /// The end of input + output (the request's running state at its finish).
     RequestEnd = 2,
@@ -358,7 +414,10 @@ pub struct MambaCheckpoint {
 /// updates it from the computed length at every `cache_unfinished_req` and at the finish) and,
 /// at a finish whose computed length does not end a page, stores the slot as the
 /// [`CheckpointKind::RequestEnd`] state at `pos` and frees the running slot; at a finish that
-/// ends a page it stores the running slot and frees this one; an abort frees both.
+/// ends a page it stores the running slot and frees this one; an abort frees both. Where the
+/// policy keeps chunk-end states, `cache_unfinished_req` hands the slot to the tree as the
+/// state at the chunk's end and gives the request a fresh one at the same `pos` (the engine
+/// fills it from its next forward step on; a finish before one frees it unread).
 ///
 /// [`RadixConfig::mamba_track`]: crate::RadixConfig::mamba_track
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -423,6 +482,9 @@ impl MambaStats {
     }
 }
 
+/// Checkpoints one request holds at most (see [`RequestKv::mamba_slot`]).
+const MAX_CHECKPOINTS: usize = 2;
+
 /// Stored states of a kind after which hit-driven admission judges it.
 pub(crate) const ADMISSION_WARMUP: u64 = 64;
 /// One admission in this many for a kind judged rarely hit.
@@ -478,6 +540,9 @@ impl MambaAdmission {
         let Ok(stats) = tree.mamba_stats() else {
             return false;
         };
+        if params.judge_when_full && tree.mamba_accounting().is_ok_and(|a| a.free > 0) {
+            return true;
+        }
         let ok = admit(params, stats.kind(kind), &mut self.samples[kind.index()]);
         if !ok {
             tree.mamba_count_skip(kind);
@@ -491,6 +556,15 @@ impl MambaAdmission {
         match self.policy {
             MambaPolicy::Sglang => true,
             MambaPolicy::Marconi(p) => p.output_end,
+        }
+    }
+
+    /// Whether the policy keeps chunk-end states (the baseline always; Marconi with
+    /// [`MarconiParams::chunk_end`]).
+    fn keeps_chunk_ends(&self) -> bool {
+        match self.policy {
+            MambaPolicy::Sglang => true,
+            MambaPolicy::Marconi(p) => p.chunk_end,
         }
     }
 
@@ -513,8 +587,14 @@ impl MambaAdmission {
     pub(crate) fn plan(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         self.plan_checkpoints(tree, req);
         // Hit-driven admission judges the request-end state here, before a slot is held for
-        // it; a tracked request's state is stored at its finish without being judged again.
-        if self.track && self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd) {
+        // it (unless chunk-end states need the slot anyway: then the finish judges it); a
+        // tracked request's state is stored at its finish without being judged again.
+        let wanted = if self.keeps_chunk_ends() {
+            true
+        } else {
+            self.keeps_request_end() && self.admit(tree, CheckpointKind::RequestEnd)
+        };
+        if self.track && wanted {
             match Self::spare_slot(tree) {
                 Some(slot) => {
                     req.mamba_track = Some(MambaTrack {
@@ -533,6 +613,20 @@ impl MambaAdmission {
 
     fn plan_checkpoints(&mut self, tree: &mut RadixTree, req: &mut RequestKv) {
         let Some(params) = self.policy.marconi().copied() else {
+            // The baseline's branching point (SGLang's `mamba_branching_seqlen`): where the
+            // KV match went past the deepest cached state, the state there is tracked by the
+            // chunk that reaches it.
+            let pos = align_down(req.kv_match_len, tree.page_size());
+            if pos > req.prefix_len && pos > req.cache_protected_len {
+                match Self::spare_slot(tree) {
+                    Some(slot) => req.mamba_checkpoints.push(MambaCheckpoint {
+                        pos,
+                        slot,
+                        kind: CheckpointKind::Branch,
+                    }),
+                    None => tree.mamba_count_skip(CheckpointKind::Branch),
+                }
+            }
             return;
         };
         let p = tree.page_size();
@@ -543,14 +637,24 @@ impl MambaAdmission {
         } else {
             0
         };
+        let match_end = if params.match_end && req.kv_match_len > req.prefix_len {
+            align_down(req.kv_match_len, p)
+        } else {
+            0
+        };
         let mut want = [
             (branch, CheckpointKind::Branch),
+            (match_end, CheckpointKind::Branch),
             (prompt_end, CheckpointKind::PromptEnd),
         ];
         want.sort_by_key(|w| w.0);
         let mut last = from;
         for (pos, kind) in want {
             if pos <= last {
+                continue;
+            }
+            if req.mamba_checkpoints.len() >= MAX_CHECKPOINTS {
+                tree.mamba_count_skip(kind);
                 continue;
             }
             if !self.admit(tree, kind) {
@@ -588,6 +692,59 @@ impl MambaAdmission {
             }
         }
         result
+    }
+
+    /// After a prefill chunk whose KV was inserted up to `aligned` tokens (ending at `node`)
+    /// and whose due checkpoints were stored (`checkpoint_taken`: at least one was): under
+    /// the baseline, the request's tracking slot, which holds the state at `aligned` (the
+    /// [`MambaTrack`] contract), becomes the [`CheckpointKind::PromptEnd`] state of `node`
+    /// (SGLang's `cache_unfinished_req`), unless the chunk already stored a checkpoint (SGLang
+    /// tracks one state per extend: a branching point inside the extend replaces its end), and
+    /// the request gets a fresh tracking slot, positioned at `aligned`, that the engine fills
+    /// from its next forward step on (none when no slot can be spared: the request then runs
+    /// untracked, counted in [`MambaStats::tracks_skipped`]). Marconi keeps the slot.
+    ///
+    /// # Errors
+    /// The state insert's error (the request keeps its tracking slot then).
+    pub(crate) fn after_chunk(
+        &mut self,
+        tree: &mut RadixTree,
+        req: &mut RequestKv,
+        node: NodeId,
+        aligned: usize,
+        checkpoint_taken: bool,
+    ) -> Result<()> {
+        let one_per_extend = matches!(self.policy, MambaPolicy::Sglang);
+        if !self.keeps_chunk_ends() || (one_per_extend && checkpoint_taken) {
+            return Ok(());
+        }
+        let Some(t) = req.mamba_track else {
+            return Ok(());
+        };
+        if !self.admit(tree, CheckpointKind::PromptEnd) {
+            return Ok(());
+        }
+        // Stored, or freed as a duplicate: either way the request no longer holds the slot.
+        tree.insert_mamba_state_as(node, t.slot, CheckpointKind::PromptEnd)?;
+        req.mamba_track = match Self::spare_slot(tree) {
+            Some(slot) => Some(MambaTrack { slot, pos: aligned }),
+            None => {
+                if let Some(st) = tree.mamba_stats_mut() {
+                    st.tracks_skipped += 1;
+                }
+                None
+            }
+        };
+        Ok(())
+    }
+
+    /// Whether the finish must free the tracking slot instead of storing it: under the
+    /// baseline when the computed length floored to a page (`aligned`, not the computed length
+    /// itself) is still the last chunk's end (`protected`). The state there was handed over at
+    /// that chunk (or the chunk stored a checkpoint instead, and SGLang tracks no second state
+    /// for it), and a tracking slot replaced at that chunk may not have been written yet.
+    pub(crate) fn drops_track_at_finish(&self, aligned: usize, protected: usize) -> bool {
+        self.keeps_chunk_ends() && aligned <= protected
     }
 
     /// Frees the slots of every checkpoint the request still holds (it ended before them).
@@ -630,7 +787,9 @@ impl MambaAdmission {
         let keep = self.keeps_request_end();
         let stored = match end {
             Some(node)
-                if keep && (track.is_some() || self.admit(tree, CheckpointKind::RequestEnd)) =>
+                if keep
+                    && ((track.is_some() && !self.keeps_chunk_ends())
+                        || self.admit(tree, CheckpointKind::RequestEnd)) =>
             {
                 match tree.insert_mamba_state_as(node, slot, CheckpointKind::RequestEnd) {
                     Ok(MambaInsert::Stored) => {

@@ -295,6 +295,28 @@ impl RadixCache {
         Ok(())
     }
 
+    /// The Mamba side of a chunk insert ending at `aligned` (node `last`): the chunk's forward
+    /// has run, so a hit's state copy is done (and its source no longer locked), and the
+    /// checkpoints it passed are stored; the tracking slot moves to the chunk's end, and the
+    /// policy decides whether it becomes the chunk-end state ([`MambaAdmission::after_chunk`]).
+    fn chunk_states(&mut self, req: &mut RequestKv, last: NodeId, aligned: usize) -> Result<()> {
+        req.mamba_cow = None;
+        let pending = req.mamba_checkpoints.len();
+        let stored = if pending == 0 {
+            Ok(())
+        } else {
+            self.mamba.store_checkpoints(&mut self.tree, req, aligned)
+        };
+        if let Some(t) = &mut req.mamba_track {
+            t.pos = aligned;
+        }
+        let taken = req.mamba_checkpoints.len() < pending;
+        let chunk_state = self
+            .mamba
+            .after_chunk(&mut self.tree, req, last, aligned, taken);
+        stored.and(chunk_state)
+    }
+
     /// The Mamba part of a finish whose KV insert ended at `end` (`None`: nothing inserted)
     /// after `aligned` tokens. Checkpoints the forward pass passed are stored with the KV; the
     /// others (and all of them on abort) are freed. The running state is the state after the
@@ -316,10 +338,22 @@ impl RadixCache {
             }
             result = result.and(MambaAdmission::free_checkpoints(&mut self.tree, req));
         }
-        let track = req.mamba_track.take().map(|t| t.slot);
+        // The running state is the state after the last computed token, so it is cached
+        // (where the policy keeps it) where that token ends a page (a node boundary);
+        // otherwise the tracking slot, which holds the state at the computed length floored to
+        // a page (where `end` ends), is. The other one, and both on abort, are freed.
+        let mut track = req.mamba_track.take().map(|t| t.slot);
+        let at_page = aligned == req.committed_len;
+        if !at_page
+            && self
+                .mamba
+                .drops_track_at_finish(aligned, req.cache_protected_len)
+            && let Some(t) = track.take()
+        {
+            result = result.and(self.tree.free_mamba_slot(t));
+        }
         match req.mamba_slot.take() {
             Some(slot) => {
-                let at_page = aligned == req.committed_len;
                 let cached = self
                     .mamba
                     .finish_state(&mut self.tree, slot, track, end, at_page);
@@ -752,21 +786,11 @@ impl PrefixCache for RadixCache {
             self.tree.dec_lock_ref(old)?;
         }
         req.last_node = Some(r.last_node);
-        // The chunk's forward has run, so a hit's state copy is done (and its source no
-        // longer locked), and the checkpoints it passed are taken.
-        req.mamba_cow = None;
-        let stored = if req.mamba_checkpoints.is_empty() {
-            Ok(())
-        } else {
-            self.mamba.store_checkpoints(&mut self.tree, req, aligned)
-        };
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
-        if let Some(t) = &mut req.mamba_track {
-            t.pos = aligned;
-        }
+        let states = self.chunk_states(req, r.last_node, aligned);
         self.debug_audit();
-        stored
+        states
     }
 
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> Result<()> {

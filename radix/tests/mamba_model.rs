@@ -35,9 +35,9 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::{
-    CacheError, FinishKind, InsertOptions, KeyRef, LockReceipt, MambaInsert, MambaPolicy,
-    MarconiParams, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
-    RadixTree, RequestKv, SlotState, TokenId,
+    CacheError, CheckpointKind, FinishKind, InsertOptions, KeyRef, LockReceipt, MambaInsert,
+    MambaPolicy, MarconiParams, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
+    RadixKey, RadixTree, RequestKv, SlotState, TokenId,
 };
 
 const P: usize = 2;
@@ -560,13 +560,18 @@ fn policy_strategy() -> impl Strategy<Value = MambaPolicy> {
         prop::bool::ANY,
         prop_oneof![Just(0.0), Just(1.5), Just(100.0)],
         prop_oneof![Just(0.0), Just(0.5)],
+        (prop::bool::ANY, prop::bool::ANY, prop::bool::ANY),
     )
-        .prop_map(|(prompt_end, output_end, alpha, min_hit_ratio)| {
+        .prop_map(|(prompt_end, output_end, alpha, min_hit_ratio, more)| {
+            let (chunk_end, match_end, judge_when_full) = more;
             MambaPolicy::Marconi(MarconiParams {
                 alpha,
                 prompt_end,
                 output_end,
                 min_hit_ratio,
+                chunk_end,
+                match_end,
+                judge_when_full,
                 slot_bytes: 64,
                 kv_bytes_per_token: 4,
                 ..MarconiParams::default()
@@ -685,6 +690,30 @@ fn keeps_request_end(policy: &MambaPolicy) -> bool {
     }
 }
 
+/// Chunk-end states hit-driven admission refused so far.
+fn prompt_end_skips(c: &RadixCache) -> u64 {
+    c.mamba_stats()
+        .unwrap()
+        .kind(CheckpointKind::PromptEnd)
+        .skipped
+}
+
+/// Whether the policy keeps chunk-end states (from the tracking slot).
+fn keeps_chunk_ends(policy: &MambaPolicy) -> bool {
+    match policy {
+        MambaPolicy::Sglang => true,
+        MambaPolicy::Marconi(p) => p.chunk_end,
+    }
+}
+
+/// Whether the policy admits every checkpoint it plans (no hit-driven admission in the way).
+fn admits_all(policy: &MambaPolicy) -> bool {
+    match policy {
+        MambaPolicy::Sglang => true,
+        MambaPolicy::Marconi(p) => p.min_hit_ratio == 0.0,
+    }
+}
+
 /// Whether the policy admits every request-end state (no hit-driven admission in the way).
 fn always_keeps_request_end(policy: &MambaPolicy) -> bool {
     match policy {
@@ -759,10 +788,21 @@ impl StateMachineTest for CacheSut {
                             "begin: the running slot and one per checkpoint"
                         );
                         if matches!(sut.cache.mamba_policy(), MambaPolicy::Sglang) {
-                            assert!(r.mamba_checkpoints.is_empty());
+                            // At most the branching point: where the KV match went past the
+                            // deepest cached state.
+                            assert!(r.mamba_checkpoints.len() <= 1);
+                            for c in &r.mamba_checkpoints {
+                                assert_eq!(c.kind, CheckpointKind::Branch);
+                                assert_eq!(c.pos, r.kv_match_len - r.kv_match_len % P);
+                                assert!(c.pos > r.prefix_len);
+                            }
                         }
                         if let Some(t) = r.mamba_track {
-                            assert!(_state.track && keeps_request_end(&_state.policy));
+                            assert!(
+                                _state.track
+                                    && (keeps_request_end(&_state.policy)
+                                        || keeps_chunk_ends(&_state.policy))
+                            );
                             assert_eq!(t.pos, r.prefix_len, "tracking starts at the prefix");
                         }
                         sut.assert_locked_kept(&locked);
@@ -814,6 +854,10 @@ impl StateMachineTest for CacheSut {
                     .filter(|c| c.pos <= aligned)
                     .count();
                 let owned = sut.cache.mamba_accounting().unwrap().request_owned;
+                let protected = r.cache_protected_len;
+                let track = r.mamba_track;
+                let skips = prompt_end_skips(&sut.cache);
+                let chunk_key = r.key.tokens[..aligned].to_vec();
                 sut.cache.cache_unfinished_req(r).unwrap();
                 let r = &sut.reqs[i];
                 if let Some(t) = r.mamba_track {
@@ -823,7 +867,43 @@ impl StateMachineTest for CacheSut {
                     r.mamba_checkpoints.iter().all(|c| c.pos > aligned),
                     "the checkpoints the chunk passed are taken"
                 );
-                assert_eq!(sut.request_owned(), owned - due);
+                // A policy that keeps chunk ends hands its tracking slot to the tree (the state
+                // at the chunk's end; the baseline only at a chunk that stored no checkpoint),
+                // and takes a fresh one if it can.
+                let sglang = matches!(_state.policy, MambaPolicy::Sglang);
+                let expected = keeps_chunk_ends(&_state.policy)
+                    && track.is_some()
+                    && !(sglang && due > 0)
+                    && aligned > protected;
+                // Hit-driven admission may refuse the chunk's state (counted as skipped).
+                let refused = prompt_end_skips(&sut.cache) > skips;
+                let handed = expected && !refused;
+                if !expected {
+                    assert_eq!(
+                        r.mamba_track.map(|t| t.slot),
+                        track.map(|t| t.slot),
+                        "a tracking slot handed over unasked"
+                    );
+                }
+                if admits_all(&_state.policy) {
+                    assert!(!refused, "the chunk's state was not handed over");
+                }
+                let replaced = usize::from(handed && r.mamba_track.is_some());
+                assert_eq!(
+                    sut.request_owned(),
+                    owned - due - usize::from(handed) + replaced
+                );
+                // (Utility eviction may take the new state at once for the fresh tracking slot.)
+                if handed && sglang {
+                    let t = sut.cache.tree();
+                    let m = t.tier_walk(KeyRef::new(&chunk_key));
+                    let node = *m.nodes.last().unwrap();
+                    assert_eq!(t.depth_tokens(node).unwrap(), aligned);
+                    assert!(
+                        t.mamba_state(node).unwrap().is_some(),
+                        "no state at the chunk end {aligned}"
+                    );
+                }
                 for s in before {
                     if !held_slots(r).contains(&s) {
                         assert_ne!(sut.slot_state(s), SlotState::Request, "slot {s} leaked");
@@ -858,10 +938,14 @@ impl StateMachineTest for CacheSut {
                 // A finish stores a request-end state at the computed length floored to a page:
                 // the running state where that is the computed length, else the tracked one.
                 let floor = r.committed_len - r.committed_len % P;
+                // The baseline stores no tracked state at its last chunk's end (it handed that
+                // one over at the chunk).
+                let stale_track =
+                    keeps_chunk_ends(&_state.policy) && floor <= r.cache_protected_len;
                 let end_state = !abort
                     && floor > 0
                     && always_keeps_request_end(&_state.policy)
-                    && (floor == r.committed_len || r.mamba_track.is_some());
+                    && (floor == r.committed_len || (r.mamba_track.is_some() && !stale_track));
                 let end_key = r.key.tokens[..floor].to_vec();
                 let kind = if abort {
                     FinishKind::Aborted

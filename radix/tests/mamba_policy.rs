@@ -10,12 +10,24 @@ use radixkv_radix::{
 
 const P: usize = 4;
 
-/// Marconi with every checkpoint kind and without hit-driven admission.
+/// Marconi with the paper's checkpoint kinds (branch, prompt end, request end; none of the
+/// baseline's chunk-end or KV-match-end states) and without hit-driven admission.
 fn marconi() -> MarconiParams {
     MarconiParams {
         prompt_end: true,
         min_hit_ratio: 0.0,
-        ..MarconiParams::default()
+        ..paper(MarconiParams::default())
+    }
+}
+
+/// `p` without the checkpoints taken over from the baseline and with hit-driven admission
+/// judging whether or not a slot is free.
+fn paper(p: MarconiParams) -> MarconiParams {
+    MarconiParams {
+        chunk_end: false,
+        match_end: false,
+        judge_when_full: false,
+        ..p
     }
 }
 
@@ -161,22 +173,138 @@ fn a_request_that_branches_off_a_cached_path_checkpoints_the_branch_point() {
 }
 
 #[test]
-fn the_baseline_takes_no_checkpoint_and_misses_the_branch_point() {
+fn the_baseline_checkpoints_where_the_kv_match_passed_the_deepest_state() {
     let mut c = cache(8, MambaPolicy::Sglang);
     run(&mut c, &seq(0..16));
+    // B shares 8 tokens of A's KV but no state there: SGLang's branching point is 8, and the
+    // chunk that reaches it stores the state there instead of the state at its own end.
     let mut b = seq(0..8);
     b.extend(100..110);
     let mut rb = begin(&mut c, &b);
-    assert!(rb.mamba_checkpoints.is_empty());
+    assert_eq!((rb.prefix_len, rb.kv_match_len), (0, 8));
+    assert_eq!(rb.mamba_checkpoints.len(), 1);
+    assert_eq!(rb.mamba_checkpoints[0].pos, 8);
+    assert_eq!(rb.mamba_checkpoints[0].kind, CheckpointKind::Branch);
     prefill(&mut c, &mut rb);
+    c.cache_unfinished_req(&mut rb).unwrap();
+    audit(&c);
+    assert_eq!(state_kind(&c, &b[..8]), Some(CheckpointKind::Branch));
+    assert_eq!(
+        state_kind(&c, &b[..16]),
+        None,
+        "one state per extend: the branching point replaced the chunk end"
+    );
     c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
+    audit(&c);
+    // C diverges at 8 too: it hits the branch state.
     let mut cc = seq(0..8);
     cc.extend(200..212);
     let mut rc = begin(&mut c, &cc);
-    assert_eq!(rc.prefix_len, 0, "no state at the branch point");
-    assert_eq!(rc.kv_match_len, 8);
+    assert_eq!(
+        rc.prefix_len, 8,
+        "the branching state makes the prefix usable"
+    );
+    assert!(rc.mamba_checkpoints.is_empty(), "no KV past the state");
     c.cache_finished_req(&mut rc, FinishKind::Aborted).unwrap();
     audit(&c);
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+}
+
+#[test]
+fn the_baseline_hands_its_tracked_state_to_the_tree_at_every_chunk_end() {
+    let mut c = cache(8, MambaPolicy::Sglang);
+    let mut r = begin(&mut c, &seq(0..18));
+    let first = r.mamba_track.expect("a tracking slot");
+    // Chunk 1: 11 tokens, the state at 8 is handed over and a fresh tracking slot taken.
+    c.alloc_tokens(&mut r, 11).unwrap();
+    r.commit(11).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    c.check_request(&r).unwrap();
+    audit(&c);
+    let key = r.key.tokens.clone();
+    assert_eq!(state_kind(&c, &key[..8]), Some(CheckpointKind::PromptEnd));
+    let m = c.tree().tier_walk(KeyRef::new(&key[..8]));
+    assert_eq!(
+        c.tree().mamba_state(*m.nodes.last().unwrap()),
+        Ok(Some(first.slot)),
+        "the tracking slot itself became the state"
+    );
+    let second = r.mamba_track.expect("a fresh tracking slot");
+    assert_ne!(second.slot, first.slot);
+    assert_eq!((second.pos, r.mamba_slots_held()), (8, 2));
+    // Chunk 2: the rest of the prompt (18, floored to 16).
+    c.alloc_tokens(&mut r, 7).unwrap();
+    r.commit(7).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    audit(&c);
+    assert_eq!(state_kind(&c, &key[..16]), Some(CheckpointKind::PromptEnd));
+    let third = r.mamba_track.unwrap();
+    // Decode past a page (21 computed, floored to 20): the request-end state is the tracked one.
+    decode(&mut c, &mut r, 3);
+    let full = r.key.tokens.clone();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    audit(&c);
+    let m = c.tree().tier_walk(KeyRef::new(&full[..20]));
+    assert_eq!(
+        c.tree().mamba_state(*m.nodes.last().unwrap()),
+        Ok(Some(third.slot))
+    );
+    let st = c.mamba_stats().unwrap();
+    assert_eq!(st.kind(CheckpointKind::PromptEnd).stored, 2);
+    assert_eq!(st.kind(CheckpointKind::RequestEnd).stored, 1);
+    let acc = c.mamba_accounting().unwrap();
+    assert_eq!((acc.request_owned, acc.evictable), (0, 3));
+    // A later prompt that extends this prompt (not its output) hits the prompt-end state.
+    let mut next = seq(0..18);
+    next.extend(500..510);
+    let mut rn = begin(&mut c, &next);
+    assert_eq!(rn.prefix_len, 16);
+    c.cache_finished_req(&mut rn, FinishKind::Aborted).unwrap();
+    audit(&c);
+
+    // Marconi without chunk-end states keeps its tracking slot across chunks.
+    let mut c = cache(
+        8,
+        MambaPolicy::Marconi(MarconiParams {
+            min_hit_ratio: 0.0,
+            chunk_end: false,
+            ..MarconiParams::default()
+        }),
+    );
+    let mut r = begin(&mut c, &seq(0..18));
+    let t = r.mamba_track.unwrap();
+    c.alloc_tokens(&mut r, 11).unwrap();
+    r.commit(11).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    assert_eq!(r.mamba_track.map(|t| t.slot), Some(t.slot));
+    assert_eq!(c.mamba_accounting().unwrap().evictable, 0);
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    audit(&c);
+}
+
+#[test]
+fn a_baseline_finish_at_its_last_chunk_end_frees_the_fresh_tracking_slot() {
+    let mut c = cache(8, MambaPolicy::Sglang);
+    let mut r = begin(&mut c, &seq(0..18));
+    c.alloc_tokens(&mut r, 18).unwrap();
+    r.commit(18).unwrap();
+    c.cache_unfinished_req(&mut r).unwrap();
+    let fresh = r.mamba_track.unwrap();
+    let running = r.mamba_slot.unwrap();
+    let key = r.key.tokens.clone();
+    let m = c.tree().tier_walk(KeyRef::new(&key[..16]));
+    let node = *m.nodes.last().unwrap();
+    let handed = c.tree().mamba_state(node).unwrap().expect("state at 16");
+    // Evict the handed-over state: the finish must not store the fresh slot (which no forward
+    // step has written) in its place.
+    c.parts_mut().0.evict_mamba_state(node).unwrap();
+    assert_eq!(slot_state(&c, handed), SlotState::Free);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    audit(&c);
+    assert_eq!(c.tree().mamba_state(node), Ok(None));
+    assert_eq!(slot_state(&c, fresh.slot), SlotState::Free);
+    assert_eq!(slot_state(&c, running), SlotState::Free);
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
 }
 
 #[test]
@@ -694,6 +822,7 @@ fn the_tracking_slot_is_skipped_when_slots_are_short_or_it_is_off() {
         8,
         MambaPolicy::Marconi(MarconiParams {
             output_end: false,
+            chunk_end: false,
             ..MarconiParams::default()
         }),
     );
@@ -709,7 +838,7 @@ fn hit_driven_admission_refuses_the_tracking_slot_of_a_rarely_hit_request_end() 
         total_pages: 512,
         max_rows: 8,
         mamba_slots: Some(256),
-        mamba_policy: MambaPolicy::default(),
+        mamba_policy: MambaPolicy::Marconi(paper(MarconiParams::default())),
         ..Default::default()
     })
     .unwrap();
@@ -734,4 +863,98 @@ fn hit_driven_admission_refuses_the_tracking_slot_of_a_rarely_hit_request_end() 
     assert_eq!((end.stored, end.skipped, end.hits), (66, 30, 0));
     assert_eq!((st.tracked_stored, st.tracks_skipped), (66, 0));
     assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+}
+
+#[test]
+fn marconi_keeps_chunk_end_states_by_default_and_kv_match_end_states_on_request() {
+    let mut c = cache(
+        8,
+        MambaPolicy::Marconi(MarconiParams {
+            match_end: true,
+            ..MarconiParams::default()
+        }),
+    );
+    let mut a = begin(&mut c, &seq(0..18));
+    let first = a
+        .mamba_track
+        .expect("chunk-end states need a tracking slot");
+    c.alloc_tokens(&mut a, 11).unwrap();
+    a.commit(11).unwrap();
+    c.cache_unfinished_req(&mut a).unwrap();
+    c.check_request(&a).unwrap();
+    let key = a.key.tokens.clone();
+    assert_eq!(state_kind(&c, &key[..8]), Some(CheckpointKind::PromptEnd));
+    assert!(a.mamba_track.is_some(), "a fresh tracking slot");
+    c.alloc_tokens(&mut a, 7).unwrap();
+    a.commit(7).unwrap();
+    c.cache_unfinished_req(&mut a).unwrap();
+    c.cache_finished_req(&mut a, FinishKind::Finished).unwrap();
+    audit(&c);
+    let m = c.tree().tier_walk(KeyRef::new(&key[..8]));
+    assert_eq!(
+        c.tree().mamba_state(*m.nodes.last().unwrap()),
+        Ok(Some(first.slot))
+    );
+    // The state at 16 goes (slot pressure elsewhere, say): B, which extends A's prompt, is
+    // no branch, but its KV match (16) passed the deepest state (8): it checkpoints there.
+    let m = c.tree().tier_walk(KeyRef::new(&key[..16]));
+    let at16 = *m.nodes.last().unwrap();
+    c.parts_mut().0.evict_mamba_state(at16).unwrap();
+    let mut b = seq(0..18);
+    b.extend(300..310);
+    let mut rb = begin(&mut c, &b);
+    assert_eq!((rb.prefix_len, rb.kv_match_len), (8, 16));
+    assert_eq!(
+        rb.mamba_checkpoints
+            .iter()
+            .map(|c| (c.pos, c.kind))
+            .collect::<Vec<_>>(),
+        [(16, CheckpointKind::Branch)]
+    );
+    prefill(&mut c, &mut rb);
+    c.cache_finished_req(&mut rb, FinishKind::Finished).unwrap();
+    audit(&c);
+    assert_eq!(state_kind(&c, &b[..16]), Some(CheckpointKind::Branch));
+    assert_eq!(c.mamba_accounting().unwrap().request_owned, 0);
+
+    // Without them (the paper's kinds only): no chunk state, no checkpoint at the match end.
+    let mut c = cache(8, MambaPolicy::Marconi(paper(MarconiParams::default())));
+    let mut a = begin(&mut c, &seq(0..18));
+    c.alloc_tokens(&mut a, 11).unwrap();
+    a.commit(11).unwrap();
+    c.cache_unfinished_req(&mut a).unwrap();
+    assert_eq!(c.mamba_accounting().unwrap().evictable, 0);
+    c.cache_finished_req(&mut a, FinishKind::Aborted).unwrap();
+    audit(&c);
+}
+
+#[test]
+fn hit_driven_admission_judges_only_a_full_pool_by_default() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: 512,
+        max_rows: 8,
+        mamba_slots: Some(256),
+        mamba_policy: MambaPolicy::Marconi(MarconiParams {
+            chunk_end: false,
+            min_hit_ratio: 1.0,
+            ..MarconiParams::default()
+        }),
+        ..Default::default()
+    })
+    .unwrap();
+    // Past the warm-up, never hit: still admitted while free slots remain.
+    for i in 0..64 + 32 {
+        let mut r = begin(&mut c, &seq(i * 100..i * 100 + 6));
+        assert!(
+            r.mamba_track.is_some(),
+            "request {i}: a free slot, so admitted"
+        );
+        prefill(&mut c, &mut r);
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    }
+    audit(&c);
+    let end = c.mamba_stats().unwrap();
+    let end = end.kind(CheckpointKind::RequestEnd);
+    assert_eq!((end.stored, end.skipped), (96, 0));
 }

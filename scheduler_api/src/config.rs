@@ -368,13 +368,15 @@ pub struct ManagerConfig {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MambaPolicyKind {
-    /// Marconi-style (the default): checkpoints at branch points, prompt and request ends,
-    /// eviction by recency plus prefill FLOPs saved per byte, with the FLOPs, slot bytes and
-    /// KV bytes per token from the model's geometry. Needs `[model.compute]`.
+    /// Marconi-style (the default): states at chunk ends, branch points and request ends under
+    /// hit-driven admission, eviction by recency plus prefill FLOPs saved per byte, with the
+    /// FLOPs, slot bytes and KV bytes per token from the model's geometry. Needs
+    /// `[model.compute]`.
     #[default]
     Marconi,
-    /// The SGLang-style baseline: a checkpoint at every request end (where it ends a page),
-    /// least recently used eviction.
+    /// The SGLang-style baseline: SGLang's caching points (every prefill chunk's end, the
+    /// branching point, the request end; see `radixkv_radix::mamba_policy`), least recently
+    /// used eviction.
     Sglang,
 }
 

@@ -324,10 +324,11 @@ impl KvCacheManager {
             .ok_or(ManagerError::UnknownRequest(id.0))
     }
 
-    /// The checkpoints a running request's forward pass takes (Marconi policy): at each
+    /// The checkpoints a running request's forward pass takes (branch points; see
+    /// `radixkv_radix::mamba_policy`): at each
     /// position the engine copies the request's running state into the checkpoint's slot. The
     /// cache stores them as the KV reaching them is inserted; the list shrinks as they are.
-    /// Empty on other models, under the baseline policy and for a waiting request.
+    /// Empty on other models and for a waiting request.
     ///
     /// # Errors
     /// Unknown request.
@@ -343,8 +344,10 @@ impl KvCacheManager {
     /// the page boundary whose state `slot` holds: the cached prefix at admission, then the
     /// computed length floored to a page after each [`KvCacheManager::chunk_done`] (the cache
     /// moves it when it inserts the chunk; decode steps do not move it, the finish floors the
-    /// final computed length itself). The slot never changes while the request runs, so the
-    /// engine reads it once at admission; whatever `pos` says, each forward step (chunk or
+    /// final computed length itself). A `chunk_done` that hands the tracked state to the tree
+    /// (chunk-end states: the baseline policy, and Marconi's default) replaces the slot with a
+    /// fresh one (or `None`), so the engine reads this again after every `chunk_done`;
+    /// whatever `pos` says, each forward step (chunk or
     /// decode) must leave in `slot` the state at the last page boundary at or below the
     /// request's computed length (see [`MambaTrack`]); `pos` is what the cache will assume.
     ///

@@ -216,10 +216,10 @@ pub struct Admitted {
     /// request's slot `dst` (= [`Admitted::mamba_slot`]) before the request's first forward.
     /// `None` on a miss (the slot starts from the zero state) and on other models.
     pub mamba_cow: Option<MambaCow>,
-    /// The checkpoints the request's forward pass takes (the Marconi policy, see
+    /// The checkpoints the request's forward pass takes (branch points, see
     /// [`KvCacheManager::mamba_checkpoints`](crate::KvCacheManager::mamba_checkpoints)): when it
     /// passes position `pos` the engine copies the running state into `slot`. Empty on other
-    /// models and under the baseline policy. Held inline (no allocation per admission); it
+    /// models. Held inline (no allocation per admission); it
     /// derefs to a slice.
     pub mamba_checkpoints: MambaCheckpoints,
     /// The request's tracking slot (models with Mamba layers, where the policy keeps
@@ -233,7 +233,9 @@ pub struct Admitted {
     /// next request on the path. `None` on other models, without a spare slot, and with the
     /// disabled cache. A session turn served from its session's slot continues in the
     /// tracking slot the previous turn left (same slot, `pos` at its computed length floored
-    /// to a page).
+    /// to a page). Where the policy keeps chunk-end states, each chunk hands the slot to the
+    /// tree and the request continues with a fresh one
+    /// ([`KvCacheManager::mamba_track`](crate::KvCacheManager::mamba_track)).
     pub mamba_track: Option<MambaTrack>,
 }
 
@@ -263,8 +265,8 @@ pub enum WaitReason {
     /// cached state a running request has locked, so the request cannot get its own slot (a
     /// hit also keeps the state it copies from). A running request holds its running slot
     /// and, taken only while another slot stays obtainable for the next admission, up to
-    /// three optional ones (its tracking slot, [`Admitted::mamba_track`], and the Marconi
-    /// policy's checkpoints; `RequestKv::MAX_MAMBA_SLOTS` in all): a request that waits here
+    /// three optional ones (its tracking slot, [`Admitted::mamba_track`], and its branch
+    /// checkpoints; `RequestKv::MAX_MAMBA_SLOTS` in all): a request that waits here
     /// is never kept out by an optional slot taken after the last admission. A slot frees
     /// when a running request finishes (or a checkpoint is stored by its chunk).
     NoStateSlot,

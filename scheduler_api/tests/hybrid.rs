@@ -22,7 +22,8 @@ fn slot_bytes() -> u64 {
 }
 
 /// A Jamba-like manager of 1024 device tokens and `slots` state slots under the SGLang-style
-/// baseline (one slot per running request, a checkpoint at request end).
+/// baseline (a running slot and a tracking slot per running request; states at every chunk
+/// end, the branching point and the request end).
 fn manager(slots: u64) -> KvCacheManager {
     manager_with(slots, MambaPolicyKind::Sglang)
 }
@@ -248,19 +249,21 @@ fn openmetrics_exports_the_mamba_slots_and_state_counters() {
     let (b, _) = prefill(&mut kv, (0..12).collect());
     let text = kv.metrics().to_openmetrics();
     for line in [
-        // b's running slot and its tracking slot.
-        "radixkv_mamba_slots{state=\"free\"} 1\n",
+        // b's running slot and its (fresh) tracking slot.
+        "radixkv_mamba_slots{state=\"free\"} 0\n",
         "radixkv_mamba_slots{state=\"request_owned\"} 2\n",
-        // The copied state is unlocked once b's first chunk is done.
-        "radixkv_mamba_slots{state=\"evictable\"} 1\n",
+        // The chunk-end states at 8 (a's) and 12 (b's); the copied one is unlocked once b's
+        // first chunk is done.
+        "radixkv_mamba_slots{state=\"evictable\"} 2\n",
         "radixkv_mamba_slots{state=\"protected\"} 0\n",
         "radixkv_mamba_slot_capacity 4\n",
-        "radixkv_mamba_states_total{event=\"stored\"} 1\n",
+        "radixkv_mamba_states_total{event=\"stored\"} 2\n",
         "radixkv_mamba_states_total{event=\"hit\"} 1\n",
         "radixkv_mamba_states_total{event=\"evicted\"} 0\n",
         "radixkv_mamba_states_total{event=\"skipped\"} 0\n",
         "radixkv_kv_match_tokens_total 8\n",
-        // a ended a page: its running state was stored, not the tracked one.
+        // a ended a page: its running state was its chunk's (already stored), and the
+        // tracking slots were handed over at the chunks, not at a finish.
         "radixkv_mamba_tracking_total{event=\"stored\"} 0\n",
         "radixkv_mamba_tracking_total{event=\"skipped\"} 0\n",
     ] {
@@ -314,9 +317,10 @@ fn marconi_is_the_default_and_hands_the_engine_its_checkpoints() {
     let step = kv.begin_step();
     kv.chunk_done(r).unwrap();
     kv.end_step(step).unwrap();
-    // The chunk inserted the KV past 8: the checkpoint is the tree's now.
+    // The chunk inserted the KV past 8: the checkpoint is the tree's now, and so is the
+    // state at the chunk's end (16) from the tracking slot.
     assert!(kv.mamba_checkpoints(r).unwrap().is_empty());
-    assert_eq!(kv.metrics().counters.mamba_states_stored, 2);
+    assert_eq!(kv.metrics().counters.mamba_states_stored, 3);
     kv.finish(r).unwrap();
     balanced(&kv);
     // A third request on the same 8 tokens hits the branch-point state.
@@ -407,14 +411,25 @@ fn the_tracking_slot_is_handed_to_the_engine_and_follows_the_chunks() {
         assert_eq!(t.pos, 0, "{policy:?}: nothing cached, the zero state");
         assert_ne!(Some(t.slot), adm.mamba_slot);
         assert_eq!(kv.mamba_track(r).unwrap(), Some(t));
-        // Two chunks: 6 tokens (boundary 4 passed), then 4 more (boundary 8).
-        for (n, pos) in [(6, 4), (4, 8)] {
+        // Two chunks: 6 tokens (boundary 4 passed), then 4 more (boundary 8). Each hands the
+        // tracked state to the tree (the state at the chunk's end) and the request goes on
+        // with a fresh tracking slot, which the engine reads again.
+        let mut last = t;
+        for (i, (n, pos)) in [(6, 4), (4, 8)].into_iter().enumerate() {
             kv.extend(r, n).unwrap();
             let step = kv.begin_step();
             kv.chunk_done(r).unwrap();
             kv.end_step(step).unwrap();
             let now = kv.mamba_track(r).unwrap().unwrap();
-            assert_eq!((now.slot, now.pos), (t.slot, pos), "{policy:?}");
+            assert_eq!(now.pos, pos, "{policy:?}");
+            assert_ne!(now.slot, last.slot, "{policy:?}: a fresh slot");
+            assert_ne!(Some(now.slot), adm.mamba_slot);
+            assert_eq!(
+                kv.mamba_accounting().unwrap().evictable,
+                i + 1,
+                "{policy:?}"
+            );
+            last = now;
         }
         kv.check_invariants().unwrap();
         kv.finish(r).unwrap();
@@ -437,38 +452,41 @@ fn the_tracking_slot_is_handed_to_the_engine_and_follows_the_chunks() {
 fn an_unaligned_finish_stores_the_tracked_state_at_the_page_floor_and_the_next_request_hits_it() {
     for policy in MambaPolicyKind::ALL {
         let mut kv = manager_with(8, policy);
-        // 10 prompt tokens and one decoded: 11 computed at the finish, which ends no page.
-        let (r, adm) = prefill(&mut kv, (0..10).collect());
-        let track = adm.mamba_track.expect("a tracking slot");
-        decode(&mut kv, r, 1);
+        // 10 prompt tokens (the chunk hands the state at 8 over) and three decoded: 13
+        // computed at the finish, which ends no page.
+        let (r, _) = prefill(&mut kv, (0..10).collect());
+        let track = kv.mamba_track(r).unwrap().expect("a tracking slot");
+        assert_eq!(track.pos, 8);
+        decode(&mut kv, r, 3);
         kv.finish(r).unwrap();
         let m = kv.metrics();
         assert_eq!(m.counters.mamba_tracked_stored, 1, "{policy:?}");
-        assert_eq!(m.counters.mamba_states_stored, 1, "{policy:?}");
+        assert_eq!(m.counters.mamba_states_stored, 2, "{policy:?}");
         assert_eq!(m.gauges.mamba_slots_request_owned, 0);
         assert_eq!(
-            m.gauges.mamba_slots_evictable, 1,
-            "only the tracked state stays"
+            m.gauges.mamba_slots_evictable, 2,
+            "the chunk's state and the tracked one stay"
         );
         balanced(&kv);
 
-        // The next request on the path hits the state at 8 = floor(11, 4) and copies it
+        // The next request on the path hits the state at 12 = floor(13, 4) and copies it
         // from the tracking slot.
-        let mut tokens: Vec<u32> = (0..8).collect();
+        let mut tokens: Vec<u32> = (0..10).collect();
+        tokens.extend([1000, 1001]);
         tokens.extend(200..206);
         let (n, adm) = prefill(&mut kv, tokens);
         assert_eq!(
             (adm.device_tokens, adm.kv_match_tokens),
-            (8, 8),
+            (12, 12),
             "{policy:?}"
         );
         let cow = adm.mamba_cow.expect("a hit copies the cached state");
         assert_eq!(cow.src, track.slot, "the tracked state is the one stored");
-        assert_eq!(adm.mamba_track.map(|t| t.pos), Some(8));
+        assert_eq!(adm.mamba_track.map(|t| t.pos), Some(12));
         kv.finish(n).unwrap();
         let m = kv.metrics();
         assert_eq!(m.counters.mamba_state_hits, 1);
-        assert_eq!(m.counters.hit_tokens_device, 8);
+        assert_eq!(m.counters.hit_tokens_device, 12);
         assert_eq!(m.gauges.mamba_slots_request_owned, 0, "no slot leaks");
         assert_eq!(
             m.gauges.mamba_slots_free + m.gauges.mamba_slots_evictable,
@@ -485,8 +503,13 @@ fn an_aborted_request_frees_its_tracking_slot_and_stores_nothing() {
     assert!(adm.mamba_track.is_some());
     assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
     kv.abort(r).unwrap();
+    // The chunk's state (at 8) stays; the abort stores nothing more.
     let acc = kv.mamba_accounting().unwrap();
-    assert_eq!((acc.request_owned, acc.free), (0, 4), "{acc:?}");
+    assert_eq!(
+        (acc.request_owned, acc.free, acc.evictable),
+        (0, 3, 1),
+        "{acc:?}"
+    );
     assert_eq!(kv.metrics().counters.mamba_tracked_stored, 0);
     balanced(&kv);
 }
@@ -509,9 +532,9 @@ fn tracking_slots_are_only_taken_while_another_request_can_still_get_a_slot() {
     );
     assert_eq!(kv.mamba_accounting(), slots, "the wait holds no slot");
     assert_eq!(slots.unwrap().request_owned, 3);
-    // a finishes off a page: its tracked state is stored, its running slot freed; c runs
-    // (evicting nothing: a slot is free).
-    decode(&mut kv, a, 1);
+    // a finishes off a page, past its chunk's end (13 computed): its tracked state is
+    // stored, its running slot freed; c runs (evicting nothing: a slot is free).
+    decode(&mut kv, a, 3);
     kv.finish(a).unwrap();
     assert_eq!(kv.metrics().counters.mamba_tracked_stored, 1);
     let adm_c = admitted(&mut kv, c);

@@ -443,19 +443,10 @@ impl RadixCache {
         req.last_node = Some(r.kv.last_node);
         req.cache_protected_len = aligned;
         req.prefix_len = aligned;
-        // With the Mamba component, as without SWA: the chunk's forward has run (a hit's copy
-        // is done), and the checkpoints it passed are taken.
-        req.mamba_cow = None;
-        let stored = if req.mamba_checkpoints.is_empty() {
-            Ok(())
-        } else {
-            self.mamba.store_checkpoints(&mut self.tree, req, aligned)
-        };
-        if let Some(t) = &mut req.mamba_track {
-            t.pos = aligned;
-        }
+        // With the Mamba component, as without SWA.
+        let states = self.chunk_states(req, r.kv.last_node, aligned);
         self.debug_audit();
-        stored
+        states
     }
 
     /// [`PrefixCache::cache_finished_req`] with the SWA component: inserts the full KV and

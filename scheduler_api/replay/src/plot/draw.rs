@@ -249,18 +249,26 @@ fn bars<DB: DrawingBackend>(
     body: &DrawingArea<DB, Shift>,
 ) -> Result<(), Failure> {
     let label_style = text(13.0, HPos::Right, VPos::Center);
-    let mut label_w = 0;
+    let note_style = text(13.0, HPos::Left, VPos::Center);
+    let (mut label_w, mut note_w) = (0, 0);
     for r in &b.rows {
         label_w = label_w.max(
             root.estimate_text_size(&r.label, &label_style)
                 .map_err(fail)?
                 .0,
         );
+        note_w = note_w.max(
+            root.estimate_text_size(&r.note, &note_style)
+                .map_err(fail)?
+                .0,
+        );
     }
+    // The notes right of the plot get the room the longest one needs.
+    let note_w = NOTE_W.max(i32::try_from(note_w).unwrap_or(NOTE_W) + 16);
     let n = b.rows.len().max(1) as f64;
     let mut chart = ChartBuilder::on(body)
         .margin_left(MARGIN)
-        .margin_right(NOTE_W)
+        .margin_right(note_w)
         .margin_top(4)
         .margin_bottom(8)
         .x_label_area_size(X_AXIS_H)
@@ -304,7 +312,7 @@ fn bars<DB: DrawingBackend>(
         root.draw(&Text::new(
             row.note.as_str(),
             (right + 8, py),
-            text(13.0, HPos::Left, VPos::Center),
+            note_style.clone(),
         ))
         .map_err(fail)?;
     }

@@ -125,7 +125,10 @@ const MAX_LINES: usize = 6;
 const ALIKE: f64 = 0.01;
 
 /// The standard charts of a set of reports: hit ratio per configuration (with the ideal),
-/// TTFT p50/p99 per configuration, device pool occupancy over time.
+/// TTFT p50/p99 per configuration, device pool occupancy over time; for models with Mamba or
+/// sliding-window layers also the occupancy of each pool over time (`pools`), the usable hit
+/// against the KV match per configuration (`usable_hit`) and, with the model's compute shape,
+/// the share of prefill FLOPs the hits saved (`flops_saved`).
 pub fn report_charts(reports: &[&Report]) -> Vec<(&'static str, Chart)> {
     // Best first: the highest hit ratio on top, in both bar charts, so rows line up.
     let mut order: Vec<&Report> = reports.to_vec();
@@ -133,11 +136,206 @@ pub fn report_charts(reports: &[&Report]) -> Vec<(&'static str, Chart)> {
     // The ideal is the trace's, the same for every configuration of a comparison (see
     // `sim::compare`), as the table's footer prints it.
     let ideal = reports.first().map_or(0.0, |r| r.ideal_hit_ratio);
-    vec![
+    let mut charts = vec![
         ("hit_ratio", Chart::Bars(hit_ratio_chart(&order, ideal))),
         ("ttft", Chart::Bars(ttft_chart(&order))),
         ("occupancy", Chart::Lines(occupancy_chart(&order))),
-    ]
+    ];
+    if order.iter().any(|r| r.mamba.is_some() || r.swa.is_some()) {
+        charts.push(("pools", Chart::Lines(pools_chart(&order))));
+        charts.push(("usable_hit", Chart::Bars(usable_hit_chart(&order, ideal))));
+        if order.iter().any(|r| r.prefill_flops.is_some()) {
+            charts.push(("flops_saved", Chart::Bars(flops_saved_chart(&order))));
+        }
+    }
+    charts
+}
+
+/// One pool's occupancy: its name, and the fractions in use and cached of a sample (`None`
+/// where the model lacks the pool).
+type PoolColumns = (
+    &'static str,
+    fn(&OccupancySample) -> Option<f64>,
+    fn(&OccupancySample) -> Option<f64>,
+);
+
+/// The pools a hybrid report samples: the full-attention KV pages, the Mamba state slots and
+/// the sliding-window pages.
+const POOLS: [PoolColumns; 3] = [
+    ("KV pages", |o| Some(o.in_use), |o| Some(o.cached)),
+    ("Mamba slots", |o| o.mamba_in_use, |o| o.mamba_cached),
+    ("SWA pages", |o| o.swa_in_use, |o| o.swa_cached),
+];
+
+/// Per-pool occupancy over time. One configuration: every pool the model has, in use and
+/// cached. Several: the cached part of each extra pool per configuration (the part the
+/// policies decide; alike curves drawn once).
+fn pools_chart(order: &[&Report]) -> LineChart {
+    let window = order
+        .iter()
+        .map(|r| smoothing_window(r.occupancy.len()))
+        .max()
+        .unwrap_or(1);
+    let seconds = order
+        .iter()
+        .map(|r| window_seconds(&r.occupancy, window))
+        .fold(0.0, f64::max);
+    let smoothing = if window > 1 {
+        format!("moving average over {window} samples, about {seconds:.1} s")
+    } else {
+        "raw samples".into()
+    };
+    let has = |r: &Report, f: fn(&OccupancySample) -> Option<f64>| {
+        r.occupancy.first().and_then(f).is_some()
+    };
+    let line = |name: String, r: &Report, f: fn(&OccupancySample) -> Option<f64>| Series {
+        name,
+        points: moving_average_opt(&r.occupancy, window, f),
+    };
+    let series = if let [r] = order {
+        POOLS
+            .iter()
+            .filter(|(_, in_use, _)| has(r, *in_use))
+            .flat_map(|&(pool, in_use, cached)| {
+                [
+                    line(format!("{pool} in use"), r, in_use),
+                    line(format!("{pool} cached"), r, cached),
+                ]
+            })
+            .collect()
+    } else {
+        let all = POOLS[1..]
+            .iter()
+            .flat_map(|&(pool, _, cached)| {
+                order
+                    .iter()
+                    .filter(move |r| has(r, cached))
+                    .map(move |r| line(format!("{}: {pool} cached", r.config), r, cached))
+            })
+            .collect();
+        distinct_lines(all)
+    };
+    LineChart {
+        title: format!("occupancy per pool ({smoothing})"),
+        x_axis: "simulated time (s)".into(),
+        y_axis: "fraction of each pool".into(),
+        series,
+        y_max: 1.0,
+    }
+}
+
+/// [`moving_average`] of an optional column (0 where a sample lacks it).
+fn moving_average_opt(
+    samples: &[OccupancySample],
+    window: usize,
+    f: fn(&OccupancySample) -> Option<f64>,
+) -> Vec<(f64, f64)> {
+    let window = window.max(1);
+    let mut sum = 0.0;
+    let mut out = Vec::with_capacity(samples.len());
+    for (i, s) in samples.iter().enumerate() {
+        sum += f(s).unwrap_or(0.0);
+        if let Some(old) = i.checked_sub(window).and_then(|j| samples.get(j)) {
+            sum -= f(old).unwrap_or(0.0);
+        }
+        out.push((s.t_s, sum / (i + 1).min(window) as f64));
+    }
+    out
+}
+
+/// Per configuration, the KV match (how far the device KV matched) with the usable hit (the
+/// part that ends at a cached state, or a full window of live window KV) drawn inside it.
+fn usable_hit_chart(order: &[&Report], ideal: f64) -> BarChart {
+    let rows = order
+        .iter()
+        .map(|r| BarRow {
+            label: r.config.clone(),
+            values: vec![r.kv_match_ratio.max(r.hit_ratio.device), r.hit_ratio.device],
+            note: format!(
+                "{:.4} of {:.4}",
+                r.hit_ratio.device,
+                r.kv_match_ratio.max(r.hit_ratio.device)
+            ),
+        })
+        .collect();
+    let (start, end) = if order.len() == 1 {
+        (0.0, 1.0)
+    } else {
+        ratio_axis(
+            order
+                .iter()
+                .flat_map(|r| [r.kv_match_ratio, r.hit_ratio.device])
+                .filter(|&v| v > 0.0),
+            ideal,
+        )
+    };
+    BarChart {
+        title: "usable hit vs KV match (token ratios)".into(),
+        axis: if start > 0.0 {
+            format!(
+                "fraction of prompt tokens (axis starts at {}, not 0)",
+                fmt_ratio(start)
+            )
+        } else {
+            "fraction of prompt tokens".into()
+        },
+        series: vec![
+            "KV match".into(),
+            if order.iter().any(|r| r.mamba.is_some()) {
+                "usable hit (ends at a cached Mamba state)".into()
+            } else {
+                "usable hit (a full live window before its end)".into()
+            },
+        ],
+        rows,
+        stacked: false,
+        reference: Some((format!("ideal, infinite cache ({ideal:.4})"), ideal)),
+        axis_start: start,
+        axis_end: end,
+    }
+}
+
+/// Per configuration, the share of the prompts' prefill FLOPs the usable hits saved.
+fn flops_saved_chart(order: &[&Report]) -> BarChart {
+    let rows = order
+        .iter()
+        .map(|r| {
+            let f = r.prefill_flops.unwrap_or_default();
+            BarRow {
+                label: r.config.clone(),
+                values: vec![f.saved_fraction()],
+                note: format!("{:.1} % of {:.2e}", 100.0 * f.saved_fraction(), f.prompt),
+            }
+        })
+        .collect();
+    let (start, end) = if order.len() == 1 {
+        (0.0, 1.0)
+    } else {
+        ratio_axis(
+            order
+                .iter()
+                .filter_map(|r| r.prefill_flops.map(|f| f.saved_fraction()))
+                .filter(|&v| v > 0.0),
+            0.0,
+        )
+    };
+    BarChart {
+        title: "prefill FLOPs saved by the hits".into(),
+        axis: if start > 0.0 {
+            format!(
+                "fraction of the prompts' prefill FLOPs (axis starts at {}, not 0)",
+                fmt_ratio(start)
+            )
+        } else {
+            "fraction of the prompts' prefill FLOPs".into()
+        },
+        series: vec!["prefill FLOPs saved".into()],
+        rows,
+        stacked: true,
+        reference: None,
+        axis_start: start,
+        axis_end: end,
+    }
 }
 
 fn hit_ratio_chart(order: &[&Report], ideal: f64) -> BarChart {

@@ -138,3 +138,129 @@ fn a_single_run_reads_its_hit_ratio_against_the_whole_scale() {
     assert!(c.axis_start > 0.5, "{}", c.axis_start);
     assert!(c.axis.contains("not 0"), "{}", c.axis);
 }
+
+fn hybrid_report(config: &str, usable: f64, matched: f64) -> Report {
+    let mut r = Report {
+        config: config.into(),
+        mamba: Some(crate::sim::MambaReport {
+            policy: "marconi",
+            slots: 8,
+            ..Default::default()
+        }),
+        prefill_flops: Some(crate::sim::PrefillFlops {
+            prompt: 4.0e18,
+            saved: 4.0e18 * usable,
+        }),
+        kv_match_ratio: matched,
+        occupancy: (0..100)
+            .map(|i| OccupancySample {
+                t_s: f64::from(i),
+                in_use: 0.5,
+                cached: 0.3,
+                mamba_in_use: Some(0.2),
+                mamba_cached: Some(0.1 + usable / 2.0),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    r.hit_ratio.overall = usable;
+    r.hit_ratio.device = usable;
+    r
+}
+
+fn svg_of(charts: &[(&str, Chart)], name: &str) -> String {
+    let (_, c) = charts
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no {name} chart"));
+    let svg = c.to_svg(name).unwrap();
+    let png = c.to_png(name).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}.png");
+    svg
+}
+
+#[test]
+fn a_hybrid_run_adds_the_pool_usable_hit_and_flops_charts() {
+    let r = hybrid_report("radix-lru+mamba-marconi", 0.82, 0.91);
+    let charts = report_charts(&[&r]);
+    let names: Vec<&str> = charts.iter().map(|c| c.0).collect();
+    assert_eq!(
+        names,
+        [
+            "hit_ratio",
+            "ttft",
+            "occupancy",
+            "pools",
+            "usable_hit",
+            "flops_saved"
+        ]
+    );
+    let pools = svg_of(&charts, "pools");
+    for label in [
+        "occupancy per pool",
+        "KV pages in use",
+        "KV pages cached",
+        "Mamba slots in use",
+        "Mamba slots cached",
+        "fraction of each pool",
+        "simulated time (s)",
+    ] {
+        assert!(pools.contains(label), "pools: {label} missing");
+    }
+    assert!(!pools.contains("SWA"), "a pool the model lacks is drawn");
+    let usable = svg_of(&charts, "usable_hit");
+    for label in [
+        "KV match",
+        "usable hit (ends at a cached Mamba state)",
+        "0.8200 of 0.9100",
+        "ideal, infinite cache",
+    ] {
+        assert!(usable.contains(label), "usable_hit: {label} missing");
+    }
+    let flops = svg_of(&charts, "flops_saved");
+    for label in ["prefill FLOPs saved", "82.0 %", "radix-lru+mamba-marconi"] {
+        assert!(flops.contains(label), "flops_saved: {label} missing");
+    }
+    // The KV match bar is the longer one, the usable hit inside it.
+    let Chart::Bars(b) = &charts[4].1 else {
+        panic!("bars expected")
+    };
+    assert_eq!(b.rows[0].values, [0.91, 0.82]);
+    assert!(!b.stacked);
+}
+
+#[test]
+fn a_comparison_draws_the_cached_states_of_each_configuration() {
+    let a = hybrid_report("radix-lru+mamba-marconi", 0.82, 0.91);
+    let b = hybrid_report("radix-lru+mamba-sglang", 0.40, 0.91);
+    let charts = report_charts(&[&b, &a]);
+    let Some((_, Chart::Lines(pools))) = charts.iter().find(|c| c.0 == "pools") else {
+        panic!("no pools chart")
+    };
+    let names: Vec<&str> = pools.series.iter().map(|s| s.name.as_str()).collect();
+    // Best first, as in the hit-ratio chart.
+    assert_eq!(
+        names,
+        [
+            "radix-lru+mamba-marconi: Mamba slots cached",
+            "radix-lru+mamba-sglang: Mamba slots cached"
+        ]
+    );
+    let flops = svg_of(&charts, "flops_saved");
+    assert!(flops.contains("40.0 %") && flops.contains("82.0 %"));
+}
+
+#[test]
+fn a_model_without_extra_pools_gets_no_hybrid_chart() {
+    let r = Report {
+        config: "radix-lru".into(),
+        prefill_flops: Some(crate::sim::PrefillFlops {
+            prompt: 1.0,
+            saved: 0.5,
+        }),
+        ..Default::default()
+    };
+    let names: Vec<&str> = report_charts(&[&r]).iter().map(|c| c.0).collect();
+    assert_eq!(names, ["hit_ratio", "ttft", "occupancy"]);
+}
