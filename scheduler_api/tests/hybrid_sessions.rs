@@ -87,7 +87,9 @@ fn three_turns_continue_in_the_held_state_slot_and_close_frees_it() {
         let a1 = turn(&mut kv, 7, t1.clone(), 3);
         assert_eq!(a1.cached_tokens(), 0);
         let slot = a1.mamba_slot.expect("a running state slot");
-        let track = a1.mamba_track.expect("a tracking slot").slot;
+        // Turn 1's chunk handed its tracking slot to the tree (the state at 8) and took a
+        // fresh one, which the idle session holds.
+        let handed = a1.mamba_track.expect("a tracking slot").slot;
         // The idle session holds the running state (a request-held slot of the pool).
         assert!(kv.mamba_accounting().unwrap().request_owned >= 1);
         // Turn 2 extends turn 1 (prompt + both fed-back outputs): it continues at the whole
@@ -100,7 +102,9 @@ fn three_turns_continue_in_the_held_state_slot_and_close_frees_it() {
         assert_eq!(a2.mamba_cow, None);
         // The turn keeps tracking in the slot the session held, from the held length (12
         // computed) on.
-        assert_eq!(a2.mamba_track.map(|t| (t.slot, t.pos)), Some((track, 12)));
+        let track = a2.mamba_track.expect("the session's tracking slot");
+        assert_eq!(track.pos, 12, "{policy:?}");
+        assert!(track.slot != slot && track.slot != handed, "{policy:?}");
         // Turn 3: 17 held tokens, not page-aligned, and no state in the tree there: still the
         // whole length (a tree match would stop at a cached state).
         let mut t3 = t2.clone();
@@ -109,6 +113,8 @@ fn three_turns_continue_in_the_held_state_slot_and_close_frees_it() {
         assert_eq!(a3.device_tokens, 17, "{policy:?}");
         assert_eq!(a3.mamba_slot, Some(slot));
         assert_eq!(a3.mamba_cow, None);
+        // Session turns stay in the session's row (no chunk insert): the slot travels on.
+        assert_eq!(a3.mamba_track.map(|t| t.slot), Some(track.slot));
         kv.close_session(7).unwrap();
         kv.drain().unwrap();
         balanced(&kv);
@@ -155,15 +161,25 @@ fn a_request_short_of_a_state_slot_demotes_an_idle_session() {
 #[test]
 fn demoting_a_session_off_a_page_boundary_stores_the_tracked_state_and_close_frees_it() {
     for policy in [MambaPolicyKind::Sglang, MambaPolicyKind::Marconi] {
-        // Three slots. Session 7's turn: 10 prompt tokens, one decoded, 11 computed (no page
-        // end); its idle slot holds the running state and the tracking slot.
+        // Three slots. Session 7's turn: 10 prompt tokens (the chunk hands the state at 8 to
+        // the tree from the tracking slot and takes a fresh one), three decoded, 13 computed
+        // (no page end); its idle slot holds the running state and the fresh tracking slot.
         let mut kv = manager(3, policy);
-        let a1 = turn(&mut kv, 7, (0..10).collect(), 2);
-        let track = a1.mamba_track.expect("a tracking slot").slot;
-        assert_eq!(kv.mamba_accounting().unwrap().request_owned, 2);
-        // r takes the free slot (no spare left for tracking); q finds none free and demotes
-        // the session: its KV goes to the tree with the tracked state at floor(11, 4) = 8,
-        // and q gets the freed running slot.
+        let (t1, _) = start(&mut kv, Some(7), (0..10).collect(), 4);
+        let track = kv.mamba_track(t1).unwrap().expect("a fresh tracking slot");
+        assert_eq!(track.pos, 8, "{policy:?}");
+        for t in 0..3 {
+            kv.decode(t1, 9_000 + t).unwrap();
+            let step = kv.begin_step();
+            kv.end_step(step).unwrap();
+        }
+        kv.finish(t1).unwrap();
+        balanced(&kv);
+        let m = kv.mamba_accounting().unwrap();
+        assert_eq!((m.request_owned, m.evictable), (2, 1), "{policy:?}");
+        // r takes the last obtainable slot (evicting the chunk's state; no spare left for
+        // tracking); q finds none and demotes the session: its KV goes to the tree with the
+        // tracked state at floor(13, 4) = 12, and q gets the freed running slot.
         let (r, ar) = start(&mut kv, None, (100..110).collect(), 1);
         assert_eq!(ar.mamba_track, None, "{policy:?}");
         let (q, _) = start(&mut kv, None, (200..210).collect(), 1);
@@ -172,12 +188,13 @@ fn demoting_a_session_off_a_page_boundary_stores_the_tracked_state_and_close_fre
         kv.finish(r).unwrap();
         kv.finish(q).unwrap();
         balanced(&kv);
-        // A request on the first 8 tokens hits the stored state, copied from that slot.
-        let mut tokens: Vec<u32> = (0..8).collect();
+        // A request on the first 12 tokens hits the stored state, copied from that slot.
+        let mut tokens: Vec<u32> = (0..10).collect();
+        tokens.extend([9_000, 9_001]);
         tokens.extend(300..306);
         let (id, a) = start(&mut kv, None, tokens, 1);
-        assert_eq!(a.device_tokens, 8, "{policy:?}");
-        assert_eq!(a.mamba_cow.map(|c| c.src), Some(track));
+        assert_eq!(a.device_tokens, 12, "{policy:?}");
+        assert_eq!(a.mamba_cow.map(|c| c.src), Some(track.slot));
         kv.finish(id).unwrap();
         // Closing an idle session releases its KV and frees both of its state slots.
         turn(&mut kv, 8, (400..410).collect(), 2);
