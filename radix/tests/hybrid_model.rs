@@ -440,3 +440,71 @@ fn the_cascade_and_both_validators_by_hand() {
     assert_eq!(h.c.mamba_accounting().unwrap().evictable, 0, "the cascade");
     assert_eq!(h.matched(&mut RequestKv::new(RadixKey::new(key))), 0);
 }
+
+/// Fuzz finding (hybrid_ops, both components): a running request's hit holds the cached
+/// state's lock; once its window slid past the cached prefix its window locks are gone, so the
+/// window KV under that state may be tombstoned while the state is still locked (the cascade
+/// keeps a locked state). When the request then ends and releases the state, the state must
+/// go with its window (the cascade, deferred to the unlock) instead of staying unlocked on a
+/// tombstone.
+#[test]
+fn a_state_unlocked_on_a_window_tombstone_is_dropped() {
+    for (per_node, kind) in [
+        (false, FinishKind::Finished),
+        (false, FinishKind::Aborted),
+        (true, FinishKind::Finished),
+        (true, FinishKind::Aborted),
+    ] {
+        let mut h = Harness::new(MambaPolicy::Sglang, 4, 64, 32, 8);
+        let key: Vec<TokenId> = (0..9).collect();
+        let mut r = RequestKv::new(RadixKey::new(key.clone()));
+        h.c.match_request(&mut r).unwrap();
+        h.c.begin_request(&mut r).unwrap();
+        h.c.alloc_tokens(&mut r, 9).unwrap();
+        r.commit(9).unwrap();
+        h.c.cache_finished_req(&mut r, FinishKind::Finished)
+            .unwrap();
+        // A second request hits the cached state, then decodes far past the window.
+        let mut r = RequestKv::new(RadixKey::new(key.clone()));
+        h.c.match_request(&mut r).unwrap();
+        assert_eq!(r.prefix_len, 8, "the hit on the cached state");
+        h.c.begin_request(&mut r).unwrap();
+        let node = r.last_node.expect("the hit's node");
+        h.c.alloc_tokens(&mut r, 1).unwrap();
+        r.commit(1).unwrap();
+        for t in 100..112 {
+            r.append_tokens(&[t]);
+            h.c.alloc_tokens(&mut r, 1).unwrap();
+            r.commit(1).unwrap();
+        }
+        h.c.slide_window(&mut r).unwrap();
+        assert!(r.swa_evicted_len >= r.cache_protected_len);
+        assert!(
+            h.c.tree().mamba_lock_ref(node).unwrap() > 0,
+            "the hit's state lock"
+        );
+        // Its window KV is unlocked now: tombstone it while the state is locked.
+        if per_node {
+            h.c.parts_mut().0.evict_swa_node(node).unwrap();
+        } else {
+            h.c.evict_swa(usize::MAX);
+        }
+        h.c.check_invariants().unwrap();
+        assert!(
+            h.c.tree().mamba_state(node).unwrap().is_some(),
+            "locked: kept"
+        );
+        h.c.cache_finished_req(&mut r, kind).unwrap();
+        h.c.check_invariants().unwrap();
+        let m = h.c.mamba_accounting().unwrap();
+        assert!(m.balanced(), "{m:?}");
+        if h.c.tree().contains(node) && h.c.swa_accounting().is_some() {
+            let t = h.c.tree();
+            let tomb = t.swa_pages(node).unwrap().is_none();
+            assert!(
+                !(tomb && t.mamba_state(node).unwrap().is_some()),
+                "an unlocked state stayed on a window tombstone ({per_node}, {kind:?})"
+            );
+        }
+    }
+}

@@ -501,8 +501,10 @@ impl RadixTree {
     }
 
     /// Releases the Mamba lock a receipt holds (validation happens before; see
-    /// [`RadixTree::dec_lock_ref`]).
+    /// [`RadixTree::dec_lock_ref`]). A state whose window KV was tombstoned while it was
+    /// locked goes now: the cascade (SWA before Mamba) that its lock deferred.
     pub(super) fn mamba_unlock(&mut self, idx: u32) {
+        let tombstone = self.swa.as_deref().is_some_and(|w| !w.live(idx));
         if let Some(m) = self.mamba.as_deref_mut() {
             let e = m.entry(idx);
             e.lock -= 1;
@@ -510,6 +512,9 @@ impl RadixTree {
                 let t = e.tick;
                 m.lru.insert((t, idx));
                 m.protected -= 1;
+                if tombstone {
+                    m.drop_unlocked_state(idx);
+                }
             }
         }
     }
