@@ -37,15 +37,15 @@ pub(super) struct SwaNode {
     /// Host pages (indices of the owner's host SWA pool) holding a copy of the window KV, one
     /// per page of the node's key.
     pub(super) host: Vec<u32>,
-    /// Receipts that locked this node's window KV.
-    lock: u32,
+    /// Receipts (and pins, see `swa_tier`) that locked this node's window KV.
+    pub(super) lock: u32,
     /// The component's recency tick (the LRU key while unlocked and live).
     pub(super) tick: u64,
     /// The generation of the node that got the pages, device or host (the audit catches pages
     /// left behind on a reused arena index).
     pub(super) generation: u32,
     /// Non-zero when this node is the top of the SWA locks of one or more receipts.
-    mark: u64,
+    pub(super) mark: u64,
 }
 
 impl SwaNode {
@@ -64,7 +64,7 @@ pub(crate) struct SwaComponent {
     pub(super) lru: BTreeSet<(u64, u32)>,
     /// Tree-held window pages of unlocked / locked nodes.
     pub(super) evictable: usize,
-    protected: usize,
+    pub(super) protected: usize,
     clock: u64,
     next_mark: u64,
 }

@@ -146,6 +146,76 @@ impl RadixTree {
         Ok(())
     }
 
+    /// Pins the live window KV of node `id` (a backup or load copying it): it cannot be
+    /// tombstoned until [`RadixTree::unpin_swa_pages`]. The caller holds a KV lock on the node
+    /// for as long (a pin counts as an SWA lock, which the audit bounds by the KV lock). A
+    /// split while pinned leaves both parts pinned; the unpin walks up over them.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`];
+    /// [`CacheError::InvalidRequestState`] for a node without live window KV or without a KV
+    /// lock. Nothing changes on error.
+    pub fn pin_swa_pages(&mut self, id: NodeId) -> Result<()> {
+        let idx = self.resolve(id)?;
+        let w = self.swa_ref_tier()?;
+        let held = w.get(idx).map_or(0, |e| e.lock);
+        if !w.live(idx) || self.nodes[idx as usize].lock_ref <= held {
+            return Err(CacheError::InvalidRequestState(
+                "only live window KV of a KV-locked node can be pinned",
+            ));
+        }
+        let w = self.swa_tier_mut()?;
+        let e = w.entry(idx);
+        e.lock += 1;
+        if e.lock == 1 {
+            let (t, n) = (e.tick, e.pages.len());
+            w.lru.remove(&(t, idx));
+            w.evictable -= n;
+            w.protected += n;
+        }
+        Ok(())
+    }
+
+    /// Releases a pin of [`RadixTree::pin_swa_pages`] on node `id`, which held `pages` window
+    /// pages when it was pinned: the node and, when it was split since, the upper parts above
+    /// it until `pages` pages are covered.
+    ///
+    /// # Errors
+    /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`];
+    /// [`CacheError::LockUnderflow`] when those nodes do not hold the pin (nothing changes
+    /// then).
+    pub fn unpin_swa_pages(&mut self, id: NodeId, pages: usize) -> Result<()> {
+        let idx = self.resolve(id)?;
+        let w = self.swa_ref_tier()?;
+        let mut span = Vec::new();
+        let (mut i, mut covered) = (idx, 0);
+        while covered < pages.max(1) {
+            let e = w.get(i).filter(|e| e.live() && e.lock > 0);
+            let Some(e) = e.filter(|_| i != self.root) else {
+                return Err(CacheError::LockUnderflow(self.id_of(i)));
+            };
+            covered += e.pages.len();
+            span.push(i);
+            i = self.nodes[i as usize].parent;
+        }
+        if covered != pages.max(1) {
+            return Err(CacheError::LockUnderflow(id));
+        }
+        let w = self.swa_tier_mut()?;
+        for i in span {
+            let e = w.entry(i);
+            e.lock -= 1;
+            if e.lock == 0 {
+                e.mark = 0;
+                let (t, n) = (e.tick, e.pages.len());
+                w.lru.insert((t, i));
+                w.protected -= n;
+                w.evictable += n;
+            }
+        }
+        Ok(())
+    }
+
     /// Every node with a host copy of its window KV, with its host pages (`O(nodes)`, for
     /// audits).
     ///
@@ -422,6 +492,29 @@ mod tests {
         t.set_swa_host_pages(b, vec![7]).unwrap();
         assert!(t.check().is_err());
         t.take_swa_host_pages(b).unwrap();
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn a_pin_survives_a_split_and_unpins_both_parts() {
+        let mut t = tree();
+        let n = insert(&mut t, &[1, 2, 3, 4, 5, 6], 0);
+        assert!(t.pin_swa_pages(n).is_err(), "no KV lock");
+        let lock = t.inc_lock_ref(n).unwrap();
+        t.pin_swa_pages(n).unwrap();
+        assert_eq!(t.evict_swa(usize::MAX), 0, "pinned window KV stays");
+        t.match_prefix(KeyRef::new(&[1, 2, 9, 9]), &mut Vec::new());
+        let upper = t.parent(n).unwrap().unwrap();
+        assert_eq!(t.swa_lock_ref(upper).unwrap(), 1);
+        t.check().unwrap();
+        assert!(t.unpin_swa_pages(n, 4).is_err(), "wrong page count");
+        t.unpin_swa_pages(n, 3).unwrap();
+        assert_eq!(t.swa_lock_ref(upper).unwrap(), 0);
+        assert_eq!(t.swa_lock_ref(n).unwrap(), 0);
+        assert!(t.unpin_swa_pages(n, 3).is_err(), "unpinned twice");
+        t.dec_lock_ref(lock).unwrap();
+        t.check().unwrap();
+        assert_eq!(t.evict_swa(usize::MAX), 3);
         t.check().unwrap();
     }
 }
