@@ -164,7 +164,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut at = 0;
         let mut swa_pins = Vec::new();
         for (n, dev) in &windows {
-            tree.set_swa_host_pages(*n, swa_host[at..at + dev.len()].to_vec())?;
+            // The controller allocates one host page per device page it was given.
+            let Some(h) = swa_host.get(at..at + dev.len()) else {
+                debug_assert!(false, "the controller allocated too few host SWA pages");
+                break;
+            };
+            tree.set_swa_host_pages(*n, h.to_vec())?;
             at += dev.len();
             if pin {
                 // The chain's lock covers the node's KV; the pin keeps its window pages from
