@@ -99,9 +99,9 @@
 //!
 //! ## Not yet here
 //! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
-//! [`HiRadixCache`] moves Mamba states with their KV (the tree's Mamba component; see its
-//! module docs, "Extra pools"); sliding-window KV under the host tier is not carried yet (a
-//! radix configuration with SWA layers is refused).
+//! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
+//! and SWA components; see its module docs, "Extra pools"); one tree with both components is
+//! refused under the host tier.
 
 mod backend;
 mod controller;

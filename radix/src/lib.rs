@@ -181,6 +181,7 @@ pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
 pub use tree::mamba_tier::MambaHostHit;
 pub use tree::swa::{SwaInsert, SwaMatch};
+pub use tree::swa_tier::SwaHostHit;
 pub use tree::tier::TierWalk;
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{

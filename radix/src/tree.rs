@@ -667,6 +667,7 @@ mod locks;
 pub(crate) mod mamba;
 pub(crate) mod mamba_tier;
 pub(crate) mod swa;
+pub(crate) mod swa_tier;
 #[cfg(test)]
 mod tests;
 pub(crate) mod tier;

@@ -93,8 +93,37 @@
 //!   wait. A failed load is repaired (KV and state copied again) or demoted like a KV-only
 //!   one.
 //!
-//! Sliding-window KV is not carried by this cache yet: a `radix` with
-//! [`RadixConfig::swa`] is refused.
+//! # Extra pools: sliding-window KV
+//! With [`RadixConfig::swa`] the controller gets an SWA pool ([`PoolName::Swa`]) whose device
+//! side is the tree's SWA page pool ([`SlotOwner::Caller`]) and whose host side holds
+//! [`HiCacheConfig::swa_host_pages`] pages of [`HiCacheConfig::swa_page_bytes`] each. A node's
+//! window KV follows its KV through the tier states:
+//! - **Backup.** A backup carries the live device window pages of its chain's nodes as one
+//!   extra [`PoolTransfer`] of the same operation (one ack covers both); until the ack they are
+//!   pinned ([`RadixTree::pin_swa_pages`]), so no SWA page a copy reads is tombstoned and
+//!   reused. A node whose window KV is a tombstone at backup time, or whose window KV came back
+//!   after its KV was backed up, stays a *host tombstone* (no host copy of its window KV). A
+//!   failed backup frees its host window pages with its host KV.
+//! - **Host pages short.** A backup that finds too few free host SWA pages host-evicts
+//!   host-only leaves until enough are free; if that is not enough, the window pages of the
+//!   shallowest nodes are left out (counted in [`HiCacheStats::swa_host_full`]): their KV is
+//!   backed up without them.
+//! - **Device SWA eviction** (a tombstone) and **device eviction** keep the host copy; **host
+//!   eviction** of a host-only leaf frees it ([`HiCacheStats::swa_host_pages_evicted`]).
+//! - **Load-back.** A match is usable only where a full window of window KV precedes its end
+//!   (the tree's window rule); [`PrefixCache::match_request`] reports as the host hit the way
+//!   to the deepest node past the device match whose window is live on device or on the host
+//!   ([`RadixTree::match_swa_tiered`]). `begin_request` loads, in one operation, the host-only
+//!   KV down to that node and the host window pages of the nodes in the window before its end
+//!   into SWA pages taken from the tree's pool (all or nothing), which become their device
+//!   window pages, pinned until the ack. A failed load is repaired (KV and window pages copied
+//!   again) or demoted (the loaded window pages tombstoned).
+//!
+//! One tree carrying both Mamba states and sliding-window KV is refused under the host tier
+//! (the tiered match over both components is not built).
+//!
+//! [`RadixTree::pin_swa_pages`]: radixkv_radix::RadixTree::pin_swa_pages
+//! [`RadixTree::match_swa_tiered`]: radixkv_radix::RadixTree::match_swa_tiered
 //!
 //! [`RadixTree::inc_lock_ref_mamba`]: radixkv_radix::RadixTree::inc_lock_ref_mamba
 //! [`PoolTransfer`]: crate::PoolTransfer
@@ -102,6 +131,7 @@
 mod host_leaves;
 mod mamba;
 mod recovery;
+mod swa;
 mod tiering;
 
 use std::collections::HashMap;
@@ -245,8 +275,8 @@ pub struct HiCacheConfig {
     pub load_back_on_begin: bool,
     /// Extra pools registered with the controller beside the ones the cache derives from
     /// `radix` (their buffers are allocated, the cache moves nothing in them). The Mamba pool
-    /// of a `radix` with Mamba slots is registered by the cache itself: listing it here too is
-    /// refused.
+    /// of a `radix` with Mamba slots and the SWA pool of one with sliding-window layers are
+    /// registered by the cache itself: listing them here too is refused.
     pub extra_pools: Vec<ExtraPoolSpec>,
     /// Bytes of one Mamba state slot in the backend's device-side Mamba buffer (one slot holds
     /// the states of every Mamba layer). Required when `radix.mamba_slots` is set (the cache
@@ -257,6 +287,14 @@ pub struct HiCacheConfig {
     /// `radix.mamba_slots × host pages / device pages`, rounded up). Ignored without Mamba
     /// slots.
     pub mamba_host_slots: Option<u32>,
+    /// Bytes of one page of window KV in the backend's device-side SWA buffer (all
+    /// sliding-window layers of one page). Required when `radix.swa` is set (the cache
+    /// registers the backend's SWA pool with the tree's SWA pages of this size); ignored
+    /// otherwise.
+    pub swa_page_bytes: Option<usize>,
+    /// Host pages for copies of window KV (`None`: the host pool's share, i.e. SWA device
+    /// pages × host pages / device pages, rounded up). Ignored without `radix.swa`.
+    pub swa_host_pages: Option<u32>,
     /// Operations per direction (backups, loads) the controller holds queued or in flight
     /// before it refuses more (default [`DEFAULT_MAX_PENDING_OPS`]; see the module docs for what
     /// happens then).
@@ -277,6 +315,8 @@ impl Default for HiCacheConfig {
             extra_pools: Vec::new(),
             mamba_state_bytes: None,
             mamba_host_slots: None,
+            swa_page_bytes: None,
+            swa_host_pages: None,
             max_pending_ops: DEFAULT_MAX_PENDING_OPS,
         }
     }
@@ -344,6 +384,17 @@ pub struct HiCacheStats {
     pub mamba_host_evicted: u64,
     /// Load-backs abandoned because no device Mamba slot could be had.
     pub mamba_load_back_no_slot: u64,
+    /// Window pages whose backup was queued with their node's KV.
+    pub swa_pages_backed_up: u64,
+    /// Nodes whose window pages were not backed up because no host SWA pages could be freed
+    /// (their KV was backed up without them).
+    pub swa_host_full: u64,
+    /// Window pages loaded back from the host (with their load's KV).
+    pub swa_pages_loaded: u64,
+    /// Host window pages freed by host eviction.
+    pub swa_host_pages_evicted: u64,
+    /// Load-backs abandoned because the device SWA pool could not give the window pages.
+    pub swa_load_back_no_pages: u64,
 }
 
 /// Deliberately broken variants of the cache, for tests that must show their checks catch
@@ -376,6 +427,10 @@ pub(crate) struct PendingWrite {
     pub(crate) states: Vec<(NodeId, u32)>,
     /// Locks on the backed-up states (their device slots must not be reused before the ack).
     pub(crate) state_locks: Vec<LockReceipt>,
+    /// The host window pages written, sorted.
+    pub(crate) swa_host: Vec<u32>,
+    /// Pinned window KV: (node, pages when pinned), unpinned at the ack.
+    pub(crate) swa_pins: Vec<(NodeId, usize)>,
 }
 
 /// A queued or in-flight load.
@@ -391,6 +446,10 @@ pub(crate) struct PendingLoad {
     pub(crate) device: Vec<PageId>,
     /// The Mamba state loaded into `last`: (host slot, device slot).
     pub(crate) state: Option<(u32, u32)>,
+    /// The window pages loaded: (node, host pages, device pages).
+    pub(crate) swa: Vec<(NodeId, Vec<u32>, Vec<PageId>)>,
+    /// Pinned window KV: (node, pages when pinned), unpinned at the ack.
+    pub(crate) swa_pins: Vec<(NodeId, usize)>,
 }
 
 /// The tiered prefix cache. See the module docs.
@@ -412,6 +471,8 @@ pub struct HiRadixCache<B: DeviceBackend> {
     mutations: TestMutations,
     /// The tree carries the Mamba component: states move with the KV.
     mamba: bool,
+    /// The tree carries the SWA component: window KV moves with the KV.
+    swa: bool,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -431,13 +492,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     ///
     /// With Mamba slots in `cfg.radix`, the controller gets a Mamba pool whose device side is
     /// the tree's slot pool (`radix.mamba_slots` slots of `cfg.mamba_state_bytes`, the
-    /// backend's buffer) and whose host side holds `cfg.mamba_host_slots` copies.
+    /// backend's buffer) and whose host side holds `cfg.mamba_host_slots` copies. With
+    /// sliding-window layers (`radix.swa`), likewise an SWA pool: the tree's SWA pages of
+    /// `cfg.swa_page_bytes` on the device side, `cfg.swa_host_pages` on the host side.
     ///
     /// # Errors
     /// [`HiCacheError::Config`] for mismatched or impossible sizes, for Mamba slots without
-    /// `mamba_state_bytes` (or with 0 bytes or 0 host slots), a Mamba pool listed in
-    /// `extra_pools` as well, and for a `cfg.radix` with sliding-window layers (not supported
-    /// by the tiered cache yet).
+    /// `mamba_state_bytes` (or with 0 bytes or 0 host slots), for sliding-window layers
+    /// without `swa_page_bytes` (or with 0 bytes or 0 host pages), a Mamba or SWA pool listed
+    /// in `extra_pools` as well, and for a `cfg.radix` with both Mamba slots and
+    /// sliding-window layers (not supported by the tiered cache yet).
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -449,10 +513,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 cfg.radix.page_size
             )));
         }
-        if cfg.radix.swa.is_some() {
-            // Nor has the sliding-window component (window pages are not backed up or loaded).
+        if cfg.radix.swa.is_some() && cfg.radix.mamba_slots.is_some() {
+            // The tiered match over both components is not built.
             return Err(HiCacheError::Config(
-                "the sliding-window component is not supported by the tiered cache yet".into(),
+                "Mamba slots together with sliding-window layers are not supported by the \
+                 tiered cache yet"
+                    .into(),
             ));
         }
         if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
@@ -465,9 +531,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if let Some(slots) = cfg.radix.mamba_slots {
             extra.push(mamba_pool_spec(&cfg, slots, host_pages)?);
         }
+        if let Some(w) = cfg.radix.swa {
+            extra.push(swa_pool_spec(&cfg, w.pages, host_pages)?);
+        }
         let host = HostPool::new(g, host_pages, cfg.host_layout)?;
         let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
         let mamba = cfg.radix.mamba_slots.is_some();
+        let swa = cfg.radix.swa.is_some();
         let mut ctrl = HybridCacheController::new(backend, host, &extra)?;
         ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
@@ -486,6 +556,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             host_scratch: Vec::new(),
             mutations: TestMutations::default(),
             mamba,
+            swa,
         })
     }
 
@@ -726,6 +797,63 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         self.inner.check_request(req)
     }
 
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
+    }
+
+    fn check_parked(
+        &self,
+        req: &RequestKv,
+        lock: Option<&LockReceipt>,
+    ) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_parked(req, lock)
+    }
+
+    /// Makes room for the full-KV pages first through this cache's own eviction (demoting
+    /// backed-up KV), then lets the device tier allocate them (and, with sliding-window
+    /// layers, as many SWA pages; when too few are free or evictable but pending backups pin
+    /// some, those backups are completed first, counted in
+    /// [`HiCacheStats::backups_awaited_for_room`]).
+    fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> radixkv_radix::Result<()> {
+        let row = req.row.ok_or(CacheError::InvalidRequestState(
+            "alloc_tokens before begin_request",
+        ))?;
+        let have = self.pools().rows.pages(row)?.len();
+        let total = req
+            .allocated_len
+            .checked_add(n)
+            .ok_or(CacheError::SizeOverflow(
+                "alloc_tokens: allocated_len + n overflows usize",
+            ))?;
+        let need = total.div_ceil(self.page_size()).saturating_sub(have);
+        // Window pages that only pending backups pin come free at their acks.
+        let short = self
+            .inner
+            .swa_accounting()
+            .is_some_and(|a| a.free + a.evictable < need);
+        if short && self.pending_writes.values().any(|w| !w.swa_pins.is_empty()) {
+            self.stats.backups_awaited_for_room += 1;
+            self.finish_pinned_backups()?;
+        }
+        // Short of SWA pages, the device tier refuses before anything is evicted.
+        let swa_ok = self
+            .inner
+            .swa_accounting()
+            .is_none_or(|a| a.free + a.evictable >= need);
+        if need > 0 && swa_ok {
+            self.make_room(need)?;
+        }
+        self.inner.alloc_tokens(req, n)
+    }
+
+    fn slide_window(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<usize> {
+        self.inner.slide_window(req)
+    }
+
+    fn truncate_request(&mut self, req: &mut RequestKv, len: usize) -> radixkv_radix::Result<()> {
+        self.inner.truncate_request(req, len)
+    }
+
     fn pools(&self) -> &DevicePools {
         self.inner.pools()
     }
@@ -855,6 +983,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         if self.mamba {
             self.check_mamba_host()?;
         }
+        if self.swa {
+            self.check_swa_host()?;
+        }
         let pending = self
             .pending_writes
             .values()
@@ -876,8 +1007,11 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     /// state: `host_hit_len` is what a load-back of the host-only KV down to that node and of
     /// its state adds to the prefix (it counts device KV between the two without a state too).
     fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
-        if !self.mamba || self.inner.is_disabled() {
+        if self.inner.is_disabled() || !(self.mamba || self.swa) {
             return self.inner.match_request(req);
+        }
+        if self.swa {
+            return self.match_request_swa(req);
         }
         self.match_request_mamba(req)
     }
@@ -938,6 +1072,49 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         }
         Ok(())
     }
+}
+
+/// The controller's SWA pool for a tree of `pages` device SWA pages (see
+/// [`HiRadixCache::new`]).
+fn swa_pool_spec(cfg: &HiCacheConfig, pages: usize, host_pages: usize) -> HiResult<ExtraPoolSpec> {
+    if cfg.extra_pools.iter().any(|p| p.name == PoolName::Swa) {
+        return Err(HiCacheError::Config(
+            "the SWA pool is derived from radix.swa; do not list it in extra_pools".into(),
+        ));
+    }
+    let item_bytes = match cfg.swa_page_bytes {
+        Some(b) if b > 0 => b,
+        _ => {
+            return Err(HiCacheError::Config(
+                "sliding-window layers under a host tier need swa_page_bytes (at least 1)".into(),
+            ));
+        }
+    };
+    let device_slots = u32::try_from(pages).map_err(|_| {
+        HiCacheError::Config(format!(
+            "{pages} SWA pages do not fit the controller's pool"
+        ))
+    })?;
+    let host_slots = match cfg.swa_host_pages {
+        Some(0) => {
+            return Err(HiCacheError::Config(
+                "swa_host_pages must be at least 1".into(),
+            ));
+        }
+        Some(n) => n,
+        None => {
+            let device = cfg.radix.total_pages.max(1) as u128;
+            let share = (pages as u128 * host_pages as u128).div_ceil(device);
+            u32::try_from(share.max(1)).unwrap_or(u32::MAX)
+        }
+    };
+    Ok(ExtraPoolSpec {
+        name: PoolName::Swa,
+        host_slots,
+        device_slots,
+        item_bytes,
+        device_owner: SlotOwner::Caller,
+    })
 }
 
 /// The controller's Mamba pool for a tree of `slots` device slots (see [`HiRadixCache::new`]).

@@ -31,6 +31,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.stats.writes_acked += 1;
             if let Some(w) = self.pending_writes.remove(id) {
                 self.report_backup(&w);
+                res = res.and(self.unpin_windows(&w.swa_pins));
                 res = res.and(self.release(w.lock));
                 for l in w.state_locks {
                     res = res.and(self.release(Some(l)));
@@ -40,6 +41,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         for id in &acks.loads {
             self.stats.loads_acked += 1;
             if let Some(l) = self.pending_loads.remove(id) {
+                res = res.and(self.unpin_windows(&l.swa_pins));
                 res = res.and(self.release(l.lock));
             }
         }
@@ -57,6 +59,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         for id in &acks.failed_writes {
             self.stats.failed_writes += 1;
             if let Some(mut w) = self.pending_writes.remove(id) {
+                res = res.and(self.unpin_windows(&std::mem::take(&mut w.swa_pins)));
                 res = res.and(self.release(w.lock.take()));
                 for l in std::mem::take(&mut w.state_locks) {
                     res = res.and(self.release(Some(l)));
@@ -138,6 +141,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 }
             }
         }
+        // Likewise the window pages a failed backup wrote (a split may have divided them
+        // among the node and its new ancestors: found by page).
+        let mut bad_swa: Vec<u32> = failed
+            .iter()
+            .flat_map(|w| w.swa_host.iter().copied())
+            .collect();
+        if !bad_swa.is_empty() {
+            bad_swa.sort_unstable();
+            let copies = self.inner.tree().swa_host_copies().unwrap_or_default();
+            for (n, h) in copies {
+                if h.iter().any(|p| bad_swa.binary_search(p).is_ok()) {
+                    self.drop_host_window(n, true);
+                }
+            }
+        }
         let mut bad: Vec<u32> = failed.iter().flat_map(|w| w.host.iter().copied()).collect();
         bad.sort_unstable();
         let tree = self.inner.tree();
@@ -169,6 +187,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             pages.clear();
             // A good host state goes with its node's host copy, after the loads that may read it.
             self.drop_host_state(n, false);
+            self.drop_host_window(n, false);
             let (tree, _) = self.inner.parts_mut();
             let tokens = tree.node_key(n).map_or(0, <[u32]>::len);
             let dropped = if tree.on_device(n).unwrap_or(false) {
@@ -207,6 +226,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     fn repair_loads(&mut self) -> Result<()> {
         let mut res = Ok(());
         for mut l in std::mem::take(&mut self.unrepaired) {
+            // No copy is in flight any more: the pins go (before the KV lock they need).
+            res = res.and(self.unpin_windows(&std::mem::take(&mut l.swa_pins)));
             let lock = l.lock.take();
             // The host copy is the repair's source: only trust it while the anchor still holds
             // it (a failed backup above may have dropped it since).
@@ -221,7 +242,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let state_intact = l
                 .state
                 .is_none_or(|(h, _)| tree.mamba_host_state(l.last).is_ok_and(|s| s == Some(h)));
-            let extra: Vec<PoolTransfer> = l
+            // Each loaded window: its node (or the parts split off it) still holds the host
+            // pages and the device pages of the load.
+            let window_intact = l.swa.iter().all(|(n, h, d)| {
+                let host = tree.swa_host_pages(*n).ok().flatten().unwrap_or(&[]);
+                let dev = tree.swa_pages(*n).ok().flatten().unwrap_or(&[]);
+                !host.is_empty() && h.ends_with(host) && d.ends_with(dev) && !dev.is_empty()
+            });
+            let mut extra: Vec<PoolTransfer> = l
                 .state
                 .iter()
                 .map(|&(h, d)| PoolTransfer {
@@ -230,7 +258,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                     device_indices: vec![d],
                 })
                 .collect();
-            let repaired = if kv_intact && state_intact {
+            if !l.swa.is_empty() {
+                extra.push(PoolTransfer {
+                    name: PoolName::Swa,
+                    host_indices: l.swa.iter().flat_map(|(_, h, _)| h.clone()).collect(),
+                    device_indices: l
+                        .swa
+                        .iter()
+                        .flat_map(|(_, _, d)| d.iter().map(|p| p.0))
+                        .collect(),
+                });
+            }
+            let repaired = if kv_intact && state_intact && window_intact {
                 self.ctrl.reload_now(&l.host, &l.device, &extra)
             } else {
                 Err(HiCacheError::Transfer(
@@ -279,6 +318,22 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 _ => break,
             }
         }
+        // Loaded window pages of nodes that keep their device KV (between the device prefix
+        // and the loaded KV, or the whole load for a window-only one) are tombstoned.
+        for (w, _, d) in &l.swa {
+            let tree = self.inner.tree();
+            if chain.contains(w) || !tree.contains(*w) {
+                continue;
+            }
+            let live = tree.swa_pages(*w).ok().flatten().unwrap_or(&[]);
+            if !live.is_empty() && d.ends_with(live) {
+                let (tree, _) = self.inner.parts_mut();
+                if tree.evict_swa_node(*w).is_err() {
+                    return false;
+                }
+            }
+        }
+        let tree = self.inner.tree();
         // A state-only load: its state goes (the node keeps its device KV).
         if chain.is_empty()
             && let Some((_, d)) = l.state

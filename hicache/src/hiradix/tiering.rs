@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use radixkv_radix::{NodeId, PrefixCache, RequestKv};
+use radixkv_radix::{NodeId, PageId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::{DeviceBackend, StreamKind};
@@ -90,25 +90,48 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut states = self.states_to_back_up(above)?;
         states.extend(self.states_to_back_up(chain)?);
         self.make_room_for_states(&mut states);
+        // The chain's window pages (root first, so a shortage drops the shallowest).
+        let mut windows = if need > 0 {
+            self.swa_to_back_up(chain)?
+        } else {
+            Vec::new()
+        };
+        self.make_room_for_windows(&mut windows);
         if need == 0 && states.is_empty() {
             return Ok(false);
         }
-        let extra = if states.is_empty() {
-            Vec::new()
-        } else {
-            vec![PoolTransfer {
+        let mut extra = Vec::new();
+        if !states.is_empty() {
+            extra.push(PoolTransfer {
                 name: PoolName::Mamba,
                 host_indices: Vec::new(),
                 device_indices: states.iter().map(|&(_, s)| s).collect(),
-            }]
-        };
+            });
+        }
+        if !windows.is_empty() {
+            extra.push(PoolTransfer {
+                name: PoolName::Swa,
+                host_indices: Vec::new(),
+                device_indices: windows
+                    .iter()
+                    .flat_map(|(_, p)| p.iter().map(|pg| pg.0))
+                    .collect(),
+            });
+        }
         let pages = std::mem::take(&mut self.pages);
         let res = self.ctrl.write(&pages, 0, extra).map(|op| {
-            let slots = op.extra.first().map(|t| t.host_indices.clone());
-            (op.id, op.host_pages.clone(), slots.unwrap_or_default())
+            let of = |name| {
+                op.extra
+                    .iter()
+                    .find(|t| t.name == name)
+                    .map(|t| t.host_indices.clone())
+                    .unwrap_or_default()
+            };
+            let (slots, swa) = (of(PoolName::Mamba), of(PoolName::Swa));
+            (op.id, op.host_pages.clone(), slots, swa)
         });
         self.pages = pages;
-        let (id, host, host_slots) = match res {
+        let (id, host, host_slots, swa_host) = match res {
             Ok(v) => v,
             Err(HiCacheError::HostFull { .. } | HiCacheError::ExtraPoolFull { .. }) => {
                 self.stats.host_exhausted += 1;
@@ -138,8 +161,27 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             Some(&last) if pin => Some(tree.inc_lock_ref(last)?),
             _ => None,
         };
+        let mut at = 0;
+        let mut swa_pins = Vec::new();
+        for (n, dev) in &windows {
+            // The controller allocates one host page per device page it was given.
+            let Some(h) = swa_host.get(at..at + dev.len()) else {
+                debug_assert!(false, "the controller allocated too few host SWA pages");
+                break;
+            };
+            tree.set_swa_host_pages(*n, h.to_vec())?;
+            at += dev.len();
+            if pin {
+                // The chain's lock covers the node's KV; the pin keeps its window pages from
+                // being tombstoned and reused while the copy reads them.
+                tree.pin_swa_pages(*n)?;
+                swa_pins.push((*n, dev.len()));
+            }
+        }
         let mut host = host;
         host.sort_unstable();
+        let mut swa_host = swa_host;
+        swa_host.sort_unstable();
         self.pending_writes.insert(
             id,
             PendingWrite {
@@ -148,10 +190,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 host,
                 states: backed,
                 state_locks,
+                swa_host,
+                swa_pins,
             },
         );
         self.stats.backed_up_tokens += (need * p) as u64;
         self.stats.mamba_states_backed_up += states.len() as u64;
+        self.stats.swa_pages_backed_up += at as u64;
         Ok(true)
     }
 
@@ -266,10 +311,22 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// Host eviction until `tokens` are freed and `states` host Mamba states with them (or no
     /// host-only leaf is left). Returns both counts.
     pub(super) fn evict_host_leaves(&mut self, tokens: usize, states: usize) -> (usize, usize) {
+        self.evict_host_leaves_for(tokens, states, 0)
+    }
+
+    /// Host eviction until `tokens` are freed, `states` host Mamba states and `windows` host
+    /// SWA pages with them (or no host-only leaf is left). Returns the tokens and states freed.
+    pub(super) fn evict_host_leaves_for(
+        &mut self,
+        tokens: usize,
+        states: usize,
+        windows: usize,
+    ) -> (usize, usize) {
         let mut done = 0;
         let mut done_states = 0;
+        let mut done_windows = 0;
         let mut rebuilt = false;
-        while done < tokens || done_states < states {
+        while done < tokens || done_states < states || done_windows < windows {
             let (tree, _) = self.inner.parts_mut();
             let Some(v) = self.host_leaves.pop(tree) else {
                 if rebuilt {
@@ -285,6 +342,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 done_states += 1;
                 self.stats.mamba_host_evicted += 1;
             }
+            // The leaf is unlocked, so no load reads its window pages either.
+            let w = self.drop_host_window(v, true);
+            done_windows += w;
+            self.stats.swa_host_pages_evicted += w as u64;
             let (tree, _) = self.inner.parts_mut();
             self.host_scratch.clear();
             let Ok(n) = tree.evict_host_leaf(v, &mut self.host_scratch) else {
@@ -359,13 +420,25 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // own), and the host state at the anchor.
         let mut between = Vec::new();
         let mut state = None;
-        if self.mamba {
-            let Some(h) = tree.mamba_host_state(anchor)? else {
-                return Ok(0);
-            };
-            if tree.mamba_state(anchor)?.is_some() {
-                return Ok(0);
+        // SWA: the nodes in the window before the anchor's end whose window KV is on the host
+        // only, with their host pages.
+        let mut windows: Vec<(NodeId, Vec<u32>)> = Vec::new();
+        if self.swa {
+            let window = tree.swa_window()?;
+            let (mut m, mut covered) = (anchor, 0);
+            while m != tree.root() && covered < window {
+                if tree.swa_pages(m)?.is_none() {
+                    let Some(h) = tree.swa_host_pages(m)? else {
+                        return Ok(0);
+                    };
+                    windows.push((m, h.to_vec()));
+                }
+                covered += tree.node_key(m)?.len();
+                m = tree.parent(m)?.unwrap_or(tree.root());
             }
+            windows.reverse();
+        }
+        if self.mamba || self.swa {
             let mut m = n;
             let mut gained = tokens;
             while m != device_end {
@@ -377,11 +450,19 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 m = tree.parent(m)?.unwrap_or(tree.root());
             }
             between.reverse();
-            if gained != req.host_hit_len {
+            if gained != req.host_hit_len || gained == 0 {
+                return Ok(0);
+            }
+        }
+        if self.mamba {
+            let Some(h) = tree.mamba_host_state(anchor)? else {
+                return Ok(0);
+            };
+            if tree.mamba_state(anchor)?.is_some() {
                 return Ok(0);
             }
             state = Some(h);
-        } else if n != device_end || tokens != req.host_hit_len || chain.is_empty() {
+        } else if !self.swa && (n != device_end || tokens != req.host_hit_len || chain.is_empty()) {
             return Ok(0);
         }
         let gain = req.host_hit_len;
@@ -426,6 +507,24 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
         let dev_slot = extra.first().map(|t| t.device_indices[0]);
+        let window_pages: usize = windows.iter().map(|(_, h)| h.len()).sum();
+        let mut swa_dev: Vec<PageId> = Vec::new();
+        if window_pages > 0 {
+            let (tree, _) = self.inner.parts_mut();
+            if tree.alloc_swa_pages(window_pages, &mut swa_dev).is_err() {
+                tree.dec_lock_ref(lock)?;
+                self.stats.swa_load_back_no_pages += 1;
+                return Ok(0);
+            }
+            extra.push(PoolTransfer {
+                name: PoolName::Swa,
+                host_indices: windows
+                    .iter()
+                    .flat_map(|(_, h)| h.iter().copied())
+                    .collect(),
+                device_indices: swa_dev.iter().map(|p| p.0).collect(),
+            });
+        }
         let mut host = std::mem::take(&mut self.host_scratch);
         host.clear();
         for &c in &chain {
@@ -442,6 +541,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             Err(e) => {
                 if let Some(s) = dev_slot {
                     tree.free_mamba_slot(s)?;
+                }
+                if !swa_dev.is_empty() {
+                    tree.free_swa_pages(&swa_dev)?;
                 }
                 tree.dec_lock_ref(lock)?;
                 if matches!(e, HiCacheError::DeviceFull { .. }) {
@@ -466,6 +568,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let with_state = tree.inc_lock_ref_mamba(anchor)?;
             tree.dec_lock_ref(std::mem::replace(&mut lock, with_state))?;
         }
+        let mut swa = Vec::with_capacity(windows.len());
+        let mut swa_pins = Vec::new();
+        let mut at = 0;
+        for (w, h) in windows {
+            let dev = swa_dev[at..at + h.len()].to_vec();
+            at += h.len();
+            tree.attach_swa_pages(w, &dev)?;
+            if !self.mutations.unpinned_loads {
+                // Until the ack the pages hold no KV yet: they must not be tombstoned and
+                // handed to a request.
+                tree.pin_swa_pages(w)?;
+                swa_pins.push((w, dev.len()));
+            }
+            swa.push((w, h, dev));
+        }
         let lock = if self.mutations.unpinned_loads {
             tree.dec_lock_ref(lock)?;
             None
@@ -483,6 +600,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 host: self.host_scratch.clone(),
                 device: dev.clone(),
                 state: state.zip(dev_slot),
+                swa,
+                swa_pins,
             },
         );
         req.prefix_pages.extend_from_slice(&dev);
@@ -494,6 +613,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if dev_slot.is_some() {
             self.stats.mamba_states_loaded += 1;
         }
+        self.stats.swa_pages_loaded += window_pages as u64;
         Ok(gain)
     }
 }

@@ -29,23 +29,27 @@ use crate::alloc::{PageAllocator, PageState};
 use crate::types::ComponentAccounting;
 
 /// Per-node window data, indexed by the node's arena index. `pages` empty: a tombstone (or a
-/// node that never had window KV).
+/// node that never had window KV). `host` empty: no host copy of the window KV (a host
+/// tombstone; tiered caches, see `swa_tier`).
 #[derive(Clone, Debug, Default)]
-struct SwaNode {
-    pages: Vec<PageId>,
-    /// Receipts that locked this node's window KV.
-    lock: u32,
+pub(super) struct SwaNode {
+    pub(super) pages: Vec<PageId>,
+    /// Host pages (indices of the owner's host SWA pool) holding a copy of the window KV, one
+    /// per page of the node's key.
+    pub(super) host: Vec<u32>,
+    /// Receipts (and pins, see `swa_tier`) that locked this node's window KV.
+    pub(super) lock: u32,
     /// The component's recency tick (the LRU key while unlocked and live).
-    tick: u64,
-    /// The generation of the node that got the pages (the audit catches pages left behind on
-    /// a reused arena index).
-    generation: u32,
+    pub(super) tick: u64,
+    /// The generation of the node that got the pages, device or host (the audit catches pages
+    /// left behind on a reused arena index).
+    pub(super) generation: u32,
     /// Non-zero when this node is the top of the SWA locks of one or more receipts.
-    mark: u64,
+    pub(super) mark: u64,
 }
 
 impl SwaNode {
-    fn live(&self) -> bool {
+    pub(super) fn live(&self) -> bool {
         !self.pages.is_empty()
     }
 }
@@ -53,20 +57,20 @@ impl SwaNode {
 /// The sliding-window component of a [`RadixTree`] (see the module docs).
 #[derive(Debug)]
 pub(crate) struct SwaComponent {
-    pool: PageAllocator,
-    window: usize,
-    nodes: Vec<SwaNode>,
+    pub(super) pool: PageAllocator,
+    pub(super) window: usize,
+    pub(super) nodes: Vec<SwaNode>,
     /// Unlocked live window KV by (tick, node index): the eviction order.
-    lru: BTreeSet<(u64, u32)>,
+    pub(super) lru: BTreeSet<(u64, u32)>,
     /// Tree-held window pages of unlocked / locked nodes.
-    evictable: usize,
-    protected: usize,
+    pub(super) evictable: usize,
+    pub(super) protected: usize,
     clock: u64,
     next_mark: u64,
 }
 
 impl SwaComponent {
-    fn get(&self, idx: u32) -> Option<&SwaNode> {
+    pub(super) fn get(&self, idx: u32) -> Option<&SwaNode> {
         self.nodes.get(idx as usize)
     }
 
@@ -74,14 +78,14 @@ impl SwaComponent {
         self.get(idx).is_some_and(SwaNode::live)
     }
 
-    fn entry(&mut self, idx: u32) -> &mut SwaNode {
+    pub(super) fn entry(&mut self, idx: u32) -> &mut SwaNode {
         if idx as usize >= self.nodes.len() {
             self.nodes.resize_with(idx as usize + 1, SwaNode::default);
         }
         &mut self.nodes[idx as usize]
     }
 
-    fn tick(&mut self) -> u64 {
+    pub(super) fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
     }
@@ -119,11 +123,18 @@ impl SwaComponent {
     }
 
     /// Drops the window KV of node `idx` (unlocked), freeing its pages, and forgets the node's
-    /// entry (its full KV leaves the device). Returns the pages freed.
+    /// entry (its full KV leaves the device) except a host copy of the window KV, which stays
+    /// with the node's generation (the node stays host-only). Returns the pages freed.
     pub(super) fn drop_pages(&mut self, idx: u32) -> usize {
         let n = self.tombstone(idx);
         if let Some(e) = self.nodes.get_mut(idx as usize) {
+            let host = std::mem::take(&mut e.host);
+            let generation = e.generation;
             *e = SwaNode::default();
+            if !host.is_empty() {
+                e.host = host;
+                e.generation = generation;
+            }
         }
         n
     }
@@ -140,6 +151,13 @@ impl SwaComponent {
         } else {
             Vec::new()
         };
+        // A host copy divides like the device pages.
+        let host_head = if c.host.is_empty() {
+            Vec::new()
+        } else {
+            let tail = c.host.split_off(pages_at);
+            std::mem::replace(&mut c.host, tail)
+        };
         let (lock, tick) = (c.lock, c.tick);
         let mark = std::mem::take(&mut c.mark);
         let live = !head.is_empty();
@@ -147,6 +165,7 @@ impl SwaComponent {
         debug_assert!(!m.live() && m.lock == 0, "a fresh node with window KV");
         *m = SwaNode {
             pages: head,
+            host: host_head,
             lock,
             tick,
             generation,
@@ -157,7 +176,8 @@ impl SwaComponent {
         }
     }
 
-    /// Frees every tree-held window page (a reset: no lock is outstanding).
+    /// Frees every tree-held window page and forgets every host copy (a reset: no lock is
+    /// outstanding; the owner resets its host pool).
     pub(super) fn clear_tree_pages(&mut self) {
         for i in 0..self.nodes.len() as u32 {
             self.drop_pages(i);
@@ -336,7 +356,7 @@ impl RadixTree {
     }
 
     /// The nodes from below the root down to `idx` (empty for the root).
-    fn path_from_root(&self, idx: u32) -> Vec<u32> {
+    pub(super) fn path_from_root(&self, idx: u32) -> Vec<u32> {
         let mut path = Vec::new();
         let mut i = idx;
         while i != self.root {
@@ -776,6 +796,7 @@ impl RadixTree {
         let Some(w) = self.swa.as_deref() else {
             return Ok(());
         };
+        self.check_swa_host(w)?;
         let mut seen = vec![false; w.pool.total()];
         let (mut held, mut evictable, mut protected, mut unlocked) = (0usize, 0, 0, 0usize);
         for (i, e) in w.nodes.iter().enumerate() {

@@ -83,8 +83,8 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the node has no host
-    /// copy, is not on device, still holds a host Mamba state (take it first with
-    /// [`RadixTree::take_mamba_host_state`]), or a child still has a host copy (backed-up
+    /// copy, is not on device, still holds a host Mamba state or host window pages (take them
+    /// first with [`RadixTree::take_mamba_host_state`], [`RadixTree::take_swa_host_pages`]), or a child still has a host copy (backed-up
     /// nodes must stay root-connected). Nothing changes on error.
     pub fn clear_host_pages(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<()> {
         let idx = self.resolve(id)?;
@@ -97,6 +97,11 @@ impl RadixTree {
         if self.has_mamba_host_state(idx) {
             return Err(CacheError::InvalidRequestState(
                 "take the node's host Mamba state first",
+            ));
+        }
+        if self.has_swa_host_pages(idx) {
+            return Err(CacheError::InvalidRequestState(
+                "take the node's host window pages first",
             ));
         }
         // A scan (`O(nodes)`): this is the rare failure path, and the child table keeps stale
@@ -185,8 +190,9 @@ impl RadixTree {
     ///
     /// # Errors
     /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when `id` is not a
-    /// host-only leaf or still holds a host Mamba state (take it first with
-    /// [`RadixTree::take_mamba_host_state`]); nothing changes then.
+    /// host-only leaf or still holds a host Mamba state or host window pages (take them first
+    /// with [`RadixTree::take_mamba_host_state`], [`RadixTree::take_swa_host_pages`]); nothing
+    /// changes then.
     pub fn evict_host_leaf(&mut self, id: NodeId, out: &mut Vec<u32>) -> Result<usize> {
         let idx = self.resolve(id)?;
         if !self.is_host_leaf_idx(idx) {
@@ -197,6 +203,11 @@ impl RadixTree {
         if self.has_mamba_host_state(idx) {
             return Err(CacheError::InvalidRequestState(
                 "take the node's host Mamba state first",
+            ));
+        }
+        if self.has_swa_host_pages(idx) {
+            return Err(CacheError::InvalidRequestState(
+                "take the node's host window pages first",
             ));
         }
         self.emit_removed(idx, Medium::Host);

@@ -1,0 +1,186 @@
+//! Sliding-window KV on the host tier: the tiered match, the window pages a backup carries,
+//! host room for them, and their audit (see the module docs of `hiradix`, "Extra pools:
+//! sliding-window KV").
+
+use radixkv_radix::{
+    CacheError, InvariantViolation, NodeId, PageId, PrefixCache, RequestKv, RequestMatch,
+    align_down,
+};
+
+use super::HiRadixCache;
+use crate::backend::DeviceBackend;
+use crate::controller::PoolName;
+use crate::error::Result;
+
+impl<B: DeviceBackend> HiRadixCache<B> {
+    /// Tombstones up to `pages` unlocked device window pages (least recently used first; see
+    /// `RadixTree::evict_swa`): their nodes keep their KV and any host copy of the window KV,
+    /// which a later load-back brings back. Returns the pages freed; 0 without the SWA
+    /// component.
+    pub fn evict_swa(&mut self, pages: usize) -> usize {
+        self.inner.parts_mut().0.evict_swa(pages)
+    }
+
+    /// Host window pages held (0 without the SWA component).
+    pub fn host_swa_pages(&self) -> usize {
+        self.ctrl.extra_host(PoolName::Swa).map_or(0, |a| a.used())
+    }
+
+    /// [`PrefixCache::match_request`] with the SWA component (see there).
+    pub(super) fn match_request_swa(
+        &mut self,
+        req: &mut RequestKv,
+    ) -> radixkv_radix::Result<RequestMatch> {
+        if req.row.is_some() || req.lock.is_some() {
+            return Err(CacheError::InvalidRequestState(
+                "match_request on a request that already holds KV",
+            ));
+        }
+        req.prefix_pages.clear();
+        let limit = align_down(req.max_match_len(), self.page_size());
+        let (tree, _) = self.inner.parts_mut();
+        let root = tree.root();
+        let (usable, anchor, hit) = if limit == 0 {
+            (0, root, None)
+        } else {
+            let (m, hit) = tree.match_swa_tiered(req.key.prefix(limit), &mut req.prefix_pages)?;
+            (m.usable_len, m.anchor, hit)
+        };
+        // As the device tier reports it without the Mamba component.
+        req.kv_match_len = 0;
+        req.prefix_len = usable;
+        req.last_node = Some(anchor);
+        match hit {
+            Some(h) => {
+                req.host_hit_len = h.len - usable;
+                req.load_anchor = Some(h.node);
+            }
+            None => {
+                req.host_hit_len = 0;
+                req.load_anchor = Some(anchor);
+            }
+        }
+        Ok(RequestMatch {
+            prefix_len: usable,
+            host_hit_len: req.host_hit_len,
+            from_session: false,
+        })
+    }
+
+    /// The live device window pages of `nodes` that a backup should carry (those without a
+    /// host copy yet), as (node, device pages), in the order given.
+    pub(super) fn swa_to_back_up(&self, nodes: &[NodeId]) -> Result<Vec<(NodeId, Vec<PageId>)>> {
+        let tree = self.inner.tree();
+        let mut out = Vec::new();
+        if !self.swa {
+            return Ok(out);
+        }
+        for &n in nodes {
+            if let Some(pages) = tree.swa_pages(n)?
+                && tree.swa_host_pages(n)?.is_none()
+            {
+                out.push((n, pages.to_vec()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes room for the host copies of `windows`: evicts host-only leaves (in host-policy
+    /// order) until enough host SWA pages are free; when that is not enough, drops the
+    /// shallowest nodes from the list (counted in [`HiCacheStats::swa_host_full`]): they are
+    /// backed up without their window pages.
+    ///
+    /// [`HiCacheStats::swa_host_full`]: super::HiCacheStats::swa_host_full
+    pub(super) fn make_room_for_windows(&mut self, windows: &mut Vec<(NodeId, Vec<PageId>)>) {
+        let need: usize = windows.iter().map(|(_, p)| p.len()).sum();
+        if need == 0 {
+            return;
+        }
+        let free = self.swa_host_free();
+        if free < need {
+            self.evict_host_leaves_for(0, 0, need - free);
+        }
+        let free = self.swa_host_free();
+        let mut need = need;
+        let mut skip = 0;
+        while need > free && skip < windows.len() {
+            need -= windows[skip].1.len();
+            skip += 1;
+        }
+        self.stats.swa_host_full += skip as u64;
+        windows.drain(..skip);
+    }
+
+    /// Free host SWA pages (0 without the SWA pool).
+    pub(super) fn swa_host_free(&self) -> usize {
+        self.ctrl
+            .extra_host(PoolName::Swa)
+            .map_or(0, |a| a.available())
+    }
+
+    /// Takes the host window pages of `n` (if any) and frees them: at once when `now`, else
+    /// once the loads outstanding now are done (they may read them). Returns how many.
+    pub(super) fn drop_host_window(&mut self, n: NodeId, now: bool) -> usize {
+        if !self.swa {
+            return 0;
+        }
+        let (tree, _) = self.inner.parts_mut();
+        let Ok(Some(h)) = tree.take_swa_host_pages(n) else {
+            return 0;
+        };
+        let count = h.len();
+        let freed = if now {
+            self.ctrl.free_extra(PoolName::Swa, &h, &[])
+        } else {
+            self.ctrl.free_extra_host_after_loads(PoolName::Swa, h)
+        };
+        if let Err(e) = freed {
+            debug_assert!(false, "a host SWA page was not allocated: {e}");
+        }
+        count
+    }
+
+    /// Releases window pins (node, pages when pinned); a pin whose nodes are gone is a bug
+    /// reported as an error.
+    pub(super) fn unpin_windows(&mut self, pins: &[(NodeId, usize)]) -> Result<()> {
+        let (tree, _) = self.inner.parts_mut();
+        let mut res = Ok(());
+        for &(n, pages) in pins {
+            if let Err(e) = tree.unpin_swa_pages(n, pages) {
+                res = res.and(Err(e.into()));
+            }
+        }
+        res
+    }
+
+    /// The host part of the SWA audit: every host window page of the tree is allocated, and
+    /// the allocated pages are exactly those plus the ones awaiting loads.
+    pub(super) fn check_swa_host(&self) -> std::result::Result<(), InvariantViolation> {
+        let tree = self.inner.tree();
+        let copies = tree
+            .swa_host_copies()
+            .map_err(|e| InvariantViolation(format!("SWA host copies: {e}")))?;
+        let alloc = self
+            .ctrl
+            .extra_host(PoolName::Swa)
+            .map_err(|e| InvariantViolation(format!("SWA host pool: {e}")))?;
+        let mut count = 0;
+        for (n, pages) in &copies {
+            if let Some(h) = pages.iter().find(|&&h| !alloc.is_used(h)) {
+                return Err(InvariantViolation(format!(
+                    "node {n:?}: host SWA page {h} is out of range or free"
+                )));
+            }
+            count += pages.len();
+        }
+        let deferred = self.ctrl.deferred_extra_slots(PoolName::Swa);
+        if count + deferred != alloc.used() {
+            return Err(InvariantViolation(format!(
+                "tree holds {count} host SWA pages (+{deferred} awaiting loads) but {} host \
+                 pages are allocated",
+                alloc.used()
+            )));
+        }
+        Ok(())
+    }
+}
