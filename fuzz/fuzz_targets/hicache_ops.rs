@@ -10,20 +10,28 @@
 //! host page, or a failed copy served as KV, is a mismatch. The event shadow must agree with
 //! both tiers: device pages in the tree, and host pages in the tree less the backups not
 //! acknowledged yet (their host `BlockStored` comes with the ack).
+//!
+//! An input whose first byte is `M` runs the same operations over a cache with Mamba state
+//! slots (the SGLang-style or Marconi policy, tracking slots on or off, few or many host state
+//! slots): the driver also plays the engine's state pool in the simulated device's Mamba
+//! buffer, so every hit's copy on write, a state loaded back from the host included, must read
+//! the exact bytes of its own prefix's state; Mamba-only evictions run between the operations.
+//! (A mode byte rather than a new field, so the regression inputs under `seeds/` keep decoding
+//! as they did.)
 #![no_main]
 
 use std::sync::Arc;
 
-use arbitrary::Arbitrary;
+use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::driver::{Driver, DriverOp};
 use radixkv_fuzz::input::Size;
-use radixkv_fuzz::kv::BackendKv;
+use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{Medium, PolicyKind, PrefixCache, RadixConfig};
+use radixkv_radix::{MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig};
 use radixkv_session::SessionConfig;
 
 #[derive(Arbitrary, Debug)]
@@ -72,6 +80,32 @@ enum TierOp {
     Fault(Fault),
 }
 
+/// An operation of the `M` mode: any operation, or a device eviction of up to `n` Mamba
+/// states alone.
+#[derive(Arbitrary, Debug)]
+enum MambaOp {
+    Op(Op),
+    EvictMamba { n: u8 },
+}
+
+/// The input of the `M` mode.
+#[derive(Arbitrary, Debug)]
+struct MambaInput {
+    mamba: MambaSetup,
+    setup: Setup,
+    ops: Vec<MambaOp>,
+}
+
+/// The Mamba component of the `M` mode.
+#[derive(Arbitrary, Debug)]
+struct MambaSetup {
+    slots: u8,
+    host_slots: Option<u8>,
+    state_words: u8,
+    marconi: bool,
+    track: bool,
+}
+
 #[derive(Arbitrary, Debug)]
 enum Op {
     Drive(DriverOp),
@@ -101,7 +135,7 @@ fn inject(backend: &HostSim, f: &Fault) {
     }
 }
 
-fn build(s: &Setup) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
+fn build(s: &Setup, m: Option<&MambaSetup>) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
     let p = 1 + usize::from(s.page_size % 4);
     let pages = 8 + usize::from(s.pages % 40);
     let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
@@ -151,6 +185,24 @@ fn build(s: &Setup) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
         },
         ..HiCacheConfig::default()
     };
+    let cfg = match m {
+        None => cfg,
+        Some(m) => HiCacheConfig {
+            radix: RadixConfig {
+                mamba_slots: Some(2 + u32::from(m.slots % 12)),
+                mamba_policy: if m.marconi {
+                    MambaPolicy::Marconi(MarconiParams::default())
+                } else {
+                    MambaPolicy::Sglang
+                },
+                mamba_track: m.track,
+                ..cfg.radix
+            },
+            mamba_state_bytes: Some(state_bytes(m)),
+            mamba_host_slots: m.host_slots.map(|n| 1 + u32::from(n % 16)),
+            ..cfg
+        },
+    };
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
 }
@@ -197,9 +249,38 @@ fn audit_host(d: &mut Harness) {
     assert!(c.host_tokens() <= c.controller().host().total() * c.page_size());
 }
 
-fuzz_target!(|input: Input| {
-    let s = &input.setup;
-    let (cache, backend) = build(s);
+fn state_bytes(m: &MambaSetup) -> usize {
+    8 * (1 + usize::from(m.state_words % 4))
+}
+
+fuzz_target!(|data: &[u8]| {
+    match data.split_first() {
+        Some((b'M', rest)) => {
+            if let Ok(i) = MambaInput::arbitrary_take_rest(Unstructured::new(rest)) {
+                run(&i.setup, Some(&i.mamba), i.ops);
+            }
+        }
+        _ => {
+            if let Ok(i) = Input::arbitrary_take_rest(Unstructured::new(data)) {
+                run(&i.setup, None, i.ops.into_iter().map(MambaOp::Op).collect());
+            }
+        }
+    }
+});
+
+/// Device eviction of up to `n` Mamba states alone: each frees one device slot.
+fn evict_mamba(d: &mut Harness, n: u8) {
+    let c = d.cache.inner_mut();
+    let before = c.device_cache().mamba_accounting();
+    let done = c.evict_mamba_states(usize::from(n % 8));
+    match (before, c.device_cache().mamba_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted states without a Mamba pool"),
+    }
+}
+
+fn run(s: &Setup, mamba: Option<&MambaSetup>, ops: Vec<MambaOp>) {
+    let (cache, backend) = build(s, mamba);
     let p = cache.page_size();
     let cfg = SessionConfig {
         max_held_tokens: usize::from(s.budget_pages) * p,
@@ -209,11 +290,18 @@ fuzz_target!(|input: Input| {
         max_held_window_pages: usize::MAX,
     };
     let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), s.events);
+    if let Some(m) = mamba {
+        d = d.with_states(Box::new(BackendStates::new(
+            backend.clone(),
+            state_bytes(m),
+        )));
+    }
     let mut faulty = false;
-    for op in &input.ops {
+    for op in &ops {
         match op {
-            Op::Drive(op) => d.step(op),
-            Op::Tier(op) => tier(&mut d, &backend, op, &mut faulty),
+            MambaOp::Op(Op::Drive(op)) => d.step(op),
+            MambaOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
+            MambaOp::EvictMamba { n } => evict_mamba(&mut d, *n),
         }
         d.audit();
         audit_host(&mut d);
@@ -222,7 +310,7 @@ fuzz_target!(|input: Input| {
     d.teardown();
     audit_host(&mut d);
     assert_eq!(c_unacked(&d), 0, "a backup was never acknowledged");
-});
+}
 
 fn c_unacked(d: &Harness) -> usize {
     d.cache.inner().unacked_backup_pages()

@@ -22,10 +22,12 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp, assert_evicts, assert_rematch_idempotent};
+use radixkv_fuzz::driver::{Driver, DriverOp, Target, assert_evicts, assert_rematch_idempotent};
 use radixkv_fuzz::footprint::{assert_idle, footprint};
 use radixkv_fuzz::input::{Size, Tokens, finish_kind, namespace, pick};
-use radixkv_fuzz::kv::{KvModel, KvStore, check_kv, prefix_values, row_pages, write_kv};
+use radixkv_fuzz::kv::{
+    KvModel, KvStore, StateModel, check_kv, prefix_values, row_pages, write_kv,
+};
 use radixkv_fuzz::ok;
 use radixkv_radix::{
     CacheError, ComponentAccounting, FinishKind, KeyRef, MambaPolicy, MarconiParams, NodeId,
@@ -86,6 +88,28 @@ enum Input {
         session: SessionSetup,
         ops: Vec<DriverOp>,
     },
+    /// One tree with both components: SWA layers and Mamba state slots.
+    Both {
+        common: Common,
+        mamba: MambaSetup,
+        swa: SwaSetup,
+        ops: Vec<Op>,
+    },
+    /// `SessionAwareCache` over an SWA cache, or over an SWA + Mamba cache.
+    SwaSession {
+        common: Common,
+        swa: SwaSetup,
+        mamba: Option<MambaSetup>,
+        session: SessionSetup,
+        ops: Vec<SessionOp>,
+    },
+}
+
+/// A session-driver operation, or a window slide of one of its requests.
+#[derive(Arbitrary, Debug)]
+enum SessionOp {
+    Drive(DriverOp),
+    Slide(Target),
 }
 
 #[derive(Arbitrary, Debug)]
@@ -826,49 +850,89 @@ fn run(cfg: RadixConfig, ops: &[Op]) {
     h.teardown();
 }
 
+/// `cfg` with sliding-window layers as `s` says.
+fn swa_config(s: &SwaSetup, cfg: RadixConfig) -> RadixConfig {
+    let p = cfg.page_size;
+    let swa = SwaConfig {
+        window: p * (1 + usize::from(s.window_pages % 4)),
+        pages: 1 + usize::from(s.pages % 64),
+    };
+    RadixConfig {
+        swa: Some(swa),
+        ..cfg
+    }
+}
+
+/// Sessions over `cfg` through the driver, which also plays the Mamba state pool when there is
+/// one; `slide` ops slide a request's window.
+fn run_sessions(cfg: RadixConfig, s: &SessionSetup, ops: impl Iterator<Item = SessionOp>) {
+    let cfg = RadixConfig {
+        events: s.events,
+        ..cfg
+    };
+    let (p, pages) = (cfg.page_size, cfg.total_pages);
+    let slots = cfg.mamba_slots.map(|n| n as usize);
+    let inner = RadixCache::new(cfg).expect("a valid hybrid cache");
+    let scfg = SessionConfig {
+        max_held_tokens: usize::from(s.budget_pages) * p,
+        max_session_tokens: usize::from(s.cap_pages).max(1) * p,
+        idle_ttl: s.ttl.map(u64::from),
+        max_held_state_slots: usize::from(s.held_slots % 8),
+        max_held_window_pages: usize::from(s.held_slots / 8 % 16),
+    };
+    let mut d = Driver::new(inner, scfg, KvModel::new(pages, p), s.events);
+    if let Some(n) = slots {
+        d = d.with_states(Box::new(StateModel::new(n)));
+    }
+    for op in ops {
+        match op {
+            SessionOp::Drive(op) => d.step(&op),
+            SessionOp::Slide(t) => d.slide(t),
+        }
+        d.audit();
+    }
+    d.teardown();
+}
+
 fuzz_target!(|input: Input| {
     match input {
         Input::Mamba { common, mamba, ops } => run(mamba_config(&common, &mamba), &ops),
         Input::Swa { common, swa, ops } => {
-            let cfg = base_config(&common);
-            let p = cfg.page_size;
-            let swa = SwaConfig {
-                window: p * (1 + usize::from(swa.window_pages % 4)),
-                pages: 1 + usize::from(swa.pages % 64),
-            };
-            run(
-                RadixConfig {
-                    swa: Some(swa),
-                    ..cfg
-                },
-                &ops,
-            );
+            run(swa_config(&swa, base_config(&common)), &ops);
         }
+        Input::Both {
+            common,
+            mamba,
+            swa,
+            ops,
+        } => run(swa_config(&swa, mamba_config(&common, &mamba)), &ops),
         Input::Session {
             common,
             mamba,
             session: s,
             ops,
         } => {
-            let cfg = RadixConfig {
-                events: s.events,
-                ..mamba_config(&common, &mamba)
+            let mut s = s;
+            // The window cap means nothing without SWA layers.
+            s.held_slots %= 8;
+            run_sessions(
+                mamba_config(&common, &mamba),
+                &s,
+                ops.into_iter().map(SessionOp::Drive),
+            );
+        }
+        Input::SwaSession {
+            common,
+            swa,
+            mamba,
+            session,
+            ops,
+        } => {
+            let cfg = match &mamba {
+                Some(m) => mamba_config(&common, m),
+                None => base_config(&common),
             };
-            let (p, pages) = (cfg.page_size, cfg.total_pages);
-            let inner = RadixCache::new(cfg).expect("a valid Mamba cache");
-            let scfg = SessionConfig {
-                max_held_tokens: usize::from(s.budget_pages) * p,
-                max_session_tokens: usize::from(s.cap_pages).max(1) * p,
-                idle_ttl: s.ttl.map(u64::from),
-                max_held_state_slots: usize::from(s.held_slots % 8),
-                max_held_window_pages: usize::MAX,
-            };
-            let mut d = Driver::new(inner, scfg, KvModel::new(pages, p), s.events);
-            for op in &ops {
-                d.step(op);
-                d.audit();
-            }
-            d.teardown();
+            run_sessions(swa_config(&swa, cfg), &session, ops.into_iter());
         }
     }
 });

@@ -13,15 +13,15 @@ use std::collections::BTreeMap;
 use arbitrary::Arbitrary;
 use radixkv_hicache::{DeviceBackend, HiRadixCache};
 use radixkv_radix::{
-    CacheError, FinishKind, Medium, PageId, PrefixCache, RadixCache, RadixKey, RequestKv,
-    RequestMatch, SessionTag, TokenId, pages_for,
+    CacheError, ComponentAccounting, FinishKind, Medium, NodeId, PageId, PrefixCache, RadixCache,
+    RadixKey, RadixTree, RequestKv, RequestMatch, SessionTag, TokenId, align_down, pages_for,
 };
 use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfig, SessionError};
 
 use crate::events::EventShadow;
 use crate::footprint::{assert_idle, footprint};
 use crate::input::{Size, Tokens, finish_kind, namespace, pick};
-use crate::kv::{KvStore, check_kv, row_pages, write_kv};
+use crate::kv::{KvStore, StateStore, check_kv, row_pages, state_value, write_kv};
 use crate::ok;
 
 /// What the driver needs from an inner cache beyond [`PrefixCache`].
@@ -36,9 +36,29 @@ pub trait Backing: PrefixCache {
     /// Completes every transfer in flight (teardown), so that none holds a lock; retries
     /// after failed copies, which are repaired or undone at the next boundary.
     fn quiesce(&mut self) {}
+
+    /// The accounting of the Mamba and SWA pools the cache has.
+    fn components(&self) -> Vec<ComponentAccounting>;
+
+    /// The tree whose every cached Mamba state must be readable now (`None` when states may
+    /// be in flight, as under a host tier: those are checked when a hit reads them).
+    fn settled_tree(&self) -> Option<&RadixTree> {
+        None
+    }
 }
 
-impl Backing for RadixCache {}
+impl Backing for RadixCache {
+    fn components(&self) -> Vec<ComponentAccounting> {
+        [self.mamba_accounting(), self.swa_accounting()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    fn settled_tree(&self) -> Option<&RadixTree> {
+        Some(self.tree())
+    }
+}
 
 impl<B: DeviceBackend> Backing for HiRadixCache<B> {
     fn settle(&mut self) -> bool {
@@ -65,6 +85,10 @@ impl<B: DeviceBackend> Backing for HiRadixCache<B> {
             }
         }
         panic!("transfers still fail after the injected faults ran out");
+    }
+
+    fn components(&self) -> Vec<ComponentAccounting> {
+        self.device_cache().components()
     }
 }
 
@@ -174,6 +198,19 @@ pub struct Driver<C: Backing, S: KvStore> {
     p: usize,
     sessions: BTreeMap<u64, Sess>,
     plain: Vec<Running>,
+    /// The engine's Mamba state slots (a cache with Mamba state slots only).
+    states: Option<Box<dyn StateStore>>,
+}
+
+/// The tokens of the root path of live node `n`.
+fn path_of(tree: &RadixTree, n: NodeId) -> Vec<TokenId> {
+    let mut parts = Vec::new();
+    let mut n = n;
+    while let Some(parent) = tree.parent(n).expect("walking up from a live node") {
+        parts.push(tree.node_key(n).expect("a live node's key").to_vec());
+        n = parent;
+    }
+    parts.into_iter().rev().flatten().collect()
 }
 
 fn tag(id: u64) -> Option<SessionTag> {
@@ -196,6 +233,116 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             p,
             sessions: BTreeMap::new(),
             plain: Vec::new(),
+            states: None,
+        }
+    }
+
+    /// Plays the engine's Mamba state pool too (`states`: its memory): every computed state is
+    /// written into the request's slot, its checkpoints and its tracking slot; every hit's copy
+    /// on write (or a lent turn's running state) must read the state of its own prefix; after
+    /// every operation every cached state of [`Backing::settled_tree`] is its node's.
+    #[must_use]
+    pub fn with_states(mut self, states: Box<dyn StateStore>) -> Self {
+        self.states = Some(states);
+        self
+    }
+
+    /// Runs the copy on write of a begun request, once its loads settled: its slot (and its
+    /// tracking slot) get the state of its prefix, which the source slot must hold.
+    fn begin_states(&mut self, t: Target) {
+        if self.states.is_none() {
+            return;
+        }
+        let Some(r) = self.running(t) else { return };
+        let req = std::mem::take(&mut r.req);
+        self.begin_states_of(&req);
+        if let Some(r) = self.running(t) {
+            r.req = req;
+        }
+    }
+
+    fn begin_states_of(&mut self, req: &RequestKv) {
+        let Some(states) = &mut self.states else {
+            return;
+        };
+        let Some(slot) = req.mamba_slot else {
+            panic!("a running request of a Mamba cache without a slot");
+        };
+        let len = req.prefix_len;
+        let want = state_value(&req.key.namespace, &req.key.tokens[..len]);
+        let src = match req.mamba_cow {
+            Some(cow) => Some(cow.src),
+            // A lent turn continues the running state in place.
+            None if req.kv_lent => Some(slot),
+            None => {
+                assert_eq!(len, 0, "a hit of {len} tokens without its state");
+                None
+            }
+        };
+        if let Some(src) = src {
+            assert_eq!(
+                states.read_state(src),
+                want,
+                "a hit of {len} tokens reads a foreign state from slot {src}"
+            );
+        }
+        if req.kv_lent {
+            // The running state and its tracking slot continue in place.
+            return;
+        }
+        states.write_state(slot, want);
+        if let Some(tr) = req.mamba_track {
+            assert_eq!(
+                tr.pos, len,
+                "the tracking slot starts off the cached prefix"
+            );
+            states.write_state(tr.slot, want);
+        }
+    }
+
+    /// The engine's forward pass over `from..to` of `req`: its running state, the checkpoints
+    /// it passes and its tracking slot.
+    fn compute_states(&mut self, req: &RequestKv, from: usize, to: usize) {
+        let Some(states) = &mut self.states else {
+            return;
+        };
+        let state = |len: usize| state_value(&req.key.namespace, &req.key.tokens[..len]);
+        let slot = req.mamba_slot.expect("a running request's slot");
+        states.write_state(slot, state(to));
+        for cp in &req.mamba_checkpoints {
+            if cp.pos > from && cp.pos <= to {
+                states.write_state(cp.slot, state(cp.pos));
+            }
+        }
+        if let Some(t) = req.mamba_track {
+            states.write_state(t.slot, state(align_down(to, self.p)));
+        }
+    }
+
+    /// Slides the window of request `t` (a sliding-window cache frees the pages that left it).
+    pub fn slide(&mut self, t: Target) {
+        if self.running(t).is_some_and(|r| !r.checked) {
+            self.settle();
+        }
+        let Some(r) = self.running(t) else { return };
+        let mut req = std::mem::take(&mut r.req);
+        let owned = req.swa_pages.len();
+        let freed = self
+            .cache
+            .slide_window(&mut req)
+            .expect("slide a running request");
+        match self.cache.sliding_window() {
+            None => assert_eq!(freed, 0, "a cache without a window slid one"),
+            Some(w) => {
+                assert!(freed <= owned);
+                assert!(
+                    req.swa_evicted_len >= align_down(req.committed_len, self.p).saturating_sub(w),
+                    "the slide left pages outside the window"
+                );
+            }
+        }
+        if let Some(r) = self.running(t) {
+            r.req = req;
         }
     }
 
@@ -288,6 +435,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                 .expect("live row")
                 .to_vec();
             self.check_hit(&pages, &key, len, tree_len);
+            self.begin_states(t);
         }
     }
 
@@ -317,6 +465,16 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         match self.cache.begin_request(&mut req) {
             Ok(()) => {
                 assert!(req.row.is_some());
+                if let Some(states) = &mut self.states {
+                    // Checkpoints not computed yet hold nothing usable.
+                    for cp in req
+                        .mamba_checkpoints
+                        .iter()
+                        .filter(|c| c.pos > req.committed_len)
+                    {
+                        states.write_state(cp.slot, 0);
+                    }
+                }
                 Ok(Some(Running {
                     req,
                     checked: false,
@@ -468,12 +626,17 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                     &req.key.tokens,
                     committed..to,
                 );
+                self.compute_states(&req, committed, to);
                 req.commit(to - committed)
                     .expect("commit what was allocated");
             }
             Err(e) => {
                 assert!(
-                    n > usize::MAX / 2 || matches!(e, CacheError::OutOfPages { .. }),
+                    n > usize::MAX / 2
+                        || matches!(
+                            e,
+                            CacheError::OutOfPages { .. } | CacheError::OutOfComponentPages { .. }
+                        ),
                     "{e}"
                 );
                 assert_eq!(req.allocated_len, alloc, "a failed alloc moved the request");
@@ -831,6 +994,19 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         let a = self.cache.accounting();
         assert!(a.balanced(), "{a:?}");
         assert!(self.cache.session_held_tokens() <= a.total);
+        for c in self.cache.inner().components() {
+            assert!(c.balanced(), "{c:?}");
+        }
+        if let (Some(states), Some(tree)) = (&self.states, self.cache.inner().settled_tree()) {
+            for (node, slot) in tree.mamba_states().expect("the Mamba component") {
+                let path = path_of(tree, node);
+                let got = states.read_state(slot);
+                assert!(
+                    (0..3).any(|ns| got == state_value(&namespace(ns), &path)),
+                    "node {node:?} caches slot {slot} holding a foreign state"
+                );
+            }
+        }
         self.drain_events();
         if let Some(s) = &self.shadow {
             assert_eq!(
@@ -863,6 +1039,9 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         assert_idle(&self.cache.accounting());
         assert_eq!(self.cache.pools().rows.live(), 0, "rows leaked");
         assert_eq!((self.cache.open_sessions(), self.cache.held_rows()), (0, 0));
+        for c in self.cache.inner().components() {
+            assert_eq!((c.protected, c.request_owned), (0, 0), "leak: {c:?}");
+        }
     }
 }
 

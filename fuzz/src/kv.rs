@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use radixkv_hicache::DeviceBackend;
+use radixkv_hicache::{DeviceBackend, PoolName};
 use radixkv_radix::{Namespace, PageId, PrefixCache, RequestKv, TokenId};
 
 /// Token slots addressed by (page, offset in the page).
@@ -184,6 +184,94 @@ impl<B: DeviceBackend> KvStore for BackendKv<B> {
         let v = read(0);
         // Layers that disagree cannot hold any prefix's KV: report a value no prefix has.
         if (1..self.backend.geometry().layers).all(|l| read(l) == v) {
+            v
+        } else {
+            0
+        }
+    }
+}
+
+/// The Mamba state after `tokens` in `ns` (a running state of the whole prefix, never 0 and
+/// never a KV value of it).
+pub fn state_value(ns: &Namespace, tokens: &[TokenId]) -> u64 {
+    let last = prefix_values(ns, tokens).last().copied();
+    let empty = prefix_values(ns, &[0x5eed]).last().copied().unwrap_or(1);
+    (last.unwrap_or(empty) ^ 0x6d61_6d62_6100_0000) | 1
+}
+
+/// Mamba state slots addressed by slot index, as the engine's state pool.
+pub trait StateStore {
+    /// Writes the state held by `slot`.
+    fn write_state(&mut self, slot: u32, value: u64);
+    /// Reads the state `slot` holds (0: never written, or poisoned).
+    fn read_state(&self, slot: u32) -> u64;
+}
+
+/// Model state memory: one `u64` per slot.
+#[derive(Debug, Clone)]
+pub struct StateModel(Vec<u64>);
+
+impl StateModel {
+    /// Zeroed memory for `slots` slots.
+    pub fn new(slots: usize) -> Self {
+        StateModel(vec![0; slots])
+    }
+}
+
+impl StateStore for StateModel {
+    fn write_state(&mut self, slot: u32, value: u64) {
+        self.0[slot as usize] = value;
+    }
+
+    fn read_state(&self, slot: u32) -> u64 {
+        self.0[slot as usize]
+    }
+}
+
+/// The Mamba slot pool of a real [`DeviceBackend`] (e.g. `HostSim`): every byte of a slot's
+/// item is written (the value repeated), so a copy that moved part of a state, or the poison of
+/// a failed copy, reads back as 0.
+#[derive(Debug)]
+pub struct BackendStates<B: DeviceBackend> {
+    backend: Arc<B>,
+    item_bytes: usize,
+}
+
+impl<B: DeviceBackend> BackendStates<B> {
+    /// A view of `backend`'s device Mamba pool, of `item_bytes` per slot (a multiple of 8).
+    ///
+    /// # Panics
+    /// When `item_bytes` is not a positive multiple of 8 (a harness bug).
+    pub fn new(backend: Arc<B>, item_bytes: usize) -> Self {
+        assert!(item_bytes > 0 && item_bytes.is_multiple_of(8));
+        BackendStates {
+            backend,
+            item_bytes,
+        }
+    }
+}
+
+impl<B: DeviceBackend> StateStore for BackendStates<B> {
+    fn write_state(&mut self, slot: u32, value: u64) {
+        let buf: Vec<u8> = (0..self.item_bytes / 8)
+            .flat_map(|i| (value ^ i as u64).to_le_bytes())
+            .collect();
+        self.backend
+            .write_extra_slot(PoolName::Mamba, slot, &buf)
+            .expect("writing a Mamba slot the cache handed out");
+    }
+
+    fn read_state(&self, slot: u32) -> u64 {
+        let mut buf = vec![0u8; self.item_bytes];
+        self.backend
+            .read_extra_slot(PoolName::Mamba, slot, &mut buf)
+            .expect("reading a Mamba slot the cache handed out");
+        let word = |i: usize| {
+            let b: [u8; 8] = buf[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]);
+            u64::from_le_bytes(b) ^ i as u64
+        };
+        let v = word(0);
+        if (1..self.item_bytes / 8).all(|i| word(i) == v) {
             v
         } else {
             0
