@@ -4,18 +4,11 @@
 
 mod common;
 
-use common::admitted;
+use common::{admitted, balanced, jamba};
 use radixkv_scheduler_api::{
     Admission, CacheKind, CheckpointKind, HostTier, KvCacheManager, MambaPolicyKind, ManagerConfig,
     ManagerError, Preset, ReqId, Request, WaitReason,
 };
-
-/// The Jamba-like geometry with pages of 4 tokens.
-fn jamba() -> radixkv_scheduler_api::ModelGeometry {
-    let mut m = Preset::JambaLike.geometry();
-    m.page_size = 4;
-    m
-}
 
 fn slot_bytes() -> u64 {
     jamba().checked_mamba_slot_bytes().unwrap()
@@ -47,12 +40,6 @@ fn prefill(kv: &mut KvCacheManager, tokens: Vec<u32>) -> (ReqId, radixkv_schedul
     kv.chunk_done(r).unwrap();
     kv.end_step(step).unwrap();
     (r, a)
-}
-
-fn balanced(kv: &KvCacheManager) {
-    let a = kv.mamba_accounting().unwrap();
-    assert!(a.balanced(), "{a:?}");
-    kv.check_invariants().unwrap();
 }
 
 #[test]

@@ -4,16 +4,8 @@
 
 mod common;
 
-use common::admitted;
-use radixkv_scheduler_api::{
-    HostTier, KvCacheManager, MambaPolicyKind, Preset, ReqId, Request, SessionBudget,
-};
-
-fn jamba() -> radixkv_scheduler_api::ModelGeometry {
-    let mut m = Preset::JambaLike.geometry();
-    m.page_size = 4;
-    m
-}
+use common::{admitted, jamba, session_budget, step};
+use radixkv_scheduler_api::{HostTier, KvCacheManager, MambaPolicyKind, ReqId, Request};
 
 fn manager() -> KvCacheManager {
     let slot = jamba().checked_mamba_slot_bytes().unwrap();
@@ -79,12 +71,7 @@ fn a_demoted_session_state_comes_back_from_the_host() {
         .mamba_bytes(2 * slot)
         .mamba_policy(MambaPolicyKind::Sglang)
         .host_tier(host)
-        .sessions(SessionBudget {
-            max_held_tokens: 512,
-            idle_ttl_ms: 60_000,
-            per_session_cap_tokens: 512,
-            max_held_window_pages: None,
-        })
+        .sessions(session_budget())
         .build()
         .unwrap();
     // Session 7: 10 prompt tokens and 2 decoded, 12 computed (a page end); its idle slot
@@ -94,13 +81,11 @@ fn a_demoted_session_state_comes_back_from_the_host() {
         .unwrap();
     let a = admitted(&mut kv, r);
     kv.extend(r, a.extend_tokens).unwrap();
-    let step = kv.begin_step();
-    kv.end_step(step).unwrap();
+    step(&mut kv);
     kv.chunk_done(r).unwrap();
     for t in 0..2 {
         kv.decode(r, 9_000 + t).unwrap();
-        let step = kv.begin_step();
-        kv.end_step(step).unwrap();
+        step(&mut kv);
     }
     kv.finish(r).unwrap();
     assert_eq!(kv.metrics().gauges.held_sessions, 1);
@@ -128,8 +113,7 @@ fn a_demoted_session_state_comes_back_from_the_host() {
         0,
         "session 7 was demoted"
     );
-    let step = kv.begin_step();
-    kv.end_step(step).unwrap();
+    step(&mut kv);
     kv.finish(x).unwrap();
     kv.finish(y).unwrap();
     kv.drain().unwrap();
@@ -144,8 +128,7 @@ fn a_demoted_session_state_comes_back_from_the_host() {
     assert_eq!((a2.device_tokens, a2.host_tokens), (0, 12), "{a2:?}");
     assert!(a2.mamba_cow.is_some());
     kv.extend(r2, a2.extend_tokens).unwrap();
-    let step = kv.begin_step();
-    kv.end_step(step).unwrap();
+    step(&mut kv);
     kv.chunk_done(r2).unwrap();
     kv.finish(r2).unwrap();
     kv.close_session(7).unwrap();

@@ -5,17 +5,8 @@
 
 mod common;
 
-use common::admitted;
-use radixkv_scheduler_api::{
-    Admitted, KvCacheManager, MambaPolicyKind, Preset, ReqId, Request, SessionBudget,
-};
-
-/// The Jamba-like geometry with pages of 4 tokens.
-fn jamba() -> radixkv_scheduler_api::ModelGeometry {
-    let mut m = Preset::JambaLike.geometry();
-    m.page_size = 4;
-    m
-}
+use common::{admitted, balanced, jamba, session_budget, step};
+use radixkv_scheduler_api::{Admitted, KvCacheManager, MambaPolicyKind, ReqId, Request};
 
 fn manager(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
     let slot = jamba().checked_mamba_slot_bytes().unwrap();
@@ -25,23 +16,9 @@ fn manager(slots: u64, policy: MambaPolicyKind) -> KvCacheManager {
         .max_rows(8)
         .mamba_bytes(slots * slot)
         .mamba_policy(policy)
-        .sessions(SessionBudget {
-            max_held_tokens: 512,
-            idle_ttl_ms: 60_000,
-            per_session_cap_tokens: 512,
-            max_held_window_pages: None,
-        })
+        .sessions(session_budget())
         .build()
         .unwrap()
-}
-
-/// Both pools balance and every running request passes the cache's audit (its Mamba slot
-/// included).
-fn balanced(kv: &KvCacheManager) {
-    let m = kv.mamba_accounting().unwrap();
-    assert!(m.balanced(), "{m:?}");
-    assert!(kv.accounting().balanced(), "{:?}", kv.accounting());
-    kv.check_invariants().unwrap();
 }
 
 /// Arrives, admits and prefills one request (of `session`, if any) in one step.
@@ -58,8 +35,7 @@ fn start(
     let id = kv.arrive(r).unwrap();
     let a = admitted(kv, id);
     kv.extend(id, a.extend_tokens).unwrap();
-    let step = kv.begin_step();
-    kv.end_step(step).unwrap();
+    step(kv);
     kv.chunk_done(id).unwrap();
     balanced(kv);
     (id, a)
@@ -70,8 +46,7 @@ fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Ad
     let (id, a) = start(kv, Some(session), tokens, out);
     for t in 0..out.saturating_sub(1) {
         kv.decode(id, 9_000 + t).unwrap();
-        let step = kv.begin_step();
-        kv.end_step(step).unwrap();
+        step(kv);
         balanced(kv);
     }
     kv.finish(id).unwrap();
@@ -170,8 +145,7 @@ fn demoting_a_session_off_a_page_boundary_stores_the_tracked_state_and_close_fre
         assert_eq!(track.pos, 8, "{policy:?}");
         for t in 0..3 {
             kv.decode(t1, 9_000 + t).unwrap();
-            let step = kv.begin_step();
-            kv.end_step(step).unwrap();
+            step(&mut kv);
         }
         kv.finish(t1).unwrap();
         balanced(&kv);

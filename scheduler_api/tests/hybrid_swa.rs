@@ -5,39 +5,20 @@
 
 mod common;
 
-use common::admitted;
+use common::{admitted, balanced, gemma, gemma_swa_page_bytes, step};
 use radixkv_scheduler_api::{
     Admission, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry,
-    NeverReason, Preset, ReqId, Request, WaitReason,
+    NeverReason, ReqId, Request, WaitReason,
 };
-
-/// The Gemma-like geometry with pages of 4 tokens and a window of 8 tokens (2 pages).
-fn gemma() -> ModelGeometry {
-    let mut m = Preset::GemmaLike.geometry();
-    m.page_size = 4;
-    m.sliding_window = Some(8);
-    m
-}
-
-/// Bytes of one SWA page of [`gemma`].
-fn swa_page_bytes() -> u64 {
-    gemma().checked_swa_bytes_per_token().unwrap() * 4
-}
 
 /// A Gemma-like radix manager of 1024 device tokens and `pages` SWA pages.
 fn manager(pages: u64) -> KvCacheManager {
     KvCacheManager::builder()
         .model(gemma())
         .device_tokens(1024)
-        .swa_bytes(pages * swa_page_bytes())
+        .swa_bytes(pages * gemma_swa_page_bytes())
         .build()
         .unwrap()
-}
-
-/// One empty step (the forward of what was allocated since the last one).
-fn step(kv: &mut KvCacheManager) {
-    let s = kv.begin_step();
-    kv.end_step(s).unwrap();
 }
 
 /// Arrives, admits and prefills `tokens` in one chunk.
@@ -53,12 +34,6 @@ fn prefill(kv: &mut KvCacheManager, tokens: Vec<u32>, max_new: usize) -> ReqId {
     r
 }
 
-fn balanced(kv: &KvCacheManager) {
-    let a = kv.swa_accounting().unwrap();
-    assert!(a.balanced(), "{a:?}");
-    kv.check_invariants().unwrap();
-}
-
 #[test]
 fn the_swa_pool_is_sized_from_its_budget() {
     let kv = manager(64);
@@ -70,7 +45,7 @@ fn the_swa_pool_is_sized_from_its_budget() {
     let kv = KvCacheManager::builder()
         .model(gemma())
         .device_tokens(1024)
-        .swa_bytes(10 * swa_page_bytes() + swa_page_bytes() / 2)
+        .swa_bytes(10 * gemma_swa_page_bytes() + gemma_swa_page_bytes() / 2)
         .build()
         .unwrap();
     assert_eq!(kv.swa_accounting().unwrap().total, 10);
@@ -245,7 +220,7 @@ fn the_disabled_cache_slides_too() {
         ..Default::default()
     };
     cfg.model = gemma();
-    cfg.pools.swa_bytes = Some(16 * swa_page_bytes());
+    cfg.pools.swa_bytes = Some(16 * gemma_swa_page_bytes());
     let mut kv = KvCacheManager::new(cfg).unwrap();
     let r = prefill(&mut kv, (0..16).collect(), 16);
     // Nothing is cached: the request's own pages before the window went at the chunk's end.
@@ -311,7 +286,9 @@ fn bad_swa_budgets_and_windows_are_config_errors() {
         b.build()
     };
     // A budget that fits no page.
-    let e = build(gemma(), Some(swa_page_bytes() - 1)).err().unwrap();
+    let e = build(gemma(), Some(gemma_swa_page_bytes() - 1))
+        .err()
+        .unwrap();
     assert!(matches!(e, ManagerError::Config(_)), "{e:?}");
     assert!(e.to_string().contains("SWA"), "{e}");
     // Zero bytes.
@@ -323,7 +300,7 @@ fn bad_swa_budgets_and_windows_are_config_errors() {
     // A window that is not a whole number of pages.
     let mut m = gemma();
     m.sliding_window = Some(6);
-    let e = build(m, Some(16 * swa_page_bytes())).err().unwrap();
+    let e = build(m, Some(16 * gemma_swa_page_bytes())).err().unwrap();
     assert!(matches!(e, ManagerError::Config(_)), "{e:?}");
     assert!(e.to_string().contains("multiple of the page size"), "{e}");
     // An SWA budget on a model without sliding-window layers.

@@ -7,11 +7,10 @@
 
 mod common;
 
-use common::admitted;
+use common::{admitted, balanced, session_budget, step};
 use radixkv_scheduler_api::config::LayerPattern;
 use radixkv_scheduler_api::{
-    Admission, KvCacheManager, MambaPolicyKind, ModelGeometry, ReqId, Request, SessionBudget,
-    WaitReason,
+    Admission, KvCacheManager, MambaPolicyKind, ModelGeometry, ReqId, Request, WaitReason,
 };
 
 /// 8 layers: 1 full attention, 4 sliding-window (window 8 tokens, 2 pages), 3 Mamba.
@@ -45,29 +44,11 @@ fn manager(swa_pages: u64, slots: u64, sessions: bool) -> KvCacheManager {
         .mamba_bytes(slots * slot_bytes())
         .mamba_policy(MambaPolicyKind::Sglang);
     if sessions {
-        b = b.sessions(SessionBudget {
-            max_held_tokens: 512,
-            idle_ttl_ms: 60_000,
-            per_session_cap_tokens: 512,
-            max_held_window_pages: None,
-        });
+        b = b.sessions(session_budget());
     }
     let mut kv = b.build().unwrap();
     kv.set_check_every_step(true);
     kv
-}
-
-fn balanced(kv: &KvCacheManager) {
-    let s = kv.swa_accounting().unwrap();
-    let m = kv.mamba_accounting().unwrap();
-    assert!(s.balanced() && m.balanced(), "{s:?} {m:?}");
-    assert!(kv.accounting().balanced(), "{:?}", kv.accounting());
-    kv.check_invariants().unwrap();
-}
-
-fn step(kv: &mut KvCacheManager) {
-    let s = kv.begin_step();
-    kv.end_step(s).unwrap();
 }
 
 /// Arrives, admits, prefills in one chunk, decodes `out − 1` tokens and finishes.

@@ -6,60 +6,23 @@
 
 mod common;
 
-use common::admitted;
+use common::{admitted, balanced, gemma, gemma_swa_page_bytes, session_budget, step};
 use radixkv_scheduler_api::{
-    Admission, Admitted, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, Preset, ReqId,
+    Admission, Admitted, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, ReqId,
     Request, SessionBudget,
 };
-
-/// The Gemma-like geometry with pages of 4 tokens and a window of 8 tokens (2 pages).
-fn gemma() -> ModelGeometry {
-    let mut m = Preset::GemmaLike.geometry();
-    m.page_size = 4;
-    m.sliding_window = Some(8);
-    m
-}
-
-fn swa_page_bytes() -> u64 {
-    gemma().checked_swa_bytes_per_token().unwrap() * 4
-}
-
-const TTL_MS: u64 = 60_000;
-
-fn budget() -> SessionBudget {
-    SessionBudget {
-        max_held_tokens: 512,
-        idle_ttl_ms: TTL_MS,
-        per_session_cap_tokens: 512,
-        max_held_window_pages: None,
-    }
-}
 
 fn manager(swa_pages: u64) -> KvCacheManager {
     let mut kv = KvCacheManager::builder()
         .model(gemma())
         .device_tokens(1024)
         .max_rows(8)
-        .swa_bytes(swa_pages * swa_page_bytes())
-        .sessions(budget())
+        .swa_bytes(swa_pages * gemma_swa_page_bytes())
+        .sessions(session_budget())
         .build()
         .unwrap();
     kv.set_check_every_step(true);
     kv
-}
-
-/// Both pools balance and the manager's audit (every running request, every idle session
-/// slot, the admitted SWA peaks) passes.
-fn balanced(kv: &KvCacheManager) {
-    let a = kv.swa_accounting().unwrap();
-    assert!(a.balanced(), "{a:?}");
-    assert!(kv.accounting().balanced(), "{:?}", kv.accounting());
-    kv.check_invariants().unwrap();
-}
-
-fn step(kv: &mut KvCacheManager) {
-    let s = kv.begin_step();
-    kv.end_step(s).unwrap();
 }
 
 /// Arrives, admits and prefills one request (of `session`, if any) in one step.
@@ -131,7 +94,7 @@ fn turns_continue_in_the_held_window_and_demotion_and_close_hand_it_back() {
     assert_eq!(a2.device_tokens, 35);
     // The TTL demotes the idle session: its window goes to the tree, so the next turn matches
     // the history's page-aligned end there (its window is live).
-    kv.set_time_ms(TTL_MS + 1);
+    kv.set_time_ms(session_budget().idle_ttl_ms + 1);
     step(&mut kv);
     balanced(&kv);
     assert_eq!(kv.metrics().gauges.held_sessions, 0);
@@ -189,10 +152,10 @@ fn a_cap_on_held_window_pages_demotes_and_a_bad_cap_is_a_config_error() {
     let mut kv = KvCacheManager::builder()
         .model(gemma())
         .device_tokens(1024)
-        .swa_bytes(64 * swa_page_bytes())
+        .swa_bytes(64 * gemma_swa_page_bytes())
         .sessions(SessionBudget {
             max_held_window_pages: Some(1),
-            ..budget()
+            ..session_budget()
         })
         .build()
         .unwrap();
@@ -212,12 +175,12 @@ fn a_cap_on_held_window_pages_demotes_and_a_bad_cap_is_a_config_error() {
             device_tokens: 1024,
             sessions: Some(SessionBudget {
                 max_held_window_pages: Some(cap),
-                ..budget()
+                ..session_budget()
             }),
             ..Default::default()
         };
         if model.sliding_window.is_some() {
-            cfg.pools.swa_bytes = Some(64 * swa_page_bytes());
+            cfg.pools.swa_bytes = Some(64 * gemma_swa_page_bytes());
         }
         cfg.model = model;
         match KvCacheManager::new(cfg) {

@@ -49,14 +49,7 @@ impl Tier for Device {
     }
 
     fn build(_: &()) -> (SlotMemory, RadixCache) {
-        let inner = RadixCache::new(RadixConfig {
-            page_size: P,
-            total_pages: PAGES,
-            max_rows: 16,
-            ..Default::default()
-        })
-        .unwrap();
-        (SlotMemory::new(PAGES, P), inner)
+        device_cache(RadixConfig::default())
     }
 
     fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
@@ -112,16 +105,11 @@ impl Tier for MambaDevice {
         } else {
             MambaPolicy::Sglang
         };
-        let inner = RadixCache::new(RadixConfig {
-            page_size: P,
-            total_pages: PAGES,
-            max_rows: 16,
+        device_cache(RadixConfig {
             mamba_slots: Some(h.slots),
             mamba_policy,
             ..Default::default()
         })
-        .unwrap();
-        (SlotMemory::new(PAGES, P), inner)
     }
 
     fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
@@ -136,14 +124,7 @@ impl Tier for MambaDevice {
 
     fn check_drained(sut: &Sut<Self>) {
         Device::check_drained_pages(sut.c.pools());
-        let m = sut.c.inner().mamba_accounting().unwrap();
-        assert!(m.balanced(), "{m:?}");
-        assert_eq!(
-            m.request_owned + m.protected,
-            0,
-            "state slots leaked: {m:?}"
-        );
-        assert_eq!(sut.c.held_state_slots(), 0);
+        check_no_state_held(sut);
     }
 }
 
@@ -170,18 +151,13 @@ impl Tier for SwaDevice {
     }
 
     fn build(&(window, pages): &(usize, usize)) -> (SlotMemory, RadixCache) {
-        let inner = RadixCache::new(RadixConfig {
-            page_size: P,
-            total_pages: PAGES,
-            max_rows: 16,
+        device_cache(RadixConfig {
             swa: Some(radixkv_radix::SwaConfig {
                 window: window * P,
                 pages,
             }),
             ..Default::default()
         })
-        .unwrap();
-        (SlotMemory::new(PAGES, P), inner)
     }
 
     fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
@@ -196,14 +172,7 @@ impl Tier for SwaDevice {
 
     fn check_drained(sut: &Sut<Self>) {
         Device::check_drained_pages(sut.c.pools());
-        let a = sut.c.inner().swa_accounting().unwrap();
-        assert!(a.balanced(), "{a:?}");
-        assert_eq!(
-            a.request_owned + a.protected,
-            0,
-            "window pages leaked: {a:?}"
-        );
-        assert_eq!(sut.c.held_window_pages(), 0);
+        check_no_window_held(sut);
     }
 }
 
@@ -231,10 +200,7 @@ impl Tier for SwaMambaDevice {
     }
 
     fn build(&(window, pages, slots): &(usize, usize, u32)) -> (SlotMemory, RadixCache) {
-        let inner = RadixCache::new(RadixConfig {
-            page_size: P,
-            total_pages: PAGES,
-            max_rows: 16,
+        device_cache(RadixConfig {
             mamba_slots: Some(slots),
             mamba_policy: MambaPolicy::Sglang,
             swa: Some(radixkv_radix::SwaConfig {
@@ -243,8 +209,6 @@ impl Tier for SwaMambaDevice {
             }),
             ..Default::default()
         })
-        .unwrap();
-        (SlotMemory::new(PAGES, P), inner)
     }
 
     fn load_back(_: &mut Sut<Self>, _: &mut Flight) -> bool {
@@ -259,21 +223,8 @@ impl Tier for SwaMambaDevice {
 
     fn check_drained(sut: &Sut<Self>) {
         Device::check_drained_pages(sut.c.pools());
-        let a = sut.c.inner().swa_accounting().unwrap();
-        assert!(a.balanced(), "{a:?}");
-        assert_eq!(
-            a.request_owned + a.protected,
-            0,
-            "window pages leaked: {a:?}"
-        );
-        assert_eq!(sut.c.held_window_pages(), 0);
-        let m = sut.c.inner().mamba_accounting().unwrap();
-        assert!(m.balanced(), "{m:?}");
-        assert_eq!(
-            m.request_owned + m.protected,
-            0,
-            "state slots leaked: {m:?}"
-        );
+        check_no_window_held(sut);
+        check_no_state_held(sut);
     }
 }
 
@@ -281,6 +232,45 @@ impl Device {
     fn check_drained_pages(pools: &radixkv_radix::DevicePools) {
         assert_eq!(pools.pages.available() + pools.pages.tree_pages(), PAGES);
     }
+}
+
+/// A radix cache of `PAGES` pages of `P` tokens and 16 rows, with `extra`'s components, and
+/// the slot memory beside it.
+fn device_cache(extra: RadixConfig) -> (SlotMemory, RadixCache) {
+    let inner = RadixCache::new(RadixConfig {
+        page_size: P,
+        total_pages: PAGES,
+        max_rows: 16,
+        ..extra
+    })
+    .unwrap();
+    (SlotMemory::new(PAGES, P), inner)
+}
+
+/// At teardown the SWA pool balances and no window page is request-held, protected or held
+/// by a session slot.
+fn check_no_window_held<T: Tier<Inner = RadixCache>>(sut: &Sut<T>) {
+    let a = sut.c.inner().swa_accounting().unwrap();
+    assert!(a.balanced(), "{a:?}");
+    assert_eq!(
+        a.request_owned + a.protected,
+        0,
+        "window pages leaked: {a:?}"
+    );
+    assert_eq!(sut.c.held_window_pages(), 0);
+}
+
+/// At teardown the Mamba pool balances and no state slot is request-held, protected or held
+/// by a session slot.
+fn check_no_state_held<T: Tier<Inner = RadixCache>>(sut: &Sut<T>) {
+    let m = sut.c.inner().mamba_accounting().unwrap();
+    assert!(m.balanced(), "{m:?}");
+    assert_eq!(
+        m.request_owned + m.protected,
+        0,
+        "state slots leaked: {m:?}"
+    );
+    assert_eq!(sut.c.held_state_slots(), 0);
 }
 
 prop_state_machine! {
