@@ -127,8 +127,8 @@
 //! `radixkv-session`); the host tier does not yet (it refuses it).
 //!
 //! The session layer carries the Mamba component (a streaming session's slot keeps the
-//! request's running state across turns, see `radixkv-session`); the host tier does not yet
-//! (`HiRadixCache` refuses a configuration with Mamba slots).
+//! request's running state across turns, see `radixkv-session`), and so does the host tier
+//! (`radixkv-hicache`'s `HiRadixCache` backs up and loads the states with their KV).
 //!
 //! ## Errors
 //! No panic is reachable from the public API. Bad input (empty or misaligned keys, mismatched

@@ -2,7 +2,7 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (Mamba or sliding-window layers under a host tier, see
+//! [`crate::factory::build_cache`] yet (sliding-window layers under a host tier, see
 //! [`crate::geometry`]) or not built at all (the CUDA backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
@@ -66,8 +66,9 @@ pub enum CacheKind {
 }
 
 /// The host tier (L2) of a hierarchical cache: every knob of the HiCache host tier the
-/// manager builds (`radixkv_hicache::HiCacheConfig`), except the extra (hybrid) pools, which
-/// are not wired yet.
+/// manager builds (`radixkv_hicache::HiCacheConfig`), except the ones the manager derives: a
+/// Mamba model's state pool (slots from `pools.mamba_bytes`, its host copies the host pool's
+/// share) and no other extra pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostTier {

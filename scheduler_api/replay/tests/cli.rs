@@ -12,6 +12,25 @@ fn temp_dir() -> PathBuf {
     common::temp_dir("cli")
 }
 
+/// Runs `radixkv` with `args`, which must succeed; its standard output.
+fn succeeds(args: &[&str]) -> String {
+    let o = radixkv(args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
+}
+
+/// The `report.json` a run wrote into `dir`.
+fn report_json(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap()
+}
+
+/// Every one of `lines` stands somewhere in `out`.
+fn assert_contains_all(out: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(out.contains(line), "{line:?} missing in {out}");
+    }
+}
+
 /// A generated Mooncake-format trace of 60 requests.
 fn mooncake() -> String {
     common::write_temp("cli", "moon.jsonl", &common::mooncake_jsonl(60, 300))
@@ -27,7 +46,7 @@ fn on_mooncake<'a>(cmd: &'a str, trace: &'a str, extra: &[&'a str]) -> Vec<&'a s
 #[test]
 fn demo_runs_and_writes_json_svg_and_png() {
     let dir = temp_dir();
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "20",
@@ -37,8 +56,6 @@ fn demo_runs_and_writes_json_svg_and_png() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
     assert!(out.contains("token hit ratio"), "{out}");
     assert!(out.contains("achieved/ideal"), "{out}");
     // Pool and page sizes in human units; no host tier printed where there is none.
@@ -49,8 +66,7 @@ fn demo_runs_and_writes_json_svg_and_png() {
     assert!(out.contains("pages of 16 tokens = 2 MiB"), "{out}");
     assert!(!out.contains("host"), "{out}");
     assert!(!out.contains("transfers"), "{out}");
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let json = report_json(&dir);
     // One run has the same shape as a comparison: a versioned list of runs.
     assert_eq!(json["schema_version"], 1);
     assert_eq!(json["runs"].as_array().unwrap().len(), 1);
@@ -113,7 +129,7 @@ fn assert_png_decodes(bytes: &[u8]) {
 #[test]
 fn compare_prints_one_table_with_every_configuration() {
     let dir = temp_dir();
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "6",
@@ -124,8 +140,6 @@ fn compare_prints_one_table_with_every_configuration() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
     for label in [
         "disabled",
         "radix-lru",
@@ -160,8 +174,7 @@ fn compare_prints_one_table_with_every_configuration() {
         .and_then(|t| t.split(';').next())
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("no single ideal in {footer}"));
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let json = report_json(&dir);
     assert_eq!(json["schema_version"], 1);
     let runs = json["runs"].as_array().unwrap();
     for r in runs {
@@ -680,9 +693,7 @@ fn config_prints_the_example_and_the_effective_configuration() {
 fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
     use radixkv_scheduler_api::{ManagerConfig, Preset};
     // Jamba-like: 4 attention layers × 4 KiB per token; 28 Mamba layers of 304 KiB per slot.
-    let o = radixkv(&["config", "--model", "jamba-like"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = succeeds(&["config", "--model", "jamba-like"]);
     assert!(out.contains("layer_pattern = \"MMMMAMMM\""), "{out}");
     assert!(
         out.contains("full-attention KV: 65,536 pages, 1,048,576 tokens, 16 KiB per token"),
@@ -695,9 +706,7 @@ fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
     let c = ManagerConfig::from_toml_str(&out).unwrap();
     assert_eq!(c.model, Preset::JambaLike.geometry());
     // Gemma-like with pages of 32 tokens: the page size is kept, the SWA pool sized.
-    let o = radixkv(&["config", "--model", "gemma-like", "--page-size", "32"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
+    let out = succeeds(&["config", "--model", "gemma-like", "--page-size", "32"]);
     assert!(
         out.contains("sliding-window KV (window 1024 tokens): 6,553 pages"),
         "{out}"
@@ -764,7 +773,7 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
         .unwrap();
     let slots = 64;
     let bytes = (slots * slot).to_string();
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "3",
@@ -778,19 +787,17 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    for line in [
-        "usable vs match  usable hit",
-        "mamba states     marconi: 64 slots of 8.3 MiB",
-        "pool occupancy   mean over the run: KV pages",
-        "prefill FLOPs",
-        "and 0 Mamba slots still held",
-    ] {
-        assert!(out.contains(line), "{line:?} missing in {out}");
-    }
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_contains_all(
+        &out,
+        &[
+            "usable vs match  usable hit",
+            "mamba states     marconi: 64 slots of 8.3 MiB",
+            "pool occupancy   mean over the run: KV pages",
+            "prefill FLOPs",
+            "and 0 Mamba slots still held",
+        ],
+    );
+    let json = report_json(&dir);
     let run = &json["runs"][0];
     assert_eq!(run["config"], "radix-lru+mamba-marconi");
     let mamba = &run["mamba"];
@@ -815,7 +822,7 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
     assert!(!occ.is_empty());
     assert!(occ.iter().all(|o| o["mamba_in_use"].is_f64()), "{occ:?}");
     // A dense run has none of it.
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "2",
@@ -823,8 +830,6 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
         "32768",
         "--quiet",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
     assert!(
         !out.contains("mamba") && !out.contains("prefill FLOPs"),
         "{out}"
@@ -833,7 +838,7 @@ fn a_jamba_like_replay_reports_usable_hits_kv_match_flops_and_the_mamba_pool() {
 
 #[test]
 fn a_jamba_like_compare_adds_the_other_policy_kv_match_and_saved_and_runs_every_kind() {
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "2",
@@ -844,8 +849,6 @@ fn a_jamba_like_compare_adds_the_other_policy_kv_match_and_saved_and_runs_every_
         "--compare",
         "--quiet",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
     let header = out.lines().find(|l| l.starts_with("config")).unwrap();
     assert!(
         header.contains("kv match") && header.contains("saved"),
@@ -875,7 +878,7 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
     let page = m.checked_swa_bytes_per_token().unwrap() * m.page_size as u64;
     let pages = 1024;
     let bytes = (pages * page).to_string();
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "3",
@@ -889,17 +892,15 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    for line in [
-        "swa pool         window 1024 tokens: 1,024 pages",
-        "SWA pages",
-        "and 0 SWA pages still held",
-    ] {
-        assert!(out.contains(line), "{line:?} missing in {out}");
-    }
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_contains_all(
+        &out,
+        &[
+            "swa pool         window 1024 tokens: 1,024 pages",
+            "SWA pages",
+            "and 0 SWA pages still held",
+        ],
+    );
+    let json = report_json(&dir);
     let run = &json["runs"][0];
     assert_eq!(run["config"], "radix-lru");
     let swa = &run["swa"];
@@ -917,7 +918,7 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
     );
     assert!(occ.iter().any(|o| o["swa_in_use"].as_f64().unwrap() > 0.0));
     // --compare runs the radix configurations and says why the others cannot run.
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "2",
@@ -928,8 +929,6 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         "--compare",
         "--quiet",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
     for row in ["disabled ", "radix-lru "] {
         assert!(
             out.lines().any(|l| l.starts_with(row)),
@@ -957,7 +956,7 @@ fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
     let dir = temp_dir();
     // A pool the sessions' windows press on: idle sessions are demoted for window room, every
     // step is audited, and the leak check at the end finds no page of either pool held.
-    let o = radixkv(&[
+    let out = succeeds(&[
         "demo",
         "--conversations",
         "8",
@@ -973,17 +972,15 @@ fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
         "--out",
         dir.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = stdout(&o);
-    for line in [
-        "config           radix-lru+sessions",
-        "and 0 SWA pages still held",
-        "0 sessions open",
-    ] {
-        assert!(out.contains(line), "{line:?} missing in {out}");
-    }
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_contains_all(
+        &out,
+        &[
+            "config           radix-lru+sessions",
+            "and 0 SWA pages still held",
+            "0 sessions open",
+        ],
+    );
+    let json = report_json(&dir);
     let run = &json["runs"][0];
     assert_eq!(run["swa"]["leaked_pages"], 0);
     assert!(
@@ -1026,15 +1023,14 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
             extra,
         ]
         .concat();
-        let o = radixkv(&args);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let out = stdout(&o);
-        for line in [
-            "mamba states     sglang",
-            "swa pool         window 256 tokens",
-            "0 tokens and 0 Mamba slots and 0 SWA pages still held",
-        ] {
-            assert!(out.contains(line), "{line:?} missing in {out}");
-        }
+        let out = succeeds(&args);
+        assert_contains_all(
+            &out,
+            &[
+                "mamba states     sglang",
+                "swa pool         window 256 tokens",
+                "0 tokens and 0 Mamba slots and 0 SWA pages still held",
+            ],
+        );
     }
 }

@@ -171,20 +171,7 @@ const POOLS: [PoolColumns; 3] = [
 /// cached. Several: the cached part of each extra pool per configuration (the part the
 /// policies decide; alike curves drawn once).
 fn pools_chart(order: &[&Report]) -> LineChart {
-    let window = order
-        .iter()
-        .map(|r| smoothing_window(r.occupancy.len()))
-        .max()
-        .unwrap_or(1);
-    let seconds = order
-        .iter()
-        .map(|r| window_seconds(&r.occupancy, window))
-        .fold(0.0, f64::max);
-    let smoothing = if window > 1 {
-        format!("moving average over {window} samples, about {seconds:.1} s")
-    } else {
-        "raw samples".into()
-    };
+    let (window, smoothing) = occupancy_smoothing(order);
     let has = |r: &Report, f: fn(&OccupancySample) -> Option<f64>| {
         r.occupancy.first().and_then(f).is_some()
     };
@@ -463,7 +450,9 @@ fn fmt_ms(v: f64) -> String {
     }
 }
 
-fn occupancy_chart(order: &[&Report]) -> LineChart {
+/// The moving-average window of the occupancy charts of `order` (the widest any run needs,
+/// so that every curve is smoothed alike) and the caption that says so.
+fn occupancy_smoothing(order: &[&Report]) -> (usize, String) {
     let window = order
         .iter()
         .map(|r| smoothing_window(r.occupancy.len()))
@@ -478,6 +467,11 @@ fn occupancy_chart(order: &[&Report]) -> LineChart {
     } else {
         "raw samples".into()
     };
+    (window, smoothing)
+}
+
+fn occupancy_chart(order: &[&Report]) -> LineChart {
+    let (window, smoothing) = occupancy_smoothing(order);
     let line = |name: String, r: &Report, f: fn(&OccupancySample) -> f64| Series {
         name,
         points: moving_average(&r.occupancy, window, f),
