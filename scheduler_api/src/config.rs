@@ -2,8 +2,9 @@
 //! kind and its tiers, sessions and the device backend. Readable from TOML or JSON.
 //!
 //! Every kind the product has is describable here, even the ones not wired into
-//! [`crate::factory::build_cache`] yet (sliding-window layers under a host tier, see
-//! [`crate::geometry`]) or not built at all (the CUDA backend):
+//! [`crate::factory::build_cache`] yet (sliding-window layers under a host tier with sessions
+//! or with Mamba layers as well, see [`crate::geometry`]) or not built at all (the CUDA
+//! backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
 //! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
 //! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
@@ -66,9 +67,9 @@ pub enum CacheKind {
 }
 
 /// The host tier (L2) of a hierarchical cache: every knob of the HiCache host tier the
-/// manager builds (`radixkv_hicache::HiCacheConfig`), except the ones the manager derives: a
-/// Mamba model's state pool (slots from `pools.mamba_bytes`, its host copies the host pool's
-/// share) and no other extra pool.
+/// manager builds (`radixkv_hicache::HiCacheConfig`). The host sides of the hybrid pools
+/// (Mamba state slots, sliding-window KV pages) are the host tier's share of the device pools,
+/// as for the KV, and are not set here.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostTier {

@@ -34,9 +34,11 @@
 //! slot keeps its window KV across turns), and so does a model with both kinds of layers (one
 //! tree carries both components); Mamba layers also build under a host tier (`HiRadixCache`
 //! moves the states with their KV; HostSim's simulated state slots are 64 bytes each, like its
-//! token-sized KV pools, while an engine's backend holds the model's). Sliding-window layers
-//! under a host tier are still [`ManagerError::NotWired`]: their
-//! pools are sized but no cache carries them there yet. The
+//! token-sized KV pools, while an engine's backend holds the model's), and so do
+//! sliding-window layers (`HiRadixCache` moves the window KV with its KV; HostSim's simulated
+//! window pages are 64 bytes each, an engine's backend holds the model's). Sliding-window
+//! layers under a host tier with sessions, or with Mamba layers as well, are still
+//! [`ManagerError::NotWired`]: no cache carries those combinations there yet. The
 //! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
@@ -281,7 +283,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers under a host tier;
+/// layers under a host tier with sessions or with Mamba layers as well;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -449,20 +451,33 @@ fn build<B: DeviceBackend>(
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
 /// than built into a cache that would ignore their pools:
 ///
-/// - sliding-window layers under a host tier (it does not move window KV yet).
+/// - sliding-window **and** Mamba layers under a host tier (the tiered cache moves either
+///   component, not both at once);
+/// - sliding-window layers under a host tier with sessions (a session slot's window KV is not
+///   tiered yet).
 ///
 /// Mamba layers, sliding-window layers or both on the device-only caches (`radix`, `disabled`)
 /// are wired: the radix tree carries the states and the window KV as components of its nodes
 /// (both at once for a model with both), and a session slot keeps its running state and its
-/// window KV across turns. Mamba layers under a host tier are wired too: `HiRadixCache` backs
-/// up and loads the states with their KV.
+/// window KV across turns. Mamba layers or sliding-window layers under a host tier are wired
+/// too: `HiRadixCache` backs up and loads the states, or the window KV, with their KV.
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
-    if n.sliding_window > 0 && matches!(cfg.cache, CacheKind::HiCache(_)) {
+    if !matches!(cfg.cache, CacheKind::HiCache(_)) || n.sliding_window == 0 {
+        return Ok(());
+    }
+    if n.mamba > 0 {
         return Err(ManagerError::NotWired {
-            kind: "a model with sliding-window layers under a host tier (moving window KV \
-                   between the device and the host)",
+            kind: "a model with both sliding-window and Mamba layers under a host tier \
+                   (moving window KV and Mamba states between the device and the host at once)",
             needs: "radixkv-hicache",
+        });
+    }
+    if cfg.sessions.is_some() {
+        return Err(ManagerError::NotWired {
+            kind: "sessions for a model with sliding-window layers under a host tier (a \
+                   session slot's window KV with a host tier)",
+            needs: "radixkv-scheduler-api",
         });
     }
     Ok(())
@@ -561,9 +576,9 @@ mod tests {
         let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
-        // A sliding-window model builds on the device-only caches, its SWA pool sized from
-        // its budget, and is refused under a host tier, naming what is missing; a Mamba model
-        // builds on every cache kind, with sessions too.
+        // A sliding-window model builds on every cache kind, its SWA pool sized from its
+        // budget; under a host tier it is refused with sessions or with Mamba layers as well,
+        // naming what is missing. A Mamba model builds on every cache kind, with sessions too.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -577,18 +592,48 @@ mod tests {
             let mut swa = ManagerConfig { cache, ..base() };
             swa.model = Preset::GemmaLike.geometry();
             let pools = swa.pools().unwrap();
+            let c = build_cache(&swa).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            let a = c.swa_accounting().expect("the SWA component");
+            assert_eq!(a.total as u64, pools.swa.unwrap().pages);
+            assert_eq!(c.swa_window(), Some(1024));
+            swa.sessions = Some(SessionBudget {
+                max_held_tokens: swa.device_tokens / 4,
+                ..Default::default()
+            });
             match build_cache(&swa) {
                 Ok(c) => {
                     assert!(!hicache);
-                    let a = c.swa_accounting().expect("the SWA component");
-                    assert_eq!(a.total as u64, pools.swa.unwrap().pages);
-                    assert_eq!(c.swa_window(), Some(1024));
+                    assert!(c.swa_accounting().is_some());
                 }
                 Err(e) => {
                     assert!(hicache, "{e:?}");
+                    assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
+                    let e = e.to_string();
+                    assert!(e.contains("sessions") && e.contains("host tier"), "{e}");
+                }
+            }
+            // Both kinds of layers: one tree carries both on the device-only caches; the
+            // host tier does not move both yet.
+            let mut both = ManagerConfig {
+                cache: swa.cache.clone(),
+                ..base()
+            };
+            both.model = Preset::JambaLike.geometry();
+            both.model.layer_pattern =
+                Some(crate::geometry::LayerPattern::parse("SMSASMSM").unwrap());
+            both.model.layers = 8;
+            both.model.sliding_window = Some(64);
+            match build_cache(&both) {
+                Ok(c) => {
+                    assert!(!hicache);
+                    assert!(c.swa_accounting().is_some() && c.mamba_accounting().is_some());
+                }
+                Err(e) => {
+                    assert!(hicache, "{e:?}");
+                    assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
                     let e = e.to_string();
                     assert!(
-                        e.contains("radixkv-hicache") && e.contains("sliding-window layers"),
+                        e.contains("radixkv-hicache") && e.contains("Mamba layers"),
                         "{e}"
                     );
                 }

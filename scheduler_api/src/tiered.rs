@@ -70,7 +70,15 @@ impl Tiered<HostSim> {
             radix.total_pages,
             HostSimConfig::default(),
         )?);
-        Self::over(cfg, host, radix, device, sim.layers, SIM_MAMBA_STATE_BYTES)
+        Self::over(
+            cfg,
+            host,
+            radix,
+            device,
+            sim.layers,
+            SIM_MAMBA_STATE_BYTES,
+            SIM_SWA_PAGE_BYTES,
+        )
     }
 }
 
@@ -78,6 +86,11 @@ impl Tiered<HostSim> {
 /// size, not the model's (an 8 MiB Jamba state per slot would make the simulation allocate
 /// gigabytes). The slot counts are the model's.
 pub(crate) const SIM_MAMBA_STATE_BYTES: usize = 64;
+
+/// Bytes of one sliding-window KV page in HostSim's simulated buffers: a token size like the
+/// Mamba slots (see [`SIM_MAMBA_STATE_BYTES`]), not the model's page bytes. The page counts
+/// are the model's.
+pub(crate) const SIM_SWA_PAGE_BYTES: usize = 64;
 
 impl<B: DeviceBackend> Tiered<B> {
     /// A HiCache for `cfg` with host tier `host` and device tier `radix`, over the engine's
@@ -103,12 +116,30 @@ impl<B: DeviceBackend> Tiered<B> {
             })?,
             None => 0,
         };
-        Self::over(cfg, host, radix, backend, cfg.model.layers, state_bytes)
+        let swa_page_bytes = match cfg.pools()?.swa {
+            Some(p) => usize::try_from(p.page_bytes).map_err(|_| {
+                ManagerError::Config(format!(
+                    "an SWA page of {} bytes is more than this machine can address",
+                    p.page_bytes
+                ))
+            })?,
+            None => 0,
+        };
+        Self::over(
+            cfg,
+            host,
+            radix,
+            backend,
+            cfg.model.layers,
+            state_bytes,
+            swa_page_bytes,
+        )
     }
 
     /// The cache over `device`, whose pools have `backend_layers` layers and, with Mamba
-    /// slots, Mamba state slots of `state_bytes` (host copies: the host tier's share of the
-    /// device slots, as for the KV).
+    /// slots, Mamba state slots of `state_bytes`, with sliding-window layers, window KV pages
+    /// of `swa_page_bytes` (host copies of both: the host tier's share of the device slots
+    /// and pages, as for the KV).
     fn over(
         cfg: &ManagerConfig,
         host: &HostTier,
@@ -116,9 +147,11 @@ impl<B: DeviceBackend> Tiered<B> {
         device: Arc<B>,
         backend_layers: u32,
         state_bytes: usize,
+        swa_page_bytes: usize,
     ) -> Result<Self> {
         let page_size = radix.page_size;
         let mamba_state_bytes = radix.mamba_slots.map(|_| state_bytes);
+        let swa_page_bytes = radix.swa.map(|_| swa_page_bytes);
         let hc = HiCacheConfig {
             radix,
             host_size: HostSize::Pages(host.host_tokens / page_size),
@@ -129,6 +162,7 @@ impl<B: DeviceBackend> Tiered<B> {
             load_back_quota_tokens: host.load_back_quota_tokens,
             max_pending_ops: host.max_pending_ops,
             mamba_state_bytes,
+            swa_page_bytes,
             ..Default::default()
         };
         Ok(Tiered {
@@ -278,6 +312,21 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
 
     fn mamba_stats(&self) -> Option<radixkv_radix::MambaStats> {
         self.cache.device_cache().mamba_stats()
+    }
+
+    fn swa_accounting(&self) -> Option<radixkv_radix::ComponentAccounting> {
+        self.cache.device_cache().swa_accounting()
+    }
+
+    fn swa_window(&self) -> Option<usize> {
+        self.cache.device_cache().swa_window()
+    }
+
+    fn swa_available_locked(
+        &mut self,
+        node: Option<radixkv_radix::NodeId>,
+    ) -> Result<Option<usize>> {
+        Ok(self.cache.swa_available_locked(node)?)
     }
 }
 

@@ -170,13 +170,19 @@ fn retract_caches_the_state_at_a_page_end_and_the_request_hits_it_again() {
 #[test]
 fn combinations_not_wired_yet_are_refused_by_name() {
     // (Sessions are wired: see `hybrid_sessions.rs`; the host tier: `hybrid_hicache.rs`.)
+    // Sliding-window and Mamba layers in one model under a host tier are not.
+    let mut both = Preset::JambaLike.geometry();
+    both.layers = 8;
+    both.layer_pattern =
+        Some(radixkv_scheduler_api::config::LayerPattern::parse("SMSASMSM").unwrap());
+    both.sliding_window = Some(64);
     let cases = [(
         KvCacheManager::builder()
-            .model(Preset::GemmaLike.geometry())
+            .model(both)
             .device_tokens(4096)
             .host_tier(HostTier::ratio(4096, 2.0)),
         "radixkv-hicache",
-        "sliding-window",
+        "sliding-window and Mamba",
     )];
     for (b, crate_name, what) in cases {
         match b.build() {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{admitted, balanced, gemma, gemma_swa_page_bytes, step};
+use common::{admitted, balanced, gemma, gemma_swa_page_bytes, session_budget, step};
 use radixkv_scheduler_api::{
     Admission, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry,
     NeverReason, ReqId, Request, WaitReason,
@@ -252,12 +252,19 @@ fn combinations_not_wired_yet_are_refused() {
         c.model = gemma();
         c
     };
+    // Under a host tier without sessions the model builds (tests/hybrid_hicache.rs); with
+    // sessions it is refused. (A model with both sliding-window and Mamba layers builds on
+    // the device-only caches: tests/hybrid_swa_mamba.rs.)
     let hi = ManagerConfig {
         cache: CacheKind::HiCache(HostTier::ratio(1024, 2.0)),
         ..base()
     };
-    // (A model with both sliding-window and Mamba layers builds: tests/hybrid_swa_mamba.rs.)
-    for (cfg, needs, what) in [(hi, "radixkv-hicache", "host tier")] {
+    assert!(KvCacheManager::new(hi.clone()).is_ok());
+    let hi_sessions = ManagerConfig {
+        sessions: Some(session_budget()),
+        ..hi
+    };
+    for (cfg, needs, what) in [(hi_sessions, "radixkv-scheduler-api", "host tier")] {
         match KvCacheManager::new(cfg) {
             Err(e @ ManagerError::NotWired { .. }) => {
                 let ManagerError::NotWired { needs: n, .. } = &e else {

@@ -21,6 +21,30 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.inner.parts_mut().0.evict_swa(pages)
     }
 
+    /// Device SWA pages free or evictable while the window KV before `node`'s end is locked,
+    /// as an admission matched there locks it (see `RadixTree::inc_lock_ref_swa`); `None`
+    /// without the SWA component. A `node` that is the root, `None`, or whose window is not
+    /// live on the device (a tombstone, a stale id) locks nothing. The lock is released before
+    /// returning: only a split at the window's start remains.
+    ///
+    /// # Errors
+    /// Releasing the temporary lock failed (a bug).
+    pub fn swa_available_locked(
+        &mut self,
+        node: Option<NodeId>,
+    ) -> radixkv_radix::Result<Option<usize>> {
+        let (tree, _) = self.inner.parts_mut();
+        let receipt = match node {
+            Some(n) if n != tree.root() => tree.inc_lock_ref_swa(n).ok(),
+            _ => None,
+        };
+        let a = self.inner.swa_accounting();
+        if let Some(r) = receipt {
+            self.inner.parts_mut().0.dec_lock_ref(r)?;
+        }
+        Ok(a.map(|a| a.free + a.evictable))
+    }
+
     /// Host window pages held (0 without the SWA component).
     pub fn host_swa_pages(&self) -> usize {
         self.ctrl.extra_host(PoolName::Swa).map_or(0, |a| a.used())
