@@ -741,6 +741,8 @@ fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
     ]);
     // Mamba layers with sessions are wired: the replay runs, and its leak check passes.
     assert!(o.status.success(), "{}", stderr(&o));
+    // Sliding-window layers under a host tier are wired: the replay runs with every step
+    // audited, and its leak check finds no page of either pool held.
     let o = radixkv(&[
         "demo",
         "--conversations",
@@ -749,9 +751,32 @@ fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
         "gemma-like",
         "--cache",
         "hicache",
+        "--check-invariants-every",
+        "1",
     ]);
-    fails_with(&o, "sliding-window layers");
-    fails_with(&o, "radixkv-hicache");
+    assert!(o.status.success(), "{}", stderr(&o));
+    for line in [
+        "config           hicache-",
+        "swa pool         window 1024 tokens",
+        "0 tokens and 0 SWA pages still held",
+        "accounting balanced",
+    ] {
+        assert!(stdout(&o).contains(line), "{line:?} in {}", stdout(&o));
+    }
+    // With sessions as well they are not wired yet.
+    let o = radixkv(&[
+        "demo",
+        "--conversations",
+        "2",
+        "--model",
+        "gemma-like",
+        "--cache",
+        "hicache",
+        "--session-tokens",
+        "4096",
+    ]);
+    fails_with(&o, "sliding-window layers under a host tier");
+    fails_with(&o, "radixkv-scheduler-api");
     fails_with(
         &radixkv(&["config", "--model", "llama"]),
         "known: dense, jamba-like, gemma-like",
@@ -917,7 +942,8 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         "{occ:?}"
     );
     assert!(occ.iter().any(|o| o["swa_in_use"].as_f64().unwrap() > 0.0));
-    // --compare runs the radix configurations and says why the others cannot run.
+    // --compare runs the radix and host-tier configurations and says why the others (a host
+    // tier with sessions) cannot run.
     let out = succeeds(&[
         "demo",
         "--conversations",
@@ -929,7 +955,7 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         "--compare",
         "--quiet",
     ]);
-    for row in ["disabled ", "radix-lru "] {
+    for row in ["disabled ", "radix-lru ", "hicache-lru-wb+host64K "] {
         assert!(
             out.lines().any(|l| l.starts_with(row)),
             "{row} missing in {out}"
@@ -937,7 +963,13 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
     }
     let skipped: Vec<&str> = out.lines().filter(|l| l.contains("skipped")).collect();
     assert!(
-        skipped.iter().any(|l| l.contains("radixkv-hicache")),
+        skipped
+            .iter()
+            .any(|l| l.contains("+sessions)") && l.contains("radixkv-scheduler-api")),
+        "{out}"
+    );
+    assert!(
+        !skipped.iter().any(|l| l.contains("radixkv-hicache")),
         "{out}"
     );
     // Sessions keep their window across turns: that row runs too.
