@@ -244,3 +244,37 @@ fn step_right_after_a_failed_layer_repairs_the_load_still_in_flight() {
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
 }
+
+#[test]
+fn failed_backup_above_a_refused_backup_reports_no_host_removal() {
+    let mut c = gated_cache(32, DEFAULT_MAX_PENDING_OPS);
+    let a = toks(1, 9);
+    let ab = toks(1, 17);
+    // A's backup is held in flight; the tail's backup is refused at the insert and at the
+    // step's retry, so it is still queued (never copied, never reported) when A's fails.
+    serve(&mut c, &a).unwrap();
+    c.backend().refuse_next_submissions(StreamKind::Write, 2);
+    serve(&mut c, &ab).unwrap();
+    c.backend().fail_next_copies(StreamKind::Write, 1);
+    c.backend().gate().unwrap().open();
+    c.backend().wait_settled(StreamKind::Write);
+    // The step's retry is refused; then it applies A's failed ack.
+    let _ = c.step();
+    assert_eq!(
+        c.stats().failed_writes,
+        2,
+        "the queued tail is undone with A"
+    );
+    let (stored, removed) = host_event_balance(&mut c);
+    assert_eq!(
+        (stored, removed),
+        (0, 0),
+        "neither backup was reported stored, so neither may be reported removed"
+    );
+    c.flush().unwrap();
+    let (stored, removed) = host_event_balance(&mut c);
+    assert_eq!(stored, removed, "no host removal without its store");
+    assert_eq!(c.host_tokens(), 0, "both backups were undone");
+    assert_eq!(c.protected_tokens(), 0);
+    c.check_invariants().unwrap();
+}

@@ -22,6 +22,8 @@
 //! - A failed **backup** is undone at the step boundary that sees it: the node loses its host
 //!   copy (host pages freed, node device-only again, lock released), and so does every backup
 //!   below it, to keep backed-up nodes root-connected. No host event was reported for it.
+//!   Backups still queued then (refused submissions awaiting a retry) are failed and undone
+//!   with it: one may extend the failed chain, and none was reported or copied yet.
 //! - A failed **load** is never reported as loaded. The forward pass learns it first:
 //!   [`LayerDoneCounter::wait_until`] returns [`HiCacheError::Transfer`] for the batch, which
 //!   stops there, while the load's later layers may still be copying. The next

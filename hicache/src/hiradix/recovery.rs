@@ -13,7 +13,14 @@ use crate::error::{HiCacheError, Result};
 impl<B: DeviceBackend> HiRadixCache<B> {
     /// Applies completed transfers. With failures among them, first waits for every started
     /// transfer so that undoing a backup never frees host pages a copy still touches.
+    ///
+    /// A failed backup also fails the backups still queued (refused submissions awaiting a
+    /// retry): one of them may extend a failed chain, and undoing it must neither report a host
+    /// removal for KV never reported stored nor free host pages a later copy would write.
     pub(super) fn apply_acks(&mut self, acks: &mut Acks) -> Result<()> {
+        if !acks.failed_writes.is_empty() {
+            self.ctrl.fail_queued_writes();
+        }
         if acks.has_failures() {
             // The wait's error is the failure being handled here.
             let _ = self.ctrl.wait_all();
