@@ -588,11 +588,12 @@ pub(crate) fn free_row_pages_from<C: PrefixCache + ?Sized>(
     pools.pages.free(&fresh)
 }
 
-/// The request's row and the pages it needs for `n` more tokens.
+/// The request's row and the pages it needs for `n` more tokens: what
+/// [`PrefixCache::alloc_tokens`] allocates, for a cache that makes room before delegating it.
 ///
 /// # Errors
 /// A request without a row; [`CacheError::SizeOverflow`] when `allocated_len + n` overflows.
-pub(crate) fn pages_to_alloc<C: PrefixCache + ?Sized>(
+pub fn pages_to_alloc<C: PrefixCache + ?Sized>(
     cache: &C,
     req: &RequestKv,
     n: usize,

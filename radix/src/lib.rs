@@ -167,7 +167,7 @@ pub use alloc::{
 };
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
-    make_room_by_evicting,
+    make_room_by_evicting, pages_to_alloc,
 };
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};

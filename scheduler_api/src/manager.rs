@@ -688,20 +688,17 @@ impl KvCacheManager {
                 // Nothing runs to free window pages: idle sessions stand in the way (their
                 // slots' locks keep the window of their cached prefix, which their held pages
                 // do not count). Demote the least recently used other one and try again.
-                let own = t.kv.session.map(|s| s.id);
-                let mut order: Vec<(u64, u64)> = self
-                    .sessions_open
-                    .iter()
-                    .filter(|&&s| Some(s) != own)
-                    .map(|&s| (self.session_use.get(&s).copied().unwrap_or(0), s))
-                    .collect();
-                order.sort_unstable();
-                for (_, sid) in order {
-                    if self.cache.demote_session(sid)? {
-                        self.metrics.counters.session_demotions += 1;
-                        // Each retry follows a demotion: at most one per open session.
-                        return self.admit(id);
-                    }
+                let demoted = demote_idle_sessions(
+                    self.cache.as_mut(),
+                    &self.sessions_open,
+                    &self.session_use,
+                    &mut self.metrics.counters.session_demotions,
+                    t.kv.session.map(|s| s.id),
+                    |_| Ok(true),
+                )?;
+                if demoted {
+                    // Each retry follows a demotion: at most one per open session.
+                    return self.admit(id);
                 }
             }
             if swa_peak - lent > available {

@@ -5,7 +5,7 @@ use radixkv_radix::{
     CacheError, InvariantViolation, NodeId, PrefixCache, RequestKv, RequestMatch, align_down,
 };
 
-use super::HiRadixCache;
+use super::{HiRadixCache, set_tiered_match};
 use crate::backend::DeviceBackend;
 use crate::controller::PoolName;
 use crate::error::Result;
@@ -32,23 +32,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             (m.usable_len, m.anchor, m.kv.device_len, hit)
         };
         req.kv_match_len = kv_len;
-        req.prefix_len = usable;
-        req.last_node = Some(anchor);
-        match hit {
-            Some(h) => {
-                req.host_hit_len = h.len - usable;
-                req.load_anchor = Some(h.node);
-            }
-            None => {
-                req.host_hit_len = 0;
-                req.load_anchor = Some(anchor);
-            }
-        }
-        Ok(RequestMatch {
-            prefix_len: usable,
-            host_hit_len: req.host_hit_len,
-            from_session: false,
-        })
+        Ok(set_tiered_match(
+            req,
+            usable,
+            anchor,
+            hit.map(|h| (h.node, h.len)),
+        ))
     }
 
     /// The device states of `nodes` that a backup should carry (those without a host copy

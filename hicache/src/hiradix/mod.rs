@@ -144,6 +144,7 @@ use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
     KvEvent, LockReceipt, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
     RequestKv, RequestMatch, TierWalk, TreeMatch, align_down, make_room_by_evicting,
+    pages_to_alloc,
 };
 
 use crate::backend::DeviceBackend;
@@ -817,17 +818,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     /// some, those backups are completed first, counted in
     /// [`HiCacheStats::backups_awaited_for_room`]).
     fn alloc_tokens(&mut self, req: &mut RequestKv, n: usize) -> radixkv_radix::Result<()> {
-        let row = req.row.ok_or(CacheError::InvalidRequestState(
-            "alloc_tokens before begin_request",
-        ))?;
-        let have = self.pools().rows.pages(row)?.len();
-        let total = req
-            .allocated_len
-            .checked_add(n)
-            .ok_or(CacheError::SizeOverflow(
-                "alloc_tokens: allocated_len + n overflows usize",
-            ))?;
-        let need = total.div_ceil(self.page_size()).saturating_sub(have);
+        let (_, need) = pages_to_alloc(self, req, n)?;
         // Window pages that only pending backups pin come free at their acks.
         let short = self
             .inner
@@ -1155,6 +1146,29 @@ fn mamba_pool_spec(cfg: &HiCacheConfig, slots: u32, host_pages: usize) -> HiResu
         item_bytes,
         device_owner: SlotOwner::Caller,
     })
+}
+
+/// Records a tiered match on the request: usable on the device up to `usable` tokens (node
+/// `anchor`); `host_hit` is the deepest node a load-back reaches and its length, if any.
+fn set_tiered_match(
+    req: &mut RequestKv,
+    usable: usize,
+    anchor: NodeId,
+    host_hit: Option<(NodeId, usize)>,
+) -> RequestMatch {
+    req.prefix_len = usable;
+    req.last_node = Some(anchor);
+    let (host_len, load_anchor) = match host_hit {
+        Some((node, len)) => (len - usable, node),
+        None => (0, anchor),
+    };
+    req.host_hit_len = host_len;
+    req.load_anchor = Some(load_anchor);
+    RequestMatch {
+        prefix_len: usable,
+        host_hit_len: host_len,
+        from_session: false,
+    }
 }
 
 #[cfg(test)]

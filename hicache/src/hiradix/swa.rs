@@ -7,7 +7,7 @@ use radixkv_radix::{
     align_down,
 };
 
-use super::HiRadixCache;
+use super::{HiRadixCache, set_tiered_match};
 use crate::backend::DeviceBackend;
 use crate::controller::PoolName;
 use crate::error::Result;
@@ -72,23 +72,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         };
         // As the device tier reports it without the Mamba component.
         req.kv_match_len = 0;
-        req.prefix_len = usable;
-        req.last_node = Some(anchor);
-        match hit {
-            Some(h) => {
-                req.host_hit_len = h.len - usable;
-                req.load_anchor = Some(h.node);
-            }
-            None => {
-                req.host_hit_len = 0;
-                req.load_anchor = Some(anchor);
-            }
-        }
-        Ok(RequestMatch {
-            prefix_len: usable,
-            host_hit_len: req.host_hit_len,
-            from_session: false,
-        })
+        Ok(set_tiered_match(
+            req,
+            usable,
+            anchor,
+            hit.map(|h| (h.node, h.len)),
+        ))
     }
 
     /// The live device window pages of `nodes` that a backup should carry (those without a
