@@ -333,13 +333,13 @@ impl RadixTree {
         Ok(self.id_of(node))
     }
 
-    fn mamba_ref(&self) -> Result<&MambaComponent> {
+    pub(super) fn mamba_ref(&self) -> Result<&MambaComponent> {
         self.mamba
             .as_deref()
             .ok_or(CacheError::ComponentDisabled("mamba"))
     }
 
-    fn mamba_mut(&mut self) -> Result<&mut MambaComponent> {
+    pub(super) fn mamba_mut(&mut self) -> Result<&mut MambaComponent> {
         self.mamba
             .as_deref_mut()
             .ok_or(CacheError::ComponentDisabled("mamba"))

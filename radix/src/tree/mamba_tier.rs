@@ -34,7 +34,7 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
     pub fn mamba_host_state(&self, id: NodeId) -> Result<Option<u32>> {
         let idx = self.resolve(id)?;
-        let e = self.mamba_ref_tier()?.get(idx);
+        let e = self.mamba_ref()?.get(idx);
         Ok((e.host != NIL).then_some(e.host))
     }
 
@@ -47,7 +47,7 @@ impl RadixTree {
     /// device state, or one that already has a host state. Nothing changes on error.
     pub fn set_mamba_host_state(&mut self, id: NodeId, host_slot: u32) -> Result<()> {
         let idx = self.resolve(id)?;
-        let e = self.mamba_ref_tier()?.get(idx);
+        let e = self.mamba_ref()?.get(idx);
         if idx == self.root || self.nodes[idx as usize].host.is_none() {
             return Err(CacheError::InvalidRequestState(
                 "a host Mamba state needs a node with a host KV copy",
@@ -64,7 +64,7 @@ impl RadixTree {
                 total: NIL as usize,
             });
         }
-        let m = self.mamba_tier_mut()?;
+        let m = self.mamba_mut()?;
         m.entry(idx).host = host_slot;
         Ok(())
     }
@@ -76,7 +76,7 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
     pub fn take_mamba_host_state(&mut self, id: NodeId) -> Result<Option<u32>> {
         let idx = self.resolve(id)?;
-        let m = self.mamba_tier_mut()?;
+        let m = self.mamba_mut()?;
         if m.get(idx).host == NIL {
             return Ok(None);
         }
@@ -96,7 +96,7 @@ impl RadixTree {
     /// or already has a device state. Nothing changes on error.
     pub fn attach_mamba_state(&mut self, id: NodeId, slot: u32) -> Result<()> {
         let idx = self.resolve(id)?;
-        let m = self.mamba_ref_tier()?;
+        let m = self.mamba_ref()?;
         if m.pool.state(slot)? != SlotState::Request {
             return Err(CacheError::SlotState {
                 slot,
@@ -114,7 +114,7 @@ impl RadixTree {
                 "a Mamba state is loaded only into a node with a host state and no device state",
             ));
         }
-        let m = self.mamba_tier_mut()?;
+        let m = self.mamba_mut()?;
         m.pool.request_to_tree(slot)?;
         let now = m.tick();
         let e = m.entry(idx);
@@ -130,7 +130,7 @@ impl RadixTree {
     /// # Errors
     /// [`CacheError::ComponentDisabled`].
     pub fn mamba_host_states(&self) -> Result<Vec<(NodeId, u32)>> {
-        let m = self.mamba_ref_tier()?;
+        let m = self.mamba_ref()?;
         Ok(m.nodes
             .iter()
             .enumerate()
@@ -170,7 +170,7 @@ impl RadixTree {
         let mut i = deepest;
         let mut depth = m.kv.device_len + m.kv.host_len;
         let anchor = self.resolve(m.anchor)?;
-        let comp = self.mamba_ref_tier()?;
+        let comp = self.mamba_ref()?;
         while i != self.root && i != anchor {
             let e = comp.get(i);
             if e.host != NIL {
@@ -219,18 +219,6 @@ impl RadixTree {
             twice.map(|w| w[0])
         );
         Ok(())
-    }
-
-    fn mamba_ref_tier(&self) -> Result<&super::mamba::MambaComponent> {
-        self.mamba
-            .as_deref()
-            .ok_or(CacheError::ComponentDisabled("mamba"))
-    }
-
-    fn mamba_tier_mut(&mut self) -> Result<&mut super::mamba::MambaComponent> {
-        self.mamba
-            .as_deref_mut()
-            .ok_or(CacheError::ComponentDisabled("mamba"))
     }
 }
 

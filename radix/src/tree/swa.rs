@@ -247,13 +247,13 @@ impl RadixTree {
         self.swa.is_some()
     }
 
-    fn swa_ref(&self) -> Result<&SwaComponent> {
+    pub(super) fn swa_ref(&self) -> Result<&SwaComponent> {
         self.swa
             .as_deref()
             .ok_or(CacheError::ComponentDisabled("swa"))
     }
 
-    fn swa_mut(&mut self) -> Result<&mut SwaComponent> {
+    pub(super) fn swa_mut(&mut self) -> Result<&mut SwaComponent> {
         self.swa
             .as_deref_mut()
             .ok_or(CacheError::ComponentDisabled("swa"))

@@ -38,7 +38,7 @@ impl RadixTree {
     pub fn swa_host_pages(&self, id: NodeId) -> Result<Option<&[u32]>> {
         let idx = self.resolve(id)?;
         Ok(self
-            .swa_ref_tier()?
+            .swa_ref()?
             .get(idx)
             .filter(|e| !e.host.is_empty())
             .map(|e| e.host.as_slice()))
@@ -54,7 +54,7 @@ impl RadixTree {
     /// when `host` does not hold one page per page of the key. Nothing changes on error.
     pub fn set_swa_host_pages(&mut self, id: NodeId, host: Vec<u32>) -> Result<()> {
         let idx = self.resolve(id)?;
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         if idx == self.root || self.nodes[idx as usize].host.is_none() {
             return Err(CacheError::InvalidRequestState(
                 "a host copy of window KV needs a node with a host KV copy",
@@ -73,7 +73,7 @@ impl RadixTree {
                 page_size: self.page_size,
             });
         }
-        self.swa_tier_mut()?.entry(idx).host = host;
+        self.swa_mut()?.entry(idx).host = host;
         Ok(())
     }
 
@@ -84,7 +84,7 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`], [`CacheError::StaleNode`].
     pub fn take_swa_host_pages(&mut self, id: NodeId) -> Result<Option<Vec<u32>>> {
         let idx = self.resolve(id)?;
-        let w = self.swa_tier_mut()?;
+        let w = self.swa_mut()?;
         if w.get(idx).is_none_or(|e| e.host.is_empty()) {
             return Ok(None);
         }
@@ -104,7 +104,7 @@ impl RadixTree {
     /// on error.
     pub fn attach_swa_pages(&mut self, id: NodeId, pages: &[PageId]) -> Result<()> {
         let idx = self.resolve(id)?;
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         if idx == self.root || !self.nodes[idx as usize].on_device() {
             return Err(CacheError::InvalidRequestState(
                 "loaded window KV needs a node whose KV is on device",
@@ -134,7 +134,7 @@ impl RadixTree {
             }
         }
         let generation = self.generations[idx as usize];
-        let w = self.swa_tier_mut()?;
+        let w = self.swa_mut()?;
         w.pool.adopt_into_tree(pages)?;
         let now = w.tick();
         let e = w.entry(idx);
@@ -157,14 +157,14 @@ impl RadixTree {
     /// lock. Nothing changes on error.
     pub fn pin_swa_pages(&mut self, id: NodeId) -> Result<()> {
         let idx = self.resolve(id)?;
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         let held = w.get(idx).map_or(0, |e| e.lock);
         if !w.live(idx) || self.nodes[idx as usize].lock_ref <= held {
             return Err(CacheError::InvalidRequestState(
                 "only live window KV of a KV-locked node can be pinned",
             ));
         }
-        let w = self.swa_tier_mut()?;
+        let w = self.swa_mut()?;
         let e = w.entry(idx);
         e.lock += 1;
         if e.lock == 1 {
@@ -186,7 +186,7 @@ impl RadixTree {
     /// then).
     pub fn unpin_swa_pages(&mut self, id: NodeId, pages: usize) -> Result<()> {
         let idx = self.resolve(id)?;
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         let mut span = Vec::new();
         let (mut i, mut covered) = (idx, 0);
         while covered < pages.max(1) {
@@ -201,7 +201,7 @@ impl RadixTree {
         if covered != pages.max(1) {
             return Err(CacheError::LockUnderflow(id));
         }
-        let w = self.swa_tier_mut()?;
+        let w = self.swa_mut()?;
         for i in span {
             let e = w.entry(i);
             e.lock -= 1;
@@ -222,7 +222,7 @@ impl RadixTree {
     /// # Errors
     /// [`CacheError::ComponentDisabled`].
     pub fn swa_host_copies(&self) -> Result<Vec<(NodeId, Vec<u32>)>> {
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         Ok(w.nodes
             .iter()
             .enumerate()
@@ -272,7 +272,7 @@ impl RadixTree {
             return Ok((m, None));
         }
         let path = self.path_from_root(self.resolve(m.kv.last_node)?);
-        let w = self.swa_ref_tier()?;
+        let w = self.swa_ref()?;
         let avail = |i: u32| w.get(i).is_some_and(|e| e.live() || !e.host.is_empty());
         let (mut depth, mut run) = (0usize, 0usize);
         let mut best = None;
@@ -346,18 +346,6 @@ impl RadixTree {
             twice.map(|d| d[0])
         );
         Ok(())
-    }
-
-    fn swa_ref_tier(&self) -> Result<&SwaComponent> {
-        self.swa
-            .as_deref()
-            .ok_or(CacheError::ComponentDisabled("swa"))
-    }
-
-    fn swa_tier_mut(&mut self) -> Result<&mut SwaComponent> {
-        self.swa
-            .as_deref_mut()
-            .ok_or(CacheError::ComponentDisabled("swa"))
     }
 }
 
