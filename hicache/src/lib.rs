@@ -111,6 +111,7 @@ mod hiradix;
 mod host_pool;
 mod hostsim;
 mod layer_counter;
+pub mod storage;
 
 pub use backend::{
     CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, PageRun, SlotCopy, SlotMemory,

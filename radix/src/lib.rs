@@ -156,6 +156,7 @@ mod cache;
 mod error;
 pub mod events;
 pub mod mamba_policy;
+mod page_key;
 pub mod policy;
 mod radix_cache;
 mod slots;
@@ -175,6 +176,7 @@ pub use mamba_policy::{
     CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MambaTrack,
     MarconiParams,
 };
+pub use page_key::{KeySeed, KvIdentity, PageKey};
 pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};
 pub use slots::{SlotState, StateSlotPool};

@@ -1,0 +1,21 @@
+//! The storage tier (L3): stores of encoded KV pages under content-addressed keys.
+//!
+//! - **Keys.** A page is stored under a [`PageKey`](radixkv_radix::PageKey): a BLAKE3 chain
+//!   over the token pages of its prefix, seeded with its namespace and the model's
+//!   [`KvIdentity`](radixkv_radix::KvIdentity) (see `radixkv_radix::KeySeed`). Tenants never
+//!   share a key and a crafted prompt cannot alias another prompt's page.
+//! - **Pages.** A stored page is a header (magic, version, geometry, identity, key, lengths,
+//!   checksum) and a payload (the page's KV of every layer, page-major, then the extra pools'
+//!   sections): [`PageFormat`]. A page that fails any check is a [`PageError`], which the tier
+//!   counts as a miss: it never becomes KV.
+//! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
+//!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
+//!   nothing else. [`MemStore`] keeps them in process memory.
+
+mod backend;
+mod page;
+
+pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
+pub use page::{
+    DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
+};
