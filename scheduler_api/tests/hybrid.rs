@@ -1,6 +1,6 @@
 //! A hybrid Transformer–Mamba model (the Jamba-like preset) through the manager: slot pool
-//! sizing, admission that needs KV room and a state slot, the copy on write of a hit, the
-//! combinations not wired yet, and the `mamba_*` metrics.
+//! sizing, admission that needs KV room and a state slot, the copy on write of a hit, a model
+//! with sliding-window layers too under a host tier, and the `mamba_*` metrics.
 
 mod common;
 
