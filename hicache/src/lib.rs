@@ -100,8 +100,7 @@
 //! ## Not yet here
 //! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
-//! and SWA components; see its module docs, "Extra pools"); one tree with both components is
-//! refused under the host tier.
+//! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 
 mod backend;
 mod controller;
