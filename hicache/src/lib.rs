@@ -98,7 +98,10 @@
 //! ```
 //!
 //! ## Not yet here
-//! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
+//! The storage tier (L3) has its stores ([`storage::MemStore`], [`storage::FileStore`], the
+//! fault-injecting [`storage::FaultStore`]) and page format, but no cache uses them yet:
+//! prefetch, backup, the Redis store, the CUDA backend and multi-rank consensus come in later
+//! issues.
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
 //! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 

@@ -10,12 +10,21 @@
 //!   counts as a miss: it never becomes KV.
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
-//!   nothing else. [`MemStore`] keeps them in process memory.
+//!   nothing else. [`MemStore`] keeps them in process memory; [`FileStore`], the default,
+//!   keeps them as files in a directory (atomic writes, a size cap with least-recently-used
+//!   eviction, an index rebuilt at open so a restarted server finds its pages).
+//! - **Faults.** [`FaultStore`] wraps any store and injects seeded errors, hangs, slow
+//!   answers, partial batches and corrupted pages, and can take the store down and up again:
+//!   the tests of the tier above run against it.
 
 mod backend;
+mod fault;
+mod file;
 mod page;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
+pub use fault::{FaultConfig, FaultCounts, FaultStore};
+pub use file::{FileStore, FileStoreConfig, FileSync};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
