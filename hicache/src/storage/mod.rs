@@ -10,12 +10,17 @@
 //!   counts as a miss: it never becomes KV.
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
-//!   nothing else. [`MemStore`] keeps them in process memory.
+//!   nothing else. [`MemStore`] keeps them in process memory; `RedisStore` (cargo feature
+//!   `redis`) on a Redis server.
 
 mod backend;
 mod page;
+#[cfg(feature = "redis")]
+mod redis;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
+#[cfg(feature = "redis")]
+pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
