@@ -5,7 +5,9 @@
 //!   use that server, each under its own key prefix, and delete what they wrote;
 //! - otherwise `redis-server` from `PATH`, started per test on a free 127.0.0.1 port without
 //!   persistence (`--save "" --appendonly no`) and killed when the test ends. The tests that
-//!   kill, restart or stop the server always start their own, so they need `redis-server`.
+//!   kill, restart or stop the server always start their own, so they need `redis-server`;
+//!   so do the Redis Cluster tests, which start three cluster-mode servers and join them with
+//!   `redis-cli --cluster create` (`redis-cli` ships with `redis-server`).
 //!
 //! Without either (or without the `redis` feature), the tests that need a server return at
 //! once and `redis_tests_ran_or_skipped` says so (run it with `--nocapture` to read why); under
@@ -47,8 +49,8 @@ fn redis_tests_ran_or_skipped() {
         }
         if !spawn {
             skipped.push(
-                "the kill/restart and SIGSTOP tests: they start their own server and \
-                 redis-server is not on PATH"
+                "the kill/restart, SIGSTOP and cluster tests: they start their own servers \
+                 and redis-server is not on PATH"
                     .to_owned(),
             );
         }
@@ -75,6 +77,7 @@ fn redis_tests_ran_or_skipped() {
 mod with_redis {
     use std::io::{Read, Write};
     use std::net::TcpStream;
+    use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::Duration;
@@ -516,6 +519,206 @@ mod with_redis {
             }
             assert_eq!(got[1].as_ref(), Some(&p[1].1));
             assert_eq!(s.exists_prefix(&keys[1..3]).await.unwrap(), 2);
+        });
+    }
+
+    /// A port that is free, and whose cluster bus port (+10000) is free too.
+    fn free_cluster_port() -> u16 {
+        for _ in 0..1000 {
+            let p = super::free_port();
+            if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+                return p;
+            }
+        }
+        panic!("no free port pair for a cluster node");
+    }
+
+    /// Three cluster-mode `redis-server`s (no replicas) joined into one cluster; killed, and
+    /// their directory removed, on drop.
+    struct Cluster {
+        nodes: Vec<Child>,
+        ports: Vec<u16>,
+        dir: PathBuf,
+    }
+
+    impl Cluster {
+        fn start() -> Cluster {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "radixkv-redis-cluster-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&dir).expect("cluster directory");
+            let mut c = Cluster {
+                nodes: Vec::new(),
+                ports: Vec::new(),
+                dir,
+            };
+            for _ in 0..3 {
+                let port = free_cluster_port();
+                let child = Command::new("redis-server")
+                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                    .args(["--cluster-enabled", "yes"])
+                    .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
+                    .arg("--dir")
+                    .arg(&c.dir)
+                    .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                    .args(["--protected-mode", "no", "--loglevel", "warning"])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-server");
+                c.nodes.push(child);
+                c.ports.push(port);
+            }
+            for &p in &c.ports {
+                let mut up = false;
+                for _ in 0..400 {
+                    if ping(p) {
+                        up = true;
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(25));
+                }
+                assert!(up, "cluster node on port {p} never answered PING");
+            }
+            let addrs: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+            let out = Command::new("redis-cli")
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .stdin(Stdio::null())
+                .output()
+                .expect("run redis-cli --cluster create");
+            assert!(
+                out.status.success(),
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            // Every node must see the whole cluster up before the test starts.
+            for &p in &c.ports {
+                let mut ok = false;
+                for _ in 0..400 {
+                    let info = Command::new("redis-cli")
+                        .args(["-p", &p.to_string(), "cluster", "info"])
+                        .output()
+                        .expect("redis-cli cluster info");
+                    if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                        ok = true;
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(25));
+                }
+                assert!(ok, "cluster node {p} never reached cluster_state:ok");
+            }
+            c
+        }
+
+        fn urls(&self) -> Vec<String> {
+            self.ports
+                .iter()
+                .map(|p| format!("redis://127.0.0.1:{p}"))
+                .collect()
+        }
+
+        /// Keys stored on node `i` (`DBSIZE`).
+        fn dbsize(&self, i: usize) -> u64 {
+            let out = Command::new("redis-cli")
+                .args(["-p", &self.ports[i].to_string(), "dbsize"])
+                .output()
+                .expect("redis-cli dbsize");
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse()
+                .expect("a number")
+        }
+    }
+
+    impl Drop for Cluster {
+        fn drop(&mut self) {
+            for c in &mut self.nodes {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[test]
+    fn a_cluster_store_spreads_pages_over_the_nodes_and_round_trips_them() {
+        if !have_redis_server() {
+            return;
+        }
+        let cluster = Cluster::start();
+        rt().block_on(async {
+            let s = RedisStore::connect(
+                RedisConfig::cluster(cluster.urls())
+                    .with_key_prefix("radixkv-cluster-test:")
+                    .with_max_batch(16),
+            )
+            .await
+            .expect("connect to the cluster");
+            let p = pages("tenant-a", 60);
+            let keys = keys_of(&p);
+            assert_eq!(s.put(&p).await.unwrap(), vec![true; 60]);
+            // Pages land on every node: the batches crossed slots and nodes.
+            let per_node: Vec<u64> = (0..3).map(|i| cluster.dbsize(i)).collect();
+            assert_eq!(per_node.iter().sum::<u64>(), 60, "{per_node:?}");
+            assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
+            assert_eq!(s.exists_prefix(&keys).await.unwrap(), 60);
+            let got = s.get(&keys).await.unwrap();
+            let f = format();
+            for ((k, want), got) in p.iter().zip(&got) {
+                let got = got.as_ref().expect("stored page");
+                assert_eq!(got, want);
+                f.decode(k, got).expect("decodes");
+            }
+            // A gap on whichever node holds page 37 stops the prefix there.
+            assert_eq!(s.delete(&keys[37..38]).await.unwrap(), 1);
+            assert_eq!(s.exists_prefix(&keys).await.unwrap(), 37);
+            let got = s.get(&keys[36..39]).await.unwrap();
+            assert_eq!(got[0].as_ref(), Some(&p[36].1));
+            assert_eq!(got[1], None);
+            assert_eq!(got[2].as_ref(), Some(&p[38].1));
+            // DEL over keys of every node, split by the client.
+            assert_eq!(s.delete(&keys).await.unwrap(), 59);
+            assert_eq!((0..3).map(|i| cluster.dbsize(i)).sum::<u64>(), 0);
+            assert!(matches!(s.count_pages().await, Err(StoreError::Config(_))));
+            assert_eq!(s.stats().errors, 0);
+        });
+    }
+
+    #[test]
+    fn a_single_server_store_on_a_cluster_node_fails_without_wrong_pages() {
+        if !have_redis_server() {
+            return;
+        }
+        let cluster = Cluster::start();
+        rt().block_on(async {
+            let p = pages("tenant-a", 30);
+            let keys = keys_of(&p);
+            // Write through a cluster store, read through a single-server one on node 0.
+            let c = RedisStore::connect(RedisConfig::cluster(cluster.urls()))
+                .await
+                .expect("connect to the cluster");
+            c.put(&p).await.unwrap();
+            let single = RedisStore::connect(RedisConfig::new(cluster.urls()[0].clone()))
+                .await
+                .expect("connect to node 0");
+            let e = single.get(&keys).await.unwrap_err();
+            assert!(matches!(e, StoreError::Protocol(_)), "{e:?}");
+            let e = single.put(&p).await.unwrap_err();
+            assert!(matches!(e, StoreError::Protocol(_)), "{e:?}");
+            let e = single.exists_prefix(&keys).await.unwrap_err();
+            assert!(matches!(e, StoreError::Protocol(_)), "{e:?}");
+            let e = single.delete(&keys).await.unwrap_err();
+            assert!(matches!(e, StoreError::Protocol(_)), "{e:?}");
+            // Nothing was lost or changed by the refused batches.
+            assert_eq!(c.exists_prefix(&keys).await.unwrap(), 30);
+            let got = c.get(&keys).await.unwrap();
+            assert!(got.iter().zip(&p).all(|(g, (_, w))| g.as_ref() == Some(w)));
         });
     }
 }

@@ -1,11 +1,14 @@
-//! [`RedisStore`]: the storage tier on a Redis server (cargo feature `redis`); the details
-//! are on the type.
+//! [`RedisStore`]: the storage tier on a Redis server or a Redis Cluster (cargo feature
+//! `redis`); the details are on the type.
 
 use std::time::Duration;
 
+use futures_util::future::try_join_all;
 use radixkv_radix::PageKey;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, RedisError, ServerErrorKind};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
 
 use super::backend::{Counters, StorageBackend, StoreError, StoreFuture, StoreStats};
 
@@ -17,33 +20,51 @@ pub const REDIS_MAX_VALUE_BYTES: usize = 512 * 1024 * 1024;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisConfig {
     /// The server: `redis://[[user]:password@]host[:port][/db]`, or
-    /// `redis+unix:///path/to/socket[?db=n]`. TLS (`rediss://`) is not built in and is
+    /// `redis+unix:///path/to/socket[?db=n]`. With [`RedisConfig::cluster`], one or more
+    /// nodes of the cluster separated by commas (`redis://10.0.0.1:7000,redis://10.0.0.2:7000`):
+    /// the client learns the others from them. TLS (`rediss://`) is not built in and is
     /// refused with [`StoreError::Config`].
     pub url: String,
-    /// Prepended to every page's hex key, so several caches (clusters of servers, models,
-    /// test runs) share one server without seeing each other's pages. May be empty.
+    /// Whether `url` names nodes of a Redis Cluster (see [`RedisStore`]'s "Redis Cluster").
+    pub cluster: bool,
+    /// Prepended to every page's hex key, so several caches (fleets, models, test runs) share
+    /// one server without seeing each other's pages. May be empty. On a cluster it must not
+    /// contain `{`: a hash tag would pin every page to one slot, so to one node.
     pub key_prefix: String,
     /// How long a stored page lives after its last write (`SET … PX`); `None` keeps it until
     /// it is deleted or the server evicts it (`maxmemory-policy`). Must be at least 1 ms.
     pub ttl: Option<Duration>,
-    /// The deadline of one operation (a whole batch, all its pipelines, and any reconnection
-    /// it waits for); past it the operation fails with [`StoreError::Timeout`]. Must be
-    /// non-zero.
+    /// The deadline of one operation (a whole batch, all its round trips, and any
+    /// reconnection it waits for); past it the operation fails with [`StoreError::Timeout`].
+    /// Must be non-zero.
     pub op_timeout: Duration,
-    /// The most pages in one pipeline (one round trip). Must be at least 1.
+    /// The most pages in one pipeline (one round trip) or, on a cluster, in one group of
+    /// concurrent commands. Must be at least 1.
     pub max_batch: usize,
 }
 
 impl RedisConfig {
-    /// The configuration of a store at `url` with the defaults: key prefix `"radixkv:"`, no
-    /// TTL, a 2 s operation deadline, pipelines of at most 128 pages.
+    /// The configuration of a store on the server at `url` with the defaults: not a cluster,
+    /// key prefix `"radixkv:"`, no TTL, a 2 s operation deadline, batches of at most 128
+    /// pages.
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
+            cluster: false,
             key_prefix: "radixkv:".to_owned(),
             ttl: None,
             op_timeout: Duration::from_secs(2),
             max_batch: 128,
+        }
+    }
+
+    /// The configuration of a store on the Redis Cluster whose nodes (some of them) are
+    /// `urls`, with the defaults of [`RedisConfig::new`].
+    pub fn cluster<S: AsRef<str>>(urls: impl IntoIterator<Item = S>) -> Self {
+        let urls: Vec<String> = urls.into_iter().map(|u| u.as_ref().to_owned()).collect();
+        RedisConfig {
+            cluster: true,
+            ..Self::new(urls.join(","))
         }
     }
 
@@ -65,10 +86,19 @@ impl RedisConfig {
         self
     }
 
-    /// This configuration with another pipeline size.
+    /// This configuration with another batch size.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
         self
+    }
+
+    /// The node URLs of `url`.
+    fn urls(&self) -> Vec<&str> {
+        if self.cluster {
+            self.url.split(',').map(str::trim).collect()
+        } else {
+            vec![self.url.as_str()]
+        }
     }
 
     fn check(&self) -> Result<(), StoreError> {
@@ -84,50 +114,98 @@ impl RedisConfig {
         {
             return bad("a TTL must be at least 1 ms");
         }
-        if self.url.starts_with("rediss:") || self.url.starts_with("valkeys:") {
-            return bad("TLS (rediss://) is not built into this store");
+        if self.cluster && self.key_prefix.contains('{') {
+            return bad("the key prefix must not contain `{` (a hash tag)");
+        }
+        for url in self.urls() {
+            if url.is_empty() {
+                return bad("an empty server URL");
+            }
+            if url.starts_with("rediss:") || url.starts_with("valkeys:") {
+                return bad("TLS (rediss://) is not built into this store");
+            }
         }
         Ok(())
     }
 }
 
-/// A store of encoded pages on one Redis server.
+/// The connection: one server through a connection manager, or a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> Result<T, RedisError> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+
+    /// `cmds`' answers: one pipeline on a server; on a cluster, concurrent commands (a
+    /// cluster pipeline must stay within one hash slot, and a batch's keys are in many).
+    async fn each<T: FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> Result<Vec<T>, RedisError> {
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                p.query_async(c).await
+            }
+            Conn::Cluster(c) => {
+                try_join_all(cmds.into_iter().map(|cmd| {
+                    let mut c = c.clone();
+                    async move { cmd.query_async::<T>(&mut c).await }
+                }))
+                .await
+            }
+        }
+    }
+}
+
+/// A store of encoded pages on a Redis server or a Redis Cluster.
 ///
 /// Every page is one Redis string: the key is the store's key prefix followed by the page key
 /// in hex (`radixkv:` + 64 hex digits by default), the value is the encoded page
-/// ([`super::PageFormat`]) as the tier above wrote it. A batch is cut into pipelines of at
-/// most [`RedisConfig::max_batch`] pages, each one round trip:
+/// ([`super::PageFormat`]) as the tier above wrote it. A batch is cut into groups of at most
+/// [`RedisConfig::max_batch`] pages; on one server each group is one round trip:
 ///
-/// | operation | commands |
+/// | operation | commands per group |
 /// | --- | --- |
-/// | [`exists_prefix`](StorageBackend::exists_prefix) | `EXISTS k` per key; the next pipeline is sent only while no gap has been seen |
+/// | [`exists_prefix`](StorageBackend::exists_prefix) | `EXISTS k` per key, pipelined; the next group is sent only while no gap has been seen |
 /// | [`get`](StorageBackend::get) | one `MGET k…` |
-/// | [`put`](StorageBackend::put) | `SET k v` per page (`SET k v PX ttl` with a TTL) |
+/// | [`put`](StorageBackend::put) | `SET k v` per page (`SET k v PX ttl` with a TTL), pipelined |
 /// | [`delete`](StorageBackend::delete) | one `DEL k…` |
 ///
-/// The connection is the `redis` crate's connection manager: one multiplexed connection that
-/// is re-established in the background after it is lost, so a store outlives a restart of its
-/// server (operations in between fail with [`StoreError::Unavailable`]).
+/// On one server the connection is the `redis` crate's connection manager: one multiplexed
+/// connection, re-established in the background after it is lost, so a store outlives a
+/// restart of its server (operations in between fail with [`StoreError::Unavailable`]).
 ///
-/// # One server, not a cluster
+/// # Redis Cluster
 ///
-/// This store speaks to **one Redis server**, or to anything on one address that speaks the
-/// Redis protocol and accepts `EXISTS`, `SET`, and `MGET`/`DEL` over any set of keys (for
-/// instance a proxy that splits multi-key commands across shards; no such proxy is tested
-/// here). It is not a Redis Cluster client: it does not follow `MOVED`/`ASK` redirections,
-/// and a cluster node refuses `MGET`/`DEL` over keys of several hash slots (`CROSSSLOT`), as a
-/// batch's keys are. Pointed at a cluster node, batches fail with [`StoreError::Protocol`] (a
-/// miss: the tier recomputes); they never return wrong pages. Do not put a hash tag (`{…}`)
-/// in the key prefix to make a cluster accept the batches: that pins every page to one slot,
-/// so to one node.
+/// [`RedisConfig::cluster`] (or `cluster: true` with a comma-separated `url`) makes the store a
+/// Redis Cluster client (the `redis` crate's async cluster connection): it learns the slot map
+/// from the nodes given, sends each key's command to the node that owns the key's slot,
+/// follows `MOVED`/`ASK` redirections and refreshes the map when slots move. `MGET` and `DEL`
+/// are split by the client into one command per node; `EXISTS` and `SET` are sent as
+/// concurrent single-key commands (a pipeline cannot span slots), at most
+/// [`RedisConfig::max_batch`] at a time. Pages spread over the cluster by their keys' hash
+/// slots, so a cluster store's key prefix must not contain a hash tag (`{…}`; refused). Pointing a
+/// single-server store (`cluster: false`) at a cluster node fails every batch with keys on
+/// other nodes with [`StoreError::Protocol`] (`MOVED`, `CROSSSLOT`): a miss, never wrong
+/// pages. Tested here on a three-primary cluster without replicas; reading from replicas,
+/// TLS and cluster-wide [`RedisStore::count_pages`] are not built.
 ///
 /// # Counters
 ///
 /// [`StorageBackend::stats`] counts what this client did: pages asked for and found, pages
-/// and bytes written, failed operations. The server is shared and expires pages by itself
-/// (TTL, `maxmemory` eviction), so this client cannot know how many pages are stored:
-/// `pages`, `bytes` and `evicted_pages` stay 0. [`RedisStore::count_pages`] asks the server
-/// (a `SCAN` of the prefix: a tool for tests and operators, not for the hot path).
+/// and bytes written, failed operations. The server is shared and drops pages by itself (TTL,
+/// `maxmemory` eviction), so this client cannot know how many pages are stored: `pages`,
+/// `bytes` and `evicted_pages` stay 0. [`RedisStore::count_pages`] asks a server (a `SCAN` of
+/// the prefix: a tool for tests and operators, not for the hot path).
 ///
 /// # Use
 ///
@@ -135,7 +213,7 @@ impl RedisConfig {
 /// runtime (use the store from tasks of the runtime that made it). Cheap to share as
 /// `Arc<dyn StorageBackend>`.
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     config: RedisConfig,
     counters: Counters,
 }
@@ -143,6 +221,7 @@ pub struct RedisStore {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
+            .field("cluster", &self.config.cluster)
             .field("key_prefix", &self.config.key_prefix)
             .field("ttl", &self.config.ttl)
             .field("op_timeout", &self.config.op_timeout)
@@ -176,37 +255,55 @@ fn store_error(e: &RedisError) -> StoreError {
     }
 }
 
+fn protocol(what: &'static str) -> RedisError {
+    RedisError::from((ErrorKind::UnexpectedReturnType, what))
+}
+
 impl RedisStore {
-    /// A store on the server of `config`, checked with a `PING` within `config.op_timeout`.
-    /// Must be called inside a tokio runtime (the connection's tasks run on it).
+    /// A store on the server or cluster of `config`, checked with a `PING` within
+    /// `config.op_timeout`. Must be called inside a tokio runtime (the connection's tasks run
+    /// on it).
     ///
     /// # Errors
     /// [`StoreError::Config`] for a bad configuration or URL, [`StoreError::Unavailable`] or
     /// [`StoreError::Timeout`] when the server does not answer.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
         config.check()?;
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| StoreError::Config(format!("redis store: {e}")))?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.op_timeout))
-            .set_response_timeout(Some(config.op_timeout))
-            // Reconnection attempts back off from 10 ms to at most 1 s; a lost server is
-            // retried again by the next operation after these are spent.
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_secs(1))
-            .set_number_of_retries(3);
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
-            .map_err(|e| StoreError::Config(format!("redis store: {e}")))?;
+        let cfg_err = |e: RedisError| StoreError::Config(format!("redis store: {e}"));
+        let timeout = config.op_timeout;
+        let conn = if config.cluster {
+            let client = ClusterClient::builder(config.urls())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .retries(3)
+                .build()
+                .map_err(cfg_err)?;
+            let conn = tokio::time::timeout(timeout, client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::Timeout)?
+                .map_err(|e| store_error(&e))?;
+            Conn::Cluster(conn)
+        } else {
+            let client = redis::Client::open(config.url.as_str()).map_err(cfg_err)?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout))
+                // Reconnection attempts back off from 10 ms to at most 1 s; a lost server is
+                // retried again by the next operation after these are spent.
+                .set_min_delay(Duration::from_millis(10))
+                .set_max_delay(Duration::from_secs(1))
+                .set_number_of_retries(3);
+            Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, manager_config).map_err(cfg_err)?,
+            )
+        };
         let store = RedisStore {
             conn,
             config,
             counters: Counters::default(),
         };
         store
-            .timed(async {
-                let mut c = store.conn.clone();
-                redis::cmd("PING").query_async::<()>(&mut c).await
-            })
+            .timed(async { store.conn.clone().query::<()>(&redis::cmd("PING")).await })
             .await?;
         Ok(store)
     }
@@ -230,9 +327,16 @@ impl RedisStore {
     /// counted. Bounded by `op_timeout` like every operation.
     ///
     /// # Errors
-    /// As every operation: [`StoreError::Unavailable`], [`StoreError::Timeout`],
+    /// [`StoreError::Config`] on a cluster (a scan of every node is not built); otherwise as
+    /// every operation: [`StoreError::Unavailable`], [`StoreError::Timeout`],
     /// [`StoreError::Protocol`].
     pub async fn count_pages(&self) -> Result<u64, StoreError> {
+        if self.config.cluster {
+            return Err(StoreError::Config(
+                "redis store: count_pages scans one server; it is not built for a cluster"
+                    .to_owned(),
+            ));
+        }
         let pattern = format!("{}*", glob_escape(&self.config.key_prefix));
         let plen = self.config.key_prefix.len();
         let r = self
@@ -241,14 +345,13 @@ impl RedisStore {
                 let mut cursor = 0u64;
                 let mut n = 0u64;
                 loop {
-                    let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                        .arg(cursor)
+                    let mut scan = redis::cmd("SCAN");
+                    scan.arg(cursor)
                         .arg("MATCH")
                         .arg(&pattern)
                         .arg("COUNT")
-                        .arg(1000)
-                        .query_async(&mut c)
-                        .await?;
+                        .arg(1000);
+                    let (next, keys): (u64, Vec<Vec<u8>>) = c.query(&scan).await?;
                     n += keys
                         .iter()
                         .filter(|k| {
@@ -283,6 +386,15 @@ impl RedisStore {
         }
         r
     }
+
+    /// One multi-key command (`MGET`, `DEL`) over `keys`.
+    fn multi_key(&self, name: &str, keys: &[PageKey]) -> Cmd {
+        let mut cmd = redis::cmd(name);
+        for k in keys {
+            cmd.arg(self.redis_key(k));
+        }
+        cmd
+    }
 }
 
 /// `s` with the glob characters of Redis's `MATCH` patterns escaped.
@@ -309,11 +421,14 @@ impl StorageBackend for RedisStore {
                     let mut c = self.conn.clone();
                     let mut found = 0usize;
                     for chunk in keys.chunks(self.config.max_batch) {
-                        let mut p = redis::pipe();
-                        for k in chunk {
-                            p.cmd("EXISTS").arg(self.redis_key(k));
+                        let cmds = chunk
+                            .iter()
+                            .map(|k| redis::cmd("EXISTS").arg(self.redis_key(k)).clone())
+                            .collect();
+                        let there: Vec<i64> = c.each(cmds).await?;
+                        if there.len() != chunk.len() {
+                            return Err(protocol("EXISTS answers do not match the keys"));
                         }
-                        let there: Vec<i64> = p.query_async(&mut c).await?;
                         let run = there.iter().take_while(|&&n| n == 1).count();
                         found += run;
                         if run < chunk.len() {
@@ -334,14 +449,10 @@ impl StorageBackend for RedisStore {
                     let mut c = self.conn.clone();
                     let mut out = Vec::with_capacity(keys.len());
                     for chunk in keys.chunks(self.config.max_batch) {
-                        let names: Vec<String> = chunk.iter().map(|k| self.redis_key(k)).collect();
                         let got: Vec<Option<Vec<u8>>> =
-                            redis::cmd("MGET").arg(&names).query_async(&mut c).await?;
+                            c.query(&self.multi_key("MGET", chunk)).await?;
                         if got.len() != chunk.len() {
-                            return Err(RedisError::from((
-                                ErrorKind::UnexpectedReturnType,
-                                "MGET answered another number of values than keys",
-                            )));
+                            return Err(protocol("MGET answered another number of values"));
                         }
                         out.extend(got);
                     }
@@ -360,10 +471,8 @@ impl StorageBackend for RedisStore {
 
     fn put<'a>(&'a self, pages: &'a [(PageKey, Vec<u8>)]) -> StoreFuture<'a, Vec<bool>> {
         Box::pin(async move {
-            let stored: Vec<bool> = pages
-                .iter()
-                .map(|(_, b)| b.len() <= REDIS_MAX_VALUE_BYTES)
-                .collect();
+            let fits = |b: &Vec<u8>| b.len() <= REDIS_MAX_VALUE_BYTES;
+            let stored: Vec<bool> = pages.iter().map(|(_, b)| fits(b)).collect();
             let ttl_ms = self
                 .config
                 .ttl
@@ -371,28 +480,29 @@ impl StorageBackend for RedisStore {
             let r = self
                 .timed(async {
                     let mut c = self.conn.clone();
-                    let todo = pages
-                        .iter()
-                        .filter(|(_, b)| b.len() <= REDIS_MAX_VALUE_BYTES);
-                    let todo: Vec<&(PageKey, Vec<u8>)> = todo.collect();
+                    let todo: Vec<&(PageKey, Vec<u8>)> =
+                        pages.iter().filter(|(_, b)| fits(b)).collect();
                     for chunk in todo.chunks(self.config.max_batch) {
-                        let mut p = redis::pipe();
-                        for (k, b) in chunk {
-                            let cmd = p.cmd("SET").arg(self.redis_key(k)).arg(b.as_slice());
-                            if let Some(ms) = ttl_ms {
-                                cmd.arg("PX").arg(ms);
-                            }
-                        }
-                        p.query_async::<()>(&mut c).await?;
+                        let cmds = chunk
+                            .iter()
+                            .map(|(k, b)| {
+                                let mut cmd = redis::cmd("SET");
+                                cmd.arg(self.redis_key(k)).arg(b.as_slice());
+                                if let Some(ms) = ttl_ms {
+                                    cmd.arg("PX").arg(ms);
+                                }
+                                cmd
+                            })
+                            .collect();
+                        c.each::<()>(cmds).await?;
                     }
                     Ok(())
                 })
                 .await;
             self.count_error(r)?;
-            let written = pages.iter().zip(&stored).filter(|&(_, &s)| s);
-            let (n, bytes) = written.fold((0u64, 0u64), |(n, by), ((_, b), _)| {
-                (n + 1, by + b.len() as u64)
-            });
+            let written = pages.iter().filter(|(_, b)| fits(b));
+            let (n, bytes) =
+                written.fold((0u64, 0u64), |(n, by), (_, b)| (n + 1, by + b.len() as u64));
             Counters::add(&self.counters.put_pages, n);
             Counters::add(&self.counters.put_bytes, bytes);
             Ok(stored)
@@ -406,8 +516,7 @@ impl StorageBackend for RedisStore {
                     let mut c = self.conn.clone();
                     let mut removed = 0usize;
                     for chunk in keys.chunks(self.config.max_batch) {
-                        let names: Vec<String> = chunk.iter().map(|k| self.redis_key(k)).collect();
-                        let n: usize = redis::cmd("DEL").arg(&names).query_async(&mut c).await?;
+                        let n: usize = c.query(&self.multi_key("DEL", chunk)).await?;
                         removed += n;
                     }
                     Ok(removed)
@@ -430,11 +539,19 @@ mod tests {
     fn config_refusals() {
         let ok = RedisConfig::new("redis://127.0.0.1:6379");
         assert_eq!(ok.check(), Ok(()));
+        let cluster = RedisConfig::cluster(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
+        assert_eq!(cluster.check(), Ok(()));
+        assert_eq!(cluster.urls().len(), 2);
+        assert_eq!(ok.clone().with_key_prefix("cache{a}:").check(), Ok(()));
         for bad in [
             ok.clone().with_max_batch(0),
             ok.clone().with_op_timeout(Duration::ZERO),
             ok.clone().with_ttl(Duration::from_micros(999)),
+            cluster.clone().with_key_prefix("cache{a}:"),
             RedisConfig::new("rediss://127.0.0.1:6379"),
+            RedisConfig::new(""),
+            RedisConfig::cluster(["redis://127.0.0.1:7000", ""]),
+            RedisConfig::cluster(["redis://127.0.0.1:7000", "rediss://127.0.0.1:7001"]),
         ] {
             assert!(matches!(bad.check(), Err(StoreError::Config(_))), "{bad:?}");
         }
@@ -449,6 +566,11 @@ mod tests {
         for url in ["http://127.0.0.1:1", "not a url", "redis://"] {
             let r = rt.block_on(RedisStore::connect(RedisConfig::new(url)));
             assert!(matches!(r, Err(StoreError::Config(_))), "{url}: {r:?}");
+            let r = rt.block_on(RedisStore::connect(RedisConfig::cluster([url])));
+            assert!(
+                matches!(r, Err(StoreError::Config(_))),
+                "cluster {url}: {r:?}"
+            );
         }
     }
 
