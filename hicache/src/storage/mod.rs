@@ -12,7 +12,8 @@
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
 //!   nothing else. [`MemStore`] keeps them in process memory; [`FileStore`], the default,
 //!   keeps them as files in a directory (atomic writes, a size cap with least-recently-used
-//!   eviction, an index rebuilt at open so a restarted server finds its pages).
+//!   eviction, an index rebuilt at open so a restarted server finds its pages); `RedisStore`
+//!   (cargo feature `redis`) on a Redis server or cluster.
 //! - **Faults.** [`FaultStore`] wraps any store and injects seeded errors, hangs, slow
 //!   answers, partial batches and corrupted pages, and can take the store down and up again:
 //!   the tests of the tier above run against it.
@@ -21,6 +22,8 @@ mod backend;
 mod fault;
 mod file;
 mod page;
+#[cfg(feature = "redis")]
+mod redis;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
 pub use fault::{FaultConfig, FaultCounts, FaultStore};
@@ -28,3 +31,5 @@ pub use file::{FileStore, FileStoreConfig, FileSync};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
+#[cfg(feature = "redis")]
+pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
