@@ -11,11 +11,18 @@
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
 //!   nothing else. [`MemStore`] keeps them in process memory.
+//! - **Engine.** [`StorageTier`] runs backups (host pool → store), queries (longest stored
+//!   prefix) and fetches (store → host pool) as tasks on a tokio runtime, with bounded
+//!   concurrency and per-operation timeouts, and hands their [`Completion`]s back to the
+//!   scheduler thread, which never blocks on the store. [`HiRadixCache`](crate::HiRadixCache)
+//!   drives it when [`HiCacheConfig::storage`](crate::HiCacheConfig::storage) is set.
 
 mod backend;
 mod page;
+mod tier;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
+pub use tier::{Completion, GateState, JobGate, JobId, StorageTier, TierOptions};
