@@ -36,6 +36,8 @@ enum Mode {
     Down,
     /// Every operation sleeps far past any test timeout (so the tier's timeout ends it).
     Hung,
+    /// Every operation waits until the mode changes, then proceeds as that mode says.
+    Paused,
 }
 
 /// A store wrapper for faults: a mode, random delays, and pages to corrupt on `get`.
@@ -76,9 +78,13 @@ impl TestStore {
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
-        let mode = *self.mode.lock().unwrap();
+        let mut mode = *self.mode.lock().unwrap();
+        while mode == Mode::Paused {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            mode = *self.mode.lock().unwrap();
+        }
         match mode {
-            Mode::Healthy => Ok(()),
+            Mode::Healthy | Mode::Paused => Ok(()),
             Mode::Down => Err(StoreError::Unavailable("test store down".into())),
             Mode::Hung => {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -410,6 +416,53 @@ fn storage_backups_protect_their_host_pages_from_host_eviction() {
 }
 
 #[test]
+fn a_node_split_while_its_storage_backup_runs_stays_consistent() {
+    let s = Setup::default();
+    let store = Arc::new(TestStore::new(7, 0));
+    store.set_mode(Mode::Paused);
+    let mut a = cached(&s, store.clone(), None);
+    let t = tokens(12, 40);
+    serve(&mut a, &t).unwrap();
+    a.flush().unwrap();
+    a.step().unwrap();
+    assert_eq!(a.storage_tier().unwrap().in_flight(), 1);
+    // A request sharing the first 20 tokens splits the node being backed up.
+    let mut other = t[..20].to_vec();
+    other.extend(tokens(13, 20));
+    serve(&mut a, &other).unwrap();
+    a.flush().unwrap();
+    a.step().unwrap();
+    a.evict(usize::MAX / 2);
+    // Only the other request's own leaf may go: the split-off head has a protected child.
+    a.evict_host(usize::MAX / 2);
+    assert_eq!(
+        a.device_cache().tree().tier_walk(KeyRef::new(&t)).host_len,
+        40,
+        "the protected path stays on the host"
+    );
+    a.check_invariants().unwrap();
+    store.set_mode(Mode::Healthy);
+    a.wait_storage().unwrap();
+    assert_eq!(a.stats().storage_backups, 2);
+    assert_eq!(store.stats().pages, 10 + 5);
+    // The pages stored under the split node's keys are the right ones.
+    let mut b = cached(&s, store.clone(), None);
+    assert_eq!(prefetch_all(&mut b, 1, &t), 36);
+    serve(&mut b, &t).unwrap();
+    // The match ends inside the node of `t`, so the prefetch starts at the root; the shared
+    // 20 tokens are on the host already and keep their pages.
+    let before = b.controller().host().used();
+    assert_eq!(prefetch_all(&mut b, 2, &other), 36);
+    assert_eq!(b.controller().host().used(), before + 4);
+    serve(&mut b, &other).unwrap();
+    b.flush().unwrap();
+    no_leaks(&b);
+    a.evict_host(usize::MAX / 2);
+    no_leaks(&a);
+    assert_eq!(a.host_tokens(), 0, "unprotected once the backups completed");
+}
+
+#[test]
 fn engine_cancel_stops_writes_at_the_returned_prefix() {
     // Direct test of the gate: after `cancel` returns n, pages n.. are never written.
     let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
@@ -439,19 +492,24 @@ fn engine_cancel_stops_writes_at_the_returned_prefix() {
         ..Default::default()
     };
     let mut tier = StorageTier::new(store.clone(), format.clone(), identity(), opts).unwrap();
-    for round in 0..40 {
+    for round in 0..150 {
         let host = Arc::new(HostMemory::new(g, keys.len(), HostLayout::PageFirst).unwrap());
         let slots: Vec<u32> = (0..keys.len() as u32).rev().collect();
         let (_, gate) = tier
             .fetch(keys.clone(), host.clone(), slots.clone())
             .unwrap();
-        std::thread::sleep(Duration::from_micros(rng.next_u64() % 3000));
+        std::thread::sleep(Duration::from_micros(rng.next_u64() % 2000));
         let n = gate.cancel();
         let c = within("a cancelled fetch ends", 30, move || {
             let c = tier.wait_one().expect("one job in flight");
             (tier, c)
         });
         tier = c.0;
+        assert_eq!(
+            gate.state().done,
+            n,
+            "round {round}: a page counted after cancel"
+        );
         let per_layer = g.page_bytes_per_layer();
         let mut buf = vec![0u8; per_layer];
         for (i, &slot) in slots.iter().enumerate() {
