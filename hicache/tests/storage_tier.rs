@@ -860,3 +860,117 @@ fn ranks_agree(round: u64) {
     }
     assert!(group.state.lock().unwrap().calls > 0);
 }
+
+#[test]
+fn storage_settings_that_cannot_work_are_refused() {
+    let g = KvGeometry::new(LAYERS, 4, BYTES_PER_TOKEN).unwrap();
+    let build = |f: &dyn Fn(&mut HiCacheConfig)| {
+        let backend = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+        let mut cfg = HiCacheConfig {
+            radix: RadixConfig {
+                page_size: 4,
+                total_pages: 16,
+                ..Default::default()
+            },
+            storage: Some(StorageConfig::new(Arc::new(MemStore::new()), identity())),
+            ..Default::default()
+        };
+        f(&mut cfg);
+        HiRadixCache::new(cfg, backend).map(|_| ())
+    };
+    build(&|_| {}).unwrap();
+    // KV-only: Mamba states are not stored yet.
+    assert!(
+        build(&|c| {
+            c.radix.mamba_slots = Some(4);
+            c.mamba_state_bytes = Some(8);
+        })
+        .is_err()
+    );
+    for f in [
+        |c: &mut HiCacheConfig| c.storage.as_mut().unwrap().tier.batch_pages = 0,
+        |c: &mut HiCacheConfig| c.storage.as_mut().unwrap().tier.concurrency = 0,
+        |c: &mut HiCacheConfig| c.storage.as_mut().unwrap().tier.op_timeout = Duration::ZERO,
+        |c: &mut HiCacheConfig| c.storage.as_mut().unwrap().tier.worker_threads = 0,
+        |c: &mut HiCacheConfig| {
+            c.storage.as_mut().unwrap().stop = PrefetchStop::Timeout {
+                base: Duration::from_secs(5),
+                per_1k_tokens: Duration::ZERO,
+                max: Duration::from_secs(1),
+            }
+        },
+    ] {
+        assert!(build(&f).is_err());
+    }
+    // The default deadline: 2 s + 0.1 s per 1K tokens, at most 30 s.
+    let stop = PrefetchStop::default();
+    assert_eq!(stop.deadline(0), Some(Duration::from_secs(2)));
+    assert_eq!(stop.deadline(10_240), Some(Duration::from_secs(3)));
+    assert_eq!(stop.deadline(10_000_000), Some(Duration::from_secs(30)));
+    assert_eq!(PrefetchStop::WaitComplete.deadline(100), None);
+    // Without a storage tier the prefetch API answers "none".
+    let backend = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+    let mut plain = HiRadixCache::new(
+        HiCacheConfig {
+            radix: RadixConfig {
+                page_size: 4,
+                total_pages: 16,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap();
+    assert!(!plain.prefetch(1, KeyRef::new(&tokens(1, 400))));
+    assert_eq!(plain.check_prefetch(1).unwrap(), PrefetchStatus::None);
+    assert!(!plain.abort_prefetch(1).unwrap());
+}
+
+#[test]
+fn prefetches_respect_threshold_cap_and_duplicates() {
+    let s = Setup {
+        host_pages: 40,
+        ..Default::default()
+    };
+    let store = Arc::new(TestStore::new(8, 0));
+    let g = KvGeometry::new(LAYERS, 4, BYTES_PER_TOKEN).unwrap();
+    let backend = Arc::new(HostSim::new(g, s.device_pages, HostSimConfig::default()).unwrap());
+    let mut storage = StorageConfig::new(store.clone(), identity());
+    storage.prefetch_threshold_tokens = 30; // 8 pages
+    let mut c = HiRadixCache::new(
+        HiCacheConfig {
+            radix: RadixConfig {
+                page_size: 4,
+                total_pages: s.device_pages,
+                ..Default::default()
+            },
+            host_size: HostSize::Pages(40),
+            storage: Some(storage),
+            ..Default::default()
+        },
+        backend,
+    )
+    .unwrap();
+    // 28 tokens to look up (7 pages): under the threshold.
+    assert!(!c.prefetch(1, KeyRef::new(&tokens(1, 29))));
+    // 32 tokens (8 pages): started; the same request again is not.
+    assert!(c.prefetch(1, KeyRef::new(&tokens(1, 33))));
+    assert!(!c.prefetch(1, KeyRef::new(&tokens(1, 33))));
+    // The cap is half the host pool, 20 pages: 8 + 8 fit, 8 more do not.
+    assert!(c.prefetch(2, KeyRef::new(&tokens(2, 33))));
+    assert!(!c.prefetch(3, KeyRef::new(&tokens(3, 33))));
+    // Ending one frees its share of the cap (an empty store: nothing loads).
+    c.wait_storage().unwrap();
+    assert_eq!(
+        c.check_prefetch(1).unwrap(),
+        PrefetchStatus::Done { tokens: 0 }
+    );
+    assert!(c.prefetch(3, KeyRef::new(&tokens(3, 33))));
+    assert_eq!(c.stats().prefetches_started, 3);
+    assert!(c.abort_prefetch(2).unwrap());
+    assert!(c.abort_prefetch(3).unwrap());
+    c.wait_storage().unwrap();
+    assert_eq!(c.controller().host().used(), 0);
+    c.check_invariants().unwrap();
+}
