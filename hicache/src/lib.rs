@@ -111,8 +111,7 @@
 //! trees with Mamba states, sliding-window KV or extra pools); the manager's configuration and
 //! the replay tool do not offer it yet.
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
-//! and SWA components; see its module docs, "Extra pools"); one tree with both components is
-//! refused under the host tier.
+//! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 
 mod backend;
 mod consensus;

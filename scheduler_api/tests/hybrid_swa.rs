@@ -254,7 +254,8 @@ fn combinations_not_wired_yet_are_refused() {
     };
     // Under a host tier without sessions the model builds (tests/hybrid_hicache.rs); with
     // sessions it is refused. (A model with both sliding-window and Mamba layers builds on
-    // the device-only caches: tests/hybrid_swa_mamba.rs.)
+    // the device-only caches, tests/hybrid_swa_mamba.rs, and under a host tier without
+    // sessions, tests/hybrid_hicache.rs.)
     let hi = ManagerConfig {
         cache: CacheKind::HiCache(HostTier::ratio(1024, 2.0)),
         ..base()

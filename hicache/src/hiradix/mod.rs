@@ -4,8 +4,8 @@
 //! device only → writing (host pages allocated, copy in flight, node locked until the ack) →
 //! both → host only (device pages freed by eviction, node kept) → gone (host eviction). A load
 //! brings a host-only chain back to both. Backed-up nodes form a root-connected prefix, as do
-//! device-resident nodes; the tree checks both. A node's Mamba state (hybrid models) follows
-//! the same states beside its KV (see "Extra pools" below).
+//! device-resident nodes; the tree checks both. A node's Mamba state and window KV (hybrid
+//! models) follow the same states beside its KV (see "Extra pools" below).
 //!
 //! # Threads
 //! Copies run on the backend's streams, but the tree is only ever changed on the caller's
@@ -121,8 +121,28 @@
 //!   window pages, pinned until the ack. A failed load is repaired (KV and window pages copied
 //!   again) or demoted (the loaded window pages tombstoned).
 //!
-//! One tree carrying both Mamba states and sliding-window KV is refused under the host tier
-//! (the tiered match over both components is not built).
+//! # Extra pools: both in one tree
+//! A tree with Mamba slots **and** sliding-window layers gets both pools, and each component
+//! follows the rules above; what differs is where a match may end:
+//! - **Match.** The usable device prefix ends where the device tier's combined match ends (a
+//!   device state, and a full window of live window KV before it). The host hit is the
+//!   deepest node past it that passes both validators with host copies counted: a full window
+//!   of window KV before its end, live on device or on the host, **and** a Mamba state, on
+//!   device or on the host ([`RadixTree::match_swa_tiered`]).
+//! - **Load-back.** One operation brings back all the match needs: the host-only KV down to
+//!   that node, the host window pages of the window before its end, and its state unless its
+//!   device state is still there (a node whose window KV went while its KV stayed; the state
+//!   is then locked while the window pages are allocated). The KV pages, the SWA pages and the
+//!   slot are allocated all or nothing; the request's [`RequestKv::mamba_cow`] copies from
+//!   the node's device state. A failed load is repaired (all three copied again) or demoted
+//!   (the KV back to host-only, the loaded window pages tombstoned, which drops the node's
+//!   state by the tree's cascade).
+//! - **Backup** carries the chain's KV, the device states without a host copy and the live
+//!   window pages in one operation (one [`PoolTransfer`] per extra pool); shortages of host
+//!   Mamba slots or host SWA pages degrade as above, each counted in its own counter.
+//!
+//! Whatever the components, a load-back pins the live window KV of the window it completes
+//! while it takes SWA pages, so that taking them tombstones none of that window.
 //!
 //! # Storage tier
 //! With [`HiCacheConfig::storage`] a [`StorageTier`](crate::storage::StorageTier) engine sits
@@ -580,9 +600,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// # Errors
     /// [`HiCacheError::Config`] for mismatched or impossible sizes, for Mamba slots without
     /// `mamba_state_bytes` (or with 0 bytes or 0 host slots), for sliding-window layers
-    /// without `swa_page_bytes` (or with 0 bytes or 0 host pages), a Mamba or SWA pool listed
-    /// in `extra_pools` as well, and for a `cfg.radix` with both Mamba slots and
-    /// sliding-window layers (not supported by the tiered cache yet).
+    /// without `swa_page_bytes` (or with 0 bytes or 0 host pages), and a Mamba or SWA pool
+    /// listed in `extra_pools` as well. A `cfg.radix` with both Mamba slots and
+    /// sliding-window layers gets both pools.
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -593,14 +613,6 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 cfg.radix.total_pages,
                 cfg.radix.page_size
             )));
-        }
-        if cfg.radix.swa.is_some() && cfg.radix.mamba_slots.is_some() {
-            // The tiered match over both components is not built.
-            return Err(HiCacheError::Config(
-                "Mamba slots together with sliding-window layers are not supported by the \
-                 tiered cache yet"
-                    .into(),
-            ));
         }
         if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
             return Err(HiCacheError::Config(
@@ -1101,11 +1113,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         Ok(())
     }
 
-    /// Without the Mamba component, the device tier's match (the host hit is the KV after the
-    /// device prefix). With it, the usable prefix ends at the deepest device node with a
-    /// device state, and the host hit reaches the deepest node past it with a host copy of its
-    /// state: `host_hit_len` is what a load-back of the host-only KV down to that node and of
-    /// its state adds to the prefix (it counts device KV between the two without a state too).
+    /// Without the Mamba and SWA components, the device tier's match (the host hit is the KV
+    /// after the device prefix). With the Mamba component, the usable prefix ends at the
+    /// deepest device node with a device state, and the host hit reaches the deepest node past
+    /// it with a host copy of its state: `host_hit_len` is what a load-back of the host-only KV
+    /// down to that node and of its state adds to the prefix (it counts device KV between the
+    /// two without a state too). With the SWA component (alone or with the Mamba one), the
+    /// same with the window rule, and both validators with both components (see the module
+    /// docs, "Extra pools").
     fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
         if self.inner.is_disabled() || !(self.mamba || self.swa) {
             return self.inner.match_request(req);

@@ -50,7 +50,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.ctrl.extra_host(PoolName::Swa).map_or(0, |a| a.used())
     }
 
-    /// [`PrefixCache::match_request`] with the SWA component (see there).
+    /// [`PrefixCache::match_request`] with the SWA component, and the Mamba component too if
+    /// the tree carries both (see there).
     pub(super) fn match_request_swa(
         &mut self,
         req: &mut RequestKv,
@@ -64,14 +65,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let limit = align_down(req.max_match_len(), self.page_size());
         let (tree, _) = self.inner.parts_mut();
         let root = tree.root();
-        let (usable, anchor, hit) = if limit == 0 {
-            (0, root, None)
+        let mamba = tree.mamba_enabled();
+        let (usable, anchor, kv_len, hit) = if limit == 0 {
+            (0, root, 0, None)
         } else {
             let (m, hit) = tree.match_swa_tiered(req.key.prefix(limit), &mut req.prefix_pages)?;
-            (m.usable_len, m.anchor, hit)
+            (m.usable_len, m.anchor, m.kv.device_len, hit)
         };
-        // As the device tier reports it without the Mamba component.
-        req.kv_match_len = 0;
+        // As the device tier reports it: how far the device KV matched with the Mamba
+        // component (the forward pass checkpoints there), 0 without it.
+        req.kv_match_len = if mamba { kv_len } else { 0 };
         Ok(set_tiered_match(
             req,
             usable,

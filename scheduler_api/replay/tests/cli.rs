@@ -1023,8 +1023,9 @@ fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
 }
 
 /// A model with all three kinds of layers (full attention, sliding window, Mamba), declared in
-/// a config file: one tree carries both components, and a replay with and without sessions
-/// runs with every step audited and leaves no page, slot or window page held.
+/// a config file: one tree carries both components, and a replay with and without sessions,
+/// and under the host tier, runs with every step audited and leaves no page, slot or window
+/// page held.
 #[test]
 fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
     let dir = temp_dir();
@@ -1036,7 +1037,11 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
          mamba_ssm_state_bytes = 262144\n",
     )
     .unwrap();
-    for extra in [&[][..], &["--session-tokens", "4096"][..]] {
+    for extra in [
+        &[][..],
+        &["--session-tokens", "4096"][..],
+        &["--cache", "hicache"][..],
+    ] {
         let args = [
             &[
                 "demo",
@@ -1064,5 +1069,14 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
                 "0 tokens and 0 Mamba slots and 0 SWA pages still held",
             ],
         );
+        if extra.contains(&"hicache") {
+            // The host tier serves hits too: loads brought KV, window KV and states back.
+            assert_contains_all(&out, &["config           hicache-", "host pool"]);
+            let hit = out
+                .lines()
+                .find(|l| l.starts_with("token hit ratio"))
+                .unwrap_or_else(|| panic!("no hit ratio in {out}"));
+            assert!(!hit.contains("host 0.0000"), "{hit}");
+        }
     }
 }
