@@ -144,6 +144,43 @@
 //! Whatever the components, a load-back pins the live window KV of the window it completes
 //! while it takes SWA pages, so that taking them tombstones none of that window.
 //!
+//! # Storage tier
+//! With [`HiCacheConfig::storage`] a [`StorageTier`](crate::storage::StorageTier) engine sits
+//! under the host tier (KV-only trees: refused with Mamba states, window KV or extra pools).
+//! Nothing here blocks on the store: jobs run on a tokio runtime and their completions are
+//! applied by [`HiRadixCache::step`].
+//! - **Backup.** When a backup to the host is acknowledged, its host pages are queued for the
+//!   store (one job per path of the backup's nodes, including parts split off them since; the
+//!   job writes only the pages the store lacks). Until the job's completion is applied, the
+//!   deepest node of the path is protected from host eviction (so are its ancestors, which
+//!   are not leaves), and the job reads the host pages itself, page by page under its gate. A
+//!   path whose host copy is dropped meanwhile (a failed backup above it) has its job
+//!   cancelled first. Counted in [`HiCacheStats::backup_pages_written`] and its siblings.
+//! - **Prefetch.** [`HiRadixCache::prefetch`] looks up the whole pages after the tree's match
+//!   (up to the key's last token) in the store when the match ends at a backed-up node or the
+//!   root and at least `prefetch_threshold_tokens` remain, within the prefetch cap. The query
+//!   runs in the background; at a step, the hit (at least the threshold) gets host pages
+//!   (host-evicting if needed) and a fetch fills them, checking every page (a corrupt or
+//!   missing page ends the hit there). [`HiRadixCache::check_prefetch`] ends it under its
+//!   [`PrefetchStop`] policy, [`HiRadixCache::terminate_prefetch`] ends it now,
+//!   [`HiRadixCache::abort_prefetch`] drops it. Ending stops the fetch (after which it writes
+//!   nothing), inserts the loaded prefix under the match's anchor as host-only nodes
+//!   ([`RadixTree::insert_host_only`](radixkv_radix::RadixTree::insert_host_only): positions
+//!   already on the host keep theirs and the fetched copies are freed) and frees the other
+//!   reserved pages. The request then matches again and takes the load-back path.
+//! - **Failures.** A store that is down, slow past the operation timeout or returns bad pages
+//!   turns into misses and failed backups, counted in [`HiCacheStats`]; requests recompute.
+//!
+//! # Several ranks
+//! [`HiCacheConfig::consensus`] reduces every asynchronous outcome across ranks before the
+//! tree changes: how many completed backup and load transfers [`HiRadixCache::step`] applies
+//! (minimum), how many storage backups and queries are applied at a step (minimum, in
+//! submission order), each query's hit length (minimum), whether a prefetch ends (maximum of
+//! "stopped short", minimum of "may end") and how much of it is kept (minimum). Whether a
+//! device or host copy *failed* is not agreed: a rank whose copy fails undoes or repairs it
+//! alone (its tree may then differ). [`HiRadixCache::flush`] and the other paths that wait for
+//! every transfer apply them all, which every rank does alike.
+//!
 //! [`RadixTree::pin_swa_pages`]: radixkv_radix::RadixTree::pin_swa_pages
 //! [`RadixTree::match_swa_tiered`]: radixkv_radix::RadixTree::match_swa_tiered
 //!
@@ -153,8 +190,11 @@
 mod host_leaves;
 mod mamba;
 mod recovery;
+mod storage;
 mod swa;
 mod tiering;
+
+pub use storage::{DEFAULT_PREFETCH_THRESHOLD_TOKENS, PrefetchStatus, PrefetchStop, StorageConfig};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -168,6 +208,7 @@ use radixkv_radix::{
 };
 
 use crate::backend::DeviceBackend;
+use crate::consensus::{Consensus, SingleRank};
 use crate::controller::{
     Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
     SlotOwner,
@@ -322,6 +363,13 @@ pub struct HiCacheConfig {
     /// before it refuses more (default [`DEFAULT_MAX_PENDING_OPS`]; see the module docs for what
     /// happens then).
     pub max_pending_ops: usize,
+    /// The storage tier (L3) under the host tier (`None`: none). See the module docs,
+    /// "Storage tier". Refused together with Mamba slots, sliding-window layers or extra pools
+    /// (stored pages carry the KV only so far).
+    pub storage: Option<StorageConfig>,
+    /// How the ranks of one model agree on asynchronous outcomes (default [`SingleRank`]);
+    /// see [`Consensus`].
+    pub consensus: Arc<dyn Consensus>,
 }
 
 impl Default for HiCacheConfig {
@@ -341,6 +389,8 @@ impl Default for HiCacheConfig {
             swa_page_bytes: None,
             swa_host_pages: None,
             max_pending_ops: DEFAULT_MAX_PENDING_OPS,
+            storage: None,
+            consensus: Arc::new(SingleRank),
         }
     }
 }
@@ -418,6 +468,30 @@ pub struct HiCacheStats {
     pub swa_host_pages_evicted: u64,
     /// Load-backs abandoned because the device SWA pool could not give the window pages.
     pub swa_load_back_no_pages: u64,
+    /// Tokens the storage tier loaded into the tree (as host-only KV) for prefetches.
+    pub storage_hit_tokens: u64,
+    /// Prefetches started.
+    pub prefetches_started: u64,
+    /// Prefetches that ended before any host page was reserved: the storage hit was below
+    /// the threshold, the host had no room, or the prefetch was ended during its query.
+    pub prefetches_revoked: u64,
+    /// Prefetches ended by their timeout before every page arrived.
+    pub prefetch_timeouts: u64,
+    /// Prefetched pages that entered the tree.
+    pub prefetch_pages_loaded: u64,
+    /// Host pages reserved for prefetches and returned without entering the tree (not
+    /// arrived when the prefetch ended, past another rank's progress, or aborted).
+    pub prefetch_pages_revoked: u64,
+    /// Prefetches that met a stored page failing its checks (a miss there; the fetch stops).
+    pub prefetch_pages_corrupt: u64,
+    /// Storage backup jobs completed.
+    pub storage_backups: u64,
+    /// Pages written to the store by backups.
+    pub backup_pages_written: u64,
+    /// Pages a backup found in the store already (not written again).
+    pub backup_pages_skipped: u64,
+    /// Pages a backup could not write (store error, timeout, refusal, cancellation).
+    pub backup_pages_failed: u64,
 }
 
 /// Deliberately broken variants of the cache, for tests that must show their checks catch
@@ -496,6 +570,10 @@ pub struct HiRadixCache<B: DeviceBackend> {
     mamba: bool,
     /// The tree carries the SWA component: window KV moves with the KV.
     swa: bool,
+    /// The storage tier, if configured.
+    storage: Option<Box<storage::StorageState>>,
+    /// How the ranks agree.
+    consensus: Arc<dyn Consensus>,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -553,6 +631,25 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
         let mamba = cfg.radix.mamba_slots.is_some();
         let swa = cfg.radix.swa.is_some();
+        let storage = match cfg.storage {
+            None => None,
+            Some(s) => {
+                if mamba || swa || !cfg.extra_pools.is_empty() {
+                    return Err(HiCacheError::Config(
+                        "the storage tier stores KV pages only: it is not built for Mamba \
+                         states, sliding-window KV or extra pools yet"
+                            .into(),
+                    ));
+                }
+                let format = crate::storage::PageFormat::new(g, &s.identity, &[])?;
+                Some(Box::new(storage::StorageState::new(
+                    s,
+                    format,
+                    g.page_size,
+                    host_pages,
+                )?))
+            }
+        };
         let mut ctrl = HybridCacheController::new(backend, host, &extra)?;
         ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
@@ -572,6 +669,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             mutations: TestMutations::default(),
             mamba,
             swa,
+            storage,
+            consensus: cfg.consensus,
         })
     }
 
@@ -740,8 +839,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             // stream anyway.) The wait's error is the failure the acks report.
             let _ = self.ctrl.wait_all();
         }
-        let mut acks = self.ctrl.poll_acks();
+        // Every rank applies the same number of completed transfers (the fewest any has).
+        let (w, l) = self.ctrl.ready_transfers();
+        let w = self.consensus.min(w as u64) as usize;
+        let l = self.consensus.min(l as u64) as usize;
+        let mut acks = self.ctrl.poll_acks_upto(w, l);
         self.apply_acks(&mut acks)?;
+        self.storage_step()?;
         Ok(acks)
     }
 
@@ -950,6 +1054,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 return Err(e.into());
             }
         }
+        self.storage_reset();
         self.inner.reset()?;
         self.host_leaves.clear();
         self.unrepaired.clear();
@@ -979,9 +1084,11 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             )));
         }
         let deferred = self.ctrl.deferred_host_pages();
-        if count + deferred != host.used() {
+        let prefetched = self.storage_reserved_pages();
+        if count + deferred + prefetched != host.used() {
             return Err(InvariantViolation(format!(
-                "tree holds {count} host pages (+{deferred} awaiting loads) but {} are allocated",
+                "tree holds {count} host pages (+{deferred} awaiting loads, +{prefetched} \
+                 reserved by prefetches) but {} are allocated",
                 host.used()
             )));
         }

@@ -326,6 +326,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut done_states = 0;
         let mut done_windows = 0;
         let mut rebuilt = false;
+        let mut skipped = Vec::new();
         while done < tokens || done_states < states || done_windows < windows {
             let (tree, _) = self.inner.parts_mut();
             let Some(v) = self.host_leaves.pop(tree) else {
@@ -336,7 +337,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 rebuilt = true;
                 continue;
             };
-            let parent = tree.parent(v).ok().flatten();
+            if self.host_protected(v) {
+                // A storage backup reads it or a prefetch inserts below it: kept, re-queued
+                // after this eviction.
+                skipped.push(v);
+                continue;
+            }
+            let parent = self.inner.tree().parent(v).ok().flatten();
             if self.drop_host_state(v, true) {
                 // The leaf is unlocked, so no load reads its state.
                 done_states += 1;
@@ -361,6 +368,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 && let Ok(m) = tree.meta(p)
             {
                 self.host_leaves.push(p, m);
+            }
+        }
+        for v in skipped {
+            if let Ok(m) = self.inner.tree().meta(v) {
+                self.host_leaves.push(v, m);
             }
         }
         (done, done_states)

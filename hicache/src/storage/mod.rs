@@ -17,6 +17,11 @@
 //! - **Faults.** [`FaultStore`] wraps any store and injects seeded errors, hangs, slow
 //!   answers, partial batches and corrupted pages, and can take the store down and up again:
 //!   the tests of the tier above run against it.
+//! - **Engine.** [`StorageTier`] runs backups (host pool → store), queries (longest stored
+//!   prefix) and fetches (store → host pool) as tasks on a tokio runtime, with bounded
+//!   concurrency and per-operation timeouts, and hands their [`Completion`]s back to the
+//!   scheduler thread, which never blocks on the store. [`HiRadixCache`](crate::HiRadixCache)
+//!   drives it when [`HiCacheConfig::storage`](crate::HiCacheConfig::storage) is set.
 
 mod backend;
 mod fault;
@@ -24,6 +29,7 @@ mod file;
 mod page;
 #[cfg(feature = "redis")]
 mod redis;
+mod tier;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
 pub use fault::{FaultConfig, FaultCounts, FaultStore};
@@ -33,3 +39,4 @@ pub use page::{
 };
 #[cfg(feature = "redis")]
 pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
+pub use tier::{Completion, GateState, JobGate, JobId, StorageTier, TierOptions};
