@@ -121,6 +121,12 @@
 //!   window pages, pinned until the ack. A failed load is repaired (KV and window pages copied
 //!   again) or demoted (the loaded window pages tombstoned).
 //!
+//! - **Sessions** (`radixkv-session` over this cache): an idle session slot locks the window
+//!   KV of its cached prefix like a running request (so it is neither tombstoned nor evicted
+//!   while held) and owns the window pages past it; demotion finishes the slot as a request,
+//!   so its KV and window KV are inserted and backed up as any finish's, and a demoted
+//!   session's next turn loads both back from the host like any host hit.
+//!
 //! # Extra pools: both in one tree
 //! A tree with Mamba slots **and** sliding-window layers gets both pools, and each component
 //! follows the rules above; what differs is where a match may end:
