@@ -590,25 +590,35 @@ impl StorageBackend for FileStore {
         "file"
     }
 
+    // The blocking job must own its input, so each batch is copied — in the future, on the
+    // thread that polls it, not in the caller that makes it.
+
     fn exists_prefix<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
-        let keys = keys.to_vec();
-        Box::pin(self.run(move |s| s.exists_prefix(&keys)))
+        Box::pin(async move {
+            let keys = keys.to_vec();
+            self.run(move |s| s.exists_prefix(&keys)).await
+        })
     }
 
     fn get<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, Vec<Option<Vec<u8>>>> {
-        let keys = keys.to_vec();
-        Box::pin(self.run(move |s| s.get(&keys)))
+        Box::pin(async move {
+            let keys = keys.to_vec();
+            self.run(move |s| s.get(&keys)).await
+        })
     }
 
     fn put<'a>(&'a self, pages: &'a [(PageKey, Vec<u8>)]) -> StoreFuture<'a, Vec<bool>> {
-        // The blocking job must own its input: one copy of the batch's bytes.
-        let pages = pages.to_vec();
-        Box::pin(self.run(move |s| s.put(&pages)))
+        Box::pin(async move {
+            let pages = pages.to_vec();
+            self.run(move |s| s.put(&pages)).await
+        })
     }
 
     fn delete<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
-        let keys = keys.to_vec();
-        Box::pin(self.run(move |s| s.delete(&keys)))
+        Box::pin(async move {
+            let keys = keys.to_vec();
+            self.run(move |s| s.delete(&keys)).await
+        })
     }
 
     fn stats(&self) -> StoreStats {
