@@ -25,4 +25,4 @@ pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats}
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
-pub use tier::{Completion, GateState, JobGate, JobId, StorageTier, TierOptions};
+pub use tier::{Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, StorageTier, TierOptions};
