@@ -46,6 +46,9 @@ use super::page::PageFormat;
 use crate::backend::HostMemory;
 use crate::error::{HiCacheError, Result};
 
+/// Namespaces whose key seed a [`StorageTier`] keeps.
+pub const SEED_CACHE_LIMIT: usize = 4096;
+
 /// Tuning of a [`StorageTier`].
 #[derive(Clone, Debug)]
 pub struct TierOptions {
@@ -315,8 +318,12 @@ impl StorageTier {
         self.in_flight
     }
 
-    /// The key seed of `namespace` (cached).
+    /// The key seed of `namespace` (cached; the cache is cleared past
+    /// [`SEED_CACHE_LIMIT`] namespaces, so a namespace per request cannot grow it forever).
     pub fn seed(&mut self, namespace: &Namespace) -> KeySeed {
+        if self.seeds.len() >= SEED_CACHE_LIMIT && !self.seeds.contains_key(namespace) {
+            self.seeds.clear();
+        }
         *self
             .seeds
             .entry(namespace.clone())
