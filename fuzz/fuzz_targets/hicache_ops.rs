@@ -16,7 +16,13 @@
 //! slots): the driver also plays the engine's state pool in the simulated device's Mamba
 //! buffer, so every hit's copy on write, a state loaded back from the host included, must read
 //! the exact bytes of its own prefix's state; Mamba-only evictions run between the operations.
-//! (A mode byte rather than a new field, so the regression inputs under `seeds/` keep decoding
+//!
+//! An input whose first byte is `S` runs them over a cache with sliding-window layers (a small
+//! window, few device window pages, sometimes few host window pages, a cap on the window pages
+//! idle sessions own): backups carry the window KV, load-backs bring it back, session slots
+//! keep their window tables across turns while demotions, window slides and window-only
+//! evictions (tombstones) run between the operations.
+//! (Mode bytes rather than new fields, so the regression inputs under `seeds/` keep decoding
 //! as they did.)
 #![no_main]
 
@@ -24,14 +30,16 @@ use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp};
+use radixkv_fuzz::driver::{Driver, DriverOp, Target};
 use radixkv_fuzz::input::Size;
 use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig};
+use radixkv_radix::{
+    MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig, SwaConfig,
+};
 use radixkv_session::SessionConfig;
 
 #[derive(Arbitrary, Debug)]
@@ -106,10 +114,52 @@ struct MambaSetup {
     track: bool,
 }
 
+/// An operation of the `S` mode: any operation, a window slide of one of the driver's
+/// requests, or a device eviction of up to `n` window pages alone (tombstones).
+#[derive(Arbitrary, Debug)]
+enum SwaOp {
+    Op(Op),
+    Slide(Target),
+    EvictWindow { n: u8 },
+}
+
+/// The input of the `S` mode.
+#[derive(Arbitrary, Debug)]
+struct SwaInput {
+    swa: SwaSetup,
+    setup: Setup,
+    ops: Vec<SwaOp>,
+}
+
+/// The sliding-window component of the `S` mode.
+#[derive(Arbitrary, Debug)]
+struct SwaSetup {
+    window_pages: u8,
+    pages: u8,
+    host_pages: Option<u8>,
+    held_pages: u8,
+}
+
 #[derive(Arbitrary, Debug)]
 enum Op {
     Drive(DriverOp),
     Tier(TierOp),
+}
+
+/// The component a run's cache carries besides the full KV.
+#[derive(Clone, Copy)]
+enum Component<'a> {
+    None,
+    Mamba(&'a MambaSetup),
+    Swa(&'a SwaSetup),
+}
+
+/// One operation of any mode.
+enum ModeOp<'a> {
+    Op(&'a Op),
+    EvictMamba(u8),
+    Slide(Target),
+    EvictWindow(u8),
 }
 
 #[derive(Arbitrary, Debug)]
@@ -135,7 +185,7 @@ fn inject(backend: &HostSim, f: &Fault) {
     }
 }
 
-fn build(s: &Setup, m: Option<&MambaSetup>) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
+fn build(s: &Setup, extra: Component<'_>) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
     let p = 1 + usize::from(s.page_size % 4);
     let pages = 8 + usize::from(s.pages % 40);
     let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
@@ -185,9 +235,21 @@ fn build(s: &Setup, m: Option<&MambaSetup>) -> (HiRadixCache<HostSim>, Arc<HostS
         },
         ..HiCacheConfig::default()
     };
-    let cfg = match m {
-        None => cfg,
-        Some(m) => HiCacheConfig {
+    let cfg = match extra {
+        Component::None => cfg,
+        Component::Swa(w) => HiCacheConfig {
+            radix: RadixConfig {
+                swa: Some(SwaConfig {
+                    window: p * (1 + usize::from(w.window_pages % 4)),
+                    pages: 4 + usize::from(w.pages % 40),
+                }),
+                ..cfg.radix
+            },
+            swa_page_bytes: Some(16),
+            swa_host_pages: w.host_pages.map(|n| 1 + u32::from(n % 32)),
+            ..cfg
+        },
+        Component::Mamba(m) => HiCacheConfig {
             radix: RadixConfig {
                 mamba_slots: Some(2 + u32::from(m.slots % 12)),
                 mamba_policy: if m.marconi {
@@ -257,12 +319,26 @@ fuzz_target!(|data: &[u8]| {
     match data.split_first() {
         Some((b'M', rest)) => {
             if let Ok(i) = MambaInput::arbitrary_take_rest(Unstructured::new(rest)) {
-                run(&i.setup, Some(&i.mamba), i.ops);
+                let ops = i.ops.iter().map(|op| match op {
+                    MambaOp::Op(op) => ModeOp::Op(op),
+                    MambaOp::EvictMamba { n } => ModeOp::EvictMamba(*n),
+                });
+                run(&i.setup, Component::Mamba(&i.mamba), ops);
+            }
+        }
+        Some((b'S', rest)) => {
+            if let Ok(i) = SwaInput::arbitrary_take_rest(Unstructured::new(rest)) {
+                let ops = i.ops.iter().map(|op| match op {
+                    SwaOp::Op(op) => ModeOp::Op(op),
+                    SwaOp::Slide(t) => ModeOp::Slide(*t),
+                    SwaOp::EvictWindow { n } => ModeOp::EvictWindow(*n),
+                });
+                run(&i.setup, Component::Swa(&i.swa), ops);
             }
         }
         _ => {
             if let Ok(i) = Input::arbitrary_take_rest(Unstructured::new(data)) {
-                run(&i.setup, None, i.ops.into_iter().map(MambaOp::Op).collect());
+                run(&i.setup, Component::None, i.ops.iter().map(ModeOp::Op));
             }
         }
     }
@@ -279,29 +355,52 @@ fn evict_mamba(d: &mut Harness, n: u8) {
     }
 }
 
-fn run(s: &Setup, mamba: Option<&MambaSetup>, ops: Vec<MambaOp>) {
-    let (cache, backend) = build(s, mamba);
+/// Device eviction of up to `n` window pages alone (tombstones): each frees one device
+/// window page, and the host copies stay.
+fn evict_window(d: &mut Harness, n: u8) {
+    let c = d.cache.inner_mut();
+    let host = c.host_swa_pages();
+    let before = c.device_cache().swa_accounting();
+    let done = c.evict_swa(usize::from(n % 8));
+    match (before, c.device_cache().swa_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
+    }
+    assert_eq!(
+        c.host_swa_pages(),
+        host,
+        "a device tombstone dropped a host copy"
+    );
+}
+
+fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>>) {
+    let (cache, backend) = build(s, extra);
     let p = cache.page_size();
     let cfg = SessionConfig {
         max_held_tokens: usize::from(s.budget_pages) * p,
         max_session_tokens: usize::from(s.budget_pages).max(1) * p,
         idle_ttl: s.ttl.map(u64::from),
         max_held_state_slots: usize::MAX,
-        max_held_window_pages: usize::MAX,
+        max_held_window_pages: match extra {
+            Component::Swa(w) => usize::from(w.held_pages % 16),
+            _ => usize::MAX,
+        },
     };
     let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), s.events);
-    if let Some(m) = mamba {
+    if let Component::Mamba(m) = extra {
         d = d.with_states(Box::new(BackendStates::new(
             backend.clone(),
             state_bytes(m),
         )));
     }
     let mut faulty = false;
-    for op in &ops {
+    for op in ops {
         match op {
-            MambaOp::Op(Op::Drive(op)) => d.step(op),
-            MambaOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
-            MambaOp::EvictMamba { n } => evict_mamba(&mut d, *n),
+            ModeOp::Op(Op::Drive(op)) => d.step(op),
+            ModeOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
+            ModeOp::EvictMamba(n) => evict_mamba(&mut d, n),
+            ModeOp::Slide(t) => d.slide(t),
+            ModeOp::EvictWindow(n) => evict_window(&mut d, n),
         }
         d.audit();
         audit_host(&mut d);
