@@ -17,11 +17,17 @@
 //! buffer, so every hit's copy on write, a state loaded back from the host included, must read
 //! the exact bytes of its own prefix's state; Mamba-only evictions run between the operations.
 //!
+//! An input whose first byte is `S` runs them over a cache with sliding-window layers (a small
+//! window, few device window pages, sometimes few host window pages, a cap on the window pages
+//! idle sessions own): backups carry the window KV, load-backs bring it back, session slots
+//! keep their window tables across turns while demotions, window slides and window-only
+//! evictions (tombstones) run between the operations.
+//!
 //! An input whose first byte is `B` runs a cache with both sliding-window layers and Mamba
 //! state slots in one tree (few or many host SWA pages and host state slots): the state bytes
 //! are checked as in the `M` mode, every pool balances, and window-KV-only and Mamba-only
 //! device evictions and window slides run between the operations. Session operations are left
-//! out there (sessions over a tiered cache with sliding-window layers are not wired).
+//! out there (sessions over a tiered cache with both components are refused by the manager).
 //!
 //! (Mode bytes rather than new fields, so the regression inputs under `seeds/` keep decoding
 //! as they did.)
@@ -115,12 +121,30 @@ struct MambaSetup {
     track: bool,
 }
 
-/// The SWA component of the `B` mode.
+/// An operation of the `S` mode: any operation, a window slide of one of the driver's
+/// requests, or a device eviction of up to `n` window pages alone (tombstones).
+#[derive(Arbitrary, Debug)]
+enum SwaOp {
+    Op(Op),
+    Slide(Target),
+    EvictWindow { n: u8 },
+}
+
+/// The input of the `S` mode.
+#[derive(Arbitrary, Debug)]
+struct SwaInput {
+    swa: SwaSetup,
+    setup: Setup,
+    ops: Vec<SwaOp>,
+}
+
+/// The sliding-window component of the `S` mode.
 #[derive(Arbitrary, Debug)]
 struct SwaSetup {
     window_pages: u8,
     pages: u8,
     host_pages: Option<u8>,
+    held_pages: u8,
     page_words: u8,
 }
 
@@ -149,6 +173,39 @@ enum Op {
     Tier(TierOp),
 }
 
+/// The component a run's cache carries besides the full KV.
+#[derive(Clone, Copy)]
+enum Component<'a> {
+    None,
+    Mamba(&'a MambaSetup),
+    Swa(&'a SwaSetup),
+    Both(&'a MambaSetup, &'a SwaSetup),
+}
+
+impl<'a> Component<'a> {
+    fn mamba(self) -> Option<&'a MambaSetup> {
+        match self {
+            Component::Mamba(m) | Component::Both(m, _) => Some(m),
+            _ => None,
+        }
+    }
+
+    fn swa(self) -> Option<&'a SwaSetup> {
+        match self {
+            Component::Swa(w) | Component::Both(_, w) => Some(w),
+            _ => None,
+        }
+    }
+}
+
+/// One operation of any mode.
+enum ModeOp<'a> {
+    Op(&'a Op),
+    EvictMamba(u8),
+    Slide(Target),
+    EvictWindow(u8),
+}
+
 #[derive(Arbitrary, Debug)]
 struct Input {
     setup: Setup,
@@ -172,11 +229,7 @@ fn inject(backend: &HostSim, f: &Fault) {
     }
 }
 
-fn build(
-    s: &Setup,
-    m: Option<&MambaSetup>,
-    w: Option<&SwaSetup>,
-) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
+fn build(s: &Setup, extra: Component<'_>) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
     let p = 1 + usize::from(s.page_size % 4);
     let pages = 8 + usize::from(s.pages % 40);
     let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
@@ -226,7 +279,7 @@ fn build(
         },
         ..HiCacheConfig::default()
     };
-    let cfg = match m {
+    let cfg = match extra.mamba() {
         None => cfg,
         Some(m) => HiCacheConfig {
             radix: RadixConfig {
@@ -244,12 +297,12 @@ fn build(
             ..cfg
         },
     };
-    let cfg = match w {
+    let cfg = match extra.swa() {
         None => cfg,
         Some(w) => HiCacheConfig {
             radix: RadixConfig {
                 swa: Some(SwaConfig {
-                    window: (1 + usize::from(w.window_pages % 3)) * p,
+                    window: p * (1 + usize::from(w.window_pages % 4)),
                     pages: 4 + usize::from(w.pages % 40),
                 }),
                 ..cfg.radix
@@ -313,38 +366,45 @@ fuzz_target!(|data: &[u8]| {
     match data.split_first() {
         Some((b'M', rest)) => {
             if let Ok(i) = MambaInput::arbitrary_take_rest(Unstructured::new(rest)) {
-                let ops = i.ops.into_iter().map(|op| match op {
-                    MambaOp::Op(op) => HybridOp::Op(op),
-                    MambaOp::EvictMamba { n } => HybridOp::EvictMamba { n },
+                let ops = i.ops.iter().map(|op| match op {
+                    MambaOp::Op(op) => ModeOp::Op(op),
+                    MambaOp::EvictMamba { n } => ModeOp::EvictMamba(*n),
                 });
-                run(&i.setup, Some(&i.mamba), None, ops.collect());
+                run(&i.setup, Component::Mamba(&i.mamba), ops);
+            }
+        }
+        Some((b'S', rest)) => {
+            if let Ok(i) = SwaInput::arbitrary_take_rest(Unstructured::new(rest)) {
+                let ops = i.ops.iter().map(|op| match op {
+                    SwaOp::Op(op) => ModeOp::Op(op),
+                    SwaOp::Slide(t) => ModeOp::Slide(*t),
+                    SwaOp::EvictWindow { n } => ModeOp::EvictWindow(*n),
+                });
+                run(&i.setup, Component::Swa(&i.swa), ops);
             }
         }
         Some((b'B', rest)) => {
             if let Ok(i) = BothInput::arbitrary_take_rest(Unstructured::new(rest)) {
-                // No session operations: sessions over a tiered SWA cache are not wired.
-                let ops = i.ops.into_iter().filter(|op| {
-                    !matches!(
-                        op,
-                        HybridOp::Op(Op::Drive(
-                            DriverOp::Open { .. }
-                                | DriverOp::Close { .. }
-                                | DriverOp::Demote { .. }
-                                | DriverOp::Turn { .. }
-                        ))
-                    )
+                // No session operations: the manager refuses sessions over a tiered cache
+                // with both components.
+                let ops = i.ops.iter().filter_map(|op| match op {
+                    HybridOp::Op(Op::Drive(
+                        DriverOp::Open { .. }
+                        | DriverOp::Close { .. }
+                        | DriverOp::Demote { .. }
+                        | DriverOp::Turn { .. },
+                    )) => None,
+                    HybridOp::Op(op) => Some(ModeOp::Op(op)),
+                    HybridOp::EvictMamba { n } => Some(ModeOp::EvictMamba(*n)),
+                    HybridOp::EvictSwa { n } => Some(ModeOp::EvictWindow(*n)),
+                    HybridOp::Slide(t) => Some(ModeOp::Slide(*t)),
                 });
-                run(&i.setup, Some(&i.mamba), Some(&i.swa), ops.collect());
+                run(&i.setup, Component::Both(&i.mamba, &i.swa), ops);
             }
         }
         _ => {
             if let Ok(i) = Input::arbitrary_take_rest(Unstructured::new(data)) {
-                run(
-                    &i.setup,
-                    None,
-                    None,
-                    i.ops.into_iter().map(HybridOp::Op).collect(),
-                );
+                run(&i.setup, Component::None, i.ops.iter().map(ModeOp::Op));
             }
         }
     }
@@ -361,42 +421,51 @@ fn evict_mamba(d: &mut Harness, n: u8) {
     }
 }
 
-/// Device eviction of up to `n` window pages alone: each frees one device SWA page.
-fn evict_swa(d: &mut Harness, n: u8) {
+/// Device eviction of up to `n` window pages alone (tombstones): each frees one device
+/// window page, and the host copies stay.
+fn evict_window(d: &mut Harness, n: u8) {
     let c = d.cache.inner_mut();
+    let host = c.host_swa_pages();
     let before = c.device_cache().swa_accounting();
     let done = c.evict_swa(usize::from(n % 8));
     match (before, c.device_cache().swa_accounting()) {
         (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
         _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
     }
+    assert_eq!(
+        c.host_swa_pages(),
+        host,
+        "a device tombstone dropped a host copy"
+    );
 }
 
-fn run(s: &Setup, mamba: Option<&MambaSetup>, swa: Option<&SwaSetup>, ops: Vec<HybridOp>) {
-    let (cache, backend) = build(s, mamba, swa);
+fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>>) {
+    let (cache, backend) = build(s, extra);
     let p = cache.page_size();
     let cfg = SessionConfig {
         max_held_tokens: usize::from(s.budget_pages) * p,
         max_session_tokens: usize::from(s.budget_pages).max(1) * p,
         idle_ttl: s.ttl.map(u64::from),
         max_held_state_slots: usize::MAX,
-        max_held_window_pages: usize::MAX,
+        max_held_window_pages: extra
+            .swa()
+            .map_or(usize::MAX, |w| usize::from(w.held_pages % 16)),
     };
     let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), s.events);
-    if let Some(m) = mamba {
+    if let Some(m) = extra.mamba() {
         d = d.with_states(Box::new(BackendStates::new(
             backend.clone(),
             state_bytes(m),
         )));
     }
     let mut faulty = false;
-    for op in &ops {
+    for op in ops {
         match op {
-            HybridOp::Op(Op::Drive(op)) => d.step(op),
-            HybridOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
-            HybridOp::EvictMamba { n } => evict_mamba(&mut d, *n),
-            HybridOp::EvictSwa { n } => evict_swa(&mut d, *n),
-            HybridOp::Slide(t) => d.slide(*t),
+            ModeOp::Op(Op::Drive(op)) => d.step(op),
+            ModeOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
+            ModeOp::EvictMamba(n) => evict_mamba(&mut d, n),
+            ModeOp::Slide(t) => d.slide(t),
+            ModeOp::EvictWindow(n) => evict_window(&mut d, n),
         }
         d.audit();
         audit_host(&mut d);
