@@ -98,10 +98,17 @@ mod with_redis {
 
     impl Server {
         fn start() -> Server {
-            let port = free_port();
-            let mut s = Server { child: None, port };
-            s.restart();
-            s
+            // Another test may take the port between the probe and the start: try others.
+            for _ in 0..5 {
+                let mut s = Server {
+                    child: None,
+                    port: free_port(),
+                };
+                if s.try_restart() {
+                    return s;
+                }
+            }
+            panic!("redis-server did not start on any of 5 free ports");
         }
 
         fn url(&self) -> String {
@@ -112,26 +119,20 @@ mod with_redis {
             self.child.as_ref().expect("server running").id()
         }
 
-        /// Starts the server on its port (again) and waits until it answers `PING`.
+        /// Starts the server on its port again and waits until it answers `PING`.
         fn restart(&mut self) {
+            assert!(
+                self.try_restart(),
+                "redis-server did not restart on port {}",
+                self.port
+            );
+        }
+
+        fn try_restart(&mut self) -> bool {
             assert!(self.child.is_none(), "the server is already running");
-            let child = Command::new("redis-server")
-                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                .args(["--protected-mode", "no", "--loglevel", "warning"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server");
-            self.child = Some(child);
-            for _ in 0..400 {
-                if ping(self.port) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(25));
-            }
-            panic!("redis-server on port {} never answered PING", self.port);
+            let child = spawn_redis(self.port, &[]);
+            self.child = wait_ready(child, self.port);
+            self.child.is_some()
         }
 
         /// SIGKILL, then reap.
@@ -155,6 +156,37 @@ mod with_redis {
         fn drop(&mut self) {
             self.kill();
         }
+    }
+
+    /// A `redis-server` on 127.0.0.1:`port` without persistence, with `extra` arguments.
+    fn spawn_redis(port: u16, extra: &[&std::ffi::OsStr]) -> Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(["--protected-mode", "no", "--loglevel", "warning"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server")
+    }
+
+    /// `child` once it answers `PING` on `port`; `None` (reaped) if it exited first (the port
+    /// was taken) or never answered.
+    fn wait_ready(mut child: Child, port: u16) -> Option<Child> {
+        for _ in 0..400 {
+            if child.try_wait().ok().flatten().is_some() {
+                return None;
+            }
+            if ping(port) {
+                return Some(child);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
     }
 
     /// Whether a server on `port` answers `PING` with `+PONG`.
@@ -555,35 +587,30 @@ mod with_redis {
                 ports: Vec::new(),
                 dir,
             };
-            for _ in 0..3 {
-                let port = free_cluster_port();
-                let child = Command::new("redis-server")
-                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--cluster-enabled", "yes"])
-                    .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                    .arg("--dir")
-                    .arg(&c.dir)
-                    .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                    .args(["--protected-mode", "no", "--loglevel", "warning"])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("start redis-server");
-                c.nodes.push(child);
-                c.ports.push(port);
-            }
-            for &p in &c.ports {
-                let mut up = false;
-                for _ in 0..400 {
-                    if ping(p) {
-                        up = true;
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(25));
+            for _ in 0..15 {
+                if c.ports.len() == 3 {
+                    break;
                 }
-                assert!(up, "cluster node on port {p} never answered PING");
+                let port = free_cluster_port();
+                let conf = format!("nodes-{port}.conf");
+                let args: [&std::ffi::OsStr; 6] = [
+                    "--cluster-enabled".as_ref(),
+                    "yes".as_ref(),
+                    "--cluster-config-file".as_ref(),
+                    conf.as_ref(),
+                    "--dir".as_ref(),
+                    c.dir.as_os_str(),
+                ];
+                if let Some(child) = wait_ready(spawn_redis(port, &args), port) {
+                    c.nodes.push(child);
+                    c.ports.push(port);
+                }
             }
+            assert_eq!(
+                c.ports.len(),
+                3,
+                "cluster nodes did not start on 15 free ports"
+            );
             let addrs: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
             let out = Command::new("redis-cli")
                 .args(["--cluster", "create"])
