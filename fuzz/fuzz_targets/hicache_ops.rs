@@ -16,7 +16,14 @@
 //! slots): the driver also plays the engine's state pool in the simulated device's Mamba
 //! buffer, so every hit's copy on write, a state loaded back from the host included, must read
 //! the exact bytes of its own prefix's state; Mamba-only evictions run between the operations.
-//! (A mode byte rather than a new field, so the regression inputs under `seeds/` keep decoding
+//!
+//! An input whose first byte is `B` runs a cache with both sliding-window layers and Mamba
+//! state slots in one tree (few or many host SWA pages and host state slots): the state bytes
+//! are checked as in the `M` mode, every pool balances, and window-KV-only and Mamba-only
+//! device evictions and window slides run between the operations. Session operations are left
+//! out there (sessions over a tiered cache with sliding-window layers are not wired).
+//!
+//! (Mode bytes rather than new fields, so the regression inputs under `seeds/` keep decoding
 //! as they did.)
 #![no_main]
 
@@ -24,14 +31,16 @@ use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp};
+use radixkv_fuzz::driver::{Driver, DriverOp, Target};
 use radixkv_fuzz::input::Size;
 use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig};
+use radixkv_radix::{
+    MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig, SwaConfig,
+};
 use radixkv_session::SessionConfig;
 
 #[derive(Arbitrary, Debug)]
@@ -106,6 +115,34 @@ struct MambaSetup {
     track: bool,
 }
 
+/// The SWA component of the `B` mode.
+#[derive(Arbitrary, Debug)]
+struct SwaSetup {
+    window_pages: u8,
+    pages: u8,
+    host_pages: Option<u8>,
+    page_words: u8,
+}
+
+/// An operation of the `B` mode: any operation, a device eviction of up to `n` Mamba states
+/// or window pages alone, or a window slide.
+#[derive(Arbitrary, Debug)]
+enum HybridOp {
+    Op(Op),
+    EvictMamba { n: u8 },
+    EvictSwa { n: u8 },
+    Slide(Target),
+}
+
+/// The input of the `B` mode.
+#[derive(Arbitrary, Debug)]
+struct BothInput {
+    mamba: MambaSetup,
+    swa: SwaSetup,
+    setup: Setup,
+    ops: Vec<HybridOp>,
+}
+
 #[derive(Arbitrary, Debug)]
 enum Op {
     Drive(DriverOp),
@@ -135,7 +172,11 @@ fn inject(backend: &HostSim, f: &Fault) {
     }
 }
 
-fn build(s: &Setup, m: Option<&MambaSetup>) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
+fn build(
+    s: &Setup,
+    m: Option<&MambaSetup>,
+    w: Option<&SwaSetup>,
+) -> (HiRadixCache<HostSim>, Arc<HostSim>) {
     let p = 1 + usize::from(s.page_size % 4);
     let pages = 8 + usize::from(s.pages % 40);
     let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
@@ -203,6 +244,21 @@ fn build(s: &Setup, m: Option<&MambaSetup>) -> (HiRadixCache<HostSim>, Arc<HostS
             ..cfg
         },
     };
+    let cfg = match w {
+        None => cfg,
+        Some(w) => HiCacheConfig {
+            radix: RadixConfig {
+                swa: Some(SwaConfig {
+                    window: (1 + usize::from(w.window_pages % 3)) * p,
+                    pages: 4 + usize::from(w.pages % 40),
+                }),
+                ..cfg.radix
+            },
+            swa_page_bytes: Some(8 * (1 + usize::from(w.page_words % 4))),
+            swa_host_pages: w.host_pages.map(|n| 1 + u32::from(n % 32)),
+            ..cfg
+        },
+    };
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
 }
@@ -257,12 +313,38 @@ fuzz_target!(|data: &[u8]| {
     match data.split_first() {
         Some((b'M', rest)) => {
             if let Ok(i) = MambaInput::arbitrary_take_rest(Unstructured::new(rest)) {
-                run(&i.setup, Some(&i.mamba), i.ops);
+                let ops = i.ops.into_iter().map(|op| match op {
+                    MambaOp::Op(op) => HybridOp::Op(op),
+                    MambaOp::EvictMamba { n } => HybridOp::EvictMamba { n },
+                });
+                run(&i.setup, Some(&i.mamba), None, ops.collect());
+            }
+        }
+        Some((b'B', rest)) => {
+            if let Ok(i) = BothInput::arbitrary_take_rest(Unstructured::new(rest)) {
+                // No session operations: sessions over a tiered SWA cache are not wired.
+                let ops = i.ops.into_iter().filter(|op| {
+                    !matches!(
+                        op,
+                        HybridOp::Op(Op::Drive(
+                            DriverOp::Open { .. }
+                                | DriverOp::Close { .. }
+                                | DriverOp::Demote { .. }
+                                | DriverOp::Turn { .. }
+                        ))
+                    )
+                });
+                run(&i.setup, Some(&i.mamba), Some(&i.swa), ops.collect());
             }
         }
         _ => {
             if let Ok(i) = Input::arbitrary_take_rest(Unstructured::new(data)) {
-                run(&i.setup, None, i.ops.into_iter().map(MambaOp::Op).collect());
+                run(
+                    &i.setup,
+                    None,
+                    None,
+                    i.ops.into_iter().map(HybridOp::Op).collect(),
+                );
             }
         }
     }
@@ -279,8 +361,19 @@ fn evict_mamba(d: &mut Harness, n: u8) {
     }
 }
 
-fn run(s: &Setup, mamba: Option<&MambaSetup>, ops: Vec<MambaOp>) {
-    let (cache, backend) = build(s, mamba);
+/// Device eviction of up to `n` window pages alone: each frees one device SWA page.
+fn evict_swa(d: &mut Harness, n: u8) {
+    let c = d.cache.inner_mut();
+    let before = c.device_cache().swa_accounting();
+    let done = c.evict_swa(usize::from(n % 8));
+    match (before, c.device_cache().swa_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
+    }
+}
+
+fn run(s: &Setup, mamba: Option<&MambaSetup>, swa: Option<&SwaSetup>, ops: Vec<HybridOp>) {
+    let (cache, backend) = build(s, mamba, swa);
     let p = cache.page_size();
     let cfg = SessionConfig {
         max_held_tokens: usize::from(s.budget_pages) * p,
@@ -299,9 +392,11 @@ fn run(s: &Setup, mamba: Option<&MambaSetup>, ops: Vec<MambaOp>) {
     let mut faulty = false;
     for op in &ops {
         match op {
-            MambaOp::Op(Op::Drive(op)) => d.step(op),
-            MambaOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
-            MambaOp::EvictMamba { n } => evict_mamba(&mut d, *n),
+            HybridOp::Op(Op::Drive(op)) => d.step(op),
+            HybridOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
+            HybridOp::EvictMamba { n } => evict_mamba(&mut d, *n),
+            HybridOp::EvictSwa { n } => evict_swa(&mut d, *n),
+            HybridOp::Slide(t) => d.slide(*t),
         }
         d.audit();
         audit_host(&mut d);

@@ -1,9 +1,9 @@
 //! Properties every decoded trace has, whatever its format.
 
-use radixkv_scheduler_api::ManagerError;
 use radixkv_replay::trace::{
     Compression, ReadOptions, Trace, TraceFormat, TraceRequest, decode_trace,
 };
+use radixkv_scheduler_api::ManagerError;
 
 use crate::ok;
 

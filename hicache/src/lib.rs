@@ -97,13 +97,24 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! - **Storage tier (L3).** With [`HiCacheConfig::storage`], acknowledged host copies are backed
+//!   up to a [`storage::StorageBackend`] in the background and requests can prefetch their
+//!   stored prefix into the host tier ([`HiRadixCache::prefetch`],
+//!   [`HiRadixCache::check_prefetch`]); see [`storage`] and [`HiRadixCache`]'s module docs,
+//!   "Storage tier".
+//! - **Several ranks.** A [`Consensus`] hook ([`HiCacheConfig::consensus`], default
+//!   [`SingleRank`]) reduces every asynchronous outcome across ranks so their trees stay
+//!   identical.
+//!
 //! ## Not yet here
-//! The storage tier (L3), the CUDA backend and multi-rank consensus come in later issues.
+//! The CUDA backend comes in a later issue. The storage tier moves KV pages only (refused for
+//! trees with Mamba states, sliding-window KV or extra pools); the manager's configuration and
+//! the replay tool do not offer it yet.
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
-//! and SWA components; see its module docs, "Extra pools"); one tree with both components is
-//! refused under the host tier.
+//! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 
 mod backend;
+mod consensus;
 mod controller;
 mod error;
 mod geometry;
@@ -117,13 +128,17 @@ pub use backend::{
     CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, PageRun, SlotCopy, SlotMemory,
     StreamKind, validate_copy,
 };
+pub use consensus::{Consensus, SingleRank};
 pub use controller::{
     Acks, CacheOperation, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep,
     OpId, PoolName, PoolTransfer, SlotOwner, TransferStats, merge_runs,
 };
 pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};
-pub use hiradix::{HiCacheConfig, HiCacheStats, HiRadixCache, TestMutations, WritePolicy};
+pub use hiradix::{
+    DEFAULT_PREFETCH_THRESHOLD_TOKENS, HiCacheConfig, HiCacheStats, HiRadixCache, PrefetchStatus,
+    PrefetchStop, StorageConfig, TestMutations, WritePolicy,
+};
 pub use host_pool::{HostPool, HostSize, SlotAllocator};
 pub use hostsim::{
     CopyGate, DEFAULT_STREAM_CAPACITY, HostSim, HostSimConfig, POISON_BYTE, SimEvent,

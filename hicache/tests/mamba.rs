@@ -6,167 +6,15 @@ mod common;
 
 use std::sync::Arc;
 
+use common::hybrid::{
+    MambaSetup, STATE_BYTES, Setup, build, random_traffic, read_state, serve, state_bytes,
+};
 use common::*;
 use radixkv_hicache::{
     DeviceBackend, HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig,
     HostSize, KvGeometry, PoolName, StreamKind, WritePolicy,
 };
-use radixkv_radix::{
-    FinishKind, MambaPolicy, PrefixCache, RadixConfig, RadixKey, RequestKv, RequestMatch,
-};
-use rand_xoshiro::SplitMix64;
-use rand_xoshiro::rand_core::{Rng, SeedableRng};
-
-const STATE_BYTES: usize = 48;
-
-/// The state after the tokens of `prefix`: a function of the prefix, as in a real model.
-fn state_bytes(prefix: &[u32]) -> Vec<u8> {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for &t in prefix {
-        h = mix(h ^ u64::from(t));
-    }
-    let mut out = vec![0; STATE_BYTES];
-    SplitMix64::seed_from_u64(h ^ prefix.len() as u64).fill_bytes(&mut out);
-    out
-}
-
-struct Setup {
-    page_size: usize,
-    device_pages: usize,
-    slots: u32,
-    host_slots: Option<u32>,
-    layout: HostLayout,
-    policy: WritePolicy,
-    mamba_policy: MambaPolicy,
-    gated: bool,
-}
-
-impl Default for Setup {
-    fn default() -> Self {
-        Setup {
-            page_size: 4,
-            device_pages: 16,
-            slots: 8,
-            host_slots: None,
-            layout: HostLayout::PageFirst,
-            policy: WritePolicy::WriteThrough,
-            mamba_policy: MambaPolicy::Sglang,
-            gated: false,
-        }
-    }
-}
-
-fn build(s: &Setup) -> HiRadixCache<HostSim> {
-    let g = KvGeometry::new(LAYERS, s.page_size, BYTES_PER_TOKEN).unwrap();
-    let sim = HostSimConfig {
-        gated: s.gated,
-        ..Default::default()
-    };
-    let backend = Arc::new(HostSim::new(g, s.device_pages, sim).unwrap());
-    HiRadixCache::new(
-        HiCacheConfig {
-            radix: RadixConfig {
-                page_size: s.page_size,
-                total_pages: s.device_pages,
-                max_rows: 8,
-                events: true,
-                mamba_slots: Some(s.slots),
-                mamba_policy: s.mamba_policy,
-                ..Default::default()
-            },
-            host_size: HostSize::Ratio(4.0),
-            host_layout: s.layout,
-            write_policy: s.policy,
-            load_back_min_tokens: 1,
-            mamba_state_bytes: Some(STATE_BYTES),
-            mamba_host_slots: s.host_slots,
-            ..Default::default()
-        },
-        backend,
-    )
-    .unwrap()
-}
-
-fn read_state<B: DeviceBackend>(c: &HiRadixCache<B>, slot: u32) -> Vec<u8> {
-    let mut out = vec![0; STATE_BYTES];
-    c.backend()
-        .read_extra_slot(PoolName::Mamba, slot, &mut out)
-        .unwrap();
-    out
-}
-
-/// The engine's side of one request: after its forward, every slot it holds has the state
-/// its contract asks for (running: at the computed length; tracking: at the last page boundary;
-/// checkpoints: at their positions).
-fn write_states<B: DeviceBackend>(c: &HiRadixCache<B>, r: &RequestKv) {
-    let b = c.backend();
-    let t = &r.key.tokens;
-    let p = c.page_size();
-    if let Some(s) = r.mamba_slot {
-        b.write_extra_slot(PoolName::Mamba, s, &state_bytes(&t[..r.committed_len]))
-            .unwrap();
-    }
-    if let Some(tr) = r.mamba_track {
-        let at = r.committed_len - r.committed_len % p;
-        b.write_extra_slot(PoolName::Mamba, tr.slot, &state_bytes(&t[..at]))
-            .unwrap();
-    }
-    for ck in &r.mamba_checkpoints {
-        if ck.pos <= r.committed_len {
-            b.write_extra_slot(PoolName::Mamba, ck.slot, &state_bytes(&t[..ck.pos]))
-                .unwrap();
-        }
-    }
-}
-
-/// One request end to end: match, begin (load-back), wait for the loads, check the bytes of
-/// the reused KV and of the state it copies on write, compute the rest and finish. Returns
-/// what the match and the load gave.
-fn serve_mamba(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (RequestMatch, usize) {
-    let p = c.page_size();
-    let h = hashes(tokens, p);
-    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
-    let m = c.match_request(&mut r).unwrap();
-    c.begin_request(&mut r).unwrap();
-    c.check_request(&r).unwrap();
-    if let Some(step) = c.start_loading().unwrap() {
-        let counter = c.layer_counter().clone();
-        counter.set_consumer(step.producer);
-        if (0..counter.layers()).any(|l| counter.wait_until(l).is_err()) {
-            // A failed load: the next step repairs it (KV and state) before it returns `Ok`.
-            c.step().unwrap();
-        }
-    }
-    check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
-    if r.prefix_len > 0 {
-        let cow = r.mamba_cow.expect("a hit copies its state");
-        assert_eq!(
-            read_state(c, cow.src),
-            state_bytes(&tokens[..r.prefix_len]),
-            "the state of the {}-token hit holds the wrong bytes",
-            r.prefix_len
-        );
-        let src = read_state(c, cow.src);
-        c.backend()
-            .write_extra_slot(PoolName::Mamba, cow.dst, &src)
-            .unwrap();
-    } else {
-        assert!(r.mamba_cow.is_none());
-    }
-    let rest = tokens.len() - r.prefix_len;
-    let from = r.prefix_len;
-    c.alloc_tokens(&mut r, rest).unwrap();
-    let row = r.row.unwrap();
-    let pages = c.pools().rows.pages(row).unwrap().to_vec();
-    let whole = tokens.len() / p;
-    write_pages(&**c.backend(), &pages[from / p..whole], &h[from / p..whole]);
-    r.commit(rest).unwrap();
-    write_states(c, &r);
-    let loaded = r.prefix_len - m.prefix_len;
-    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
-    c.check_invariants().unwrap();
-    (m, loaded)
-}
+use radixkv_radix::{FinishKind, MambaPolicy, PrefixCache, RadixConfig, RadixKey, RequestKv};
 
 fn round_trip(page_size: usize, layout: HostLayout) {
     let p = page_size;
@@ -174,10 +22,10 @@ fn round_trip(page_size: usize, layout: HostLayout) {
         page_size: p,
         device_pages: 12,
         layout,
-        ..Default::default()
+        ..Setup::mamba()
     });
     let a = tokens(1, 4 * p);
-    let (m, _) = serve_mamba(&mut c, &a);
+    let (m, _) = serve(&mut c, &a);
     assert_eq!(m.prefix_len, 0);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -196,7 +44,7 @@ fn round_trip(page_size: usize, layout: HostLayout) {
     }
     let mut b = a.clone();
     b.push(7);
-    let (m, loaded) = serve_mamba(&mut c, &b);
+    let (m, loaded) = serve(&mut c, &b);
     assert_eq!((m.prefix_len, m.host_hit_len, loaded), (0, 4 * p, 4 * p));
     assert_eq!(c.stats().mamba_states_loaded, 1);
     c.flush().unwrap();
@@ -215,7 +63,7 @@ fn round_trip(page_size: usize, layout: HostLayout) {
     let m = c.match_request(&mut probe).unwrap();
     assert_eq!((m.prefix_len, m.host_hit_len), (0, 4 * p));
     let loaded_before = c.stats().loaded_tokens;
-    let (_, loaded) = serve_mamba(&mut c, &b);
+    let (_, loaded) = serve(&mut c, &b);
     assert_eq!(loaded, 4 * p);
     assert_eq!(c.stats().loaded_tokens, loaded_before, "no KV was loaded");
     assert_eq!(c.stats().mamba_states_loaded, 2);
@@ -297,10 +145,10 @@ fn config_errors_are_typed() {
 /// nothing is served from it.
 #[test]
 fn failed_backup_undoes_the_state_too() {
-    let mut c = build(&Setup::default());
+    let mut c = build(&Setup::mamba());
     let a = tokens(1, 16);
     c.backend().fail_next_copies(StreamKind::Write, 2);
-    serve_mamba(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert!(c.stats().failed_writes >= 1, "{:?}", c.stats());
@@ -309,7 +157,7 @@ fn failed_backup_undoes_the_state_too() {
     // The prefix is still served from the device, with its state.
     let mut b = a.clone();
     b.push(1);
-    let (m, _) = serve_mamba(&mut c, &b);
+    let (m, _) = serve(&mut c, &b);
     assert_eq!(m.prefix_len, 16);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -319,9 +167,9 @@ fn failed_backup_undoes_the_state_too() {
 /// be repaired is demoted. Either way the audits hold and no slot leaks.
 #[test]
 fn failed_load_is_repaired_with_its_state() {
-    let mut c = build(&Setup::default());
+    let mut c = build(&Setup::mamba());
     let a = tokens(1, 16);
-    serve_mamba(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     c.evict(usize::MAX / 2);
     let mut b = a.clone();
@@ -373,16 +221,19 @@ fn failed_load_is_repaired_with_its_state() {
 #[test]
 fn host_slot_exhaustion_degrades_to_kv_only() {
     let mut c = build(&Setup {
-        host_slots: Some(1),
-        ..Default::default()
+        mamba: Some(MambaSetup {
+            host_slots: Some(1),
+            ..Default::default()
+        }),
+        ..Setup::mamba()
     });
     let a = tokens(1, 8);
     let b = tokens(2, 8);
-    serve_mamba(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     assert_eq!(c.host_mamba_states(), 1);
     // A is still on device, so its host state cannot be host-evicted: B's goes without one.
-    serve_mamba(&mut c, &b);
+    serve(&mut c, &b);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert_eq!(c.stats().mamba_host_full, 1, "{:?}", c.stats());
@@ -390,7 +241,7 @@ fn host_slot_exhaustion_degrades_to_kv_only() {
     // Demote both; a third backup host-evicts the host-only leaf holding the slot.
     c.evict(usize::MAX / 2);
     let d = tokens(3, 8);
-    serve_mamba(&mut c, &d);
+    serve(&mut c, &d);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert!(c.stats().mamba_host_evicted >= 1, "{:?}", c.stats());
@@ -399,7 +250,7 @@ fn host_slot_exhaustion_degrades_to_kv_only() {
     c.evict(usize::MAX / 2);
     let mut d2 = d.clone();
     d2.push(9);
-    let (_, loaded) = serve_mamba(&mut c, &d2);
+    let (_, loaded) = serve(&mut c, &d2);
     assert_eq!(loaded, 8);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -407,7 +258,7 @@ fn host_slot_exhaustion_degrades_to_kv_only() {
 
 /// Random traffic over shared prefixes, with device and Mamba evictions and failing backup
 /// and load copies, every write policy: the audits hold after every step and every reused state and
-/// page holds the right bytes (checked inside `serve_mamba`).
+/// page holds the right bytes (checked inside the shared `serve`).
 #[test]
 fn random_traffic_keeps_states_and_audits() {
     let mut repaired = 0;
@@ -422,63 +273,19 @@ fn random_traffic_keeps_states_and_audits() {
         ),
         (4, WritePolicy::WriteThrough, MambaPolicy::default(), 2),
     ] {
-        let mut c = build(&Setup {
+        let setup = Setup {
             page_size: p,
             device_pages: 24,
-            slots: 10,
-            host_slots: Some(6),
             policy,
-            mamba_policy: mp,
-            ..Default::default()
-        });
-        let mut rng = SplitMix64::seed_from_u64(seed);
-        // Six conversations over two shared stems; a request is a prefix of one of them.
-        let convs: Vec<Vec<u32>> = (0..6u32)
-            .map(|k| {
-                let mut t: Vec<u32> = (0..(2 * p) as u32).map(|i| (k % 2) * 100 + i).collect();
-                t.extend((0..(6 * p) as u32).map(|i| k * 10_000 + i));
-                t
-            })
-            .collect();
-        let mut hits = 0;
-        let mut load_faults = 0;
-        for step in 0..300 {
-            let conv = &convs[(rng.next_u32() % 6) as usize];
-            let len = 2 + rng.next_u32() as usize % (conv.len() - 1);
-            let t = conv[..len].to_vec();
-            let (m, loaded) = serve_mamba(&mut c, &t);
-            hits += usize::from(m.prefix_len + loaded > 0);
-            match rng.next_u32() % 7 {
-                // The next load copy fails: repaired at the next step. (One fault at a time:
-                // two would fail the repair's copy too.)
-                6 if c.stats().failed_loads == load_faults => {
-                    load_faults += 1;
-                    c.backend().fail_next_copies(StreamKind::Load, 1);
-                }
-                6 => {}
-                5 => {
-                    // The next backup copy fails: undone (KV and states) at its ack.
-                    c.backend().fail_next_copies(StreamKind::Write, 1);
-                }
-                0 => {
-                    c.evict((rng.next_u32() % 16) as usize);
-                }
-                1 => {
-                    c.evict_mamba_states(1 + (rng.next_u32() % 3) as usize);
-                }
-                2 => {
-                    c.flush().unwrap();
-                }
-                _ => {
-                    c.step().unwrap();
-                }
-            }
-            c.check_invariants()
-                .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-        }
-        c.flush().unwrap();
-        c.check_invariants().unwrap();
-        let st = c.stats();
+            mamba: Some(MambaSetup {
+                slots: 10,
+                host_slots: Some(6),
+                policy: mp,
+            }),
+            ..Setup::mamba()
+        };
+        let out = random_traffic(seed, &setup, 300);
+        let (hits, st) = (out.hits, out.stats);
         assert!(hits > 20, "seed {seed}: {hits} hits, {st:?}");
         assert!(st.mamba_states_loaded > 0, "seed {seed}: {st:?}");
         assert!(st.mamba_states_backed_up > 0, "seed {seed}: {st:?}");
@@ -496,11 +303,11 @@ fn random_traffic_keeps_states_and_audits() {
 fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
     let mut c = build(&Setup {
         gated: true,
-        ..Default::default()
+        ..Setup::mamba()
     });
     let gate = c.backend().gate().unwrap().clone();
     let a = tokens(1, 8);
-    serve_mamba(&mut c, &a);
+    serve(&mut c, &a);
     assert_eq!(
         c.controller().pending().0,
         1,
@@ -508,7 +315,7 @@ fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
     );
     c.evict_mamba_states(usize::MAX);
     // Another request runs meanwhile and writes its own states (into a freed slot, if any).
-    serve_mamba(&mut c, &tokens(2, 8));
+    serve(&mut c, &tokens(2, 8));
     gate.open();
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -516,7 +323,7 @@ fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
     let mut a2 = a.clone();
     a2.push(5);
     // The load-back checks the state's bytes against A's.
-    let (_, loaded) = serve_mamba(&mut c, &a2);
+    let (_, loaded) = serve(&mut c, &a2);
     assert_eq!(loaded, 8);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -529,11 +336,14 @@ fn a_state_being_backed_up_is_not_evicted_before_the_ack() {
 fn a_load_that_cannot_get_its_pages_leaks_no_state_slot() {
     let mut c = build(&Setup {
         device_pages: 8,
-        slots: 6,
-        ..Default::default()
+        mamba: Some(MambaSetup {
+            slots: 6,
+            ..Default::default()
+        }),
+        ..Setup::mamba()
     });
     let a = tokens(1, 16);
-    serve_mamba(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     c.evict(usize::MAX / 2);
     // X owns 6 of the 8 pages while it runs.

@@ -6,148 +6,19 @@ mod common;
 
 use std::sync::Arc;
 
+use common::hybrid::{
+    Setup, SwaSetup, build, random_traffic, read_window, scribble, serve, window_bytes,
+};
 use common::*;
 use radixkv_hicache::{
-    DeviceBackend, HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig,
-    HostSize, KvGeometry, PoolName, StreamKind, WritePolicy,
+    HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize,
+    KvGeometry, PoolName, StreamKind, WritePolicy,
 };
-use radixkv_radix::{
-    FinishKind, PageId, PrefixCache, RadixConfig, RadixKey, RequestKv, RequestMatch, SwaConfig,
-};
-use rand_xoshiro::SplitMix64;
-use rand_xoshiro::rand_core::{Rng, SeedableRng};
-
-const SWA_BYTES: usize = 40;
-
-/// The window KV of the page ending at `prefix.len()`: a function of the prefix.
-fn window_bytes(prefix: &[u32]) -> Vec<u8> {
-    let mut h = 0x8422_2325_cbf2_9ce4u64;
-    for &t in prefix {
-        h = mix(h ^ u64::from(t));
-    }
-    let mut out = vec![0; SWA_BYTES];
-    SplitMix64::seed_from_u64(h ^ prefix.len() as u64).fill_bytes(&mut out);
-    out
-}
-
-struct Setup {
-    page_size: usize,
-    device_pages: usize,
-    window_pages: usize,
-    swa_pages: usize,
-    host_swa: Option<u32>,
-    layout: HostLayout,
-    policy: WritePolicy,
-}
-
-impl Default for Setup {
-    fn default() -> Self {
-        Setup {
-            page_size: 4,
-            device_pages: 16,
-            window_pages: 2,
-            swa_pages: 16,
-            host_swa: None,
-            layout: HostLayout::PageFirst,
-            policy: WritePolicy::WriteThrough,
-        }
-    }
-}
-
-fn build(s: &Setup) -> HiRadixCache<HostSim> {
-    let g = KvGeometry::new(LAYERS, s.page_size, BYTES_PER_TOKEN).unwrap();
-    let backend = Arc::new(HostSim::new(g, s.device_pages, HostSimConfig::default()).unwrap());
-    HiRadixCache::new(
-        HiCacheConfig {
-            radix: RadixConfig {
-                page_size: s.page_size,
-                total_pages: s.device_pages,
-                max_rows: 8,
-                events: true,
-                swa: Some(SwaConfig {
-                    window: s.window_pages * s.page_size,
-                    pages: s.swa_pages,
-                }),
-                ..Default::default()
-            },
-            host_size: HostSize::Ratio(4.0),
-            host_layout: s.layout,
-            write_policy: s.policy,
-            load_back_min_tokens: 1,
-            swa_page_bytes: Some(SWA_BYTES),
-            swa_host_pages: s.host_swa,
-            ..Default::default()
-        },
-        backend,
-    )
-    .unwrap()
-}
-
-fn read_window<B: DeviceBackend>(c: &HiRadixCache<B>, page: PageId) -> Vec<u8> {
-    let mut out = vec![0; SWA_BYTES];
-    c.backend()
-        .read_extra_slot(PoolName::Swa, page.0, &mut out)
-        .unwrap();
-    out
-}
+use radixkv_radix::{FinishKind, PrefixCache, RadixConfig, RadixKey, RequestKv, SwaConfig};
 
 /// Scribbles over every device SWA page: a load that did not copy would be caught.
-fn scribble_windows(c: &HiRadixCache<HostSim>, pages: usize) {
-    for s in 0..pages as u32 {
-        c.backend()
-            .write_extra_slot(PoolName::Swa, s, &[0xEE; SWA_BYTES])
-            .unwrap();
-    }
-}
-
-/// One request end to end: match, begin (load-back), wait for the loads, check the bytes of
-/// the reused KV and of the window pages of the prefix, compute the rest and finish. Returns
-/// what the match and the load gave.
-fn serve_swa(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (RequestMatch, usize) {
-    let p = c.page_size();
-    let h = hashes(tokens, p);
-    let mut r = RequestKv::new(RadixKey::new(tokens.to_vec()));
-    let m = c.match_request(&mut r).unwrap();
-    c.begin_request(&mut r).unwrap();
-    c.check_request(&r).unwrap();
-    if let Some(step) = c.start_loading().unwrap() {
-        let counter = c.layer_counter().clone();
-        counter.set_consumer(step.producer);
-        if (0..counter.layers()).any(|l| counter.wait_until(l).is_err()) {
-            // A failed load: the next step repairs it (KV and window) before it returns `Ok`.
-            c.step().unwrap();
-        }
-    }
-    check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
-    let from_page = r.swa_evicted_len / p;
-    assert_eq!(r.swa_pages.len(), r.prefix_len / p - from_page);
-    for (j, &pg) in r.swa_pages.iter().enumerate() {
-        let end = (from_page + j + 1) * p;
-        assert_eq!(
-            read_window(c, pg),
-            window_bytes(&tokens[..end]),
-            "window page ending at {end} of a {}-token hit holds the wrong bytes",
-            r.prefix_len
-        );
-    }
-    let rest = tokens.len() - r.prefix_len;
-    let from = r.prefix_len;
-    c.alloc_tokens(&mut r, rest).unwrap();
-    let row = r.row.unwrap();
-    let pages = c.pools().rows.pages(row).unwrap().to_vec();
-    let whole = tokens.len() / p;
-    write_pages(&**c.backend(), &pages[from / p..whole], &h[from / p..whole]);
-    for k in from / p..whole {
-        let pg = r.swa_pages[k - from_page];
-        c.backend()
-            .write_extra_slot(PoolName::Swa, pg.0, &window_bytes(&tokens[..(k + 1) * p]))
-            .unwrap();
-    }
-    r.commit(rest).unwrap();
-    let loaded = r.prefix_len - m.prefix_len;
-    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
-    c.check_invariants().unwrap();
-    (m, loaded)
+fn scribble_windows(c: &HiRadixCache<HostSim>, pages: u32) {
+    scribble(c, PoolName::Swa, pages);
 }
 
 fn round_trip(page_size: usize, layout: HostLayout) {
@@ -155,12 +26,15 @@ fn round_trip(page_size: usize, layout: HostLayout) {
     let mut c = build(&Setup {
         page_size: p,
         device_pages: 12,
-        swa_pages: 12,
         layout,
-        ..Default::default()
+        swa: Some(SwaSetup {
+            pages: 12,
+            ..Default::default()
+        }),
+        ..Setup::swa()
     });
     let a = tokens(1, 4 * p);
-    let (m, _) = serve_swa(&mut c, &a);
+    let (m, _) = serve(&mut c, &a);
     assert_eq!(m.prefix_len, 0);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -173,7 +47,7 @@ fn round_trip(page_size: usize, layout: HostLayout) {
     scribble_windows(&c, 12);
     let mut b = a.clone();
     b.push(7);
-    let (m, loaded) = serve_swa(&mut c, &b);
+    let (m, loaded) = serve(&mut c, &b);
     assert_eq!((m.prefix_len, m.host_hit_len, loaded), (0, 4 * p, 4 * p));
     // The window (two pages) falls inside A's node: its window pages come back whole.
     assert_eq!(c.stats().swa_pages_loaded, 4, "{:?}", c.stats());
@@ -190,7 +64,7 @@ fn round_trip(page_size: usize, layout: HostLayout) {
     let whole = (b.len() - 1) / p * p;
     assert_eq!((m.prefix_len, m.host_hit_len), (0, whole));
     let loaded_before = c.stats().loaded_tokens;
-    let (_, loaded) = serve_swa(&mut c, &b);
+    let (_, loaded) = serve(&mut c, &b);
     assert_eq!(loaded, whole);
     assert_eq!(c.stats().loaded_tokens, loaded_before, "no KV was loaded");
     // The request's window lock split A's node at the window's start: only the lower part's
@@ -262,13 +136,13 @@ fn config_errors_are_typed() {
             swa_host_pages: Some(0),
             ..Default::default()
         },
+        // Both components: each pool still needs its item size.
         HiCacheConfig {
             radix: RadixConfig {
                 mamba_slots: Some(4),
                 ..radix.clone()
             },
             swa_page_bytes: Some(8),
-            mamba_state_bytes: Some(8),
             ..Default::default()
         },
     ];
@@ -295,10 +169,10 @@ fn config_errors_are_typed() {
 /// A backup whose copy fails takes its window pages' host copies down with the KV's.
 #[test]
 fn failed_backup_undoes_the_window_too() {
-    let mut c = build(&Setup::default());
+    let mut c = build(&Setup::swa());
     let a = tokens(1, 16);
     c.backend().fail_next_copies(StreamKind::Write, 2);
-    serve_swa(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert!(c.stats().failed_writes >= 1, "{:?}", c.stats());
@@ -306,7 +180,7 @@ fn failed_backup_undoes_the_window_too() {
     assert_eq!(c.host_tokens(), 0);
     let mut b = a.clone();
     b.push(1);
-    let (m, _) = serve_swa(&mut c, &b);
+    let (m, _) = serve(&mut c, &b);
     assert_eq!(m.prefix_len, 16);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -316,9 +190,9 @@ fn failed_backup_undoes_the_window_too() {
 /// cannot be repaired is demoted. Either way the audits hold and no SWA page leaks.
 #[test]
 fn failed_load_is_repaired_with_its_window() {
-    let mut c = build(&Setup::default());
+    let mut c = build(&Setup::swa());
     let a = tokens(1, 16);
-    serve_swa(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     c.evict(usize::MAX / 2);
     scribble_windows(&c, 16);
@@ -371,16 +245,19 @@ fn failed_load_is_repaired_with_its_window() {
 #[test]
 fn host_swa_exhaustion_degrades_to_kv_only() {
     let mut c = build(&Setup {
-        host_swa: Some(2),
-        ..Default::default()
+        swa: Some(SwaSetup {
+            host_pages: Some(2),
+            ..Default::default()
+        }),
+        ..Setup::swa()
     });
     let a = tokens(1, 8);
     let b = tokens(2, 8);
-    serve_swa(&mut c, &a);
+    serve(&mut c, &a);
     c.flush().unwrap();
     assert_eq!(c.host_swa_pages(), 2);
     // A is still on device, so its host pages cannot be host-evicted: B goes without.
-    serve_swa(&mut c, &b);
+    serve(&mut c, &b);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert_eq!(c.stats().swa_host_full, 1, "{:?}", c.stats());
@@ -392,7 +269,7 @@ fn host_swa_exhaustion_degrades_to_kv_only() {
     assert_eq!((m.prefix_len, m.host_hit_len), (0, 0));
     // A third backup host-evicts a host-only leaf holding host window pages.
     let d = tokens(3, 8);
-    serve_swa(&mut c, &d);
+    serve(&mut c, &d);
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert!(c.stats().swa_host_pages_evicted >= 2, "{:?}", c.stats());
@@ -401,7 +278,7 @@ fn host_swa_exhaustion_degrades_to_kv_only() {
     scribble_windows(&c, 16);
     let mut d2 = d.clone();
     d2.push(9);
-    let (_, loaded) = serve_swa(&mut c, &d2);
+    let (_, loaded) = serve(&mut c, &d2);
     assert_eq!(loaded, 8);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -411,9 +288,9 @@ fn host_swa_exhaustion_degrades_to_kv_only() {
 /// breakage) the audit of the SWA locks against the KV locks, or the bytes, catch it.
 #[test]
 fn window_pages_being_backed_up_are_pinned() {
-    let mut c = build(&Setup::default());
+    let mut c = build(&Setup::swa());
     let a = tokens(1, 16);
-    serve_swa(&mut c, &a);
+    serve(&mut c, &a);
     // The backup is queued or in flight: its window pages cannot be tombstoned.
     let before = c.device_cache().swa_accounting().unwrap();
     assert_eq!(before.evictable, 0, "{before:?}");
@@ -427,7 +304,7 @@ fn window_pages_being_backed_up_are_pinned() {
 
 /// Random traffic over shared prefixes, with device and SWA evictions and failing backup and
 /// load copies, every write policy: the audits hold after every step and every reused page
-/// and window page holds the right bytes (checked inside `serve_swa`).
+/// and window page holds the right bytes (checked inside the shared `serve`).
 #[test]
 fn random_traffic_keeps_windows_and_audits() {
     let mut repaired = 0;
@@ -437,58 +314,19 @@ fn random_traffic_keeps_windows_and_audits() {
         (3, WritePolicy::WriteThroughSelective { hits: 2 }, 4),
         (4, WritePolicy::WriteThrough, 2),
     ] {
-        let mut c = build(&Setup {
+        let setup = Setup {
             page_size: p,
             device_pages: 24,
-            swa_pages: 20,
-            host_swa: Some(24),
             policy,
-            ..Default::default()
-        });
-        let mut rng = SplitMix64::seed_from_u64(seed);
-        let convs: Vec<Vec<u32>> = (0..6u32)
-            .map(|k| {
-                let mut t: Vec<u32> = (0..(2 * p) as u32).map(|i| (k % 2) * 100 + i).collect();
-                t.extend((0..(6 * p) as u32).map(|i| k * 10_000 + i));
-                t
-            })
-            .collect();
-        let mut hits = 0;
-        let mut load_faults = 0;
-        for step in 0..300 {
-            let conv = &convs[(rng.next_u32() % 6) as usize];
-            let len = 2 + rng.next_u32() as usize % (conv.len() - 1);
-            let t = conv[..len].to_vec();
-            let (m, loaded) = serve_swa(&mut c, &t);
-            hits += usize::from(m.prefix_len + loaded > 0);
-            match rng.next_u32() % 7 {
-                6 if c.stats().failed_loads == load_faults => {
-                    load_faults += 1;
-                    c.backend().fail_next_copies(StreamKind::Load, 1);
-                }
-                6 => {}
-                5 => {
-                    c.backend().fail_next_copies(StreamKind::Write, 1);
-                }
-                0 => {
-                    c.evict((rng.next_u32() % 16) as usize);
-                }
-                1 => {
-                    c.evict_swa(1 + (rng.next_u32() % 4) as usize);
-                }
-                2 => {
-                    c.flush().unwrap();
-                }
-                _ => {
-                    c.step().unwrap();
-                }
-            }
-            c.check_invariants()
-                .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
-        }
-        c.flush().unwrap();
-        c.check_invariants().unwrap();
-        let st = c.stats();
+            swa: Some(SwaSetup {
+                pages: 20,
+                host_pages: Some(24),
+                ..Default::default()
+            }),
+            ..Setup::swa()
+        };
+        let out = random_traffic(seed, &setup, 300);
+        let (hits, st) = (out.hits, out.stats);
         assert!(hits > 20, "seed {seed}: {hits} hits, {st:?}");
         assert!(st.swa_pages_loaded > 0, "seed {seed}: {st:?}");
         assert!(st.swa_pages_backed_up > 0, "seed {seed}: {st:?}");

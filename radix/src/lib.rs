@@ -184,7 +184,7 @@ pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};
 pub use tree::mamba_tier::MambaHostHit;
 pub use tree::swa::{SwaInsert, SwaMatch};
 pub use tree::swa_tier::SwaHostHit;
-pub use tree::tier::TierWalk;
+pub use tree::tier::{HostInsert, TierWalk};
 pub use tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 pub use types::{
     ComponentAccounting, KeyRef, Medium, Namespace, NodeId, PageId, RadixKey, RowId, TokenId,

@@ -13,7 +13,7 @@
 //! | `disabled`, `radix`, SWA layers     | `RadixCache` with its SWA page pool            |
 //! | `disabled`, `radix`, SWA + Mamba    | `RadixCache` with both pools, one tree         |
 //! | `radix` + sessions (Mamba or SWA layers too) | `SessionAwareCache<RadixCache, SimClock>` |
-//! | `hicache`                           | [`Tiered`]: `HiRadixCache<HostSim>`            |
+//! | `hicache` (SWA and/or Mamba layers too) | [`Tiered`]: `HiRadixCache<HostSim>`        |
 //! | `hicache` + the engine's backend B  | `Tiered<B>`: `HiRadixCache<B>`                 |
 //! | `hicache` + sessions                | `SessionAwareCache<Tiered<_>, SimClock>`       |
 //!
@@ -36,10 +36,12 @@
 //! moves the states with their KV; HostSim's simulated state slots are 64 bytes each, like its
 //! token-sized KV pools, while an engine's backend holds the model's), and so do
 //! sliding-window layers (`HiRadixCache` moves the window KV with its KV; HostSim's simulated
-//! window pages are 64 bytes each, an engine's backend holds the model's). Sliding-window
-//! layers under a host tier with sessions, or with Mamba layers as well, are still
-//! [`ManagerError::NotWired`]: no cache carries those combinations there yet. The
-//! storage tier (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
+//! window pages are 64 bytes each, an engine's backend holds the model's), with sessions too (a
+//! session slot keeps its window KV across turns; demotion hands it to the tree, which backs
+//! it up), and both kinds in one model (one tree, both components moved with their KV in one
+//! operation). Both kinds under a host tier with sessions are still
+//! [`ManagerError::NotWired`]: no cache carries that combination there yet. The storage tier
+//! (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
 
@@ -283,7 +285,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// layers under a host tier with sessions or with Mamba layers as well;
+/// and Mamba layers under a host tier with sessions;
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -449,34 +451,26 @@ fn build<B: DeviceBackend>(
 }
 
 /// The hybrid models no cache carries yet are refused, naming the missing component, rather
-/// than built into a cache that would ignore their pools:
-///
-/// - sliding-window **and** Mamba layers under a host tier (the tiered cache moves either
-///   component, not both at once);
-/// - sliding-window layers under a host tier with sessions (a session slot's window KV is not
-///   tiered yet).
+/// than built into a cache that would ignore their pools: sliding-window and Mamba layers
+/// together under a host tier with sessions (a session slot's window KV and state together
+/// with a host tier are not tested yet).
 ///
 /// Mamba layers, sliding-window layers or both on the device-only caches (`radix`, `disabled`)
 /// are wired: the radix tree carries the states and the window KV as components of its nodes
 /// (both at once for a model with both), and a session slot keeps its running state and its
-/// window KV across turns. Mamba layers or sliding-window layers under a host tier are wired
-/// too: `HiRadixCache` backs up and loads the states, or the window KV, with their KV.
+/// window KV across turns. Mamba layers, sliding-window layers or both under a host tier are
+/// wired too: `HiRadixCache` backs up and loads the states and the window KV with their KV,
+/// with sessions as well for one kind (a session slot keeps its window KV across turns;
+/// demotion hands it to the tree, whose backups carry it to the host).
 fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
     let n = cfg.model.layer_counts();
     if !matches!(cfg.cache, CacheKind::HiCache(_)) || n.sliding_window == 0 {
         return Ok(());
     }
-    if n.mamba > 0 {
+    if n.mamba > 0 && cfg.sessions.is_some() {
         return Err(ManagerError::NotWired {
-            kind: "a model with both sliding-window and Mamba layers under a host tier \
-                   (moving window KV and Mamba states between the device and the host at once)",
-            needs: "radixkv-hicache",
-        });
-    }
-    if cfg.sessions.is_some() {
-        return Err(ManagerError::NotWired {
-            kind: "sessions for a model with sliding-window layers under a host tier (a \
-                   session slot's window KV with a host tier)",
+            kind: "sessions for a model with both sliding-window and Mamba layers under a \
+                   host tier (a session slot's window KV and Mamba state with a host tier)",
             needs: "radixkv-scheduler-api",
         });
     }
@@ -576,9 +570,8 @@ mod tests {
         let e = e.to_string();
         assert!(e.contains("cuda"), "{e}");
         assert!(e.contains("device_backend"), "points at the builder: {e}");
-        // A sliding-window model builds on every cache kind, its SWA pool sized from its
-        // budget; under a host tier it is refused with sessions or with Mamba layers as well,
-        // naming what is missing. A Mamba model builds on every cache kind, with sessions too.
+        // A sliding-window model builds on every cache kind, with sessions too, its SWA pool
+        // sized from its budget. A Mamba model builds on every cache kind, with sessions too.
         let kinds = [
             (CacheKind::Radix, "radixkv-radix"),
             (CacheKind::Disabled, "radixkv-radix"),
@@ -600,20 +593,12 @@ mod tests {
                 max_held_tokens: swa.device_tokens / 4,
                 ..Default::default()
             });
-            match build_cache(&swa) {
-                Ok(c) => {
-                    assert!(!hicache);
-                    assert!(c.swa_accounting().is_some());
-                }
-                Err(e) => {
-                    assert!(hicache, "{e:?}");
-                    assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
-                    let e = e.to_string();
-                    assert!(e.contains("sessions") && e.contains("host tier"), "{e}");
-                }
-            }
-            // Both kinds of layers: one tree carries both on the device-only caches; the
-            // host tier does not move both yet.
+            let mut c = build_cache(&swa).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            assert!(c.swa_accounting().is_some(), "the SWA component");
+            c.open_session(1, true, None)
+                .expect("sessions open over sliding-window layers");
+            // Both kinds of layers: one tree carries both, on every cache kind (the host tier
+            // moves both with their KV).
             let mut both = ManagerConfig {
                 cache: swa.cache.clone(),
                 ..base()
@@ -623,6 +608,10 @@ mod tests {
                 Some(crate::geometry::LayerPattern::parse("SMSASMSM").unwrap());
             both.model.layers = 8;
             both.model.sliding_window = Some(64);
+            let c = build_cache(&both).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            assert!(c.swa_accounting().is_some() && c.mamba_accounting().is_some());
+            // With sessions too: built on the device-only caches, refused under a host tier.
+            both.sessions = swa.sessions.clone();
             match build_cache(&both) {
                 Ok(c) => {
                     assert!(!hicache);
@@ -632,10 +621,7 @@ mod tests {
                     assert!(hicache, "{e:?}");
                     assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
                     let e = e.to_string();
-                    assert!(
-                        e.contains("radixkv-hicache") && e.contains("Mamba layers"),
-                        "{e}"
-                    );
+                    assert!(e.contains("sessions") && e.contains("Mamba"), "{e}");
                 }
             }
         }

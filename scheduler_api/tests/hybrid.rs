@@ -1,6 +1,6 @@
 //! A hybrid Transformer–Mamba model (the Jamba-like preset) through the manager: slot pool
-//! sizing, admission that needs KV room and a state slot, the copy on write of a hit, the
-//! combinations not wired yet, and the `mamba_*` metrics.
+//! sizing, admission that needs KV room and a state slot, the copy on write of a hit, a model
+//! with sliding-window layers too under a host tier, and the `mamba_*` metrics.
 
 mod common;
 
@@ -168,32 +168,23 @@ fn retract_caches_the_state_at_a_page_end_and_the_request_hits_it_again() {
 }
 
 #[test]
-fn combinations_not_wired_yet_are_refused_by_name() {
+fn swa_and_mamba_layers_build_under_a_host_tier() {
     // (Sessions are wired: see `hybrid_sessions.rs`; the host tier: `hybrid_hicache.rs`.)
-    // Sliding-window and Mamba layers in one model under a host tier are not.
+    // Sliding-window and Mamba layers in one model under a host tier build too: one tree
+    // carries both components and the host tier moves both with their KV.
     let mut both = Preset::JambaLike.geometry();
     both.layers = 8;
     both.layer_pattern =
         Some(radixkv_scheduler_api::config::LayerPattern::parse("SMSASMSM").unwrap());
     both.sliding_window = Some(64);
-    let cases = [(
-        KvCacheManager::builder()
-            .model(both)
-            .device_tokens(4096)
-            .host_tier(HostTier::ratio(4096, 2.0)),
-        "radixkv-hicache",
-        "sliding-window and Mamba",
-    )];
-    for (b, crate_name, what) in cases {
-        match b.build() {
-            Err(e @ ManagerError::NotWired { needs, .. }) => {
-                assert_eq!(needs, crate_name, "{e}");
-                let msg = e.to_string();
-                assert!(msg.contains(what), "{msg}");
-            }
-            other => panic!("expected NotWired for {what}, got {other:?}"),
-        }
-    }
+    let kv = KvCacheManager::builder()
+        .model(both)
+        .device_tokens(4096)
+        .host_tier(HostTier::ratio(4096, 2.0))
+        .build()
+        .unwrap();
+    assert!(kv.swa_accounting().is_some(), "the SWA pool");
+    assert!(kv.mamba_accounting().is_some(), "the Mamba pool");
 }
 
 #[test]

@@ -2,13 +2,18 @@
 //! state is backed up with its KV, both leave the device, and a later request loads both back
 //! and copies the loaded state on write; a demoted session's state comes back the same way.
 //! The Gemma-like preset (sliding-window layers): a request's window KV is backed up with its
-//! KV, both leave the device, and a later request loads both back and hits; every pool
-//! balances throughout and nothing is left behind.
+//! KV, both leave the device, and a later request loads both back and hits. A model with all
+//! three kinds of layers (one tree with both components): the KV, the window KV and the state
+//! leave the device together and one load brings all three back. Every pool balances
+//! throughout and nothing is left behind.
 
 mod common;
 
 use common::{admitted, balanced, gemma, gemma_swa_page_bytes, jamba, session_budget, step};
-use radixkv_scheduler_api::{HostTier, KvCacheManager, MambaPolicyKind, ReqId, Request};
+use radixkv_scheduler_api::config::LayerPattern;
+use radixkv_scheduler_api::{
+    HostTier, KvCacheManager, MambaPolicyKind, ModelGeometry, ReqId, Request,
+};
 
 fn manager() -> KvCacheManager {
     let slot = jamba().checked_mamba_slot_bytes().unwrap();
@@ -211,6 +216,78 @@ fn window_kv_demoted_to_the_host_is_loaded_back_with_its_kv() {
     assert_eq!(m.counters.hit_tokens_host, 12, "{:?}", m.counters);
     let swa = kv.swa_accounting().unwrap();
     assert_eq!((swa.request_owned, swa.protected), (0, 0), "{swa:?}");
+    let full = kv.accounting();
+    assert_eq!((full.protected, full.request_owned), (0, 0), "{full:?}");
+}
+
+/// 8 layers: 1 full attention, 4 sliding-window (window 8 tokens, 2 pages), 3 Mamba.
+fn three_kinds() -> ModelGeometry {
+    ModelGeometry {
+        layers: 8,
+        layer_pattern: Some(LayerPattern::parse("SMSASMSM").unwrap()),
+        kv_bytes_per_token_per_layer: 1024,
+        page_size: 4,
+        sliding_window: Some(8),
+        mamba_conv_state_bytes: Some(1024),
+        mamba_ssm_state_bytes: Some(4096),
+        compute: None,
+    }
+}
+
+fn three_kinds_manager() -> KvCacheManager {
+    let m = three_kinds();
+    let swa_page = m.checked_swa_bytes_per_token().unwrap() * 4;
+    let slot = m.checked_mamba_slot_bytes().unwrap();
+    let mut host = HostTier::ratio(64, 4.0);
+    host.load_back_min_tokens = 4;
+    let mut kv = KvCacheManager::builder()
+        .model(m)
+        .device_tokens(64)
+        .swa_bytes(16 * swa_page)
+        .mamba_bytes(8 * slot)
+        .mamba_policy(MambaPolicyKind::Sglang)
+        .host_tier(host)
+        .build()
+        .unwrap();
+    kv.set_check_every_step(true);
+    kv
+}
+
+/// A model with sliding-window and Mamba layers under the host tier: a request's KV, window
+/// KV and state are backed up together, leave the device, and a later request loads all
+/// three back, hits there and copies the loaded state on write.
+#[test]
+fn window_kv_and_state_demoted_to_the_host_are_loaded_back_with_their_kv() {
+    let mut kv = three_kinds_manager();
+    assert!(kv.swa_accounting().is_some() && kv.mamba_accounting().is_some());
+    let a = run_swa(&mut kv, (0..12).collect());
+    assert_eq!(a.device_tokens + a.host_tokens, 0);
+    kv.drain().unwrap();
+    balanced(&kv);
+    // Two long requests push A off the device (its KV, window KV and state stay on the host).
+    run_swa(&mut kv, (100..140).collect());
+    run_swa(&mut kv, (200..240).collect());
+    kv.drain().unwrap();
+    balanced(&kv);
+    let d = run_swa(&mut kv, (0..16).collect());
+    assert_eq!((d.device_tokens, d.host_tokens), (0, 12), "{d:?}");
+    let cow = d.mamba_cow.expect("the loaded state is copied on write");
+    assert_eq!(Some(cow.dst), d.mamba_slot);
+    kv.drain().unwrap();
+    balanced(&kv);
+    // A hit again, now from the device: the loaded KV, window KV and state stayed.
+    let e = run_swa(&mut kv, (0..16).collect());
+    assert_eq!((e.device_tokens, e.host_tokens), (12, 0), "{e:?}");
+    assert!(e.mamba_cow.is_some());
+    kv.drain().unwrap();
+    balanced(&kv);
+    let m = kv.metrics();
+    assert_eq!(m.counters.hit_tokens_host, 12, "{:?}", m.counters);
+    assert_eq!(m.counters.mamba_state_hits, 2, "{:?}", m.counters);
+    let swa = kv.swa_accounting().unwrap();
+    assert_eq!((swa.request_owned, swa.protected), (0, 0), "{swa:?}");
+    let slots = kv.mamba_accounting().unwrap();
+    assert_eq!((slots.request_owned, slots.protected), (0, 0), "{slots:?}");
     let full = kv.accounting();
     assert_eq!((full.protected, full.request_owned), (0, 0), "{full:?}");
 }

@@ -886,6 +886,45 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         acks
     }
 
+    /// Started transfers complete now, counted from the oldest on each stream up to the first
+    /// incomplete one: (backups, loads). What [`HybridCacheController::poll_acks_upto`] may
+    /// pop; ranks reduce these counts (minimum) before popping, so all apply the same acks.
+    pub fn ready_transfers(&self) -> (usize, usize) {
+        let ready =
+            |q: &VecDeque<InFlight<B::Event>>| q.iter().take_while(|t| t.is_complete()).count();
+        (ready(&self.write_acks), ready(&self.load_acks))
+    }
+
+    /// Like [`HybridCacheController::poll_acks`], but pops at most `writes` backup transfers
+    /// and `loads` load transfers (oldest first; a transfer may carry several operations).
+    pub fn poll_acks_upto(&mut self, writes: usize, loads: usize) -> Acks {
+        let mut acks = Acks::default();
+        drain_done_upto(
+            &mut self.write_acks,
+            writes,
+            &mut acks.writes,
+            &mut acks.failed_writes,
+        );
+        drain_done_upto(
+            &mut self.load_acks,
+            loads,
+            &mut acks.loads,
+            &mut acks.failed_loads,
+        );
+        self.pending.0 -= acks.writes.len() + acks.failed_writes.len();
+        self.pending.1 -= acks.loads.len() + acks.failed_loads.len();
+        self.release_deferred();
+        acks
+    }
+
+    /// Allocates `n` host pages outside any transfer (the storage tier fetches into them).
+    ///
+    /// # Errors
+    /// [`HiCacheError::HostFull`]; nothing allocated then.
+    pub fn alloc_host(&mut self, n: usize) -> Result<Vec<u32>> {
+        self.host.alloc(n)
+    }
+
     /// True when a started transfer that is not complete yet is already known to have failed:
     /// a load whose finished layer reported a failed copy (the forward pass that waited for
     /// that layer got the error) or that was only partly submitted. `poll_acks` reports such a
@@ -955,7 +994,17 @@ fn drain_done<E: CopyEvent>(
     done: &mut Vec<OpId>,
     failed: &mut Vec<OpId>,
 ) {
-    while q.front().is_some_and(InFlight::is_complete) {
+    drain_done_upto(q, usize::MAX, done, failed);
+}
+
+fn drain_done_upto<E: CopyEvent>(
+    q: &mut VecDeque<InFlight<E>>,
+    mut max: usize,
+    done: &mut Vec<OpId>,
+    failed: &mut Vec<OpId>,
+) {
+    while max > 0 && q.front().is_some_and(InFlight::is_complete) {
+        max -= 1;
         let t = q.pop_front().expect("checked");
         if t.wait().is_err() {
             failed.extend(t.ids);

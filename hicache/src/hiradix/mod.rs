@@ -4,8 +4,8 @@
 //! device only → writing (host pages allocated, copy in flight, node locked until the ack) →
 //! both → host only (device pages freed by eviction, node kept) → gone (host eviction). A load
 //! brings a host-only chain back to both. Backed-up nodes form a root-connected prefix, as do
-//! device-resident nodes; the tree checks both. A node's Mamba state (hybrid models) follows
-//! the same states beside its KV (see "Extra pools" below).
+//! device-resident nodes; the tree checks both. A node's Mamba state and window KV (hybrid
+//! models) follow the same states beside its KV (see "Extra pools" below).
 //!
 //! # Threads
 //! Copies run on the backend's streams, but the tree is only ever changed on the caller's
@@ -121,8 +121,71 @@
 //!   window pages, pinned until the ack. A failed load is repaired (KV and window pages copied
 //!   again) or demoted (the loaded window pages tombstoned).
 //!
-//! One tree carrying both Mamba states and sliding-window KV is refused under the host tier
-//! (the tiered match over both components is not built).
+//! - **Sessions** (`radixkv-session` over this cache): an idle session slot locks the window
+//!   KV of its cached prefix like a running request (so it is neither tombstoned nor evicted
+//!   while held) and owns the window pages past it; demotion finishes the slot as a request,
+//!   so its KV and window KV are inserted and backed up as any finish's, and a demoted
+//!   session's next turn loads both back from the host like any host hit.
+//!
+//! # Extra pools: both in one tree
+//! A tree with Mamba slots **and** sliding-window layers gets both pools, and each component
+//! follows the rules above; what differs is where a match may end:
+//! - **Match.** The usable device prefix ends where the device tier's combined match ends (a
+//!   device state, and a full window of live window KV before it). The host hit is the
+//!   deepest node past it that passes both validators with host copies counted: a full window
+//!   of window KV before its end, live on device or on the host, **and** a Mamba state, on
+//!   device or on the host ([`RadixTree::match_swa_tiered`]).
+//! - **Load-back.** One operation brings back all the match needs: the host-only KV down to
+//!   that node, the host window pages of the window before its end, and its state unless its
+//!   device state is still there (a node whose window KV went while its KV stayed; the state
+//!   is then locked while the window pages are allocated). The KV pages, the SWA pages and the
+//!   slot are allocated all or nothing; the request's [`RequestKv::mamba_cow`] copies from
+//!   the node's device state. A failed load is repaired (all three copied again) or demoted
+//!   (the KV back to host-only, the loaded window pages tombstoned, which drops the node's
+//!   state by the tree's cascade).
+//! - **Backup** carries the chain's KV, the device states without a host copy and the live
+//!   window pages in one operation (one [`PoolTransfer`] per extra pool); shortages of host
+//!   Mamba slots or host SWA pages degrade as above, each counted in its own counter.
+//!
+//! Whatever the components, a load-back pins the live window KV of the window it completes
+//! while it takes SWA pages, so that taking them tombstones none of that window.
+//!
+//! # Storage tier
+//! With [`HiCacheConfig::storage`] a [`StorageTier`](crate::storage::StorageTier) engine sits
+//! under the host tier (KV-only trees: refused with Mamba states, window KV or extra pools).
+//! Nothing here blocks on the store: jobs run on a tokio runtime and their completions are
+//! applied by [`HiRadixCache::step`].
+//! - **Backup.** When a backup to the host is acknowledged, its host pages are queued for the
+//!   store (one job per path of the backup's nodes, including parts split off them since; the
+//!   job writes only the pages the store lacks). Until the job's completion is applied, the
+//!   deepest node of the path is protected from host eviction (so are its ancestors, which
+//!   are not leaves), and the job reads the host pages itself, page by page under its gate. A
+//!   path whose host copy is dropped meanwhile (a failed backup above it) has its job
+//!   cancelled first. Counted in [`HiCacheStats::backup_pages_written`] and its siblings.
+//! - **Prefetch.** [`HiRadixCache::prefetch`] looks up the whole pages after the tree's match
+//!   (up to the key's last token) in the store when the match ends at a backed-up node or the
+//!   root and at least `prefetch_threshold_tokens` remain, within the prefetch cap. The query
+//!   runs in the background; at a step, the hit (at least the threshold) gets host pages
+//!   (host-evicting if needed) and a fetch fills them, checking every page (a corrupt or
+//!   missing page ends the hit there). [`HiRadixCache::check_prefetch`] ends it under its
+//!   [`PrefetchStop`] policy, [`HiRadixCache::terminate_prefetch`] ends it now,
+//!   [`HiRadixCache::abort_prefetch`] drops it. Ending stops the fetch (after which it writes
+//!   nothing), inserts the loaded prefix under the match's anchor as host-only nodes
+//!   ([`RadixTree::insert_host_only`](radixkv_radix::RadixTree::insert_host_only): positions
+//!   already on the host keep theirs and the fetched copies are freed) and frees the other
+//!   reserved pages. The request then matches again and takes the load-back path.
+//! - **Failures.** A store that is down, slow past the operation timeout or returns bad pages
+//!   turns into misses and failed backups, counted in [`HiCacheStats`]; requests recompute.
+//!
+//! # Several ranks
+//! [`HiCacheConfig::consensus`] reduces every asynchronous outcome across ranks before the
+//! tree changes: how many completed backup and load transfers [`HiRadixCache::step`] applies
+//! (minimum), how many storage backups and queries are applied at a step (minimum, in
+//! submission order), each query's hit length (minimum), whether a prefetch ends (maximum of
+//! "stopped short", minimum of "may end") and how much of it is kept (minimum). Whether a
+//! device or host copy *failed* is not agreed: a rank whose copy fails undoes or repairs it
+//! alone (its tree may then differ). [`HiRadixCache::flush`] and the other paths that wait for
+//! every transfer apply them all, which every rank does alike.
 //!
 //! [`RadixTree::pin_swa_pages`]: radixkv_radix::RadixTree::pin_swa_pages
 //! [`RadixTree::match_swa_tiered`]: radixkv_radix::RadixTree::match_swa_tiered
@@ -133,8 +196,11 @@
 mod host_leaves;
 mod mamba;
 mod recovery;
+mod storage;
 mod swa;
 mod tiering;
+
+pub use storage::{DEFAULT_PREFETCH_THRESHOLD_TOKENS, PrefetchStatus, PrefetchStop, StorageConfig};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -148,6 +214,7 @@ use radixkv_radix::{
 };
 
 use crate::backend::DeviceBackend;
+use crate::consensus::{Consensus, SingleRank};
 use crate::controller::{
     Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
     SlotOwner,
@@ -302,6 +369,13 @@ pub struct HiCacheConfig {
     /// before it refuses more (default [`DEFAULT_MAX_PENDING_OPS`]; see the module docs for what
     /// happens then).
     pub max_pending_ops: usize,
+    /// The storage tier (L3) under the host tier (`None`: none). See the module docs,
+    /// "Storage tier". Refused together with Mamba slots, sliding-window layers or extra pools
+    /// (stored pages carry the KV only so far).
+    pub storage: Option<StorageConfig>,
+    /// How the ranks of one model agree on asynchronous outcomes (default [`SingleRank`]);
+    /// see [`Consensus`].
+    pub consensus: Arc<dyn Consensus>,
 }
 
 impl Default for HiCacheConfig {
@@ -321,6 +395,8 @@ impl Default for HiCacheConfig {
             swa_page_bytes: None,
             swa_host_pages: None,
             max_pending_ops: DEFAULT_MAX_PENDING_OPS,
+            storage: None,
+            consensus: Arc::new(SingleRank),
         }
     }
 }
@@ -398,6 +474,30 @@ pub struct HiCacheStats {
     pub swa_host_pages_evicted: u64,
     /// Load-backs abandoned because the device SWA pool could not give the window pages.
     pub swa_load_back_no_pages: u64,
+    /// Tokens the storage tier loaded into the tree (as host-only KV) for prefetches.
+    pub storage_hit_tokens: u64,
+    /// Prefetches started.
+    pub prefetches_started: u64,
+    /// Prefetches that ended before any host page was reserved: the storage hit was below
+    /// the threshold, the host had no room, or the prefetch was ended during its query.
+    pub prefetches_revoked: u64,
+    /// Prefetches ended by their timeout before every page arrived.
+    pub prefetch_timeouts: u64,
+    /// Prefetched pages that entered the tree.
+    pub prefetch_pages_loaded: u64,
+    /// Host pages reserved for prefetches and returned without entering the tree (not
+    /// arrived when the prefetch ended, past another rank's progress, or aborted).
+    pub prefetch_pages_revoked: u64,
+    /// Prefetches that met a stored page failing its checks (a miss there; the fetch stops).
+    pub prefetch_pages_corrupt: u64,
+    /// Storage backup jobs completed.
+    pub storage_backups: u64,
+    /// Pages written to the store by backups.
+    pub backup_pages_written: u64,
+    /// Pages a backup found in the store already (not written again).
+    pub backup_pages_skipped: u64,
+    /// Pages a backup could not write (store error, timeout, refusal, cancellation).
+    pub backup_pages_failed: u64,
 }
 
 /// Deliberately broken variants of the cache, for tests that must show their checks catch
@@ -476,6 +576,10 @@ pub struct HiRadixCache<B: DeviceBackend> {
     mamba: bool,
     /// The tree carries the SWA component: window KV moves with the KV.
     swa: bool,
+    /// The storage tier, if configured.
+    storage: Option<Box<storage::StorageState>>,
+    /// How the ranks agree.
+    consensus: Arc<dyn Consensus>,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -502,9 +606,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// # Errors
     /// [`HiCacheError::Config`] for mismatched or impossible sizes, for Mamba slots without
     /// `mamba_state_bytes` (or with 0 bytes or 0 host slots), for sliding-window layers
-    /// without `swa_page_bytes` (or with 0 bytes or 0 host pages), a Mamba or SWA pool listed
-    /// in `extra_pools` as well, and for a `cfg.radix` with both Mamba slots and
-    /// sliding-window layers (not supported by the tiered cache yet).
+    /// without `swa_page_bytes` (or with 0 bytes or 0 host pages), and a Mamba or SWA pool
+    /// listed in `extra_pools` as well. A `cfg.radix` with both Mamba slots and
+    /// sliding-window layers gets both pools.
     pub fn new(cfg: HiCacheConfig, backend: Arc<B>) -> HiResult<Self> {
         let g = backend.geometry();
         if g.page_size != cfg.radix.page_size || backend.device_pages() != cfg.radix.total_pages {
@@ -515,14 +619,6 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 cfg.radix.total_pages,
                 cfg.radix.page_size
             )));
-        }
-        if cfg.radix.swa.is_some() && cfg.radix.mamba_slots.is_some() {
-            // The tiered match over both components is not built.
-            return Err(HiCacheError::Config(
-                "Mamba slots together with sliding-window layers are not supported by the \
-                 tiered cache yet"
-                    .into(),
-            ));
         }
         if let WritePolicy::WriteThroughSelective { hits: 0 } = cfg.write_policy {
             return Err(HiCacheError::Config(
@@ -541,6 +637,25 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let host_leaves = HostLeaves::new(cfg.host_policy.unwrap_or(cfg.radix.policy));
         let mamba = cfg.radix.mamba_slots.is_some();
         let swa = cfg.radix.swa.is_some();
+        let storage = match cfg.storage {
+            None => None,
+            Some(s) => {
+                if mamba || swa || !cfg.extra_pools.is_empty() {
+                    return Err(HiCacheError::Config(
+                        "the storage tier stores KV pages only: it is not built for Mamba \
+                         states, sliding-window KV or extra pools yet"
+                            .into(),
+                    ));
+                }
+                let format = crate::storage::PageFormat::new(g, &s.identity, &[])?;
+                Some(Box::new(storage::StorageState::new(
+                    s,
+                    format,
+                    g.page_size,
+                    host_pages,
+                )?))
+            }
+        };
         let mut ctrl = HybridCacheController::new(backend, host, &extra)?;
         ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
@@ -560,6 +675,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             mutations: TestMutations::default(),
             mamba,
             swa,
+            storage,
+            consensus: cfg.consensus,
         })
     }
 
@@ -728,8 +845,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             // stream anyway.) The wait's error is the failure the acks report.
             let _ = self.ctrl.wait_all();
         }
-        let mut acks = self.ctrl.poll_acks();
+        // Every rank applies the same number of completed transfers (the fewest any has).
+        let (w, l) = self.ctrl.ready_transfers();
+        let w = self.consensus.min(w as u64) as usize;
+        let l = self.consensus.min(l as u64) as usize;
+        let mut acks = self.ctrl.poll_acks_upto(w, l);
         self.apply_acks(&mut acks)?;
+        self.storage_step()?;
         Ok(acks)
     }
 
@@ -938,6 +1060,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 return Err(e.into());
             }
         }
+        self.storage_reset();
         self.inner.reset()?;
         self.host_leaves.clear();
         self.unrepaired.clear();
@@ -967,9 +1090,11 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             )));
         }
         let deferred = self.ctrl.deferred_host_pages();
-        if count + deferred != host.used() {
+        let prefetched = self.storage_reserved_pages();
+        if count + deferred + prefetched != host.used() {
             return Err(InvariantViolation(format!(
-                "tree holds {count} host pages (+{deferred} awaiting loads) but {} are allocated",
+                "tree holds {count} host pages (+{deferred} awaiting loads, +{prefetched} \
+                 reserved by prefetches) but {} are allocated",
                 host.used()
             )));
         }
@@ -994,11 +1119,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         Ok(())
     }
 
-    /// Without the Mamba component, the device tier's match (the host hit is the KV after the
-    /// device prefix). With it, the usable prefix ends at the deepest device node with a
-    /// device state, and the host hit reaches the deepest node past it with a host copy of its
-    /// state: `host_hit_len` is what a load-back of the host-only KV down to that node and of
-    /// its state adds to the prefix (it counts device KV between the two without a state too).
+    /// Without the Mamba and SWA components, the device tier's match (the host hit is the KV
+    /// after the device prefix). With the Mamba component, the usable prefix ends at the
+    /// deepest device node with a device state, and the host hit reaches the deepest node past
+    /// it with a host copy of its state: `host_hit_len` is what a load-back of the host-only KV
+    /// down to that node and of its state adds to the prefix (it counts device KV between the
+    /// two without a state too). With the SWA component (alone or with the Mamba one), the
+    /// same with the window rule, and both validators with both components (see the module
+    /// docs, "Extra pools").
     fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
         if self.inner.is_disabled() || !(self.mamba || self.swa) {
             return self.inner.match_request(req);

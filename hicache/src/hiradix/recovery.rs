@@ -38,6 +38,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.stats.writes_acked += 1;
             if let Some(w) = self.pending_writes.remove(id) {
                 self.report_backup(&w);
+                self.queue_storage_backup(&w);
                 res = res.and(self.unpin_windows(&w.swa_pins));
                 res = res.and(self.release(w.lock));
                 for l in w.state_locks {
@@ -212,6 +213,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 continue;
             }
             self.stats.dropped_backup_tokens += tokens as u64;
+            // A storage backup may still read these pages: stop it first.
+            self.cancel_backups_reading(&pages);
             let freed = if reported {
                 self.ctrl.free_host_after_loads(std::mem::take(&mut pages))
             } else {

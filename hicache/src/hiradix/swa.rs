@@ -2,6 +2,8 @@
 //! host room for them, and their audit (see the module docs of `hiradix`, "Extra pools:
 //! sliding-window KV").
 
+use std::collections::HashMap;
+
 use radixkv_radix::{
     CacheError, InvariantViolation, NodeId, PageId, PrefixCache, RequestKv, RequestMatch,
     align_down,
@@ -22,10 +24,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     }
 
     /// Device SWA pages free or evictable while the window KV before `node`'s end is locked,
-    /// as an admission matched there locks it (see `RadixTree::inc_lock_ref_swa`); `None`
-    /// without the SWA component. A `node` that is the root, `None`, or whose window is not
-    /// live on the device (a tombstone, a stale id) locks nothing. The lock is released before
-    /// returning: only a split at the window's start remains.
+    /// as an admission matched there locks it (see `RadixTree::inc_lock_ref_swa`), plus those
+    /// only pending backups pin ([`HiRadixCache::backup_pinned_swa_pages`], read under the same
+    /// lock): an allocation short of window pages completes those backups first, as
+    /// [`PrefixCache::alloc_tokens`] says. `None` without the SWA component. A `node` that is
+    /// the root, `None`, or whose window is not live on the device (a tombstone, a stale id)
+    /// locks nothing. The lock is released before returning: only a split at the window's
+    /// start remains.
     ///
     /// # Errors
     /// Releasing the temporary lock failed (a bug).
@@ -39,10 +44,35 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             _ => None,
         };
         let a = self.inner.swa_accounting();
+        let pinned = self.backup_pinned_swa_pages();
         if let Some(r) = receipt {
             self.inner.parts_mut().0.dec_lock_ref(r)?;
         }
-        Ok(a.map(|a| a.free + a.evictable))
+        Ok(a.map(|a| a.free + a.evictable + pinned))
+    }
+
+    /// Device window pages that only pending backups keep from being tombstoned: the live
+    /// window KV of nodes a backup pinned until its ack ([`RadixTree::pin_swa_pages`]) that
+    /// nothing else (a request, a session slot, a load) locks. They become evictable once the
+    /// backups are acknowledged, which [`HiRadixCache::finish_pinned_backups`] forces; an
+    /// allocation short of window pages does that first. (A pinned node split since counts
+    /// only its lower part: the count never exceeds what the acks free.) 0 without the SWA
+    /// component.
+    ///
+    /// [`RadixTree::pin_swa_pages`]: radixkv_radix::RadixTree::pin_swa_pages
+    pub fn backup_pinned_swa_pages(&self) -> usize {
+        if !self.swa {
+            return 0;
+        }
+        let tree = self.inner.tree();
+        let mut pins: HashMap<NodeId, u32> = HashMap::new();
+        for &(n, _) in self.pending_writes.values().flat_map(|w| &w.swa_pins) {
+            *pins.entry(n).or_default() += 1;
+        }
+        pins.into_iter()
+            .filter(|&(n, pinned)| tree.swa_lock_ref(n).is_ok_and(|l| l == pinned))
+            .map(|(n, _)| tree.swa_pages(n).ok().flatten().map_or(0, <[PageId]>::len))
+            .sum()
     }
 
     /// Host window pages held (0 without the SWA component).
@@ -50,7 +80,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.ctrl.extra_host(PoolName::Swa).map_or(0, |a| a.used())
     }
 
-    /// [`PrefixCache::match_request`] with the SWA component (see there).
+    /// [`PrefixCache::match_request`] with the SWA component, and the Mamba component too if
+    /// the tree carries both (see there).
     pub(super) fn match_request_swa(
         &mut self,
         req: &mut RequestKv,
@@ -64,14 +95,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let limit = align_down(req.max_match_len(), self.page_size());
         let (tree, _) = self.inner.parts_mut();
         let root = tree.root();
-        let (usable, anchor, hit) = if limit == 0 {
-            (0, root, None)
+        let mamba = tree.mamba_enabled();
+        let (usable, anchor, kv_len, hit) = if limit == 0 {
+            (0, root, 0, None)
         } else {
             let (m, hit) = tree.match_swa_tiered(req.key.prefix(limit), &mut req.prefix_pages)?;
-            (m.usable_len, m.anchor, hit)
+            (m.usable_len, m.anchor, m.kv.device_len, hit)
         };
-        // As the device tier reports it without the Mamba component.
-        req.kv_match_len = 0;
+        // As the device tier reports it: how far the device KV matched with the Mamba
+        // component (the forward pass checkpoints there), 0 without it.
+        req.kv_match_len = if mamba { kv_len } else { 0 };
         Ok(set_tiered_match(
             req,
             usable,

@@ -326,6 +326,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut done_states = 0;
         let mut done_windows = 0;
         let mut rebuilt = false;
+        let mut skipped = Vec::new();
         while done < tokens || done_states < states || done_windows < windows {
             let (tree, _) = self.inner.parts_mut();
             let Some(v) = self.host_leaves.pop(tree) else {
@@ -336,7 +337,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 rebuilt = true;
                 continue;
             };
-            let parent = tree.parent(v).ok().flatten();
+            if self.host_protected(v) {
+                // A storage backup reads it or a prefetch inserts below it: kept, re-queued
+                // after this eviction.
+                skipped.push(v);
+                continue;
+            }
+            let parent = self.inner.tree().parent(v).ok().flatten();
             if self.drop_host_state(v, true) {
                 // The leaf is unlocked, so no load reads its state.
                 done_states += 1;
@@ -361,6 +368,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 && let Ok(m) = tree.meta(p)
             {
                 self.host_leaves.push(p, m);
+            }
+        }
+        for v in skipped {
+            if let Ok(m) = self.inner.tree().meta(v) {
+                self.host_leaves.push(v, m);
             }
         }
         (done, done_states)
@@ -423,11 +435,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // SWA: the nodes in the window before the anchor's end whose window KV is on the host
         // only, with their host pages.
         let mut windows: Vec<(NodeId, Vec<u32>)> = Vec::new();
+        // And those whose window KV is live on device: pinned while the SWA pages are
+        // allocated, so that the allocation tombstones none of the window it completes.
+        let mut live = Vec::new();
         if self.swa {
             let window = tree.swa_window()?;
             let (mut m, mut covered) = (anchor, 0);
             while m != tree.root() && covered < window {
-                if tree.swa_pages(m)?.is_none() {
+                if tree.swa_pages(m)?.is_some() {
+                    live.push(m);
+                } else {
                     let Some(h) = tree.swa_host_pages(m)? else {
                         return Ok(0);
                     };
@@ -455,13 +472,17 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
         if self.mamba {
-            let Some(h) = tree.mamba_host_state(anchor)? else {
-                return Ok(0);
-            };
-            if tree.mamba_state(anchor)?.is_some() {
+            if tree.mamba_state(anchor)?.is_none() {
+                let Some(h) = tree.mamba_host_state(anchor)? else {
+                    return Ok(0);
+                };
+                state = Some(h);
+            } else if !self.swa || windows.is_empty() {
+                // The anchor's device state (and window) would have made the match usable
+                // there: it went stale. With the SWA component a device state stays usable
+                // once the window pages before it come back.
                 return Ok(0);
             }
-            state = Some(h);
         } else if !self.swa && (n != device_end || tokens != req.host_hit_len || chain.is_empty()) {
             return Ok(0);
         }
@@ -485,6 +506,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // Locking the anchor protects the device prefix from eviction and the host chain from
         // host eviction while room is made.
         let lock = self.inner.inc_lock_ref(anchor)?;
+        // A device state at the anchor (SWA and Mamba: only its window is loaded) is locked
+        // too, so that no slot allocation below evicts it.
+        let lock = if self.mamba && state.is_none() {
+            let (tree, _) = self.inner.parts_mut();
+            let with_state = tree.inc_lock_ref_mamba(anchor)?;
+            tree.dec_lock_ref(lock)?;
+            with_state
+        } else {
+            lock
+        };
         let need = tokens / p;
         let free = self.pools().pages.available();
         if free < need {
@@ -511,7 +542,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut swa_dev: Vec<PageId> = Vec::new();
         if window_pages > 0 {
             let (tree, _) = self.inner.parts_mut();
-            if tree.alloc_swa_pages(window_pages, &mut swa_dev).is_err() {
+            for &m in &live {
+                tree.pin_swa_pages(m)?;
+            }
+            let got = tree.alloc_swa_pages(window_pages, &mut swa_dev);
+            for &m in &live {
+                let pages = tree.swa_pages(m)?.map_or(0, <[PageId]>::len);
+                tree.unpin_swa_pages(m, pages)?;
+            }
+            if got.is_err() {
+                if let Some(s) = dev_slot {
+                    tree.free_mamba_slot(s)?;
+                }
                 tree.dec_lock_ref(lock)?;
                 self.stats.swa_load_back_no_pages += 1;
                 return Ok(0);

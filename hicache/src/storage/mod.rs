@@ -10,17 +10,33 @@
 //!   counts as a miss: it never becomes KV.
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
-//!   nothing else. [`MemStore`] keeps them in process memory; `RedisStore` (cargo feature
-//!   `redis`) on a Redis server.
+//!   nothing else. [`MemStore`] keeps them in process memory; [`FileStore`], the default,
+//!   keeps them as files in a directory (atomic writes, a size cap with least-recently-used
+//!   eviction, an index rebuilt at open so a restarted server finds its pages); `RedisStore`
+//!   (cargo feature `redis`) on a Redis server or cluster.
+//! - **Faults.** [`FaultStore`] wraps any store and injects seeded errors, hangs, slow
+//!   answers, partial batches and corrupted pages, and can take the store down and up again:
+//!   the tests of the tier above run against it.
+//! - **Engine.** [`StorageTier`] runs backups (host pool → store), queries (longest stored
+//!   prefix) and fetches (store → host pool) as tasks on a tokio runtime, with bounded
+//!   concurrency and per-operation timeouts, and hands their [`Completion`]s back to the
+//!   scheduler thread, which never blocks on the store. [`HiRadixCache`](crate::HiRadixCache)
+//!   drives it when [`HiCacheConfig::storage`](crate::HiCacheConfig::storage) is set.
 
 mod backend;
+mod fault;
+mod file;
 mod page;
 #[cfg(feature = "redis")]
 mod redis;
+mod tier;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
+pub use fault::{FaultConfig, FaultCounts, FaultStore};
+pub use file::{FileStore, FileStoreConfig, FileSync};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
 #[cfg(feature = "redis")]
 pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
+pub use tier::{Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, StorageTier, TierOptions};

@@ -13,6 +13,8 @@ use radixkv_radix::{FinishKind, PageId, PrefixCache, RadixConfig, RadixKey, Requ
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 
+pub mod hybrid;
+
 pub const LAYERS: usize = 3;
 pub const BYTES_PER_TOKEN: usize = 8;
 

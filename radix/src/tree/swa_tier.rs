@@ -28,6 +28,10 @@ pub struct SwaHostHit {
     /// The nodes (root first) inside that window whose window KV is on the host only: the
     /// load brings their window pages back with the KV.
     pub window_loads: Vec<NodeId>,
+    /// With the Mamba component: the host slot of the node's state when the load must bring
+    /// it back (the node has no device state); `None` when its device state is there, and
+    /// always without the component.
+    pub state_load: Option<u32>,
 }
 
 impl RadixTree {
@@ -257,8 +261,9 @@ impl RadixTree {
     /// or host nodes, the deepest node boundary past the usable prefix with a full window of
     /// window KV before it that is live on device or has a host copy: loading the host-only KV
     /// down to it and the window pages the window needs from the host makes the match usable
-    /// there. Without the Mamba component only (with it the hit is always `None`: a tiered
-    /// match over both components is not built).
+    /// there. With the Mamba component too, that boundary must also carry a Mamba state, on
+    /// device or as a host copy (which the load then brings back: [`SwaHostHit::state_load`]),
+    /// as the device match requires a device state there.
     ///
     /// # Errors
     /// [`CacheError::ComponentDisabled`] (nothing changes then).
@@ -268,19 +273,19 @@ impl RadixTree {
         out: &mut Vec<PageId>,
     ) -> Result<(SwaMatch, Option<SwaHostHit>)> {
         let m = self.match_swa(key, out)?;
-        if self.mamba.is_some() {
-            return Ok((m, None));
-        }
         let path = self.path_from_root(self.resolve(m.kv.last_node)?);
         let w = self.swa_ref()?;
+        let states = self.mamba.as_deref();
         let avail = |i: u32| w.get(i).is_some_and(|e| e.live() || !e.host.is_empty());
+        // The Mamba validator: a device state, or a host copy to load.
+        let state_ok = |i: u32| states.is_none_or(|s| s.has_state(i) || s.get(i).host != NIL);
         let (mut depth, mut run) = (0usize, 0usize);
         let mut best = None;
         for (k, &i) in path.iter().enumerate() {
             let len = self.nodes[i as usize].key.len();
             depth += len;
             run = if avail(i) { run + len } else { 0 };
-            if depth > m.usable_len && (run >= w.window || run == depth) {
+            if depth > m.usable_len && (run >= w.window || run == depth) && state_ok(i) {
                 best = Some((k, depth));
             }
         }
@@ -300,10 +305,15 @@ impl RadixTree {
             }
         }
         window_loads.reverse();
+        let end = path[k];
+        let state_load = states
+            .filter(|s| !s.has_state(end))
+            .map(|s| s.get(end).host);
         let hit = SwaHostHit {
-            node: self.id_of(path[k]),
+            node: self.id_of(end),
             len,
             window_loads,
+            state_load,
         };
         Ok((m, Some(hit)))
     }
@@ -467,6 +477,49 @@ mod tests {
         t.check().unwrap();
         assert!(t.swa_host_copies().unwrap().is_empty());
         assert_eq!(t.swa_pool().unwrap().available(), 8);
+    }
+
+    /// With the Mamba component too, a host hit ends only where a state is, on device or on
+    /// the host, and says whether the load must bring the state back.
+    #[test]
+    fn with_both_components_a_host_hit_ends_at_a_state() {
+        let mut t = tree();
+        t.enable_mamba(4).unwrap();
+        let key = [1, 2, 3, 4, 5, 6];
+        let n = insert(&mut t, &key, 0);
+        let s = t.alloc_mamba_slot().unwrap();
+        t.insert_mamba_state(n, s).unwrap();
+        t.set_host_pages(n, vec![0, 1, 2]).unwrap();
+        t.set_swa_host_pages(n, vec![10, 11, 12]).unwrap();
+        // The window KV goes, and its unlocked state with it (the cascade): no host state, so
+        // no host hit although the window is on the host.
+        t.evict_swa_node(n).unwrap();
+        assert_eq!(t.mamba_state(n).unwrap(), None);
+        let (m, hit) = t
+            .match_swa_tiered(KeyRef::new(&key), &mut Vec::new())
+            .unwrap();
+        assert_eq!((m.usable_len, hit), (0, None));
+        t.check().unwrap();
+        // With a host copy of the state, the hit ends at the node and loads the state too.
+        let mut pages = Vec::new();
+        t.evict(usize::MAX, &mut pages);
+        t.attach_device_pages(n, &[PageId(0), PageId(1), PageId(2)])
+            .unwrap();
+        let mut swa = Vec::new();
+        t.alloc_swa_pages(3, &mut swa).unwrap();
+        t.attach_swa_pages(n, &swa).unwrap();
+        let s = t.alloc_mamba_slot().unwrap();
+        t.insert_mamba_state(n, s).unwrap();
+        t.set_mamba_host_state(n, 5).unwrap();
+        t.evict(usize::MAX, &mut pages);
+        let (m, hit) = t
+            .match_swa_tiered(KeyRef::new(&key), &mut Vec::new())
+            .unwrap();
+        assert_eq!(m.usable_len, 0);
+        let hit = hit.unwrap();
+        assert_eq!((hit.node, hit.len, hit.state_load), (n, 6, Some(5)));
+        assert_eq!(hit.window_loads, vec![n]);
+        t.check().unwrap();
     }
 
     #[test]

@@ -12,9 +12,24 @@
 //! Host pages are plain `u32` slot indices of the owner's host pool: the tree never interprets
 //! them, it only keeps one per page of the node's key.
 
-use super::{RadixTree, common_pages};
+use super::{Children, Node, RadixTree, common_pages};
 use crate::error::{CacheError, Result};
-use crate::types::{KeyRef, Medium, NodeId, PageId};
+use crate::events::{chain_hashes, namespace_seed};
+use crate::policy::NodeMeta;
+use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId};
+
+/// What [`RadixTree::insert_host_only`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostInsert {
+    /// Tokens after the anchor that already had a host copy (the caller's pages for them were
+    /// not used).
+    pub present_len: usize,
+    /// Tokens added as a new host-only leaf (0 when none was).
+    pub added_len: usize,
+    /// The deepest node holding the inserted key's host KV (the new leaf, or the last node
+    /// already present; the anchor when nothing was).
+    pub last_node: NodeId,
+}
 
 /// How a key lies across the tiers, found without changing the tree ([`RadixTree::tier_walk`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -318,6 +333,139 @@ impl RadixTree {
         walk
     }
 
+    /// The namespace of `id`'s key (every node below a root child shares it).
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn namespace(&self, id: NodeId) -> Result<&Namespace> {
+        Ok(&self.nodes[self.resolve(id)? as usize].namespace)
+    }
+
+    /// Adds the host-only KV of `key[offset..]` below `anchor` (a node ending exactly at token
+    /// `offset` of `key`, with a host copy, or the root with `offset` 0): the pages a storage
+    /// tier fetched into the host pool, one host page per page of `key[offset..]` in `host`.
+    ///
+    /// The walk goes down from the anchor through the nodes that already hold a host copy of
+    /// `key` (splitting one that matches only in part): their positions keep their own host
+    /// pages, and the caller's pages for them are appended to `unused`. It stops at the first
+    /// node without a host copy (device-only KV: host residency must stay root-connected),
+    /// whose positions' pages and every later one go to `unused` too. Otherwise the rest of
+    /// `key` becomes one new host-only leaf (host-medium `BlockStored` event), which the
+    /// result names.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::Misaligned`] or [`CacheError::LengthMismatch`]
+    /// when `key[offset..]` is not whole pages or `host` does not cover it;
+    /// [`CacheError::InvalidRequestState`] when the anchor does not end at `offset`, or is
+    /// neither the root nor backed up. Nothing changes on error.
+    pub fn insert_host_only(
+        &mut self,
+        anchor: NodeId,
+        offset: usize,
+        key: KeyRef<'_>,
+        host: &[u32],
+        unused: &mut Vec<u32>,
+    ) -> Result<HostInsert> {
+        let start = self.resolve(anchor)?;
+        let p = self.page_size;
+        let tokens = key.tokens;
+        if offset > tokens.len() || self.depth_of(start) != offset {
+            return Err(CacheError::InvalidRequestState(
+                "host insert anchor does not end at the given offset",
+            ));
+        }
+        if start != self.root && self.nodes[start as usize].host.is_none() {
+            return Err(CacheError::InvalidRequestState(
+                "host-only KV can only go below a backed-up node or the root",
+            ));
+        }
+        let rest = tokens.len() - offset;
+        if !rest.is_multiple_of(p) {
+            return Err(CacheError::Misaligned {
+                len: rest,
+                page_size: p,
+            });
+        }
+        if host.len() * p != rest {
+            return Err(CacheError::LengthMismatch {
+                tokens: rest,
+                pages: host.len(),
+                page_size: p,
+            });
+        }
+        let now = self.next_tick();
+        let mut node = start;
+        let mut pos = offset;
+        let mut present = 0;
+        while pos < tokens.len() {
+            let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
+                break;
+            };
+            if self.nodes[child as usize].host.is_none() {
+                // Device-only KV: nothing may be backed up below it before it is.
+                unused.extend_from_slice(&host[(pos - offset) / p..]);
+                return Ok(HostInsert {
+                    present_len: present,
+                    added_len: 0,
+                    last_node: self.id_of(node),
+                });
+            }
+            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
+                break;
+            };
+            self.touch(child, now);
+            unused.extend_from_slice(&host[(pos - offset) / p..(pos - offset + common) / p]);
+            present += common;
+            pos += common;
+            node = child;
+        }
+        if pos == tokens.len() {
+            return Ok(HostInsert {
+                present_len: present,
+                added_len: 0,
+                last_node: self.id_of(node),
+            });
+        }
+        let seg = &tokens[pos..];
+        let child_hash = self.child_hash(node, key.namespace, &seg[..p]);
+        let mut page_hashes = Vec::new();
+        if self.events.is_some() {
+            let seed = self.nodes[node as usize]
+                .page_hashes
+                .last()
+                .copied()
+                .unwrap_or_else(|| namespace_seed(key.namespace));
+            chain_hashes(seed, seg, p, &mut page_hashes);
+        }
+        let node_key = self.bufs.tokens(seg);
+        let idx = self.alloc_node(Node {
+            parent: node,
+            key: node_key,
+            pages: Vec::new(),
+            host: Some(host[(pos - offset) / p..].to_vec()),
+            children: Children::default(),
+            child_hash,
+            namespace: key.namespace.clone(),
+            lock_ref: 0,
+            device_children: 0,
+            meta: NodeMeta {
+                last_access: now,
+                created: now,
+                hit_count: 0,
+                priority: 0,
+            },
+            leaf: None,
+            page_hashes,
+        });
+        self.add_child(node, idx);
+        self.emit_stored(idx, Medium::Host);
+        Ok(HostInsert {
+            present_len: present,
+            added_len: tokens.len() - pos,
+            last_node: self.id_of(idx),
+        })
+    }
+
     /// Number of host pages held by the tree (`O(nodes)`, for audits).
     pub fn host_page_count(&self) -> usize {
         self.nodes
@@ -458,6 +606,76 @@ mod tests {
                 ..
             }]
         ));
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn host_only_insert_splits_skips_present_and_stops_at_device_only() {
+        let mut t = tree();
+        let mut rep = Vec::new();
+        // A backed-up, demoted node [1,2,3,4] (host pages 10, 11).
+        let a = t
+            .insert(
+                KeyRef::new(&[1, 2, 3, 4]),
+                &mut [PageId(0), PageId(1)],
+                &mut rep,
+                InsertOptions::default(),
+            )
+            .unwrap()
+            .last_node;
+        t.set_host_pages(a, vec![10, 11]).unwrap();
+        let mut out = Vec::new();
+        t.evict(4, &mut out);
+        let root = t.root();
+        let mut unused = Vec::new();
+        assert!(
+            t.insert_host_only(a, 2, KeyRef::new(&[1, 2, 3, 4, 5, 6]), &[1, 2], &mut unused)
+                .is_err(),
+            "the anchor does not end at 2"
+        );
+        assert!(
+            t.insert_host_only(root, 0, KeyRef::new(&[1, 2, 3]), &[1, 2], &mut unused)
+                .is_err(),
+            "misaligned"
+        );
+        t.take_events();
+        // From the root: [1,2] is present (split off `a`), [7,8] is new.
+        let r = t
+            .insert_host_only(root, 0, KeyRef::new(&[1, 2, 7, 8]), &[20, 21], &mut unused)
+            .unwrap();
+        assert_eq!((r.present_len, r.added_len), (2, 2));
+        assert_eq!(unused, vec![20]);
+        assert_eq!(t.host_pages(r.last_node).unwrap(), Some(&[21][..]));
+        assert!(t.is_host_leaf(r.last_node) && t.is_host_leaf(a));
+        assert_eq!(t.namespace(r.last_node).unwrap(), &Namespace::DEFAULT);
+        assert!(matches!(
+            t.take_events()[..],
+            [KvEvent::BlockStored {
+                medium: Medium::Host,
+                ..
+            }]
+        ));
+        // Below a device-only node nothing is added.
+        let d = t
+            .insert(
+                KeyRef::new(&[5, 6]),
+                &mut [PageId(2)],
+                &mut rep,
+                InsertOptions::default(),
+            )
+            .unwrap()
+            .last_node;
+        unused.clear();
+        let r = t
+            .insert_host_only(root, 0, KeyRef::new(&[5, 6, 7, 8]), &[30, 31], &mut unused)
+            .unwrap();
+        assert_eq!((r.present_len, r.added_len, r.last_node), (0, 0, root));
+        assert_eq!(unused, vec![30, 31]);
+        assert!(
+            t.insert_host_only(d, 2, KeyRef::new(&[5, 6, 1, 1]), &[1], &mut unused)
+                .is_err()
+        );
+        assert_eq!(t.host_page_count(), 3);
         t.check().unwrap();
     }
 }

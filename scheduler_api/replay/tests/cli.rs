@@ -763,7 +763,8 @@ fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
     ] {
         assert!(stdout(&o).contains(line), "{line:?} in {}", stdout(&o));
     }
-    // With sessions as well they are not wired yet.
+    // With sessions as well: a session slot keeps its window KV across turns under the host
+    // tier too (see `a_gemma_like_hicache_replay_with_sessions_keeps_windows_and_leaks_nothing`).
     let o = radixkv(&[
         "demo",
         "--conversations",
@@ -772,11 +773,17 @@ fn model_presets_print_their_pools_and_unwired_hybrid_runs_are_refused() {
         "gemma-like",
         "--cache",
         "hicache",
+        "--device-tokens",
+        "16384",
         "--session-tokens",
         "4096",
     ]);
-    fails_with(&o, "sliding-window layers under a host tier");
-    fails_with(&o, "radixkv-scheduler-api");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("0 tokens and 0 SWA pages still held"),
+        "{}",
+        stdout(&o)
+    );
     fails_with(
         &radixkv(&["config", "--model", "llama"]),
         "known: dense, jamba-like, gemma-like",
@@ -942,8 +949,8 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
         "{occ:?}"
     );
     assert!(occ.iter().any(|o| o["swa_in_use"].as_f64().unwrap() > 0.0));
-    // --compare runs the radix and host-tier configurations and says why the others (a host
-    // tier with sessions) cannot run.
+    // --compare runs every configuration: the radix and host-tier ones, with and without
+    // sessions.
     let out = succeeds(&[
         "demo",
         "--conversations",
@@ -961,24 +968,19 @@ fn a_gemma_like_replay_reports_the_swa_pool_and_its_occupancy() {
             "{row} missing in {out}"
         );
     }
-    let skipped: Vec<&str> = out.lines().filter(|l| l.contains("skipped")).collect();
     assert!(
-        skipped
-            .iter()
-            .any(|l| l.contains("+sessions)") && l.contains("radixkv-scheduler-api")),
-        "{out}"
+        !out.lines().any(|l| l.contains("skipped")),
+        "nothing is skipped: {out}"
     );
-    assert!(
-        !skipped.iter().any(|l| l.contains("radixkv-hicache")),
-        "{out}"
-    );
-    // Sessions keep their window across turns: that row runs too.
+    // Sessions keep their window across turns, on the device-only cache and under the host
+    // tier: those rows run too.
     assert!(
         out.lines().any(|l| l.starts_with("radix-lru+sessions ")),
         "{out}"
     );
     assert!(
-        !skipped.iter().any(|l| l.contains("radixkv-session")),
+        out.lines()
+            .any(|l| l.starts_with("hicache-") && l.contains("+sessions")),
         "{out}"
     );
 }
@@ -1022,9 +1024,54 @@ fn a_gemma_like_replay_with_sessions_keeps_windows_and_leaks_nothing() {
     assert!(run["hit_tokens_device"].as_u64().unwrap() > 0, "{run}");
 }
 
+#[test]
+fn a_gemma_like_hicache_replay_with_sessions_keeps_windows_and_leaks_nothing() {
+    let dir = temp_dir();
+    // Sessions over the host tier on a device the conversations press on: idle sessions are
+    // demoted (their KV and window KV backed up with the tree's), demoted histories come back
+    // from the host, every fourth step is audited (the host tier's audit is slow in debug
+    // builds), and the leak check at the end finds no page of either pool held.
+    let out = succeeds(&[
+        "demo",
+        "--conversations",
+        "3",
+        "--model",
+        "gemma-like",
+        "--cache",
+        "hicache",
+        "--device-tokens",
+        "16384",
+        "--session-tokens",
+        "4096",
+        "--check-invariants-every",
+        "4",
+        "--quiet",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert_contains_all(
+        &out,
+        &[
+            "config           hicache-",
+            "+sessions",
+            "and 0 SWA pages still held",
+            "0 sessions open",
+            "accounting balanced",
+        ],
+    );
+    let json = report_json(&dir);
+    let run = &json["runs"][0];
+    assert_eq!(run["swa"]["leaked_pages"], 0);
+    let demotions = run["counters"]["session_demotions"].as_u64().unwrap();
+    assert!(demotions > 0, "{run}");
+    assert!(run["hit_tokens_device"].as_u64().unwrap() > 0, "{run}");
+    assert!(run["hit_tokens_host"].as_u64().unwrap() > 0, "{run}");
+}
+
 /// A model with all three kinds of layers (full attention, sliding window, Mamba), declared in
-/// a config file: one tree carries both components, and a replay with and without sessions
-/// runs with every step audited and leaves no page, slot or window page held.
+/// a config file: one tree carries both components, and a replay with and without sessions,
+/// and under the host tier, runs with every step audited and leaves no page, slot or window
+/// page held.
 #[test]
 fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
     let dir = temp_dir();
@@ -1036,7 +1083,11 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
          mamba_ssm_state_bytes = 262144\n",
     )
     .unwrap();
-    for extra in [&[][..], &["--session-tokens", "4096"][..]] {
+    for extra in [
+        &[][..],
+        &["--session-tokens", "4096"][..],
+        &["--cache", "hicache"][..],
+    ] {
         let args = [
             &[
                 "demo",
@@ -1064,5 +1115,14 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
                 "0 tokens and 0 Mamba slots and 0 SWA pages still held",
             ],
         );
+        if extra.contains(&"hicache") {
+            // The host tier serves hits too: loads brought KV, window KV and states back.
+            assert_contains_all(&out, &["config           hicache-", "host pool"]);
+            let hit = out
+                .lines()
+                .find(|l| l.starts_with("token hit ratio"))
+                .unwrap_or_else(|| panic!("no hit ratio in {out}"));
+            assert!(!hit.contains("host 0.0000"), "{hit}");
+        }
     }
 }

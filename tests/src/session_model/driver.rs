@@ -92,6 +92,13 @@ impl<T: Tier> Sut<T> {
         if n == 0 {
             return Ok(());
         }
+        if T::WINDOW && f.req.committed_len > 0 {
+            // As an engine does before each decode or later prefill chunk: the window KV that
+            // slid out goes (a session slot keeps the slid table across turns).
+            if self.c.slide_window(&mut f.req)? > 0 {
+                self.bump("window slid");
+            }
+        }
         self.c.alloc_tokens(&mut f.req, n)?;
         let pages = self.row_pages(&f.req);
         let upto = f.req.committed_len + n;

@@ -231,10 +231,9 @@ struct ManagerArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Model geometry preset; replaces the --config file's model section, keeping its page size.
-    /// jamba-like (Mamba layers) runs on every cache kind (disabled, radix, hicache), with or
-    /// without sessions; gemma-like (sliding-window layers) runs on the disabled and radix
-    /// caches, with or without sessions, and on hicache without sessions (hicache with
-    /// sessions is refused as not wired) [default: the --config file's model, else dense]
+    /// jamba-like (Mamba layers) and gemma-like (sliding-window layers) run on every cache kind
+    /// (disabled, radix, hicache), with or without sessions [default: the --config file's
+    /// model, else dense]
     #[arg(long, value_parser = model_parser())]
     model: Option<Preset>,
     /// Bytes of the Mamba state slot pool (models with Mamba layers; `[pools] mamba_bytes`)

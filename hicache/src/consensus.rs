@@ -1,0 +1,37 @@
+//! The [`Consensus`] hook: how ranks that run one model together (tensor or pipeline parallel)
+//! agree on every asynchronous outcome before their trees change.
+//!
+//! Each rank runs its own cache over its own device, host pool and store, and must take
+//! exactly the decisions the others take, although its copies and store operations finish at
+//! their own pace. So every count or decision that depends on timing is reduced across the
+//! ranks first — the minimum of the transfers each rank has finished, the minimum of the pages
+//! each rank found in its store, the maximum of a "must stop" flag — and the reduced value is
+//! what every rank applies. A [`HiRadixCache`](crate::HiRadixCache) calls the hook
+//! unconditionally, in the same order on every rank, as long as the ranks call the cache's
+//! methods in the same order (the scheduler is deterministic), so a collective implementation
+//! (an all-reduce over a process group) never deadlocks on a skipped call.
+
+use std::fmt;
+
+/// A reduction across the ranks of one model. Every method is a collective: each rank calls it
+/// once per decision, in the same order, and gets the same result.
+pub trait Consensus: Send + Sync + fmt::Debug {
+    /// The smallest `value` over all ranks.
+    fn min(&self, value: u64) -> u64;
+    /// The largest `value` over all ranks.
+    fn max(&self, value: u64) -> u64;
+}
+
+/// One rank: every reduction is the identity. The default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SingleRank;
+
+impl Consensus for SingleRank {
+    fn min(&self, value: u64) -> u64 {
+        value
+    }
+
+    fn max(&self, value: u64) -> u64 {
+        value
+    }
+}

@@ -1,0 +1,603 @@
+//! [`StorageTier`]: the engine that moves pages between the host pool and a
+//! [`StorageBackend`] without ever blocking the scheduler thread.
+//!
+//! The scheduler thread submits jobs and drains their [`Completion`]s at step boundaries
+//! ([`StorageTier::poll`]); each job runs as one task on a tokio runtime (the tier's own small
+//! multi-thread runtime, or the embedder's through [`TierOptions::runtime`]). At most
+//! [`TierOptions::concurrency`] jobs talk to the store at once (a semaphore), every store
+//! operation is bounded by [`TierOptions::op_timeout`], and every job reports exactly one
+//! completion, also when it fails, times out, is cancelled or panics — so nothing waits
+//! forever and nothing is lost.
+//!
+//! # Jobs
+//! - **Backup** ([`StorageTier::backup`]): computes the page keys of a prefix, asks the store
+//!   how many of the pages to write it holds already (the longest stored prefix), reads the
+//!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches.
+//! - **Query** ([`StorageTier::query`]): the longest stored prefix of a key chain, batch by
+//!   batch (stopping at the first short batch); it reports the keys found.
+//! - **Fetch** ([`StorageTier::fetch`]): gets pages into reserved host pages, in order. Each
+//!   page is decoded and checked first; a missing or corrupt page (or a failed batch) ends the
+//!   fetch there, so what was fetched is always a prefix of the chain.
+//!
+//! # Reading and writing host memory: the [`JobGate`]
+//! A backup reads, and a fetch writes, the host pool's memory from a runtime thread. Each such
+//! access is one page, made while holding the job's gate; [`JobGate::cancel`] takes the same
+//! lock, so once it returns the task never touches host memory again and the caller may free
+//! or reuse the job's host pages at once (it waits for at most one page copy). A fetch counts a
+//! page as done under the gate, after its bytes are written, so [`JobGate::cancel`] returns
+//! exactly the prefix of pages that hold their KV.
+//!
+//! Why read the host pages inside the task rather than on the scheduler thread: a page of a
+//! real model is megabytes (all layers), so copying a backup's pages out on the scheduler thread
+//! would cost it milliseconds per request; inside the task the copy overlaps the scheduler's
+//! work and the gate keeps it safe.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey, TokenId};
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::Semaphore;
+
+use super::backend::{StorageBackend, StoreError};
+use super::page::PageFormat;
+use crate::backend::HostMemory;
+use crate::error::{HiCacheError, Result};
+
+/// Namespaces whose key seed a [`StorageTier`] keeps.
+pub const SEED_CACHE_LIMIT: usize = 4096;
+
+/// Tuning of a [`StorageTier`].
+#[derive(Clone, Debug)]
+pub struct TierOptions {
+    /// Pages per store operation (exists, get, put). Default 128.
+    pub batch_pages: usize,
+    /// Jobs that talk to the store at once. Default 4.
+    pub concurrency: usize,
+    /// Deadline of one store operation; an operation past it fails with
+    /// [`StoreError::Timeout`]. Default 5 s.
+    pub op_timeout: Duration,
+    /// The runtime to run jobs on (its time driver must be enabled). `None`: the tier starts
+    /// its own multi-thread runtime of [`TierOptions::worker_threads`] threads.
+    pub runtime: Option<Handle>,
+    /// Worker threads of the tier's own runtime (ignored with [`TierOptions::runtime`]).
+    /// Default 2.
+    pub worker_threads: usize,
+}
+
+impl Default for TierOptions {
+    fn default() -> Self {
+        TierOptions {
+            batch_pages: 128,
+            concurrency: 4,
+            op_timeout: Duration::from_secs(5),
+            runtime: None,
+            worker_threads: 2,
+        }
+    }
+}
+
+/// A job's number, unique within its [`StorageTier`], increasing in submission order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+/// How a job ended. Every submitted job reports exactly one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// A backup ended.
+    Backup {
+        /// The job.
+        job: JobId,
+        /// Pages written now.
+        written: usize,
+        /// Pages the store held already (not written again).
+        skipped: usize,
+        /// Pages not written (a store error or timeout, a page the store refused, a
+        /// cancellation).
+        failed: usize,
+    },
+    /// A query ended.
+    Query {
+        /// The job.
+        job: JobId,
+        /// The keys of the longest stored prefix of the queried chain.
+        keys: Vec<PageKey>,
+        /// The query stopped at an error or timeout (the keys found before it still count).
+        failed: bool,
+    },
+    /// A fetch ended.
+    Fetch {
+        /// The job.
+        job: JobId,
+        /// Pages written to the host pool, from the first.
+        loaded: usize,
+        /// The fetch ended at a page that failed its checks (counted as a miss).
+        corrupt: bool,
+        /// The fetch ended at a page the store no longer had.
+        missing: bool,
+        /// The fetch ended at a store error or timeout.
+        failed: bool,
+    },
+}
+
+impl Completion {
+    /// The job this completion ends.
+    pub fn job(&self) -> JobId {
+        match self {
+            Completion::Backup { job, .. }
+            | Completion::Query { job, .. }
+            | Completion::Fetch { job, .. } => *job,
+        }
+    }
+}
+
+/// What a job's gate records (see [`JobGate`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GateState {
+    /// The job was cancelled: it touches no host memory any more.
+    pub cancelled: bool,
+    /// Pages done: fetched into the host pool (a fetch) or read from it (a backup).
+    pub done: usize,
+    /// The task has ended (whatever the reason).
+    pub finished: bool,
+}
+
+/// The lock a job holds while it touches one host page, with its progress; the scheduler's
+/// handle to stop it (see the module docs).
+#[derive(Clone, Debug, Default)]
+pub struct JobGate(Arc<Mutex<GateState>>);
+
+impl JobGate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // The state is three plain fields, each written whole: a panic cannot leave it torn.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stops the job: once this returns, its task never reads or writes host memory again, so
+    /// its host pages may be freed. Returns the pages done until then. Waits for at most one
+    /// page copy in progress.
+    pub fn cancel(&self) -> usize {
+        let mut g = self.lock();
+        g.cancelled = true;
+        g.done
+    }
+
+    /// The job's progress now.
+    pub fn state(&self) -> GateState {
+        *self.lock()
+    }
+}
+
+/// Sends its message when dropped: a task that ends any way (returns, panics, is dropped by a
+/// runtime shutdown) reports exactly one completion.
+struct Reply {
+    tx: Sender<Completion>,
+    msg: Option<Completion>,
+}
+
+impl Reply {
+    /// Reports `msg` (replacing the failure reported should the task end early).
+    fn send(mut self, msg: Completion) {
+        self.msg = Some(msg);
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if let Some(m) = self.msg.take() {
+            // The receiver is gone only when the tier is: nobody waits for this any more.
+            let _ = self.tx.send(m);
+        }
+    }
+}
+
+async fn timed<T>(
+    d: Duration,
+    f: impl Future<Output = std::result::Result<T, StoreError>>,
+) -> std::result::Result<T, StoreError> {
+    match tokio::time::timeout(d, f).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::Timeout),
+    }
+}
+
+/// The storage tier's engine: a store, the page format of one model, a key seed per
+/// namespace, and the runtime its jobs run on. See the module docs.
+pub struct StorageTier {
+    store: Arc<dyn StorageBackend>,
+    format: Arc<PageFormat>,
+    identity: KvIdentity,
+    seeds: HashMap<Namespace, KeySeed>,
+    /// The tier's own runtime (`None` with an embedder's handle). Shut down in the background
+    /// on drop.
+    runtime: Option<Runtime>,
+    handle: Handle,
+    sem: Arc<Semaphore>,
+    opts: TierOptions,
+    tx: Sender<Completion>,
+    rx: Receiver<Completion>,
+    next: u64,
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for StorageTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageTier")
+            .field("store", &self.store.name())
+            .field("in_flight", &self.in_flight)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+impl Drop for StorageTier {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            // Tasks stop at their next await; one blocked in a store call is abandoned, not
+            // waited for (it holds only its own references).
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl StorageTier {
+    /// An engine over `store` for pages of `format`, keyed for the model and layout
+    /// `identity` (the identity `format` was made with).
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for a zero batch size, concurrency, timeout or thread count, or
+    /// when the runtime cannot be started.
+    pub fn new(
+        store: Arc<dyn StorageBackend>,
+        format: PageFormat,
+        identity: KvIdentity,
+        opts: TierOptions,
+    ) -> Result<Self> {
+        if opts.batch_pages == 0 || opts.concurrency == 0 || opts.op_timeout.is_zero() {
+            return Err(HiCacheError::Config(
+                "storage tier: batch size, concurrency and operation timeout must be non-zero"
+                    .into(),
+            ));
+        }
+        let (runtime, handle) = match &opts.runtime {
+            Some(h) => (None, h.clone()),
+            None => {
+                if opts.worker_threads == 0 {
+                    return Err(HiCacheError::Config(
+                        "storage tier: the runtime needs at least one worker thread".into(),
+                    ));
+                }
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(opts.worker_threads)
+                    .thread_name("radixkv-storage")
+                    .enable_all()
+                    .build()
+                    .map_err(|e| {
+                        HiCacheError::Config(format!("storage tier: cannot start a runtime: {e}"))
+                    })?;
+                let h = rt.handle().clone();
+                (Some(rt), h)
+            }
+        };
+        let (tx, rx) = channel();
+        Ok(StorageTier {
+            store,
+            format: Arc::new(format),
+            identity,
+            seeds: HashMap::new(),
+            runtime,
+            handle,
+            sem: Arc::new(Semaphore::new(opts.concurrency)),
+            opts,
+            tx,
+            rx,
+            next: 0,
+            in_flight: 0,
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn StorageBackend> {
+        &self.store
+    }
+
+    /// The page format.
+    pub fn format(&self) -> &PageFormat {
+        &self.format
+    }
+
+    /// The options.
+    pub fn options(&self) -> &TierOptions {
+        &self.opts
+    }
+
+    /// Jobs submitted whose completion has not been returned yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The key seed of `namespace` (cached; the cache is cleared past
+    /// [`SEED_CACHE_LIMIT`] namespaces, so a namespace per request cannot grow it forever).
+    pub fn seed(&mut self, namespace: &Namespace) -> KeySeed {
+        if self.seeds.len() >= SEED_CACHE_LIMIT && !self.seeds.contains_key(namespace) {
+            self.seeds.clear();
+        }
+        *self
+            .seeds
+            .entry(namespace.clone())
+            .or_insert_with(|| KeySeed::new(namespace, &self.identity))
+    }
+
+    fn job(&mut self) -> (JobId, Reply) {
+        let id = JobId(self.next);
+        self.next += 1;
+        self.in_flight += 1;
+        let reply = Reply {
+            tx: self.tx.clone(),
+            msg: None,
+        };
+        (id, reply)
+    }
+
+    /// Backs up the pages `first_page..` of the whole pages of `tokens` (the key from the
+    /// root, in `namespace`), whose KV is in the host pages `pages` of `host` (one per page,
+    /// in order): writes those the store lacks. The pages must stay allocated until the job's
+    /// completion is polled or its gate cancelled.
+    ///
+    /// # Errors
+    /// [`HiCacheError::BufferSize`] when `pages` does not cover the pages to back up.
+    pub fn backup(
+        &mut self,
+        namespace: &Namespace,
+        tokens: Vec<TokenId>,
+        first_page: usize,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+    ) -> Result<(JobId, JobGate)> {
+        let p = self.format.geometry().page_size;
+        let total = tokens.len() / p;
+        if first_page > total || pages.len() != total - first_page {
+            return Err(HiCacheError::BufferSize {
+                got: pages.len(),
+                expected: total.saturating_sub(first_page),
+            });
+        }
+        let seed = self.seed(namespace);
+        let (job, mut reply) = self.job();
+        reply.msg = Some(Completion::Backup {
+            job,
+            written: 0,
+            skipped: 0,
+            failed: pages.len(),
+        });
+        let gate = JobGate::default();
+        let task_gate = gate.clone();
+        let (store, format, sem, opts) = (
+            self.store.clone(),
+            self.format.clone(),
+            self.sem.clone(),
+            self.opts.clone(),
+        );
+        self.handle.spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let mut keys = Vec::with_capacity(total);
+            seed.extend_chain(None, &tokens, p, &mut keys);
+            let keys = &keys[first_page..];
+            let mut present = 0;
+            for chunk in keys.chunks(opts.batch_pages) {
+                match timed(opts.op_timeout, store.exists_prefix(chunk)).await {
+                    Ok(n) => {
+                        present += n.min(chunk.len());
+                        if n < chunk.len() {
+                            break;
+                        }
+                    }
+                    // Writing everything is the safe answer; the puts will tell.
+                    Err(_) => break,
+                }
+            }
+            let mut written = 0;
+            let g = format.geometry();
+            let layer_bytes = g.page_bytes_per_layer();
+            let mut kv = vec![0u8; format.kv_bytes()];
+            let mut at = present;
+            'batches: while at < keys.len() {
+                let end = (at + opts.batch_pages).min(keys.len());
+                let mut batch = Vec::with_capacity(end - at);
+                for i in at..end {
+                    {
+                        let mut st = task_gate.lock();
+                        if st.cancelled {
+                            break 'batches;
+                        }
+                        for l in 0..g.layers {
+                            let out = &mut kv[l * layer_bytes..(l + 1) * layer_bytes];
+                            if host.read_page(l, pages[i], out).is_err() {
+                                break 'batches;
+                            }
+                        }
+                        st.done += 1;
+                    }
+                    let mut bytes = Vec::new();
+                    if format.encode(&keys[i], &kv, &[], &mut bytes).is_err() {
+                        break 'batches;
+                    }
+                    batch.push((keys[i], bytes));
+                }
+                match timed(opts.op_timeout, store.put(&batch)).await {
+                    Ok(stored) => written += stored.iter().filter(|&&b| b).count(),
+                    Err(_) => break,
+                }
+                at = end;
+            }
+            task_gate.lock().finished = true;
+            reply.send(Completion::Backup {
+                job,
+                written,
+                skipped: present,
+                failed: keys.len() - present - written,
+            });
+        });
+        Ok((job, gate))
+    }
+
+    /// Finds how many whole pages of `tokens` (the key from the root, in `namespace`), from
+    /// page `first_page` on, the store holds as a prefix: at most `max_pages`.
+    pub fn query(
+        &mut self,
+        namespace: &Namespace,
+        tokens: Vec<TokenId>,
+        first_page: usize,
+        max_pages: usize,
+    ) -> JobId {
+        let p = self.format.geometry().page_size;
+        let seed = self.seed(namespace);
+        let (job, mut reply) = self.job();
+        reply.msg = Some(Completion::Query {
+            job,
+            keys: Vec::new(),
+            failed: true,
+        });
+        let (store, sem, opts) = (self.store.clone(), self.sem.clone(), self.opts.clone());
+        self.handle.spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let mut keys = Vec::with_capacity(tokens.len() / p);
+            seed.extend_chain(None, &tokens, p, &mut keys);
+            let end = keys.len().min(first_page.saturating_add(max_pages));
+            let keys = &keys[first_page.min(end)..end];
+            let mut found = 0;
+            let mut failed = false;
+            for chunk in keys.chunks(opts.batch_pages) {
+                match timed(opts.op_timeout, store.exists_prefix(chunk)).await {
+                    Ok(n) => {
+                        found += n.min(chunk.len());
+                        if n < chunk.len() {
+                            break;
+                        }
+                    }
+                    Err(_) => {
+                        failed = true;
+                        break;
+                    }
+                }
+            }
+            reply.send(Completion::Query {
+                job,
+                keys: keys[..found].to_vec(),
+                failed,
+            });
+        });
+        job
+    }
+
+    /// Fetches the pages of `keys` into the host pages `pages` of `host` (one per key, in
+    /// order), checking each. The pages must stay allocated until the job's completion is
+    /// polled or its gate cancelled.
+    ///
+    /// # Errors
+    /// [`HiCacheError::BufferSize`] when `pages` and `keys` differ in length.
+    pub fn fetch(
+        &mut self,
+        keys: Vec<PageKey>,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+    ) -> Result<(JobId, JobGate)> {
+        if keys.len() != pages.len() {
+            return Err(HiCacheError::BufferSize {
+                got: pages.len(),
+                expected: keys.len(),
+            });
+        }
+        let (job, mut reply) = self.job();
+        reply.msg = Some(Completion::Fetch {
+            job,
+            loaded: 0,
+            corrupt: false,
+            missing: false,
+            failed: true,
+        });
+        let gate = JobGate::default();
+        let task_gate = gate.clone();
+        let (store, format, sem, opts) = (
+            self.store.clone(),
+            self.format.clone(),
+            self.sem.clone(),
+            self.opts.clone(),
+        );
+        self.handle.spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let g = format.geometry();
+            let layer_bytes = g.page_bytes_per_layer();
+            let (mut loaded, mut corrupt, mut missing, mut failed) = (0, false, false, false);
+            'batches: for (b, chunk) in keys.chunks(opts.batch_pages).enumerate() {
+                if task_gate.state().cancelled {
+                    break;
+                }
+                let got = match timed(opts.op_timeout, store.get(chunk)).await {
+                    Ok(v) if v.len() == chunk.len() => v,
+                    _ => {
+                        failed = true;
+                        break;
+                    }
+                };
+                for (j, bytes) in got.iter().enumerate() {
+                    let i = b * opts.batch_pages + j;
+                    let Some(bytes) = bytes else {
+                        missing = true;
+                        break 'batches;
+                    };
+                    let page = match format.decode(&keys[i], bytes) {
+                        Ok(d) if d.sections.is_empty() => d,
+                        _ => {
+                            corrupt = true;
+                            break 'batches;
+                        }
+                    };
+                    let mut st = task_gate.lock();
+                    if st.cancelled {
+                        break 'batches;
+                    }
+                    for l in 0..g.layers {
+                        let data = &page.kv[l * layer_bytes..(l + 1) * layer_bytes];
+                        if host.write_page(l, pages[i], data).is_err() {
+                            failed = true;
+                            break 'batches;
+                        }
+                    }
+                    st.done += 1;
+                    loaded += 1;
+                }
+            }
+            task_gate.lock().finished = true;
+            reply.send(Completion::Fetch {
+                job,
+                loaded,
+                corrupt,
+                missing,
+                failed,
+            });
+        });
+        Ok((job, gate))
+    }
+
+    /// The completions that arrived, without waiting.
+    pub fn poll(&mut self) -> Vec<Completion> {
+        let out: Vec<Completion> = self.rx.try_iter().collect();
+        self.in_flight -= out.len().min(self.in_flight);
+        out
+    }
+
+    /// Waits for the next completion; `None` when no job is in flight. For shutdown and tests:
+    /// a scheduler thread polls instead. Every store operation is bounded by the operation
+    /// timeout, so this returns.
+    pub fn wait_one(&mut self) -> Option<Completion> {
+        if self.in_flight == 0 {
+            return None;
+        }
+        let c = self.rx.recv().ok()?;
+        self.in_flight -= 1;
+        Some(c)
+    }
+}
