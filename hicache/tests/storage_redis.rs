@@ -16,6 +16,10 @@
 use std::net::TcpListener;
 use std::process::Command;
 
+#[cfg(feature = "redis")]
+#[path = "common/storage.rs"]
+mod storage_suite;
+
 const URL_VAR: &str = "RADIXKV_REDIS_URL";
 
 fn have_redis_server() -> bool {
@@ -88,6 +92,7 @@ mod with_redis {
     use radixkv_hicache::{KvGeometry, PoolName};
     use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey};
 
+    use super::storage_suite::{Suite, conformance};
     use super::{URL_VAR, free_port, have_redis_server};
 
     /// A `redis-server` this test started; killed (and reaped) on drop.
@@ -308,6 +313,38 @@ mod with_redis {
             assert_eq!(s.count_pages().await.unwrap(), 20);
             assert_eq!(s.delete(&keys).await.unwrap(), 20);
             assert_eq!(s.count_pages().await.unwrap(), 0);
+        });
+    }
+
+    /// The suite every store passes. The server may be shared: sizes are not exact, and a
+    /// Redis store has no cap of its own.
+    fn shared_suite(seed: u64) -> Suite {
+        Suite {
+            seed,
+            exact_sizes: false,
+            exact_lru: false,
+        }
+    }
+
+    #[test]
+    fn the_store_conformance_suite_on_one_server() {
+        let Some(t) = target("conformance") else {
+            return;
+        };
+        rt().block_on(async {
+            // Pipelines smaller than the suite's batches, and the default.
+            for max_batch in [5, 128] {
+                let s = RedisStore::connect(
+                    RedisConfig::new(&t.url)
+                        .with_key_prefix(format!("{}{max_batch}:", t.prefix))
+                        .with_max_batch(max_batch),
+                )
+                .await
+                .expect("connect");
+                conformance(&s, &shared_suite(max_batch as u64)).await;
+                assert_eq!(s.count_pages().await.unwrap(), 0, "the suite cleans up");
+                assert_eq!(s.stats().errors, 0);
+            }
         });
     }
 
@@ -714,6 +751,8 @@ mod with_redis {
             assert_eq!((0..3).map(|i| cluster.dbsize(i)).sum::<u64>(), 0);
             assert!(matches!(s.count_pages().await, Err(StoreError::Config(_))));
             assert_eq!(s.stats().errors, 0);
+            conformance(&s, &shared_suite(11)).await;
+            assert_eq!((0..3).map(|i| cluster.dbsize(i)).sum::<u64>(), 0);
         });
     }
 
