@@ -16,6 +16,10 @@
 use std::net::TcpListener;
 use std::process::Command;
 
+#[cfg(feature = "redis")]
+#[path = "common/storage.rs"]
+mod storage_suite;
+
 const URL_VAR: &str = "RADIXKV_REDIS_URL";
 
 fn have_redis_server() -> bool {
@@ -88,6 +92,7 @@ mod with_redis {
     use radixkv_hicache::{KvGeometry, PoolName};
     use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey};
 
+    use super::storage_suite::{Suite, conformance};
     use super::{URL_VAR, free_port, have_redis_server};
 
     /// A `redis-server` this test started; killed (and reaped) on drop.
@@ -98,10 +103,17 @@ mod with_redis {
 
     impl Server {
         fn start() -> Server {
-            let port = free_port();
-            let mut s = Server { child: None, port };
-            s.restart();
-            s
+            // Another test may take the port between the probe and the start: try others.
+            for _ in 0..5 {
+                let mut s = Server {
+                    child: None,
+                    port: free_port(),
+                };
+                if s.try_restart() {
+                    return s;
+                }
+            }
+            panic!("redis-server did not start on any of 5 free ports");
         }
 
         fn url(&self) -> String {
@@ -112,26 +124,20 @@ mod with_redis {
             self.child.as_ref().expect("server running").id()
         }
 
-        /// Starts the server on its port (again) and waits until it answers `PING`.
+        /// Starts the server on its port again and waits until it answers `PING`.
         fn restart(&mut self) {
+            assert!(
+                self.try_restart(),
+                "redis-server did not restart on port {}",
+                self.port
+            );
+        }
+
+        fn try_restart(&mut self) -> bool {
             assert!(self.child.is_none(), "the server is already running");
-            let child = Command::new("redis-server")
-                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                .args(["--protected-mode", "no", "--loglevel", "warning"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server");
-            self.child = Some(child);
-            for _ in 0..400 {
-                if ping(self.port) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(25));
-            }
-            panic!("redis-server on port {} never answered PING", self.port);
+            let child = spawn_redis(self.port, &[]);
+            self.child = wait_ready(child, self.port);
+            self.child.is_some()
         }
 
         /// SIGKILL, then reap.
@@ -155,6 +161,37 @@ mod with_redis {
         fn drop(&mut self) {
             self.kill();
         }
+    }
+
+    /// A `redis-server` on 127.0.0.1:`port` without persistence, with `extra` arguments.
+    fn spawn_redis(port: u16, extra: &[&std::ffi::OsStr]) -> Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(["--protected-mode", "no", "--loglevel", "warning"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server")
+    }
+
+    /// `child` once it answers `PING` on `port`; `None` (reaped) if it exited first (the port
+    /// was taken) or never answered.
+    fn wait_ready(mut child: Child, port: u16) -> Option<Child> {
+        for _ in 0..400 {
+            if child.try_wait().ok().flatten().is_some() {
+                return None;
+            }
+            if ping(port) {
+                return Some(child);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
     }
 
     /// Whether a server on `port` answers `PING` with `+PONG`.
@@ -276,6 +313,38 @@ mod with_redis {
             assert_eq!(s.count_pages().await.unwrap(), 20);
             assert_eq!(s.delete(&keys).await.unwrap(), 20);
             assert_eq!(s.count_pages().await.unwrap(), 0);
+        });
+    }
+
+    /// The suite every store passes. The server may be shared: sizes are not exact, and a
+    /// Redis store has no cap of its own.
+    fn shared_suite(seed: u64) -> Suite {
+        Suite {
+            seed,
+            exact_sizes: false,
+            exact_lru: false,
+        }
+    }
+
+    #[test]
+    fn the_store_conformance_suite_on_one_server() {
+        let Some(t) = target("conformance") else {
+            return;
+        };
+        rt().block_on(async {
+            // Pipelines smaller than the suite's batches, and the default.
+            for max_batch in [5, 128] {
+                let s = RedisStore::connect(
+                    RedisConfig::new(&t.url)
+                        .with_key_prefix(format!("{}{max_batch}:", t.prefix))
+                        .with_max_batch(max_batch),
+                )
+                .await
+                .expect("connect");
+                conformance(&s, &shared_suite(max_batch as u64)).await;
+                assert_eq!(s.count_pages().await.unwrap(), 0, "the suite cleans up");
+                assert_eq!(s.stats().errors, 0);
+            }
         });
     }
 
@@ -555,35 +624,30 @@ mod with_redis {
                 ports: Vec::new(),
                 dir,
             };
-            for _ in 0..3 {
-                let port = free_cluster_port();
-                let child = Command::new("redis-server")
-                    .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                    .args(["--cluster-enabled", "yes"])
-                    .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                    .arg("--dir")
-                    .arg(&c.dir)
-                    .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                    .args(["--protected-mode", "no", "--loglevel", "warning"])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("start redis-server");
-                c.nodes.push(child);
-                c.ports.push(port);
-            }
-            for &p in &c.ports {
-                let mut up = false;
-                for _ in 0..400 {
-                    if ping(p) {
-                        up = true;
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(25));
+            for _ in 0..15 {
+                if c.ports.len() == 3 {
+                    break;
                 }
-                assert!(up, "cluster node on port {p} never answered PING");
+                let port = free_cluster_port();
+                let conf = format!("nodes-{port}.conf");
+                let args: [&std::ffi::OsStr; 6] = [
+                    "--cluster-enabled".as_ref(),
+                    "yes".as_ref(),
+                    "--cluster-config-file".as_ref(),
+                    conf.as_ref(),
+                    "--dir".as_ref(),
+                    c.dir.as_os_str(),
+                ];
+                if let Some(child) = wait_ready(spawn_redis(port, &args), port) {
+                    c.nodes.push(child);
+                    c.ports.push(port);
+                }
             }
+            assert_eq!(
+                c.ports.len(),
+                3,
+                "cluster nodes did not start on 15 free ports"
+            );
             let addrs: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
             let out = Command::new("redis-cli")
                 .args(["--cluster", "create"])
@@ -687,6 +751,8 @@ mod with_redis {
             assert_eq!((0..3).map(|i| cluster.dbsize(i)).sum::<u64>(), 0);
             assert!(matches!(s.count_pages().await, Err(StoreError::Config(_))));
             assert_eq!(s.stats().errors, 0);
+            conformance(&s, &shared_suite(11)).await;
+            assert_eq!((0..3).map(|i| cluster.dbsize(i)).sum::<u64>(), 0);
         });
     }
 

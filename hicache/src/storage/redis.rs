@@ -16,6 +16,9 @@ use super::backend::{Counters, StorageBackend, StoreError, StoreFuture, StoreSta
 /// refused by [`RedisStore`]'s `put` without a round trip.
 pub const REDIS_MAX_VALUE_BYTES: usize = 512 * 1024 * 1024;
 
+/// The longest TTL accepted (Redis refuses expiry times that overflow its 64-bit clock).
+const MAX_TTL_MS: u128 = 1 << 62;
+
 /// How a [`RedisStore`] reaches its server and names its pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RedisConfig {
@@ -32,7 +35,8 @@ pub struct RedisConfig {
     /// contain `{`: a hash tag would pin every page to one slot, so to one node.
     pub key_prefix: String,
     /// How long a stored page lives after its last write (`SET … PX`); `None` keeps it until
-    /// it is deleted or the server evicts it (`maxmemory-policy`). Must be at least 1 ms.
+    /// it is deleted or the server evicts it (`maxmemory-policy`). Must be at least 1 ms (and
+    /// at most 2^62 ms).
     pub ttl: Option<Duration>,
     /// The deadline of one operation (a whole batch, all its round trips, and any
     /// reconnection it waits for); past it the operation fails with [`StoreError::Timeout`].
@@ -110,9 +114,9 @@ impl RedisConfig {
             return bad("op_timeout must be non-zero");
         }
         if let Some(ttl) = self.ttl
-            && ttl.as_millis() == 0
+            && (ttl.as_millis() == 0 || ttl.as_millis() > MAX_TTL_MS)
         {
-            return bad("a TTL must be at least 1 ms");
+            return bad("a TTL must be at least 1 ms and at most 2^62 ms");
         }
         if self.cluster && self.key_prefix.contains('{') {
             return bad("the key prefix must not contain `{` (a hash tag)");
@@ -476,7 +480,7 @@ impl StorageBackend for RedisStore {
             let ttl_ms = self
                 .config
                 .ttl
-                .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+                .map(|t| u64::try_from(t.as_millis()).unwrap_or(1 << 62));
             let r = self
                 .timed(async {
                     let mut c = self.conn.clone();
@@ -547,6 +551,7 @@ mod tests {
             ok.clone().with_max_batch(0),
             ok.clone().with_op_timeout(Duration::ZERO),
             ok.clone().with_ttl(Duration::from_micros(999)),
+            ok.clone().with_ttl(Duration::MAX),
             cluster.clone().with_key_prefix("cache{a}:"),
             RedisConfig::new("rediss://127.0.0.1:6379"),
             RedisConfig::new(""),
