@@ -974,3 +974,110 @@ fn prefetches_respect_threshold_cap_and_duplicates() {
     assert_eq!(c.controller().host().used(), 0);
     c.check_invariants().unwrap();
 }
+
+/// A fresh directory for one test, removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir = std::env::temp_dir().join(format!(
+            "radixkv-tier-{name}-{}-{nanos}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn file_store_round_trip_survives_a_restart() {
+    use radixkv_hicache::storage::{FileStore, FileStoreConfig};
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        let dir = TempDir::new("restart");
+        let s = Setup {
+            page_size: 16,
+            layout,
+            device_pages: 64,
+            host_pages: 128,
+            ..Default::default()
+        };
+        let t = tokens(31, 200);
+        {
+            let store = Arc::new(FileStore::open_blocking(FileStoreConfig::new(&dir.0)).unwrap());
+            let mut a = cached(&s, store, None);
+            serve_and_store(&mut a, &t);
+            assert_eq!(a.stats().backup_pages_written, 12);
+        }
+        // A new process: a new store over the same directory, a new cache.
+        let store = Arc::new(FileStore::open_blocking(FileStoreConfig::new(&dir.0)).unwrap());
+        let mut b = cached(&s, store, None);
+        assert_eq!(prefetch_all(&mut b, 1, &t), 192, "{layout:?}");
+        let served = serve(&mut b, &t).unwrap();
+        assert_eq!(served.host_hit, 192);
+        b.flush().unwrap();
+        no_leaks(&b);
+    }
+}
+
+#[test]
+fn random_store_faults_never_serve_wrong_kv_or_leak() {
+    use radixkv_hicache::storage::{FaultConfig, FaultStore};
+    let s = Setup {
+        op_timeout: Duration::from_millis(40),
+        device_pages: 256,
+        host_pages: 256,
+        ..Default::default()
+    };
+    let store = Arc::new(FaultStore::new(MemStore::new(), FaultConfig::seeded(1)).unwrap());
+    let prompts: Vec<Vec<u32>> = (0..10).map(|i| tokens(40 + i, 64)).collect();
+    let mut warm = cached(&s, store.clone(), None);
+    for p in &prompts {
+        serve_and_store(&mut warm, p);
+    }
+    drop(warm);
+    for seed in 0..4 {
+        store
+            .set_config(FaultConfig {
+                seed,
+                error: 0.1,
+                hang: 0.05,
+                partial: 0.2,
+                corrupt: 0.05,
+                slow: 0.2,
+                slow_ms: 5,
+            })
+            .unwrap();
+        let mut c = cached(&s, store.clone(), None);
+        for (i, p) in prompts.iter().enumerate() {
+            // Half the prompts extend a prefix already served, so backups and prefetches mix.
+            let rid = i as u64;
+            if c.prefetch(rid, KeyRef::new(p)) {
+                c.wait_storage().unwrap();
+                assert!(matches!(
+                    c.check_prefetch(rid).unwrap(),
+                    PrefetchStatus::Done { .. }
+                ));
+            }
+            // `serve` checks every reused byte on the device.
+            serve(&mut c, p).unwrap();
+            c.step().unwrap();
+            c.check_invariants().unwrap();
+        }
+        c.flush().unwrap();
+        c.wait_storage().unwrap();
+        no_leaks(&c);
+        let st = c.stats();
+        assert_eq!(st.prefetches_started, 10);
+        assert!(st.storage_hit_tokens <= 10 * 60);
+    }
+}
