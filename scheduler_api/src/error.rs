@@ -14,7 +14,9 @@ pub enum ManagerError {
     /// An impossible or malformed configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// A cache kind whose crate is not wired into the factory yet.
+    /// A cache kind whose crate is not wired into the factory yet. Every combination a
+    /// configuration can express is wired in this build, so the factory does not return it
+    /// now; it stays for callers that match on it.
     #[error("cache kind `{kind}` needs the `{needs}` crate, which this build does not wire in")]
     NotWired {
         /// The requested kind.

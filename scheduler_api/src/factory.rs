@@ -39,9 +39,9 @@
 //! window pages are 64 bytes each, an engine's backend holds the model's), with sessions too (a
 //! session slot keeps its window KV across turns; demotion hands it to the tree, which backs
 //! it up), and both kinds in one model (one tree, both components moved with their KV in one
-//! operation). Both kinds under a host tier with sessions are still
-//! [`ManagerError::NotWired`]: no cache carries that combination there yet. The storage tier
-//! (L3) exists in no crate yet and is [`ManagerError::NotImplemented`].
+//! operation), with sessions too (a session slot keeps its window KV and running state across
+//! turns; demotion hands both to the tree). The storage tier (L3) exists in no crate yet and is
+//! [`ManagerError::NotImplemented`].
 
 use std::sync::Arc;
 
@@ -284,8 +284,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
 /// and for the CUDA backend (not built yet: hand your own backend to
-/// [`build_cache_with_backend`]); [`ManagerError::NotWired`] for a model with sliding-window
-/// and Mamba layers under a host tier with sessions;
+/// [`build_cache_with_backend`]);
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -373,7 +372,6 @@ fn build<B: DeviceBackend>(
         }
         _ => {}
     }
-    refuse_hybrid(cfg)?;
     let pools = cfg.pools()?;
     let mamba_slots = match pools.mamba {
         None => None,
@@ -392,8 +390,7 @@ fn build<B: DeviceBackend>(
         events: cfg.events,
         event_capacity: cfg.event_capacity,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
-        // The combinations not wired yet are refused above. The
-        // disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
+        // The disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
         mamba_slots,
         mamba_policy: match cfg.radix_mamba_policy()? {
             Some(_) if matches!(cfg.cache, CacheKind::Disabled) => MambaPolicy::Sglang,
@@ -448,33 +445,6 @@ fn build<B: DeviceBackend>(
             with_sessions(Tiered::with_backend(cfg, h, radix, b)?, sessions, clock)
         }
     })
-}
-
-/// The hybrid models no cache carries yet are refused, naming the missing component, rather
-/// than built into a cache that would ignore their pools: sliding-window and Mamba layers
-/// together under a host tier with sessions (a session slot's window KV and state together
-/// with a host tier are not tested yet).
-///
-/// Mamba layers, sliding-window layers or both on the device-only caches (`radix`, `disabled`)
-/// are wired: the radix tree carries the states and the window KV as components of its nodes
-/// (both at once for a model with both), and a session slot keeps its running state and its
-/// window KV across turns. Mamba layers, sliding-window layers or both under a host tier are
-/// wired too: `HiRadixCache` backs up and loads the states and the window KV with their KV,
-/// with sessions as well for one kind (a session slot keeps its window KV across turns;
-/// demotion hands it to the tree, whose backups carry it to the host).
-fn refuse_hybrid(cfg: &ManagerConfig) -> Result<()> {
-    let n = cfg.model.layer_counts();
-    if !matches!(cfg.cache, CacheKind::HiCache(_)) || n.sliding_window == 0 {
-        return Ok(());
-    }
-    if n.mamba > 0 && cfg.sessions.is_some() {
-        return Err(ManagerError::NotWired {
-            kind: "sessions for a model with both sliding-window and Mamba layers under a \
-                   host tier (a session slot's window KV and Mamba state with a host tier)",
-            needs: "radixkv-scheduler-api",
-        });
-    }
-    Ok(())
 }
 
 /// `cache`, wrapped in a session layer reading `clock` when `sessions` is on.
@@ -560,7 +530,7 @@ mod tests {
     }
 
     #[test]
-    fn cuda_is_not_built_and_hybrid_pools_name_their_crate() {
+    fn cuda_is_not_built_and_hybrid_models_build_on_every_cache() {
         let cuda = ManagerConfig {
             backend: BackendKind::Cuda { device: 0 },
             ..base()
@@ -610,20 +580,13 @@ mod tests {
             both.model.sliding_window = Some(64);
             let c = build_cache(&both).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
             assert!(c.swa_accounting().is_some() && c.mamba_accounting().is_some());
-            // With sessions too: built on the device-only caches, refused under a host tier.
+            // With sessions too, on every cache kind (a session slot keeps its window KV and
+            // running state; under a host tier demotion hands both to the tree).
             both.sessions = swa.sessions.clone();
-            match build_cache(&both) {
-                Ok(c) => {
-                    assert!(!hicache);
-                    assert!(c.swa_accounting().is_some() && c.mamba_accounting().is_some());
-                }
-                Err(e) => {
-                    assert!(hicache, "{e:?}");
-                    assert!(matches!(e, ManagerError::NotWired { .. }), "{e:?}");
-                    let e = e.to_string();
-                    assert!(e.contains("sessions") && e.contains("Mamba"), "{e}");
-                }
-            }
+            let mut c = build_cache(&both).unwrap_or_else(|e| panic!("{hicache}: {e:?}"));
+            assert!(c.swa_accounting().is_some() && c.mamba_accounting().is_some());
+            c.open_session(1, true, None)
+                .expect("sessions open over sliding-window and Mamba layers");
         }
         for (cache, _) in kinds {
             let hicache = matches!(cache, CacheKind::HiCache(_));

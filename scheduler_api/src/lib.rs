@@ -26,11 +26,9 @@
 //!   window KV is backed up and loaded back with its KV; a session slot keeps its window KV
 //!   across turns there too, and a demoted session's window comes back from the host), or both
 //!   kinds in one model (full attention, sliding window and Mamba layers: one tree carries both
-//!   components, admission needs room in each of the three pools; under a host tier too,
-//!   without sessions: the window KV and the states are backed up and loaded back with their
-//!   KV). The other hybrid combination — sliding-window and Mamba layers together under a host
-//!   tier with sessions — is validated and sized but fails to build with
-//!   [`ManagerError::NotWired`], naming the crate that does not carry it yet.
+//!   components, admission needs room in each of the three pools; under a host tier too, with
+//!   or without sessions: the window KV and the states are backed up and loaded back with their
+//!   KV, and a demoted session's next turn loads its KV, window and state back from the host).
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
 //!   `pools.mamba_bytes / slot bytes` slots, at least 2 (a budget for fewer is a
 //!   [`ManagerError::Config`]: a hit holds the cached state and the request's copy). Every running request holds one slot of its own

@@ -183,7 +183,7 @@ impl KvCacheManager {
     /// names; [`ManagerBuilder::device_backend`] gives it the engine's own.
     ///
     /// # Errors
-    /// As [`build_cache_with_clock`]: [`ManagerError::Config`], [`ManagerError::NotWired`],
+    /// As [`build_cache_with_clock`]: [`ManagerError::Config`],
     /// [`ManagerError::NotImplemented`] or [`ManagerError::Tier`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         Self::build(cfg, None)

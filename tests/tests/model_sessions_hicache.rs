@@ -11,6 +11,11 @@
 //! small pool of window pages (and their host copies): session slots keep their window tables
 //! across turns while backups, write-back evictions, window tombstoning and load-backs move the
 //! tree around them; at teardown no window page is held on either tier.
+//!
+//! The three-kind variant ([`SwaMambaTiered`]) adds a small pool of Mamba state slots (and
+//! their host copies) to it: one tree carries both components, session slots keep their
+//! running state and window across turns, backups and load-backs move states with their KV
+//! and window KV, and at teardown no window page or state slot is held on either tier.
 
 use std::sync::Arc;
 
@@ -20,7 +25,7 @@ use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{FinishKind, PolicyKind, PrefixCache, RadixConfig, SwaConfig};
+use radixkv_radix::{FinishKind, MambaPolicy, PolicyKind, PrefixCache, RadixConfig, SwaConfig};
 use radixkv_tests::model_kv::{ModelDevice, TOKEN_BYTES};
 use radixkv_tests::session_model::{Flight, Machine, Profile, Sut, Tier};
 
@@ -29,6 +34,8 @@ const LAYERS: usize = 2;
 const DEVICE_PAGES: usize = 40;
 /// Bytes of one window page on the host (the sliding-window variant).
 const SWA_PAGE_BYTES: usize = 32;
+/// Bytes of one Mamba state slot (the three-kind variant).
+const STATE_BYTES: usize = 48;
 
 /// How a run builds the host tier.
 #[derive(Clone, Debug)]
@@ -49,6 +56,9 @@ enum HostOp {
     /// Window-pool pressure (the sliding-window variant): tombstone up to this many unlocked
     /// device window pages.
     EvictWindow { pages: usize },
+    /// State-pool pressure (the three-kind variant): tombstone up to this many unlocked
+    /// device Mamba states.
+    EvictStates { n: usize },
     /// The next `n` copies on a stream fail.
     Fail { load: bool, n: u32 },
 }
@@ -109,7 +119,7 @@ impl Tier for Tiered {
     }
 
     fn build(m: &Params) -> (ModelDevice<HostSim>, HiRadixCache<HostSim>) {
-        build(m.write_policy, m.layout, None)
+        build(m.write_policy, m.layout, None, None)
     }
 
     fn load_back(sut: &mut Sut<Self>, f: &mut Flight) -> bool {
@@ -180,6 +190,7 @@ impl Tier for SwaTiered {
                 window: m.window * P,
                 pages: m.pages,
             }),
+            None,
         )
     }
 
@@ -197,18 +208,91 @@ impl Tier for SwaTiered {
 
     fn check_drained(sut: &Sut<Self>) {
         check_drained(sut);
+        check_no_window_held(sut);
+    }
+}
+
+/// The tiered cache over a model with all three kinds of layers: small pools of device window
+/// pages and Mamba state slots in one tree, both backed up and loaded back with their KV.
+struct SwaMambaTiered;
+
+impl Tier for SwaMambaTiered {
+    type Inner = HiRadixCache<HostSim>;
+    type Kv = ModelDevice<HostSim>;
+    /// The sliding-window parameters and the device state slots.
+    type Params = (SwaParams, u32);
+    type Extra = HostOp;
+    const PROFILE: Profile = Tiered::PROFILE;
+    const RUNNING_STATE: bool = true;
+    const WINDOW: bool = true;
+
+    fn params() -> BoxedStrategy<(SwaParams, u32)> {
+        (SwaTiered::params(), 3u32..16).boxed()
+    }
+
+    fn extra_ops() -> Vec<(u32, BoxedStrategy<HostOp>)> {
+        let mut ops = SwaTiered::extra_ops();
+        ops.push((
+            1,
+            (1..4usize).prop_map(|n| HostOp::EvictStates { n }).boxed(),
+        ));
+        ops
+    }
+
+    fn build((m, slots): &(SwaParams, u32)) -> (ModelDevice<HostSim>, HiRadixCache<HostSim>) {
+        build(
+            m.host.write_policy,
+            m.host.layout,
+            Some(SwaConfig {
+                window: m.window * P,
+                pages: m.pages,
+            }),
+            Some(*slots),
+        )
+    }
+
+    fn load_back(sut: &mut Sut<Self>, f: &mut Flight) -> bool {
+        load_back(sut, f)
+    }
+
+    fn apply_extra(sut: &mut Sut<Self>, op: HostOp) {
+        apply_extra(sut, op);
+    }
+
+    fn drain(sut: &mut Sut<Self>) {
+        drain(sut);
+    }
+
+    fn check_drained(sut: &Sut<Self>) {
+        check_drained(sut);
+        check_no_window_held(sut);
         let c = sut.c.inner();
-        let a = c.device_cache().swa_accounting().unwrap();
-        assert!(a.balanced(), "{a:?}");
+        let m = c.device_cache().mamba_accounting().unwrap();
+        assert!(m.balanced(), "{m:?}");
         assert_eq!(
-            (a.request_owned, a.protected, a.free),
-            (0, 0, a.total),
-            "window pages leaked: {a:?} ({:?})",
+            (m.request_owned, m.protected, m.free),
+            (0, 0, m.total),
+            "state slots leaked: {m:?} ({:?})",
             sut.stats()
         );
-        assert_eq!(sut.c.held_window_pages(), 0);
-        assert_eq!(c.host_swa_pages(), 0, "host window pages leaked");
+        assert_eq!(sut.c.held_state_slots(), 0);
+        assert_eq!(c.host_mamba_states(), 0, "host states leaked");
     }
+}
+
+/// At teardown no window page is held on either tier.
+fn check_no_window_held<T: HostTiered>(sut: &Sut<T>) {
+    let c = sut.c.inner();
+    let a = c.device_cache().swa_accounting().unwrap();
+    assert!(a.balanced(), "{a:?}");
+    assert_eq!(
+        (a.request_owned, a.protected, a.free),
+        (0, 0, a.total),
+        "window pages leaked: {a:?} ({:?})",
+        sut.stats()
+    );
+    assert_eq!(sut.c.held_window_pages(), 0);
+    assert_eq!(c.host_swa_pages(), 0, "host window pages leaked");
 }
 
 /// The tiered caches of this test (both write the KV to the simulated device).
@@ -219,13 +303,15 @@ trait HostTiered:
 
 impl HostTiered for Tiered {}
 impl HostTiered for SwaTiered {}
+impl HostTiered for SwaMambaTiered {}
 
 /// A tiered cache of `DEVICE_PAGES` pages over a fresh simulated device, with `swa`'s window
-/// pool if any.
+/// pool and `mamba_slots` state slots if any.
 fn build(
     write_policy: WritePolicy,
     layout: HostLayout,
     swa: Option<SwaConfig>,
+    mamba_slots: Option<u32>,
 ) -> (ModelDevice<HostSim>, HiRadixCache<HostSim>) {
     let g = KvGeometry::new(LAYERS, P, TOKEN_BYTES).unwrap();
     let backend = Arc::new(HostSim::new(g, DEVICE_PAGES, HostSimConfig::default()).unwrap());
@@ -239,6 +325,8 @@ fn build(
                 events: true,
                 disabled: false,
                 swa,
+                mamba_slots,
+                mamba_policy: MambaPolicy::Sglang,
                 ..Default::default()
             },
             host_size: HostSize::Ratio(2.0),
@@ -246,6 +334,7 @@ fn build(
             write_policy,
             load_back_min_tokens: 1,
             swa_page_bytes: swa.map(|_| SWA_PAGE_BYTES),
+            mamba_state_bytes: mamba_slots.map(|_| STATE_BYTES),
             ..Default::default()
         },
         backend.clone(),
@@ -312,6 +401,11 @@ fn apply_extra<T: HostTiered>(sut: &mut Sut<T>, op: HostOp) {
                 sut.bump("window tombstoned");
             }
         }
+        HostOp::EvictStates { n } => {
+            if sut.c.inner_mut().evict_mamba_states(n) > 0 {
+                sut.bump("state tombstoned");
+            }
+        }
         HostOp::Fail { load, n } => {
             let stream = if load {
                 StreamKind::Load
@@ -369,5 +463,16 @@ prop_state_machine! {
     #[test]
     fn sliding_window_sessions_over_hicache_match_the_model(
         sequential 10..80 => Machine<SwaTiered>
+    );
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(debug_assertions) { 128 } else { 512 },
+        ..ProptestConfig::default()
+    })]
+    #[test]
+    fn sliding_window_and_mamba_sessions_over_hicache_match_the_model(
+        sequential 10..80 => Machine<SwaMambaTiered>
     );
 }

@@ -461,7 +461,8 @@ pub struct HiCacheStats {
     pub mamba_states_loaded: u64,
     /// Host copies of Mamba states freed by host eviction.
     pub mamba_host_evicted: u64,
-    /// Load-backs abandoned because no device Mamba slot could be had.
+    /// Load-backs abandoned because no device Mamba slot could be had (for the loaded state,
+    /// or one more for the request's own running state).
     pub mamba_load_back_no_slot: u64,
     /// Window pages whose backup was queued with their node's KV.
     pub swa_pages_backed_up: u64,

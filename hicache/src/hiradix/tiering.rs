@@ -538,6 +538,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
         let dev_slot = extra.first().map(|t| t.device_indices[0]);
+        if self.mamba {
+            // The request still needs its own running slot (`begin_request` takes it after
+            // the load is queued): a load that leaves none would be queued for a request that
+            // then fails with no state slot, so it is not made (nothing changes).
+            let (tree, _) = self.inner.parts_mut();
+            let a = tree.mamba_accounting()?;
+            if a.free + a.evictable == 0 {
+                if let Some(s) = dev_slot {
+                    tree.free_mamba_slot(s)?;
+                }
+                tree.dec_lock_ref(lock)?;
+                self.stats.mamba_load_back_no_slot += 1;
+                return Ok(0);
+            }
+        }
         let window_pages: usize = windows.iter().map(|(_, h)| h.len()).sum();
         let mut swa_dev: Vec<PageId> = Vec::new();
         if window_pages > 0 {

@@ -1070,7 +1070,7 @@ fn a_gemma_like_hicache_replay_with_sessions_keeps_windows_and_leaks_nothing() {
 
 /// A model with all three kinds of layers (full attention, sliding window, Mamba), declared in
 /// a config file: one tree carries both components, and a replay with and without sessions,
-/// and under the host tier, runs with every step audited and leaves no page, slot or window
+/// and under the host tier with and without sessions, runs with every step audited and leaves no page, slot or window
 /// page held.
 #[test]
 fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
@@ -1087,6 +1087,7 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
         &[][..],
         &["--session-tokens", "4096"][..],
         &["--cache", "hicache"][..],
+        &["--cache", "hicache", "--session-tokens", "4096"][..],
     ] {
         let args = [
             &[
