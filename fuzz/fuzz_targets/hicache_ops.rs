@@ -27,7 +27,8 @@
 //! state slots in one tree (few or many host SWA pages and host state slots): the state bytes
 //! are checked as in the `M` mode, every pool balances, and window-KV-only and Mamba-only
 //! device evictions and window slides run between the operations. Session operations are left
-//! out there (sessions over a tiered cache with both components are refused by the manager).
+//! out of this mode: sessions over a tiered cache with both components are exercised by the
+//! session model test (`tests/tests/model_sessions_hicache.rs`, its `SwaMambaTiered` tier).
 //!
 //! (Mode bytes rather than new fields, so the regression inputs under `seeds/` keep decoding
 //! as they did.)
@@ -385,8 +386,7 @@ fuzz_target!(|data: &[u8]| {
         }
         Some((b'B', rest)) => {
             if let Ok(i) = BothInput::arbitrary_take_rest(Unstructured::new(rest)) {
-                // No session operations: the manager refuses sessions over a tiered cache
-                // with both components.
+                // No session operations in this mode (see the module docs).
                 let ops = i.ops.iter().filter_map(|op| match op {
                     HybridOp::Op(Op::Drive(
                         DriverOp::Open { .. }
