@@ -30,6 +30,7 @@ fn have_redis_server() -> bool {
 }
 
 /// A port nothing listens on now.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     l.local_addr().expect("local address").port()
