@@ -24,7 +24,7 @@ const MAX_TTL_MS: u128 = 1 << 62;
 pub struct RedisConfig {
     /// The server: `redis://[[user]:password@]host[:port][/db]`, or
     /// `redis+unix:///path/to/socket[?db=n]`. With [`RedisConfig::cluster`], one or more
-    /// nodes of the cluster separated by commas (`redis://10.0.0.1:7000,redis://10.0.0.2:7000`):
+    /// nodes of the cluster separated by commas (`redis://kv-node-1:7000,redis://kv-node-2:7000`):
     /// the client learns the others from them. TLS (`rediss://`) is not built in and is
     /// refused with [`StoreError::Config`].
     pub url: String,
