@@ -4,6 +4,8 @@
 // Each test file compiles this module on its own and uses only some of it.
 #![allow(dead_code)]
 
+pub mod turns;
+
 use radixkv_scheduler_api::{
     Admission, Admitted, KvCacheManager, ModelGeometry, Preset, ReqId, SessionBudget,
 };
