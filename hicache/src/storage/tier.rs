@@ -193,6 +193,30 @@ impl Drop for Reply {
     }
 }
 
+/// How many of `keys`, from the first, the store holds, asked in batches of
+/// `opts.batch_pages` (each under the operation timeout) until the first gap; and whether a
+/// batch failed (the count then stops before it).
+async fn stored_prefix(
+    store: &dyn StorageBackend,
+    keys: &[PageKey],
+    opts: &TierOptions,
+) -> (usize, bool) {
+    let mut found = 0;
+    for chunk in keys.chunks(opts.batch_pages) {
+        match timed(opts.op_timeout, store.exists_prefix(chunk)).await {
+            Ok(n) => {
+                found += n.min(chunk.len());
+                if n < chunk.len() {
+                    return (found, false);
+                }
+            }
+            Err(_) => return (found, true),
+        }
+    }
+    (found, false)
+}
+
+/// `f`'s result, or [`StoreError::Timeout`] once `d` has passed.
 async fn timed<T>(
     d: Duration,
     f: impl Future<Output = std::result::Result<T, StoreError>>,
@@ -385,19 +409,8 @@ impl StorageTier {
             let mut keys = Vec::with_capacity(total);
             seed.extend_chain(None, &tokens, p, &mut keys);
             let keys = &keys[first_page..];
-            let mut present = 0;
-            for chunk in keys.chunks(opts.batch_pages) {
-                match timed(opts.op_timeout, store.exists_prefix(chunk)).await {
-                    Ok(n) => {
-                        present += n.min(chunk.len());
-                        if n < chunk.len() {
-                            break;
-                        }
-                    }
-                    // Writing everything is the safe answer; the puts will tell.
-                    Err(_) => break,
-                }
-            }
+            // On a failed lookup, writing everything is the safe answer; the puts will tell.
+            let (present, _) = stored_prefix(&*store, keys, &opts).await;
             let mut written = 0;
             let g = format.geometry();
             let layer_bytes = g.page_bytes_per_layer();
@@ -467,22 +480,7 @@ impl StorageTier {
             seed.extend_chain(None, &tokens, p, &mut keys);
             let end = keys.len().min(first_page.saturating_add(max_pages));
             let keys = &keys[first_page.min(end)..end];
-            let mut found = 0;
-            let mut failed = false;
-            for chunk in keys.chunks(opts.batch_pages) {
-                match timed(opts.op_timeout, store.exists_prefix(chunk)).await {
-                    Ok(n) => {
-                        found += n.min(chunk.len());
-                        if n < chunk.len() {
-                            break;
-                        }
-                    }
-                    Err(_) => {
-                        failed = true;
-                        break;
-                    }
-                }
-            }
+            let (found, failed) = stored_prefix(&*store, keys, &opts).await;
             reply.send(Completion::Query {
                 job,
                 keys: keys[..found].to_vec(),
