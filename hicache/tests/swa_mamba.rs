@@ -339,3 +339,65 @@ fn random_traffic_keeps_windows_states_and_audits() {
     assert!(repaired > 0, "no load failed and was repaired");
     assert!(window_only > 0, "no load brought window pages alone");
 }
+
+/// A load-back declined for want of a state slot leaves the request the device prefix it
+/// matched: the load never evicts that prefix's own state for its slot and then gives up (a
+/// CI run of the session model found this; the request then reused nothing). Once a slot
+/// frees, the same load goes ahead and supersedes that state. For both a Mamba-only tree and
+/// one with both components.
+#[test]
+fn a_load_declined_for_a_slot_keeps_the_device_prefix() {
+    for setup in [Setup::mamba(), Setup::both()] {
+        let mut c = build(&Setup {
+            mamba: Some(MambaSetup {
+                slots: 2,
+                ..Default::default()
+            }),
+            ..setup.clone()
+        });
+        let a = tokens(1, 8);
+        let mut ab = a.clone();
+        ab.extend(tokens(2, 8));
+        serve(&mut c, &a);
+        serve(&mut c, &ab);
+        c.flush().unwrap();
+        // B's node (a leaf) leaves the device with its state; A keeps its state there.
+        assert_eq!(c.evict(8), 8);
+        c.check_invariants().unwrap();
+        let mut abx = ab.clone();
+        abx.push(5);
+        assert_eq!(probe(&mut c, &abx), (8, 8), "{setup:?}");
+        // A running request takes the free slot: A's state is the only one left to evict.
+        let mut other = RequestKv::new(RadixKey::new(tokens(3, 4)));
+        c.match_request(&mut other).unwrap();
+        c.begin_request(&mut other).unwrap();
+        let before = c.stats();
+        let mut r = RequestKv::new(RadixKey::new(abx.clone()));
+        assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 8);
+        let e = c.begin_request(&mut r).unwrap_err();
+        assert!(
+            matches!(e, radixkv_radix::CacheError::OutOfStateSlots { .. }),
+            "{setup:?}: {e:?}"
+        );
+        let st = c.stats();
+        assert_eq!(
+            st.mamba_load_back_no_slot,
+            before.mamba_load_back_no_slot + 1,
+            "{st:?}"
+        );
+        c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+        c.check_invariants().unwrap();
+        assert_eq!(probe(&mut c, &abx), (8, 8), "{setup:?}: A's state survived");
+        // The slot frees: the load goes ahead, and the request's own slot takes A's state.
+        c.cache_finished_req(&mut other, FinishKind::Aborted)
+            .unwrap();
+        let (m, loaded) = serve(&mut c, &abx);
+        assert_eq!(
+            (m.prefix_len, m.host_hit_len, loaded),
+            (8, 8, 8),
+            "{setup:?}"
+        );
+        c.flush().unwrap();
+        c.check_invariants().unwrap();
+    }
+}

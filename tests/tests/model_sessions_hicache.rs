@@ -471,12 +471,10 @@ prop_state_machine! {
         cases: if cfg!(debug_assertions) { 128 } else { 512 },
         ..ProptestConfig::default()
     })]
-    // Known bug, found by a CI run of afbf68d (its shrunk case is the last line of the
-    // .proptest-regressions file): a session turn over HiCache with both sliding-window and
-    // Mamba layers reuses fewer tokens than its prefix says (driver.rs, `reused >=
-    // m.prefix_len`). Ignored until it is fixed; run it with `--ignored`.
+    // The last line of the .proptest-regressions file is the case a CI run found: a declined
+    // load-back (no state slot) had evicted the device prefix's own state for its slot, so the
+    // turn reused nothing (`HiRadixCache::init_load_back` now locks the prefix's end).
     #[test]
-    #[ignore = "known bug: reused < prefix_len for SWA + Mamba sessions over HiCache"]
     fn sliding_window_and_mamba_sessions_over_hicache_match_the_model(
         sequential 10..80 => Machine<SwaMambaTiered>
     );

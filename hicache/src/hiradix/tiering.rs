@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use radixkv_radix::{NodeId, PageId, PrefixCache, RequestKv};
+use radixkv_radix::{LockReceipt, NodeId, PageId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::{DeviceBackend, StreamKind};
@@ -387,7 +387,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// the prefix also takes in the device KV between the usable prefix and the loaded part.
     /// Returns the tokens the prefix grew by; 0 when there is nothing to load, the hit is
     /// shorter than the minimum or its KV larger than `quota_tokens`, the match went stale, or
-    /// the device cannot make room (the request then proceeds with its device prefix).
+    /// the device cannot make room (the request then proceeds with its device prefix). A
+    /// declined load leaves that prefix usable: with Mamba or SWA components its end keeps its
+    /// state and window while the load allocates, and a queued load supersedes them.
     ///
     /// # Errors
     /// [`CacheError::Busy`](radixkv_radix::CacheError::Busy) when the controller already holds
@@ -404,6 +406,59 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 "load-back on a request that already holds KV",
             ));
         }
+        // With Mamba or SWA components the device prefix is usable only while its end keeps
+        // its state and window. The allocations below may evict unlocked states and tombstone
+        // unlocked windows, and the load may still be declined after them (no slot, no window
+        // pages, no device room): so the prefix's end is locked with its components until the
+        // load is queued or declined, and a declined load leaves the request the prefix it
+        // matched. (A CI run found a declined load that had evicted the prefix's state for its
+        // own slot: the request then reused nothing.)
+        let keep = match req.last_node {
+            Some(end) if req.host_hit_len > 0 && req.load_anchor.is_some() => {
+                self.lock_device_prefix_end(end)
+            }
+            _ => None,
+        };
+        let kept_state = keep.as_ref().is_some_and(|_| self.mamba);
+        let r = self.init_load_back_locked(req, quota_tokens, kept_state);
+        if let Some(k) = keep {
+            let (tree, _) = self.inner.parts_mut();
+            let released = tree.dec_lock_ref(k);
+            if r.is_ok() {
+                released?;
+            }
+        }
+        r
+    }
+
+    /// Locks `end` (the device prefix's end) with the components a match there needs: its
+    /// Mamba state and the window before it, where the tree has those components. `None` for
+    /// a KV-only tree (the load's own lock on its anchor already covers the device path), for
+    /// the root, and for an end that is no longer a usable match end (the request's
+    /// `begin_request` matches again then).
+    fn lock_device_prefix_end(&mut self, end: NodeId) -> Option<LockReceipt> {
+        if !(self.mamba || self.swa) {
+            return None;
+        }
+        let (tree, _) = self.inner.parts_mut();
+        if end == tree.root() || !tree.contains(end) {
+            return None;
+        }
+        match (self.mamba, self.swa) {
+            (true, true) => tree.inc_lock_ref_swa_mamba(end).ok(),
+            (true, false) => tree.inc_lock_ref_mamba(end).ok(),
+            _ => tree.inc_lock_ref_swa(end).ok(),
+        }
+    }
+
+    /// [`HiRadixCache::init_load_back`] once the device prefix's end is locked (`kept_state`:
+    /// with its Mamba state).
+    fn init_load_back_locked(
+        &mut self,
+        req: &mut RequestKv,
+        quota_tokens: Option<usize>,
+        kept_state: bool,
+    ) -> radixkv_radix::Result<usize> {
         let (Some(anchor), Some(device_end)) = (req.load_anchor, req.last_node) else {
             return Ok(0);
         };
@@ -544,7 +599,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             // then fails with no state slot, so it is not made (nothing changes).
             let (tree, _) = self.inner.parts_mut();
             let a = tree.mamba_accounting()?;
-            if a.free + a.evictable == 0 {
+            // The device prefix's own state, locked above only so that a declined load keeps
+            // it, is superseded by a queued load: the request's slot may evict it then.
+            let own = usize::from(
+                kept_state
+                    && tree.mamba_state(device_end)?.is_some()
+                    && tree.mamba_lock_ref(device_end)? == 1,
+            );
+            if a.free + a.evictable + own == 0 {
                 if let Some(s) = dev_slot {
                     tree.free_mamba_slot(s)?;
                 }

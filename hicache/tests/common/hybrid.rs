@@ -246,6 +246,14 @@ pub fn serve(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (RequestMatch, us
     let degraded = |s: &HiCacheStats| {
         s.load_back_device_full + s.mamba_load_back_no_slot + s.swa_load_back_no_pages
     };
+    // Loaded or not, the device prefix the match reported is kept: a declined load changes
+    // nothing the prefix depends on.
+    assert!(
+        r.prefix_len >= m.prefix_len,
+        "the {}-token device prefix shrank to {} at begin: {after:?}",
+        m.prefix_len,
+        r.prefix_len
+    );
     assert!(
         m.host_hit_len == 0
             || r.prefix_len == m.prefix_len + m.host_hit_len
