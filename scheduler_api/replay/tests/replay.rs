@@ -8,7 +8,9 @@ mod common;
 use std::path::Path;
 
 use radixkv_radix::PolicyKind;
-use radixkv_replay::sim::{CompareOutcome, Report, SimConfig, compare, compare_configs, replay};
+use radixkv_replay::sim::{
+    Arrivals, CompareOutcome, Report, SimConfig, compare, compare_configs, replay,
+};
 use radixkv_replay::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::config::Eviction;
 use radixkv_scheduler_api::{CacheKind, HostTier, SessionBudget, WritePolicy};
@@ -508,4 +510,44 @@ fn waiting_session_turns_do_not_block_each_other() {
     });
     let r = replay(&t, &cfg, &mut ()).unwrap_or_else(|e| panic!("{e}"));
     check(&r, &t);
+}
+
+/// A target load spreads the conversations' starts until the estimate reaches it, keeps each
+/// conversation's own timing, and the report carries both the estimate and the measured load;
+/// spreading the starts further lowers the load measured.
+#[test]
+fn a_target_load_spreads_conversation_starts_and_the_report_measures_it() {
+    let trace = SyntheticChat {
+        conversations: 8,
+        ..Default::default()
+    }
+    .generate()
+    .unwrap();
+    let mut cfg = sim(64 * 1024, 16);
+    cfg.arrivals = Arrivals::Load(0.03);
+    let r = replay(&trace, &cfg, &mut ()).unwrap();
+    check(&r, &trace);
+    let l = r.load;
+    assert_eq!(l.target_load, Some(0.03));
+    assert!(l.arrival_scale > 0.0 && l.arrival_scale != 1.0, "{l:?}");
+    let est = l.estimated_compute.max(l.estimated_memory);
+    assert!(
+        (est - 0.03).abs() < 1e-4,
+        "the estimate is the target: {l:?}"
+    );
+    assert!(l.compute > 0.0 && l.memory > 0.0, "{l:?}");
+    // Own timing: nothing moves, and the estimate is still reported.
+    cfg.arrivals = Arrivals::Trace;
+    let own = replay(&trace, &cfg, &mut ()).unwrap();
+    assert_eq!(own.load.arrival_scale, 1.0);
+    assert!(own.load.estimated_compute.max(own.load.estimated_memory) > 0.0);
+    // Four times the spread: a lighter measured load.
+    cfg.arrivals = Arrivals::Scale(l.arrival_scale * 4.0);
+    let light = replay(&trace, &cfg, &mut ()).unwrap();
+    check(&light, &trace);
+    assert!(
+        light.load.memory.max(light.load.compute) < l.memory.max(l.compute),
+        "{:?} vs {l:?}",
+        light.load
+    );
 }

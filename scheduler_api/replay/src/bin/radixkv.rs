@@ -23,8 +23,8 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{
-    self, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes, fmt_count,
-    fmt_pool,
+    self, Arrivals, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes,
+    fmt_count, fmt_pool,
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
@@ -118,9 +118,11 @@ struct TraceArgs {
     /// Keep only the first this many requests (by arrival) [default: all]
     #[arg(long)]
     max_requests: Option<usize>,
-    /// Mean gap between conversation starts for weka traces (seconds).
-    #[arg(long, default_value_t = ReadOptions::default().conversation_gap_s)]
-    conversation_gap_s: f64,
+    #[arg(long, value_name = "SECONDS", help = with_default(
+        "Mean gap between conversation starts for weka traces (seconds); giving it replays that \
+         timing as is (no --load default)",
+        ReadOptions::default().conversation_gap_s))]
+    conversation_gap_s: Option<f64>,
     /// Seed of the arrival process of weka conversations.
     #[arg(long, default_value_t = ReadOptions::default().seed)]
     seed: u64,
@@ -291,6 +293,18 @@ struct RunArgs {
     #[arg(long, value_name = "GB/S",
         help = with_default("Host↔device bandwidth in GB/s", CostModel::default().transfer_gbps))]
     bandwidth_gbps: Option<f64>,
+    /// Spread the conversations' starts (each keeps its own turn timing) so that the simulated
+    /// GPU's busiest minutes are this busy: the busier of compute and KV memory, estimated from
+    /// the trace with ideal hits (the report shows the load measured too). 0.7 keeps the server
+    /// busy without a queue that grows for hours [default: 0.7 for weka traces without
+    /// --conversation-gap-s, whose conversation starts are synthetic; else the workload's own
+    /// timing]
+    #[arg(long, value_name = "LOAD", conflicts_with = "arrival_scale")]
+    load: Option<f64>,
+    /// Spread the conversations' starts by this factor instead (> 1: further apart; 1: the
+    /// workload's own timing, e.g. to measure a weka trace under saturation)
+    #[arg(long, value_name = "FACTOR")]
+    arrival_scale: Option<f64>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
     /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
     /// policy too) on the same workload and print one table.
@@ -401,12 +415,16 @@ impl TraceArgs {
             limit: self.limit,
             max_requests: at_least_one("--max-requests", self.max_requests)?,
             seed: self.seed,
-            conversation_gap_s: gap(self.conversation_gap_s)?,
+            conversation_gap_s: gap(self
+                .conversation_gap_s
+                .unwrap_or(ReadOptions::default().conversation_gap_s))?,
         })
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // Whether the user set the workload's timing (a weka replay then keeps it).
+    let mut own_timing = false;
     let (workload, run) = match cli.cmd {
         Some(Cmd::Analyze {
             input,
@@ -432,6 +450,7 @@ fn run(cli: Cli) -> Result<()> {
         Some(Cmd::Demo(d)) => (demo(&d)?, d.run),
         Some(Cmd::Replay { input, run }) => {
             let opts = input.read_options()?;
+            own_timing = input.conversation_gap_s.is_some();
             let w = Workload::File {
                 path: input.trace,
                 format: input.format,
@@ -440,7 +459,22 @@ fn run(cli: Cli) -> Result<()> {
             (w, run)
         }
     };
-    let cfg = sim_config(&run)?;
+    let mut cfg = sim_config(&run)?;
+    if matches!(
+        workload,
+        Workload::File {
+            format: TraceFormat::Weka,
+            ..
+        }
+    ) && run.load.is_none()
+        && run.arrival_scale.is_none()
+        && !own_timing
+    {
+        // The agentic traces' conversation starts are made up (a Poisson process), and at any
+        // gap short enough to finish in reasonable simulated time the server saturates: the
+        // default aims for a sustainable load instead.
+        cfg.arrivals = Arrivals::Load(DEFAULT_AGENTIC_LOAD);
+    }
     // Everything that can be checked is checked before the workload is read and replayed: a
     // long replay must not end in an error about its output directory.
     if let Some(dir) = &run.out {
@@ -593,6 +627,9 @@ fn demo(d: &DemoArgs) -> Result<Workload> {
     Ok(Workload::Synthetic(chat))
 }
 
+/// The target load of a weka replay that names neither `--load` nor `--arrival-scale`.
+const DEFAULT_AGENTIC_LOAD: f64 = 0.7;
+
 fn sim_config(run: &RunArgs) -> Result<SimConfig> {
     let m = manager_config(&run.manager)?;
     let mut cfg = SimConfig {
@@ -630,6 +667,14 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         cfg.check_invariants_every = n;
     }
     cfg.max_rss_growth_mib = run.max_rss_growth_mib;
+    cfg.arrivals = match (run.load, run.arrival_scale) {
+        (Some(l), _) => Arrivals::Load(l),
+        (None, Some(s)) => Arrivals::Scale(s),
+        (None, None) => Arrivals::Trace,
+    };
+    cfg.arrivals
+        .validate()
+        .map_err(|e| ManagerError::Config(format!("--load / --arrival-scale: {e}")))?;
     if cfg.max_running == 0 || cfg.prefill_budget == 0 {
         return Err(ManagerError::Config(
             "--max-running and --prefill-budget must be positive".into(),

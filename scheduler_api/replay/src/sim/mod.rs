@@ -3,12 +3,14 @@
 
 mod cost;
 mod ideal;
+mod load;
 mod memory;
 mod report;
 mod scheduler;
 
 pub use cost::CostModel;
 pub use ideal::IdealCache;
+pub use load::{Arrivals, LoadEstimate, LoadReport};
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
@@ -136,7 +138,13 @@ pub fn compare(
     on_done: &mut dyn FnMut(&CompareOutcome),
 ) -> Result<Vec<CompareOutcome>> {
     let mut out = Vec::with_capacity(configs.len());
+    // Every configuration shares the base's pool and costs, so one timing serves them all.
+    let (timed, load, ideal) = load::retime(trace, base)?;
+    let trace = &*timed;
     let mut ideals: Vec<(usize, Vec<u64>)> = Vec::new();
+    if let Some(i) = ideal {
+        ideals.push((base.manager.model.page_size, i));
+    }
     for m in configs {
         let cfg = SimConfig {
             manager: m.clone(),
@@ -151,14 +159,15 @@ pub fn compare(
             }
         };
         let mut p = progress(m);
-        let outcome = match scheduler::replay_with_ideal(trace, &cfg, &ideals[i].1, p.as_mut()) {
-            Ok(r) => CompareOutcome::Ran(Box::new(r)),
-            Err(e @ ManagerError::NotWired { .. }) => CompareOutcome::Skipped {
-                config: m.label(),
-                reason: e.to_string(),
-            },
-            Err(e) => return Err(e),
-        };
+        let outcome =
+            match scheduler::replay_with_ideal(trace, &cfg, &ideals[i].1, load, p.as_mut()) {
+                Ok(r) => CompareOutcome::Ran(Box::new(r)),
+                Err(e @ ManagerError::NotWired { .. }) => CompareOutcome::Skipped {
+                    config: m.label(),
+                    reason: e.to_string(),
+                },
+                Err(e) => return Err(e),
+            };
         on_done(&outcome);
         out.push(outcome);
     }

@@ -4,6 +4,7 @@ use std::fmt;
 
 use serde::Serialize;
 
+use super::load::LoadReport;
 use super::memory::MemoryUse;
 use super::scheduler::SimConfig;
 use radixkv_scheduler_api::config::{CacheKind, WritePolicy, human_tokens};
@@ -203,6 +204,8 @@ pub struct Report {
     pub ttft_p99_ms: f64,
     /// Simulated time from first arrival to last finish (s).
     pub sim_duration_s: f64,
+    /// How arrivals were timed, and the load they put on the simulated GPU.
+    pub load: LoadReport,
     /// Output tokens per simulated second.
     pub throughput_tok_s: f64,
     /// Requests per simulated second.
@@ -558,6 +561,7 @@ impl fmt::Display for Report {
             "TTFT (simulated) p50 {:.1} ms, p99 {:.1} ms",
             self.ttft_p50_ms, self.ttft_p99_ms
         )?;
+        writeln!(f, "load             {}", self.load)?;
         writeln!(
             f,
             "throughput       {:.0} output tok/s, {:.2} req/s over {:.1} s simulated ({} steps)",

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::cost::CostModel;
 use super::ideal::IdealCache;
+use super::load::{self, Arrivals, LoadMeter, LoadReport};
 use super::memory::MemoryUse;
 use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, SwaReport, quantile};
 use crate::trace::Trace;
@@ -39,6 +40,9 @@ pub struct SimConfig {
     /// grown by more than this many MiB since warm-up (see [`super::MemoryUse::warm_kib`]),
     /// or by the end. Where the platform does not report memory, asking for it is an error.
     pub max_rss_growth_mib: Option<u64>,
+    /// How arrivals are timed: the workload's own times, or its conversations' starts spread
+    /// by a factor, or spread for a target load of the simulated GPU (see [`Arrivals`]).
+    pub arrivals: Arrivals,
 }
 
 impl Default for SimConfig {
@@ -50,6 +54,7 @@ impl Default for SimConfig {
             max_running: 256,
             check_invariants_every: 0,
             max_rss_growth_mib: None,
+            arrivals: Arrivals::Trace,
         }
     }
 }
@@ -121,17 +126,19 @@ impl Progress for () {
 /// request is refused and nothing running could free memory), configuration errors, and any
 /// error of the manager (which would be a bug).
 pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
-    let ideal = ideal_hits(trace, cfg.manager.model.page_size);
-    replay_with_ideal(trace, cfg, &ideal, progress)
+    let (timed, load, ideal) = load::retime(trace, cfg)?;
+    let ideal = ideal.unwrap_or_else(|| ideal_hits(&timed, cfg.manager.model.page_size));
+    replay_with_ideal(&timed, cfg, &ideal, load, progress)
 }
 
-/// [`replay`] with the trace's infinite-cache ideal already computed by [`ideal_hits`] (at
-/// `cfg`'s page size), so that a comparison computes it once and every configuration reports
-/// the same figure.
+/// [`replay`] of a trace already timed by [`load::retime`] (`load` says how), with its
+/// infinite-cache ideal already computed by [`ideal_hits`] (at `cfg`'s page size), so that a
+/// comparison computes both once and every configuration reports the same figures.
 pub(super) fn replay_with_ideal(
     trace: &Trace,
     cfg: &SimConfig,
     ideal: &[u64],
+    load: LoadReport,
     progress: &mut dyn Progress,
 ) -> Result<Report> {
     let started = Instant::now();
@@ -190,7 +197,9 @@ pub(super) fn replay_with_ideal(
         last_finish_us: 0.0,
         memory,
         finished: 0,
+        meter: LoadMeter::default(),
     };
+    sim.report.load = load;
     sim.run(&mut kv, progress)?;
     // Nothing runs any more: let every transfer land and every session go.
     let t0 = Instant::now();
@@ -332,6 +341,8 @@ struct Sim<'a> {
     memory: Option<MemoryUse>,
     /// Requests finished so far.
     finished: u64,
+    /// The measured load, per window of simulated time.
+    meter: LoadMeter,
 }
 
 impl Sim<'_> {
@@ -593,6 +604,10 @@ impl Sim<'_> {
             .cfg
             .cost
             .step_us_of(prefill_us, decode_seqs, step.load_bytes());
+        let a = kv.accounting();
+        let busy = prefill_us + decode_seqs as f64 * self.cfg.cost.decode_us_per_seq;
+        self.meter
+            .step(self.now_us, dt, busy, a.protected + a.request_owned);
         self.now_us += dt;
         self.report.recomputed_tokens += prefill_tokens as u64;
 
@@ -774,6 +789,7 @@ impl Sim<'_> {
             .first()
             .map_or(0.0, |q| q.arrival_us as f64);
         r.sim_duration_s = ((self.last_finish_us - first) / 1e6).max(1e-9);
+        (r.load.compute, r.load.memory) = self.meter.loads(a.total);
         r.throughput_tok_s = r.output_tokens as f64 / r.sim_duration_s;
         r.throughput_req_s = r.requests as f64 / r.sim_duration_s;
         let per = |d: Duration| d.as_secs_f64() * 1e6 / (r.requests.max(1) as f64);
