@@ -411,14 +411,21 @@ fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
 }
 
 #[test]
-fn config_files_with_a_storage_tier_or_an_overflowing_geometry_are_refused() {
+fn config_files_with_an_unbuilt_or_incomplete_storage_tier_or_an_overflowing_geometry_are_refused()
+{
     let dir = temp_dir();
     let f = dir.join("kv.toml");
     for (config, error) in [
         (
+            "[model]\npreset = \"jamba-like\"\n[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
+             [cache.storage]\nmodel_id = \"m\"\n\
+             backend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
+            "the storage tier (L3) for models with Mamba or sliding-window layers",
+        ),
+        (
             "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
-             [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
-            "the storage tier (L3) is not implemented yet",
+             [cache.storage]\nbackend = { type = \"memory\" }\n",
+            "missing field `model_id`",
         ),
         // The review's geometry: each value is valid, the page's byte count would wrap.
         (
