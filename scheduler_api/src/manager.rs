@@ -816,6 +816,8 @@ impl KvCacheManager {
         let device = m.prefix_len.min(t.kv.prefix_len);
         let kv_match = t.kv.kv_match_len.max(device);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
+        // What the prefetch loaded counts once, at the admission that takes it.
+        let storage = std::mem::take(&mut t.storage_loaded).min(host);
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
         t.swa_peak = swa_peak;
@@ -834,7 +836,7 @@ impl KvCacheManager {
             c.prompt_tokens += t.prompt_len as u64;
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
-            c.hit_tokens_storage += t.storage_loaded.min(host) as u64;
+            c.hit_tokens_storage += storage as u64;
             c.kv_match_tokens += kv_match as u64;
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
@@ -850,6 +852,7 @@ impl KvCacheManager {
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
             host_tokens: host,
+            storage_tokens: storage,
             extend_tokens: extend,
             kv_match_tokens: kv_match,
             mamba_slot: t.kv.mamba_slot,

@@ -202,6 +202,9 @@ pub struct Admitted {
     pub device_tokens: usize,
     /// Tokens reused from the host tier (loaded back this step).
     pub host_tokens: usize,
+    /// Of [`Admitted::host_tokens`], those the storage tier prefetched into the host tier for
+    /// this request (read from the store before this admission; 0 without a storage tier).
+    pub storage_tokens: usize,
     /// Tokens that must be computed (prefill).
     pub extend_tokens: usize,
     /// How far the device KV match went (at least [`Admitted::device_tokens`]). On a model with

@@ -10,26 +10,32 @@ use radixkv_hicache::storage::{
 use radixkv_hicache::{KvGeometry, StorageConfig};
 use radixkv_radix::KvIdentity;
 
-use crate::config::{StorageBackendKind, StorageTier};
+use crate::config::{ModelGeometry, StorageBackendKind, StorageTier};
 use crate::error::{ManagerError, Result};
 
 /// What a built storage tier keeps alive beside the cache (the Redis client's runtime), dropped
 /// after it.
 pub(crate) type Keepalive = Option<Box<dyn Send>>;
 
-/// The identity under which pages of `model_id` with the pools of `g` are keyed: the model's
-/// name and the layout of the bytes the store holds.
-pub(crate) fn identity(model_id: &str, g: &KvGeometry) -> KvIdentity {
+/// The identity under which pages of `model_id` are keyed: the model's name, its modeled KV
+/// geometry and the layout of the bytes the store holds (the pools of `g`: the model's own
+/// with an engine's backend, HostSim's simulated ones otherwise).
+pub(crate) fn identity(model_id: &str, model: &ModelGeometry, g: &KvGeometry) -> KvIdentity {
     KvIdentity::new(
         model_id,
         format!(
-            "kv {} layers x {} B/token/layer, pages of {} tokens",
-            g.layers, g.bytes_per_token_layer, g.page_size
+            "model kv {} layers x {} B/token/layer; stored {} layers x {} B/token/layer, pages \
+             of {} tokens",
+            model.layers,
+            model.kv_bytes_per_token_per_layer,
+            g.layers,
+            g.bytes_per_token_layer,
+            g.page_size
         ),
     )
 }
 
-/// Opens the store `s` names for pools of geometry `g` (or takes the engine's `given` one) and
+/// Opens the store `s` names for `model`'s KV in pools of geometry `g` (or takes the engine's `given` one) and
 /// maps the section onto the library's configuration.
 ///
 /// # Errors
@@ -39,10 +45,11 @@ pub(crate) fn identity(model_id: &str, g: &KvGeometry) -> KvIdentity {
 /// without the `redis` feature.
 pub(crate) fn open(
     s: &StorageTier,
+    model: &ModelGeometry,
     g: &KvGeometry,
     given: Option<Arc<dyn StorageBackend>>,
 ) -> Result<(StorageConfig, Keepalive)> {
-    let identity = identity(&s.model_id, g);
+    let identity = identity(&s.model_id, model, g);
     let page_bytes = PageFormat::new(*g, &identity, &[])?.encoded_len(&[]) as u64;
     let cap = |tokens: Option<usize>| tokens.map(|t| (t / g.page_size.max(1)) as u64 * page_bytes);
     let mut tier = TierOptions {

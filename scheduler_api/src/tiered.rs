@@ -183,7 +183,7 @@ impl<B: DeviceBackend> Tiered<B> {
         let page_size = radix.page_size;
         let (storage, keepalive) = match &host.storage {
             Some(s) => {
-                let (c, k) = crate::storage::open(s, &device.geometry(), store)?;
+                let (c, k) = crate::storage::open(s, &cfg.model, &device.geometry(), store)?;
                 (Some(c), k)
             }
             None if store.is_some() => {
