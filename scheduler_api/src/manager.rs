@@ -191,8 +191,9 @@ impl KvCacheManager {
     /// names; [`ManagerBuilder::device_backend`] gives it the engine's own.
     ///
     /// # Errors
-    /// As [`build_cache_with_clock`]: [`ManagerError::Config`],
-    /// [`ManagerError::NotImplemented`] or [`ManagerError::Tier`].
+    /// As [`build_cache_with_clock`](crate::factory::build_cache_with_clock):
+    /// [`ManagerError::Config`], [`ManagerError::NotImplemented`], [`ManagerError::Tier`], and
+    /// for a storage tier [`ManagerError::Storage`] or [`ManagerError::FeatureOff`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         Self::build(cfg, None, None)
     }
