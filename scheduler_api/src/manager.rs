@@ -1176,7 +1176,9 @@ impl KvCacheManager {
     }
 
     /// Waits for every transfer in flight and applies its ack (shutdown, end of a replay):
-    /// afterwards no page is locked by a transfer.
+    /// afterwards no page is locked by a transfer. With a storage tier it also waits for every
+    /// storage job ([`Self::wait_storage`]; it blocks on the store, so a serving scheduler
+    /// calls it only at shutdown).
     ///
     /// # Errors
     /// A failed copy.
