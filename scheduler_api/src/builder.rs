@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use radixkv_hicache::DeviceBackend;
+use radixkv_hicache::storage::StorageBackend;
 
 use crate::config::{
     CacheKind, Eviction, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
@@ -39,10 +40,21 @@ use crate::manager::KvCacheManager;
 /// assert_eq!(kv.accounting().total, 1024);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct ManagerBuilder {
     cfg: ManagerConfig,
     backend: Option<GivenBackend>,
+    store: Option<Arc<dyn StorageBackend>>,
+}
+
+impl std::fmt::Debug for ManagerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ManagerBuilder")
+            .field("cfg", &self.cfg)
+            .field("backend", &self.backend)
+            .field("store", &self.store.as_ref().map(|s| s.name()))
+            .finish()
+    }
 }
 
 impl ManagerBuilder {
@@ -208,13 +220,43 @@ impl ManagerBuilder {
         self
     }
 
+    /// The engine's own store for the storage tier (L3), instead of one the configuration
+    /// opens: any [`StorageBackend`] (a wrapper around a built-in store, a store of the
+    /// engine's). The host tier's `[cache.storage]` section must say
+    /// `backend = { type = "engine" }`, and its other knobs (prefetch threshold, cap, stop
+    /// policy, model id) apply; a store given for any other configuration is refused by
+    /// [`ManagerBuilder::build`] ([`ManagerError::Config`](crate::ManagerError::Config)).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use radixkv_hicache::storage::MemStore;
+    /// use radixkv_scheduler_api::{HostTier, KvCacheManager, StorageBackendKind, StorageTier};
+    ///
+    /// let store = Arc::new(MemStore::new()); // shared: several managers may use it
+    /// let tier = HostTier::ratio(4096, 4.0)
+    ///     .storage(Some(StorageTier::new(StorageBackendKind::Engine, "my-model")));
+    /// let kv = KvCacheManager::builder()
+    ///     .device_tokens(4096)
+    ///     .host_tier(tier)
+    ///     .storage_backend(store)
+    ///     .build()?;
+    /// assert!(kv.has_storage());
+    /// # Ok::<(), radixkv_scheduler_api::ManagerError>(())
+    /// ```
+    pub fn storage_backend(mut self, store: Arc<dyn StorageBackend>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
     /// Builds the manager.
     ///
     /// # Errors
     /// As [`KvCacheManager::new`]; with a device backend, also
     /// [`ManagerError::Backend`](crate::ManagerError::Backend) when the configuration has no
-    /// host tier or the backend's geometry or device pool differs from the configuration's.
+    /// host tier or the backend's geometry or device pool differs from the configuration's;
+    /// with a store, [`ManagerError::Config`](crate::ManagerError::Config) unless the
+    /// configuration's storage tier says `type = "engine"` (and without one, when it does).
     pub fn build(self) -> Result<KvCacheManager> {
-        KvCacheManager::build(self.cfg, self.backend.as_ref())
+        KvCacheManager::build(self.cfg, self.backend.as_ref(), self.store)
     }
 }

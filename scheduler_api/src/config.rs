@@ -6,8 +6,9 @@
 //! or with Mamba layers as well, see [`crate::geometry`]) or not built at all (the CUDA
 //! backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
-//! storage tier (L3) does not exist yet in any crate: a config that names one is refused by
-//! [`ManagerConfig::validate`] with [`ManagerError::NotImplemented`].
+//! storage tier (L3, [`StorageTier`]) is built for full-attention models; under Mamba or
+//! sliding-window layers [`ManagerConfig::validate`] refuses it with
+//! [`ManagerError::NotImplemented`].
 //!
 //! Two geometries: [`ModelGeometry`] is the real model's (the *modeled* bytes every report
 //! and the cost model use); [`SimGeometry`] is what the HostSim backend really allocates and
@@ -53,6 +54,8 @@ impl PoolBudgets {
 }
 
 /// Which prefix cache backs the manager.
+// A configuration value, built once: the host tier's size (its storage section) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum CacheKind {
@@ -102,8 +105,8 @@ pub struct HostTier {
     /// `load_back_min_tokens` (rounded up to whole pages).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_back_quota_tokens: Option<usize>,
-    /// Must stay `None`: the storage tier (L3) is not implemented yet, and
-    /// [`ManagerConfig::validate`] refuses any value.
+    /// The storage tier (L3) under the host pool (`[cache.storage]`; absent: none). See
+    /// [`StorageTier`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<StorageTier>,
 }
@@ -160,6 +163,12 @@ impl HostTier {
         self
     }
 
+    /// The same tier with a storage tier (L3) under it (`None`: none).
+    pub fn storage(mut self, s: Option<StorageTier>) -> Self {
+        self.storage = s;
+        self
+    }
+
     /// Checks the tier's knobs against a pool of `page_size`-token pages.
     fn validate(&self, page_size: usize) -> Result<()> {
         let bad = |m: String| Err(ManagerError::Config(m));
@@ -205,19 +214,312 @@ fn default_load_back_min_tokens() -> usize {
     radixkv_hicache::HiCacheConfig::default().load_back_min_tokens
 }
 
-/// A storage tier (L3) below the host pool, as a config names one. **Not implemented yet**:
-/// radixkv has no storage backend, and [`ManagerConfig::validate`] refuses a configured storage
-/// tier with [`ManagerError::NotImplemented`]. A `storage` section is accepted by the parser
-/// whatever it holds (and its contents dropped) only so that the answer is that refusal, not
-/// an unknown-field error.
-#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize)]
-pub struct StorageTier {}
+/// The storage tier (L3) below the host pool (`[cache.storage]`): a store of KV pages that
+/// outlives the process and may be shared by several servers. Pages that reach the host tier
+/// are backed up to it in the background; a request whose prefix beyond the device and host
+/// match is in the store has it prefetched into the host tier before admission (see
+/// [`KvCacheManager::arrive`](crate::KvCacheManager::arrive) and
+/// [`WaitReason::Prefetching`](crate::WaitReason::Prefetching)). Mapped onto
+/// `radixkv_hicache::StorageConfig`.
+///
+/// Refused ([`ManagerError::NotImplemented`]) for models with Mamba or sliding-window layers:
+/// the storage tier stores full-attention KV pages only.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageTier {
+    /// Where the pages are kept.
+    pub backend: StorageBackendKind,
+    /// The model's name (or any string naming its weights): part of every page key with the
+    /// KV layout, so that models sharing a store never read each other's pages. Required, not
+    /// empty; two deployments of different weights with the same geometry must name them apart.
+    pub model_id: String,
+    /// Storage hits shorter than this many tokens (rounded up to whole pages) are not
+    /// prefetched (default 256).
+    #[serde(default = "default_prefetch_threshold_tokens")]
+    pub prefetch_threshold_tokens: usize,
+    /// Most tokens that prefetches may hold reserved in the host pool at once (default: half
+    /// the host pool). At least one page and at most `host_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch_cap_tokens: Option<usize>,
+    /// When a waiting request's prefetch ends and the request is admitted (default: a
+    /// timeout of 2 s + 0.1 s per 1K tokens, at most 30 s).
+    #[serde(default)]
+    pub stop: PrefetchStopPolicy,
+    /// Pages per store operation (default 128, at least 1).
+    #[serde(default = "default_batch_pages")]
+    pub batch_pages: usize,
+    /// Storage jobs talking to the store at once (default 4, at least 1).
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Deadline of one store operation in milliseconds (default 5000, at least 1); an
+    /// operation past it fails, and the tier degrades to recomputation.
+    #[serde(default = "default_op_timeout_ms")]
+    pub op_timeout_ms: u64,
+    /// Threads of the tier's own tokio runtime (default 2, at least 1).
+    #[serde(default = "default_worker_threads")]
+    pub worker_threads: usize,
+}
 
-impl<'de> Deserialize<'de> for StorageTier {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        serde::de::IgnoredAny::deserialize(d)?;
-        Ok(StorageTier {})
+impl StorageTier {
+    /// A storage tier over `backend` for model `model_id`, every other knob at its default.
+    pub fn new(backend: StorageBackendKind, model_id: impl Into<String>) -> Self {
+        StorageTier {
+            backend,
+            model_id: model_id.into(),
+            prefetch_threshold_tokens: default_prefetch_threshold_tokens(),
+            prefetch_cap_tokens: None,
+            stop: PrefetchStopPolicy::default(),
+            batch_pages: default_batch_pages(),
+            concurrency: default_concurrency(),
+            op_timeout_ms: default_op_timeout_ms(),
+            worker_threads: default_worker_threads(),
+        }
     }
+
+    /// The same tier with another stop policy.
+    pub fn stop(mut self, s: PrefetchStopPolicy) -> Self {
+        self.stop = s;
+        self
+    }
+
+    /// The same tier with another prefetch threshold (tokens).
+    pub fn prefetch_threshold_tokens(mut self, n: usize) -> Self {
+        self.prefetch_threshold_tokens = n;
+        self
+    }
+
+    /// The same tier with a prefetch cap (tokens; `None`: half the host pool).
+    pub fn prefetch_cap_tokens(mut self, n: Option<usize>) -> Self {
+        self.prefetch_cap_tokens = n;
+        self
+    }
+
+    /// The same tier with another store operation deadline (milliseconds).
+    pub fn op_timeout_ms(mut self, ms: u64) -> Self {
+        self.op_timeout_ms = ms;
+        self
+    }
+
+    /// Checks the tier's knobs against a pool of `page_size`-token pages and a host pool of
+    /// `host_tokens` tokens.
+    fn validate(&self, page_size: usize, host_tokens: usize) -> Result<()> {
+        let bad = |m: String| Err(ManagerError::Config(m));
+        if self.model_id.trim().is_empty() {
+            return bad("cache.storage.model_id must name the model (it keys every page)".into());
+        }
+        if self.prefetch_threshold_tokens == 0 {
+            return bad("cache.storage.prefetch_threshold_tokens must be at least 1".into());
+        }
+        if let Some(c) = self.prefetch_cap_tokens
+            && (c < page_size || c > host_tokens)
+        {
+            return bad(format!(
+                "cache.storage.prefetch_cap_tokens = {c} must be between one page \
+                 ({page_size} tokens) and host_tokens ({host_tokens})"
+            ));
+        }
+        for (name, v) in [
+            ("batch_pages", self.batch_pages),
+            ("concurrency", self.concurrency),
+            ("worker_threads", self.worker_threads),
+        ] {
+            if v == 0 {
+                return bad(format!("cache.storage.{name} must be at least 1"));
+            }
+        }
+        if self.op_timeout_ms == 0 {
+            return bad("cache.storage.op_timeout_ms must be at least 1".into());
+        }
+        if let PrefetchStopPolicy::Timeout {
+            base_ms,
+            per_1k_tokens_ms,
+            max_ms,
+        } = self.stop
+            && (base_ms > max_ms || per_1k_tokens_ms > max_ms)
+        {
+            return bad(format!(
+                "cache.storage.stop: base_ms ({base_ms}) and per_1k_tokens_ms \
+                 ({per_1k_tokens_ms}) must not exceed max_ms ({max_ms})"
+            ));
+        }
+        match &self.backend {
+            StorageBackendKind::File {
+                dir,
+                capacity_tokens,
+                ..
+            } => {
+                if dir.as_os_str().is_empty() {
+                    return bad("cache.storage.backend.dir must name a directory".into());
+                }
+                check_capacity(*capacity_tokens, page_size)?;
+            }
+            StorageBackendKind::Memory { capacity_tokens } => {
+                check_capacity(*capacity_tokens, page_size)?;
+            }
+            StorageBackendKind::Redis { url, .. } => {
+                if url.trim().is_empty() {
+                    return bad("cache.storage.backend.url must name the Redis server".into());
+                }
+                if !cfg!(feature = "redis") {
+                    return Err(ManagerError::FeatureOff {
+                        what: "cache.storage.backend type = \"redis\"",
+                        feature: "redis",
+                    });
+                }
+            }
+            StorageBackendKind::Engine => {}
+        }
+        Ok(())
+    }
+}
+
+fn check_capacity(capacity: Option<usize>, page_size: usize) -> Result<()> {
+    match capacity {
+        Some(c) if c < page_size => Err(ManagerError::Config(format!(
+            "cache.storage.backend.capacity_tokens = {c} is less than one page of {page_size} \
+             tokens"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn default_prefetch_threshold_tokens() -> usize {
+    radixkv_hicache::DEFAULT_PREFETCH_THRESHOLD_TOKENS
+}
+
+fn default_batch_pages() -> usize {
+    radixkv_hicache::storage::TierOptions::default().batch_pages
+}
+
+fn default_concurrency() -> usize {
+    radixkv_hicache::storage::TierOptions::default().concurrency
+}
+
+fn default_op_timeout_ms() -> u64 {
+    radixkv_hicache::storage::TierOptions::default()
+        .op_timeout
+        .as_millis() as u64
+}
+
+fn default_worker_threads() -> usize {
+    radixkv_hicache::storage::TierOptions::default().worker_threads
+}
+
+/// Where a storage tier keeps its pages (`[cache.storage.backend]`, `type = ...`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StorageBackendKind {
+    /// Files in a directory (`radixkv_hicache::storage::FileStore`): atomic writes, an index
+    /// rebuilt at open so a restarted server finds its pages, least recently used pages
+    /// evicted past the capacity.
+    File {
+        /// The store's directory (created if missing).
+        dir: std::path::PathBuf,
+        /// Most tokens of KV kept (whole pages; absent: no cap). At least one page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        capacity_tokens: Option<usize>,
+        /// How much of a write reaches the disk before it counts as stored: `"never"` (the
+        /// default: no fsync; a torn page reads back as a miss), `"pages"`,
+        /// `"pages_and_dirs"`.
+        #[serde(default)]
+        sync: radixkv_hicache::storage::FileSync,
+    },
+    /// Process memory (`radixkv_hicache::storage::MemStore`): gone with the process; for tests
+    /// and for sharing between managers of one process.
+    Memory {
+        /// Most tokens of KV kept (whole pages; absent: no cap). At least one page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        capacity_tokens: Option<usize>,
+    },
+    /// A Redis server or cluster (`radixkv_hicache::storage::RedisStore`; cargo feature
+    /// `redis` of this crate, refused with [`ManagerError::FeatureOff`] without it). Its
+    /// capacity is the server's (`maxmemory` and its eviction policy).
+    Redis {
+        /// `redis://host:port[/db]`; with `cluster`, nodes of the cluster separated by commas.
+        url: String,
+        /// `url` names nodes of a Redis Cluster (default false).
+        #[serde(default)]
+        cluster: bool,
+        /// Prepended to every page's key (default `"radixkv:"`).
+        #[serde(default = "default_key_prefix")]
+        key_prefix: String,
+    },
+    /// The engine's own store, handed to
+    /// [`ManagerBuilder::storage_backend`](crate::ManagerBuilder::storage_backend); building
+    /// without one is a [`ManagerError::Config`].
+    Engine,
+}
+
+fn default_key_prefix() -> String {
+    "radixkv:".into()
+}
+
+/// When a waiting request's prefetch ends (`[cache.storage.stop]`, `policy = ...`): the
+/// policies of `radixkv_hicache::PrefetchStop`, with SGLang's semantics. Whatever the policy, a
+/// prefetch whose pages have all arrived ends, and so does one whose fetch stopped short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PrefetchStopPolicy {
+    /// Admit at once with what has arrived. (Written `{}`: a struct variant, so that a key
+    /// it does not take is refused rather than ignored.)
+    BestEffort {},
+    /// Keep the request waiting until the fetch has finished.
+    WaitComplete {},
+    /// Keep it waiting until the fetch has finished or `min(max_ms, base_ms + per_1k_tokens_ms
+    /// × tokens / 1024)` has passed since the prefetch started.
+    Timeout {
+        /// Fixed part of the deadline (default 2000).
+        #[serde(default = "default_timeout_base_ms")]
+        base_ms: u64,
+        /// Part per 1024 tokens prefetched (default 100).
+        #[serde(default = "default_timeout_per_1k_ms")]
+        per_1k_tokens_ms: u64,
+        /// Cap of the deadline (default 30000).
+        #[serde(default = "default_timeout_max_ms")]
+        max_ms: u64,
+    },
+}
+
+impl Default for PrefetchStopPolicy {
+    fn default() -> Self {
+        PrefetchStopPolicy::Timeout {
+            base_ms: default_timeout_base_ms(),
+            per_1k_tokens_ms: default_timeout_per_1k_ms(),
+            max_ms: default_timeout_max_ms(),
+        }
+    }
+}
+
+impl PrefetchStopPolicy {
+    /// The library's policy.
+    pub fn to_hicache(self) -> radixkv_hicache::PrefetchStop {
+        use std::time::Duration;
+        match self {
+            PrefetchStopPolicy::BestEffort {} => radixkv_hicache::PrefetchStop::BestEffort,
+            PrefetchStopPolicy::WaitComplete {} => radixkv_hicache::PrefetchStop::WaitComplete,
+            PrefetchStopPolicy::Timeout {
+                base_ms,
+                per_1k_tokens_ms,
+                max_ms,
+            } => radixkv_hicache::PrefetchStop::Timeout {
+                base: Duration::from_millis(base_ms),
+                per_1k_tokens: Duration::from_millis(per_1k_tokens_ms),
+                max: Duration::from_millis(max_ms),
+            },
+        }
+    }
+}
+
+fn default_timeout_base_ms() -> u64 {
+    2000
+}
+
+fn default_timeout_per_1k_ms() -> u64 {
+    100
+}
+
+fn default_timeout_max_ms() -> u64 {
+    30_000
 }
 
 /// Bounds on the KV that streaming sessions may hold between turns.
@@ -471,8 +773,9 @@ impl ManagerConfig {
     /// bytes, simulated pool bytes) representable without wrapping.
     ///
     /// # Errors
-    /// [`ManagerError::NotImplemented`] for a storage tier; [`ManagerError::Config`] with the
-    /// first impossible value.
+    /// [`ManagerError::NotImplemented`] for a storage tier under a model with Mamba or
+    /// sliding-window layers; [`ManagerError::FeatureOff`] for a Redis store in a build
+    /// without the `redis` feature; [`ManagerError::Config`] with the first impossible value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ManagerError::Config(m));
         self.model.validate()?;
@@ -497,13 +800,18 @@ impl ManagerConfig {
             );
         }
         if let CacheKind::HiCache(h) = &self.cache {
-            if h.storage.is_some() {
-                return Err(ManagerError::NotImplemented {
-                    what: "the storage tier (L3)",
-                });
-            }
             h.validate(p)?;
             self.check_pool("host", h.host_tokens / p)?;
+            if let Some(s) = &h.storage {
+                let n = self.model.layer_counts();
+                if n.mamba > 0 || n.sliding_window > 0 {
+                    return Err(ManagerError::NotImplemented {
+                        what: "the storage tier (L3) for models with Mamba or sliding-window \
+                               layers (it stores full-attention KV pages only)",
+                    });
+                }
+                s.validate(p, h.host_tokens)?;
+            }
         }
         self.pools()?;
         if let (Some(p), None) = (self.mamba_policy, self.mamba_policy_kind()) {
@@ -860,41 +1168,174 @@ mod tests {
     }
 
     #[test]
-    fn a_storage_tier_is_refused_on_every_path() {
-        let refused = |r: Result<ManagerConfig>| match r {
-            Err(e @ ManagerError::NotImplemented { .. }) => {
-                assert_eq!(
-                    e.to_string(),
-                    "the storage tier (L3) is not implemented yet"
-                );
-            }
-            other => panic!("{other:?}"),
-        };
+    fn the_storage_section_is_read_checked_and_refused_where_not_built() {
         let toml = r#"
             [cache]
             kind = "hicache"
             host_tokens = 262144
             [cache.storage]
-            backend = { type = "redis", url = "redis://localhost" }
+            model_id = "llama-3-8b"
+            backend = { type = "file", dir = "kv-store", capacity_tokens = 33554432, sync = "pages" }
+            prefetch_threshold_tokens = 512
+            prefetch_cap_tokens = 65536
+            stop = { policy = "wait_complete" }
+            op_timeout_ms = 750
         "#;
-        refused(ManagerConfig::from_toml_str(toml));
-        let json = r#"{"cache": {"kind": "hicache", "host_tokens": 262144,
-            "storage": {"backend": {"type": "file", "dir": "kv-store"}}}}"#;
-        refused(ManagerConfig::from_json_str(json));
+        let c = ManagerConfig::from_toml_str(toml).unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        let want = StorageTier::new(
+            StorageBackendKind::File {
+                dir: "kv-store".into(),
+                capacity_tokens: Some(1 << 25),
+                sync: radixkv_hicache::storage::FileSync::Pages,
+            },
+            "llama-3-8b",
+        )
+        .prefetch_threshold_tokens(512)
+        .prefetch_cap_tokens(Some(65536))
+        .stop(PrefetchStopPolicy::WaitComplete {})
+        .op_timeout_ms(750);
+        assert_eq!(h.storage.as_ref(), Some(&want));
+        // Both formats round-trip it.
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(ManagerConfig::from_json_str(&json).unwrap(), c);
+        assert_eq!(
+            ManagerConfig::from_toml_str(&toml::to_string(&c).unwrap()).unwrap(),
+            c
+        );
+        // Defaults: SGLang's timeout policy, a 256-token threshold, half the host pool.
+        let c = ManagerConfig::from_json_str(
+            r#"{"cache": {"kind": "hicache", "host_tokens": 262144,
+                "storage": {"model_id": "m", "backend": {"type": "memory"}}}}"#,
+        )
+        .unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        let s = h.storage.as_ref().unwrap();
+        assert_eq!(s.prefetch_threshold_tokens, 256);
+        assert_eq!(s.prefetch_cap_tokens, None);
+        assert_eq!(
+            s.stop.to_hicache(),
+            radixkv_hicache::PrefetchStop::default()
+        );
+        // Each bad value is a config error naming its field.
+        let refused = |from: &str, to: &str, says: &str| {
+            let e = ManagerConfig::from_toml_str(&toml.replace(from, to)).unwrap_err();
+            assert!(
+                matches!(e, ManagerError::Config(_)) && e.to_string().contains(says),
+                "{from} -> {to}: {e}"
+            );
+        };
+        refused("\"llama-3-8b\"", "\" \"", "model_id");
+        refused("model_id = \"llama-3-8b\"", "", "model_id");
+        refused(
+            "prefetch_threshold_tokens = 512",
+            "prefetch_threshold_tokens = 0",
+            "prefetch_threshold_tokens",
+        );
+        refused(
+            "prefetch_cap_tokens = 65536",
+            "prefetch_cap_tokens = 300000",
+            "prefetch_cap_tokens",
+        );
+        refused(
+            "prefetch_cap_tokens = 65536",
+            "prefetch_cap_tokens = 8",
+            "prefetch_cap_tokens",
+        );
+        refused(
+            "capacity_tokens = 33554432",
+            "capacity_tokens = 15",
+            "capacity_tokens",
+        );
+        refused("dir = \"kv-store\"", "dir = \"\"", "dir");
+        refused("op_timeout_ms = 750", "op_timeout_ms = 0", "op_timeout_ms");
+        refused("op_timeout_ms = 750", "concurrency = 0", "concurrency");
+        refused("op_timeout_ms = 750", "batch_pages = 0", "batch_pages");
+        refused(
+            "op_timeout_ms = 750",
+            "worker_threads = 0",
+            "worker_threads",
+        );
+        refused(
+            "{ policy = \"wait_complete\" }",
+            "{ policy = \"timeout\", base_ms = 40000 }",
+            "max_ms",
+        );
+        refused(
+            "{ policy = \"wait_complete\" }",
+            "{ policy = \"wait_complete\", base_ms = 1 }",
+            "unknown field",
+        );
+        refused(
+            "{ policy = \"wait_complete\" }",
+            "\"sometimes\"",
+            "PrefetchStopPolicy",
+        );
+        refused("sync = \"pages\"", "sync = \"always\"", "unknown variant");
+        // A capacity means nothing to Redis (its server's maxmemory decides): refused.
+        refused(
+            "type = \"file\", dir = \"kv-store\", capacity_tokens = 33554432, sync = \"pages\"",
+            "type = \"redis\", url = \"redis://cache:6379\", capacity_tokens = 1024",
+            "unknown field",
+        );
+        let redis = toml.replace(
+            "type = \"file\", dir = \"kv-store\", capacity_tokens = 33554432, sync = \"pages\"",
+            "type = \"redis\", url = \"redis://cache:6379\", cluster = true",
+        );
+        match ManagerConfig::from_toml_str(&redis) {
+            Ok(c) if cfg!(feature = "redis") => {
+                let CacheKind::HiCache(h) = &c.cache else {
+                    panic!("{c:?}")
+                };
+                assert!(matches!(
+                    h.storage.as_ref().unwrap().backend,
+                    StorageBackendKind::Redis { cluster: true, .. }
+                ));
+            }
+            Err(e @ ManagerError::FeatureOff { .. }) if !cfg!(feature = "redis") => {
+                assert!(e.to_string().contains("`redis` cargo feature"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Not built under Mamba or sliding-window layers: refused on every path, typed.
+        for preset in ["jamba-like", "gemma-like"] {
+            let text = format!("[model]\npreset = \"{preset}\"\n{toml}");
+            match ManagerConfig::from_toml_str(&text) {
+                Err(e @ ManagerError::NotImplemented { .. }) => {
+                    assert!(e.to_string().contains("storage tier"), "{e}")
+                }
+                other => panic!("{preset}: {other:?}"),
+            }
+        }
         let mut tier = HostTier::ratio(1 << 20, 4.0);
-        tier.storage = Some(StorageTier::default());
-        let c = ManagerConfig {
+        tier.storage = Some(StorageTier::new(
+            StorageBackendKind::Memory {
+                capacity_tokens: None,
+            },
+            "m",
+        ));
+        let mut c = ManagerConfig {
             cache: CacheKind::HiCache(tier),
             ..Default::default()
         };
-        refused(c.validate().map(|()| c.clone()));
-        refused(
+        c.model = Preset::JambaLike.geometry();
+        for r in [
+            c.validate(),
             crate::KvCacheManager::builder()
                 .config(c.clone())
                 .build()
-                .map(|_| c.clone()),
-        );
-        // Without one, the same host tier is fine and serializes without a storage key.
+                .map(|_| ()),
+        ] {
+            assert!(
+                matches!(r, Err(ManagerError::NotImplemented { .. })),
+                "{r:?}"
+            );
+        }
+        // Without one, a host tier serializes without a storage key.
         let c = ManagerConfig {
             cache: CacheKind::HiCache(HostTier::ratio(1 << 20, 4.0)),
             ..Default::default()
@@ -1050,6 +1491,34 @@ mod tests {
         let kv = crate::KvCacheManager::new(c).unwrap();
         assert_eq!(kv.accounting().total, 1 << 20);
         assert_eq!(kv.open_sessions(), 0);
+        // Its storage section, uncommented, is valid as written (every value its default but
+        // the model, the backend and the cap).
+        let keys = [
+            "[cache.storage]",
+            "model_id",
+            "backend",
+            "prefetch_",
+            "stop",
+            "batch_pages",
+            "concurrency",
+            "op_timeout_ms",
+            "worker_threads",
+        ];
+        let storage: String = EXAMPLE_TOML
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(k) if keys.iter().any(|p| k.starts_with(p)) => format!("{k}\n"),
+                _ => format!("{l}\n"),
+            })
+            .collect();
+        let c = ManagerConfig::from_toml_str(&storage).unwrap();
+        let CacheKind::HiCache(h) = &c.cache else {
+            panic!("{c:?}")
+        };
+        let s = h.storage.as_ref().expect("the example's storage section");
+        assert_eq!(s.stop, PrefetchStopPolicy::default());
+        assert_eq!(s.prefetch_threshold_tokens, 256);
+        assert!(matches!(s.backend, StorageBackendKind::File { .. }));
         let readme = include_str!("../../README.md");
         assert!(
             readme.contains(&format!("```toml\n{EXAMPLE_TOML}```")),

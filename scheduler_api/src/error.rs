@@ -30,6 +30,21 @@ pub enum ManagerError {
         /// The feature.
         what: &'static str,
     },
+    /// A configuration that needs a cargo feature this build of the crate leaves out.
+    #[error(
+        "{what} needs the `{feature}` cargo feature of radixkv-scheduler-api, which this build leaves out"
+    )]
+    FeatureOff {
+        /// What the configuration asked for.
+        what: &'static str,
+        /// The feature.
+        feature: &'static str,
+    },
+    /// The storage tier's store could not be opened or reached when the manager was built
+    /// (a directory that cannot be created, a Redis server that does not answer). Once
+    /// built, a store that fails only degrades the tier to recomputation.
+    #[error("storage tier: {0}")]
+    Storage(String),
     /// A device backend handed to the builder
     /// ([`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend)) that does
     /// not fit the configuration.
@@ -173,6 +188,9 @@ impl std::fmt::Display for StallCause {
             }
             StallCause::Admission(WaitReason::NoStateSlot) => {
                 f.write_str("its admission waits for a Mamba state slot (every slot is in use)")
+            }
+            StallCause::Admission(WaitReason::Prefetching) => {
+                f.write_str("its admission waits for its prefetch from the storage tier")
             }
             StallCause::Admission(WaitReason::NoWindowRoom { needed, available }) => write!(
                 f,

@@ -40,12 +40,15 @@
 //! session slot keeps its window KV across turns; demotion hands it to the tree, which backs
 //! it up), and both kinds in one model (one tree, both components moved with their KV in one
 //! operation), with sessions too (a session slot keeps its window KV and running state across
-//! turns; demotion hands both to the tree). The storage tier (L3) exists in no crate yet and is
-//! [`ManagerError::NotImplemented`].
+//! turns; demotion hands both to the tree). A storage tier (L3) under the host tier
+//! (`[cache.storage]`) is built for full-attention models (under Mamba or sliding-window
+//! layers it is [`ManagerError::NotImplemented`]): the store the section names is opened here,
+//! or the engine's own is taken ([`build_cache_with_store`]).
 
 use std::sync::Arc;
 
-use radixkv_hicache::{DeviceBackend, HostSim};
+use radixkv_hicache::storage::StorageBackend;
+use radixkv_hicache::{DeviceBackend, HiCacheStats, HostSim, PrefetchStatus};
 use radixkv_radix::{
     CacheError, ComponentAccounting, MambaPolicy, MambaStats, NodeId, PrefixCache, RadixCache,
     RadixConfig, RequestKv, SwaConfig,
@@ -230,6 +233,49 @@ pub trait ManagedCache: PrefixCache + Send {
     fn session_held_window_pages(&self) -> usize {
         0
     }
+    /// Starts a storage-tier prefetch for request `rid` (unique among the live requests) of
+    /// `req`'s key: the whole pages past the device and host match are looked up in the store
+    /// in the background (see `HiRadixCache::prefetch`). Returns whether one started (never
+    /// without a storage tier).
+    fn storage_prefetch(&mut self, _rid: u64, _req: &RequestKv) -> bool {
+        false
+    }
+    /// Checks `rid`'s prefetch and ends it when its stop policy allows: what arrived enters
+    /// the tree as host-only KV (see `HiRadixCache::check_prefetch`).
+    ///
+    /// # Errors
+    /// Host-pool errors (a bug).
+    fn check_prefetch(&mut self, _rid: u64) -> Result<PrefetchStatus> {
+        Ok(PrefetchStatus::None)
+    }
+    /// Ends `rid`'s prefetch and drops what it loaded (the request is gone). Returns whether
+    /// it had one.
+    ///
+    /// # Errors
+    /// Host-pool errors (a bug).
+    fn abort_prefetch(&mut self, _rid: u64) -> Result<bool> {
+        Ok(false)
+    }
+    /// The host and storage tiers' counters; `None` for a cache without a host tier.
+    fn tier_stats(&self) -> Option<HiCacheStats> {
+        None
+    }
+    /// Store operations that failed (the store's own count); 0 without a storage tier.
+    fn store_errors(&self) -> u64 {
+        0
+    }
+    /// True when the cache has a storage tier.
+    fn has_storage(&self) -> bool {
+        false
+    }
+    /// Waits until every storage job in flight has completed and applies them (end of a
+    /// replay, shutdown, tests; never on a serving scheduler's step path).
+    ///
+    /// # Errors
+    /// As [`ManagedCache::on_end_step`].
+    fn wait_storage(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl ManagedCache for RadixCache {
@@ -283,14 +329,14 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// # Errors
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
-/// and for the CUDA backend (not built yet: hand your own backend to
+/// under Mamba or sliding-window layers and for the CUDA backend (not built yet: hand your own backend to
 /// [`build_cache_with_backend`]);
 /// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
     clock: SimClock,
 ) -> Result<Box<dyn ManagedCache>> {
-    build::<HostSim>(cfg, clock, None)
+    build::<HostSim>(cfg, clock, None, None)
 }
 
 /// Builds the cache a configuration describes over the engine's own device `backend`, which
@@ -309,7 +355,24 @@ pub fn build_cache_with_backend<B: DeviceBackend>(
     clock: SimClock,
     backend: Arc<B>,
 ) -> Result<Box<dyn ManagedCache>> {
-    build(cfg, clock, Some(backend))
+    build(cfg, clock, Some(backend), None)
+}
+
+/// Builds the cache a configuration describes, its host tier over the engine's `backend` when
+/// given (else the built-in one), its storage tier over the engine's `store` when given (the
+/// configuration's `[cache.storage]` must then say `backend = { type = "engine" }`).
+///
+/// # Errors
+/// As [`build_cache_with_backend`]; [`ManagerError::Config`] for a store without a storage
+/// section of `type = "engine"` or the reverse; [`ManagerError::Storage`] when the store the
+/// configuration names cannot be opened or reached.
+pub fn build_cache_with_store<B: DeviceBackend>(
+    cfg: &ManagerConfig,
+    clock: SimClock,
+    backend: Option<Arc<B>>,
+    store: Option<Arc<dyn StorageBackend>>,
+) -> Result<Box<dyn ManagedCache>> {
+    build(cfg, clock, backend, store)
 }
 
 /// A device backend handed to [`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend),
@@ -321,14 +384,16 @@ pub(crate) struct GivenBackend {
 }
 
 /// [`build_cache_with_backend`] over one backend.
-type BuildOver = dyn Fn(&ManagerConfig, SimClock) -> Result<Box<dyn ManagedCache>> + Send + Sync;
+type BuildOver = dyn Fn(&ManagerConfig, SimClock, Option<Arc<dyn StorageBackend>>) -> Result<Box<dyn ManagedCache>>
+    + Send
+    + Sync;
 
 impl GivenBackend {
     pub(crate) fn new<B: DeviceBackend>(backend: Arc<B>) -> Self {
         GivenBackend {
             name: backend.name(),
-            build: Arc::new(move |cfg, clock| {
-                build_cache_with_backend(cfg, clock, backend.clone())
+            build: Arc::new(move |cfg, clock, store| {
+                build(cfg, clock, Some(backend.clone()), store)
             }),
         }
     }
@@ -338,8 +403,9 @@ impl GivenBackend {
         &self,
         cfg: &ManagerConfig,
         clock: SimClock,
+        store: Option<Arc<dyn StorageBackend>>,
     ) -> Result<Box<dyn ManagedCache>> {
-        (self.build)(cfg, clock)
+        (self.build)(cfg, clock, store)
     }
 }
 
@@ -355,8 +421,16 @@ fn build<B: DeviceBackend>(
     cfg: &ManagerConfig,
     clock: SimClock,
     backend: Option<Arc<B>>,
+    store: Option<Arc<dyn StorageBackend>>,
 ) -> Result<Box<dyn ManagedCache>> {
     cfg.validate()?;
+    if store.is_some() && !matches!(&cfg.cache, CacheKind::HiCache(h) if h.storage.is_some()) {
+        return Err(ManagerError::Config(
+            "a store was handed to ManagerBuilder::storage_backend but the configuration has \
+             no [cache.storage] section (a storage tier lives under a host tier)"
+                .into(),
+        ));
+    }
     match (&backend, &cfg.cache) {
         (Some(b), CacheKind::Disabled | CacheKind::Radix) => {
             return Err(ManagerError::Backend {
@@ -438,12 +512,16 @@ fn build<B: DeviceBackend>(
             })?;
             with_sessions(device, sessions, clock)
         }
-        (CacheKind::HiCache(h), None) => {
-            with_sessions(Tiered::new(cfg, h, radix)?, sessions, clock)
-        }
-        (CacheKind::HiCache(h), Some(b)) => {
-            with_sessions(Tiered::with_backend(cfg, h, radix, b)?, sessions, clock)
-        }
+        (CacheKind::HiCache(h), None) => with_sessions(
+            Tiered::new_with_store(cfg, h, radix, store)?,
+            sessions,
+            clock,
+        ),
+        (CacheKind::HiCache(h), Some(b)) => with_sessions(
+            Tiered::with_backend_and_store(cfg, h, radix, b, store)?,
+            sessions,
+            clock,
+        ),
     })
 }
 

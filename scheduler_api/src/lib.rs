@@ -13,8 +13,12 @@
 //!   the eviction policy, sessions and their budget, the device backend. [`config::EXAMPLE_TOML`]
 //!   is a commented example of every key (`radixkv config --example` prints it). The write
 //!   policy is `radixkv-hicache`'s [`WritePolicy`], written as a plain string
-//!   (`"write_back"`, `"write_through_selective:2"`). A storage tier (L3) is refused
-//!   ([`ManagerError::NotImplemented`]): it is not implemented yet.
+//!   (`"write_back"`, `"write_through_selective:2"`). Under the host tier, a storage tier (L3,
+//!   [`StorageTier`]: a file directory, process memory, Redis with the `redis` feature, or the
+//!   engine's own [`radixkv_hicache::storage::StorageBackend`] handed to
+//!   [`ManagerBuilder::storage_backend`]) keeps KV pages beyond the host pool and across
+//!   restarts; full-attention models only (Mamba or sliding-window layers:
+//!   [`ManagerError::NotImplemented`]).
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the
@@ -142,13 +146,14 @@ mod manager;
 pub mod metrics;
 mod request;
 mod sessions;
+mod storage;
 mod table;
 mod tiered;
 
 pub use builder::ManagerBuilder;
 pub use config::{
     CacheKind, HostLayout, HostTier, MambaPolicyKind, ManagerConfig, ModelGeometry, PoolBudgets,
-    Preset, SessionBudget, WritePolicy,
+    PrefetchStopPolicy, Preset, SessionBudget, StorageBackendKind, StorageTier, WritePolicy,
 };
 pub use error::{BackendMismatch, ManagerError, Result, StallCause};
 pub use manager::{

@@ -39,7 +39,7 @@ use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
 use crate::factory::{
-    GivenBackend, LayerWait, ManagedCache, StepTransfers, build_cache_with_clock,
+    GivenBackend, LayerWait, ManagedCache, StepTransfers, build_cache_with_store,
 };
 use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
@@ -49,6 +49,8 @@ pub use crate::request::{
 };
 use crate::sessions::SimClock;
 use crate::table::Table;
+use radixkv_hicache::storage::StorageBackend;
+use radixkv_hicache::{HostSim, PrefetchStatus};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Phase {
@@ -75,6 +77,10 @@ struct Tracked {
     /// Models with sliding-window layers: the SWA pages the request may own at its peak, as
     /// admission counted them (see [`swa_peak_pages`]); 0 otherwise.
     swa_peak: usize,
+    /// A storage prefetch started at arrival has not ended yet.
+    prefetching: bool,
+    /// Tokens the request's prefetch loaded from the storage tier.
+    storage_loaded: usize,
     /// The request's `kv_request` span, from `arrive` to `finish` / `abort` (closed when the
     /// entry is dropped). Disabled spans cost nothing but this field.
     span: tracing::Span,
@@ -152,6 +158,8 @@ pub struct KvCacheManager {
     ended_step: u64,
     /// The sliding window in tokens when the cache has the SWA component (read once).
     swa_window: Option<usize>,
+    /// The cache has a storage tier (read once).
+    has_storage: bool,
 }
 
 // The threading model (crate docs): the manager moves to the one thread or task that owns it,
@@ -183,19 +191,25 @@ impl KvCacheManager {
     /// names; [`ManagerBuilder::device_backend`] gives it the engine's own.
     ///
     /// # Errors
-    /// As [`build_cache_with_clock`]: [`ManagerError::Config`],
-    /// [`ManagerError::NotImplemented`] or [`ManagerError::Tier`].
+    /// As [`build_cache_with_clock`](crate::factory::build_cache_with_clock):
+    /// [`ManagerError::Config`], [`ManagerError::NotImplemented`], [`ManagerError::Tier`], and
+    /// for a storage tier [`ManagerError::Storage`] or [`ManagerError::FeatureOff`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
-        Self::build(cfg, None)
+        Self::build(cfg, None, None)
     }
 
     /// A manager for `cfg`, its host tier over `backend` when one is given.
-    pub(crate) fn build(cfg: ManagerConfig, backend: Option<&GivenBackend>) -> Result<Self> {
+    pub(crate) fn build(
+        cfg: ManagerConfig,
+        backend: Option<&GivenBackend>,
+        store: Option<Arc<dyn StorageBackend>>,
+    ) -> Result<Self> {
         let clock = SimClock::default();
         let cache = match backend {
-            Some(b) => b.build_cache(&cfg, clock.clone())?,
-            None => build_cache_with_clock(&cfg, clock.clone())?,
+            Some(b) => b.build_cache(&cfg, clock.clone(), store)?,
+            None => build_cache_with_store::<HostSim>(&cfg, clock.clone(), None, store)?,
         };
+        let has_storage = cache.has_storage();
         let page_granular = cache.page_granular();
         let swa_window = cache.swa_window();
         let events = EventBuffer::new(cfg.event_capacity)?;
@@ -221,6 +235,7 @@ impl KvCacheManager {
             open_step: None,
             ended_step: 0,
             swa_window,
+            has_storage,
         })
     }
 
@@ -282,7 +297,29 @@ impl KvCacheManager {
         if let Some(a) = self.cache.swa_accounting() {
             m.gauges.set_swa(&a);
         }
+        if self.has_storage
+            && let Some(st) = self.cache.tier_stats()
+        {
+            m.counters.set_storage(&st, self.cache.store_errors());
+        }
         m
+    }
+
+    /// True when the cache has a storage tier (L3) under its host tier.
+    pub fn has_storage(&self) -> bool {
+        self.has_storage
+    }
+
+    /// Waits until every storage-tier job in flight (backups, prefetch lookups and loads) has
+    /// completed and applies them, as steps would: for shutdown, tests and the end of a
+    /// replay, never on a serving scheduler's step path (it blocks on the store). Prefetches
+    /// are not ended: the next admission of their requests ends them. Without a storage tier
+    /// it does nothing.
+    ///
+    /// # Errors
+    /// As [`Self::end_step`]'s tier errors.
+    pub fn wait_storage(&mut self) -> Result<()> {
+        self.cache.wait_storage()
     }
 
     /// Where every page of the sliding-window KV pool is (free, owned by running requests,
@@ -539,10 +576,19 @@ impl KvCacheManager {
             alloc_step: 0,
             engine_id: req.engine_id,
             swa_peak: 0,
+            prefetching: false,
+            storage_loaded: 0,
             span,
         });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
+        // With a storage tier: the prefix past what the device and host hold is looked up in
+        // the store now, and loaded into the host tier in the background while it waits.
+        if self.has_storage
+            && let Some(t) = self.requests.get_mut(id)
+        {
+            t.prefetching = self.cache.storage_prefetch(id, &t.kv);
+        }
         Ok(ReqId(id))
     }
 
@@ -572,6 +618,24 @@ impl KvCacheManager {
         if let Some(never) = never_fits(len, output_left, page, capacity) {
             tracing::debug!(parent: &t.span, ?never, "never admissible");
             return Ok(Admission::Never(never));
+        }
+        // A prefetch from the storage tier ends here when its stop policy allows (what arrived
+        // is host-only KV in the tree, which the match below takes as a host hit); until then
+        // the request waits.
+        if t.prefetching {
+            match self.cache.check_prefetch(id.0)? {
+                PrefetchStatus::Pending => {
+                    self.metrics.counters.admission_waits += 1;
+                    self.metrics.counters.prefetch_waits += 1;
+                    tracing::trace!(parent: &t.span, "admission waits: prefetching");
+                    return Ok(Admission::Wait(WaitReason::Prefetching));
+                }
+                PrefetchStatus::Done { tokens } => {
+                    t.prefetching = false;
+                    t.storage_loaded = tokens;
+                }
+                PrefetchStatus::None => t.prefetching = false,
+            }
         }
         // A turn its session cannot serve (another turn in flight, history not extended) runs
         // as an ordinary request rather than failing.
@@ -753,6 +817,8 @@ impl KvCacheManager {
         let device = m.prefix_len.min(t.kv.prefix_len);
         let kv_match = t.kv.kv_match_len.max(device);
         let host = t.kv.prefix_len.saturating_sub(m.prefix_len);
+        // What the prefetch loaded counts once, at the admission that takes it.
+        let storage = std::mem::take(&mut t.storage_loaded).min(host);
         let extend = len - t.kv.prefix_len;
         t.reserved = extend + output_left;
         t.swa_peak = swa_peak;
@@ -771,6 +837,7 @@ impl KvCacheManager {
             c.prompt_tokens += t.prompt_len as u64;
             c.hit_tokens_device += device as u64;
             c.hit_tokens_host += host as u64;
+            c.hit_tokens_storage += storage as u64;
             c.kv_match_tokens += kv_match as u64;
             let h = &mut self.metrics.histograms;
             h.match_tokens.observe((device + host) as u64);
@@ -786,6 +853,7 @@ impl KvCacheManager {
         Ok(Admission::Ready(Admitted {
             device_tokens: device,
             host_tokens: host,
+            storage_tokens: storage,
             extend_tokens: extend,
             kv_match_tokens: kv_match,
             mamba_slot: t.kv.mamba_slot,
@@ -950,9 +1018,17 @@ impl KvCacheManager {
         self.forget(&t);
         t.span.record("outcome", "aborted");
         self.metrics.counters.aborted += 1;
-        Ok(self
+        // A prefetch still loading for it stops, and its host pages return to the pool.
+        let prefetch = if t.prefetching {
+            self.cache.abort_prefetch(id.0).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let r = self
             .cache
-            .cache_finished_req(&mut t.kv, FinishKind::Aborted)?)
+            .cache_finished_req(&mut t.kv, FinishKind::Aborted);
+        prefetch?;
+        Ok(r?)
     }
 
     /// Retracts a running request (decode out of memory): its computed KV (prompt and output,
@@ -1100,7 +1176,9 @@ impl KvCacheManager {
     }
 
     /// Waits for every transfer in flight and applies its ack (shutdown, end of a replay):
-    /// afterwards no page is locked by a transfer.
+    /// afterwards no page is locked by a transfer. With a storage tier it also waits for every
+    /// storage job ([`Self::wait_storage`]; it blocks on the store, so a serving scheduler
+    /// calls it only at shutdown).
     ///
     /// # Errors
     /// A failed copy.

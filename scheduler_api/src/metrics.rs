@@ -76,9 +76,53 @@ pub struct Counters {
     /// Sliding-window KV pages that running requests freed as their window slid past them
     /// (during decode, or between prefill chunks).
     pub swa_pages_slid_out: u64,
+    /// Storage tier: prompt tokens of admitted requests that their prefetch brought from the
+    /// store (once per request, at its first admission; also counted in
+    /// [`Counters::hit_tokens_host`], the tier they were loaded back from).
+    pub hit_tokens_storage: u64,
+    /// Storage tier: admission attempts that waited for a prefetch
+    /// ([`WaitReason::Prefetching`](crate::WaitReason::Prefetching); also counted in
+    /// [`Counters::admission_waits`]).
+    pub prefetch_waits: u64,
+    /// Storage tier: tokens prefetches loaded from the store into the tree (as host KV).
+    pub storage_loaded_tokens: u64,
+    /// Storage tier: prefetches started (at arrival).
+    pub prefetches_started: u64,
+    /// Storage tier: prefetches that ended with nothing to load (the store's hit was below
+    /// the threshold, the host had no room, the store failed, or it was ended during its
+    /// lookup).
+    pub prefetches_revoked: u64,
+    /// Storage tier: prefetches ended by their timeout before every page arrived.
+    pub prefetch_timeouts: u64,
+    /// Storage tier: pages reserved for prefetches and returned unused (not arrived when the
+    /// prefetch ended, or the request was aborted).
+    pub prefetch_pages_revoked: u64,
+    /// Storage tier: stored pages that failed their checks when fetched (each a miss).
+    pub prefetch_pages_corrupt: u64,
+    /// Storage tier: pages written to the store by backups.
+    pub backup_pages_written: u64,
+    /// Storage tier: pages a backup found in the store already.
+    pub backup_pages_skipped: u64,
+    /// Storage tier: pages a backup could not write (store error, timeout, refusal).
+    pub backup_pages_failed: u64,
+    /// Storage tier: store operations that failed (the store's own count).
+    pub store_errors: u64,
 }
 
 impl Counters {
+    pub(crate) fn set_storage(&mut self, st: &radixkv_hicache::HiCacheStats, store_errors: u64) {
+        self.storage_loaded_tokens = st.storage_hit_tokens;
+        self.prefetches_started = st.prefetches_started;
+        self.prefetches_revoked = st.prefetches_revoked;
+        self.prefetch_timeouts = st.prefetch_timeouts;
+        self.prefetch_pages_revoked = st.prefetch_pages_revoked;
+        self.prefetch_pages_corrupt = st.prefetch_pages_corrupt;
+        self.backup_pages_written = st.backup_pages_written;
+        self.backup_pages_skipped = st.backup_pages_skipped;
+        self.backup_pages_failed = st.backup_pages_failed;
+        self.store_errors = store_errors;
+    }
+
     pub(crate) fn set_mamba(&mut self, st: &radixkv_radix::MambaStats) {
         let t = st.total();
         self.mamba_states_stored = t.stored;
@@ -418,6 +462,41 @@ impl Metrics {
                 ("tier=\"device\"", c.hit_tokens_device),
                 ("tier=\"host\"", c.hit_tokens_host),
             ],
+        );
+        w.counter(
+            "storage_hit_tokens",
+            "tokens",
+            "Prompt tokens the storage tier prefetched into the host tier (also in hit_tokens tier=host).",
+            &[("", c.hit_tokens_storage)],
+        );
+        w.counter(
+            "storage_prefetches",
+            "",
+            "Storage-tier prefetches, by outcome.",
+            &[
+                ("event=\"started\"", c.prefetches_started),
+                ("event=\"revoked\"", c.prefetches_revoked),
+                ("event=\"timed_out\"", c.prefetch_timeouts),
+                ("event=\"admission_wait\"", c.prefetch_waits),
+            ],
+        );
+        w.counter(
+            "storage_pages",
+            "pages",
+            "Storage-tier pages, by outcome.",
+            &[
+                ("event=\"backup_written\"", c.backup_pages_written),
+                ("event=\"backup_skipped\"", c.backup_pages_skipped),
+                ("event=\"backup_failed\"", c.backup_pages_failed),
+                ("event=\"prefetch_revoked\"", c.prefetch_pages_revoked),
+                ("event=\"prefetch_corrupt\"", c.prefetch_pages_corrupt),
+            ],
+        );
+        w.counter(
+            "store_errors",
+            "",
+            "Store operations of the storage tier that failed.",
+            &[("", c.store_errors)],
         );
         w.counter(
             "allocated_tokens",

@@ -202,6 +202,9 @@ pub struct Admitted {
     pub device_tokens: usize,
     /// Tokens reused from the host tier (loaded back this step).
     pub host_tokens: usize,
+    /// Of [`Admitted::host_tokens`], those the storage tier prefetched into the host tier for
+    /// this request (read from the store before this admission; 0 without a storage tier).
+    pub storage_tokens: usize,
     /// Tokens that must be computed (prefill).
     pub extend_tokens: usize,
     /// How far the device KV match went (at least [`Admitted::device_tokens`]). On a model with
@@ -280,6 +283,14 @@ pub enum WaitReason {
         /// SWA tokens available for it.
         available: usize,
     },
+    /// Storage tier: the request's prefix past the device and host match is being prefetched
+    /// from the store (started by [`KvCacheManager::arrive`](crate::KvCacheManager::arrive)),
+    /// and the stop policy (`[cache.storage] stop`: `wait_complete`, or `timeout` before its
+    /// deadline) keeps it waiting until the pages have arrived. Nothing is held for it but the
+    /// host pages the prefetch reserved; steps ([`KvCacheManager::end_step`](crate::KvCacheManager::end_step))
+    /// move the prefetch on, and a later admission takes what arrived as a host hit.
+    /// [`KvCacheManager::abort`](crate::KvCacheManager::abort) ends the prefetch and frees its pages.
+    Prefetching,
 }
 
 /// One scheduler step, from [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) to [`KvCacheManager::end_step`](crate::KvCacheManager::end_step).

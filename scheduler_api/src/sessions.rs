@@ -117,4 +117,31 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
     fn session_held_window_pages(&self) -> usize {
         self.held_window_pages()
     }
+    fn storage_prefetch(&mut self, rid: u64, req: &RequestKv) -> bool {
+        self.inner_mut().storage_prefetch(rid, req)
+    }
+
+    fn check_prefetch(&mut self, rid: u64) -> Result<radixkv_hicache::PrefetchStatus> {
+        self.inner_mut().check_prefetch(rid)
+    }
+
+    fn abort_prefetch(&mut self, rid: u64) -> Result<bool> {
+        self.inner_mut().abort_prefetch(rid)
+    }
+
+    fn tier_stats(&self) -> Option<radixkv_hicache::HiCacheStats> {
+        self.inner().tier_stats()
+    }
+
+    fn store_errors(&self) -> u64 {
+        self.inner().store_errors()
+    }
+
+    fn has_storage(&self) -> bool {
+        self.inner().has_storage()
+    }
+
+    fn wait_storage(&mut self) -> Result<()> {
+        self.inner_mut().wait_storage()
+    }
 }

@@ -15,9 +15,10 @@
 
 use std::sync::Arc;
 
+use radixkv_hicache::storage::StorageBackend;
 use radixkv_hicache::{
     CopyEvent, DeviceBackend, HiCacheConfig, HiCacheStats, HiRadixCache, HostSim, HostSimConfig,
-    HostSize, KvGeometry, LayerDoneCounter,
+    HostSize, KvGeometry, LayerDoneCounter, PrefetchStatus,
 };
 use radixkv_radix::{
     DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef, KvEvent,
@@ -40,6 +41,9 @@ pub struct Tiered<B: DeviceBackend = HostSim> {
     backend_layers: u32,
     /// Tier counters already reported by a step.
     seen: HiCacheStats,
+    /// What the storage tier's store needs alive (the Redis client's runtime): declared
+    /// after `cache`, so dropped after it.
+    _keepalive: crate::storage::Keepalive,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for Tiered<B> {
@@ -59,6 +63,16 @@ impl Tiered<HostSim> {
     /// # Errors
     /// [`ManagerError::Tier`] when the simulated pools cannot be built.
     pub fn new(cfg: &ManagerConfig, host: &HostTier, radix: RadixConfig) -> Result<Self> {
+        Self::new_with_store(cfg, host, radix, None)
+    }
+
+    /// [`Tiered::new`] with the engine's store for a storage tier of `type = "engine"`.
+    pub(crate) fn new_with_store(
+        cfg: &ManagerConfig,
+        host: &HostTier,
+        radix: RadixConfig,
+        store: Option<Arc<dyn StorageBackend>>,
+    ) -> Result<Self> {
         let sim = &cfg.sim_geometry;
         let geometry = KvGeometry::new(
             sim.layers as usize,
@@ -78,6 +92,7 @@ impl Tiered<HostSim> {
             sim.layers,
             SIM_MAMBA_STATE_BYTES,
             SIM_SWA_PAGE_BYTES,
+            store,
         )
     }
 }
@@ -106,6 +121,18 @@ impl<B: DeviceBackend> Tiered<B> {
         radix: RadixConfig,
         backend: Arc<B>,
     ) -> Result<Self> {
+        Self::with_backend_and_store(cfg, host, radix, backend, None)
+    }
+
+    /// [`Tiered::with_backend`] with the engine's store for a storage tier of `type =
+    /// "engine"`.
+    pub(crate) fn with_backend_and_store(
+        cfg: &ManagerConfig,
+        host: &HostTier,
+        radix: RadixConfig,
+        backend: Arc<B>,
+        store: Option<Arc<dyn StorageBackend>>,
+    ) -> Result<Self> {
         check_geometry(cfg, &radix, backend.as_ref())?;
         let state_bytes = match cfg.pools()?.mamba {
             Some(p) => usize::try_from(p.slot_bytes).map_err(|_| {
@@ -133,13 +160,16 @@ impl<B: DeviceBackend> Tiered<B> {
             cfg.model.layers,
             state_bytes,
             swa_page_bytes,
+            store,
         )
     }
 
     /// The cache over `device`, whose pools have `backend_layers` layers and, with Mamba
     /// slots, Mamba state slots of `state_bytes`, with sliding-window layers, window KV pages
     /// of `swa_page_bytes` (host copies of both: the host tier's share of the device slots
-    /// and pages, as for the KV).
+    /// and pages, as for the KV); with a storage tier under the host tier when `host` names
+    /// one (over the engine's `store` for `type = "engine"`).
+    #[allow(clippy::too_many_arguments)]
     fn over(
         cfg: &ManagerConfig,
         host: &HostTier,
@@ -148,8 +178,23 @@ impl<B: DeviceBackend> Tiered<B> {
         backend_layers: u32,
         state_bytes: usize,
         swa_page_bytes: usize,
+        store: Option<Arc<dyn StorageBackend>>,
     ) -> Result<Self> {
         let page_size = radix.page_size;
+        let (storage, keepalive) = match &host.storage {
+            Some(s) => {
+                let (c, k) = crate::storage::open(s, &cfg.model, &device.geometry(), store)?;
+                (Some(c), k)
+            }
+            None if store.is_some() => {
+                return Err(ManagerError::Config(
+                    "a store was handed to ManagerBuilder::storage_backend but the \
+                     configuration has no [cache.storage] section"
+                        .into(),
+                ));
+            }
+            None => (None, None),
+        };
         let mamba_state_bytes = radix.mamba_slots.map(|_| state_bytes);
         let swa_page_bytes = radix.swa.map(|_| swa_page_bytes);
         let hc = HiCacheConfig {
@@ -163,6 +208,7 @@ impl<B: DeviceBackend> Tiered<B> {
             max_pending_ops: host.max_pending_ops,
             mamba_state_bytes,
             swa_page_bytes,
+            storage,
             ..Default::default()
         };
         Ok(Tiered {
@@ -172,6 +218,7 @@ impl<B: DeviceBackend> Tiered<B> {
             model_layers: cfg.model.layers,
             backend_layers,
             seen: HiCacheStats::default(),
+            _keepalive: keepalive,
         })
     }
 
@@ -295,6 +342,8 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
 
     fn drain(&mut self) -> Result<StepTransfers> {
         self.cache.flush()?;
+        // Backups to the store follow the host backups the flush applied.
+        self.cache.wait_storage()?;
         Ok(self.transfers_since_last())
     }
 
@@ -327,6 +376,35 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         node: Option<radixkv_radix::NodeId>,
     ) -> Result<Option<usize>> {
         Ok(self.cache.swa_available_locked(node)?)
+    }
+    fn storage_prefetch(&mut self, rid: u64, req: &RequestKv) -> bool {
+        self.cache.prefetch(rid, req.key.as_ref())
+    }
+
+    fn check_prefetch(&mut self, rid: u64) -> Result<PrefetchStatus> {
+        Ok(self.cache.check_prefetch(rid)?)
+    }
+
+    fn abort_prefetch(&mut self, rid: u64) -> Result<bool> {
+        Ok(self.cache.abort_prefetch(rid)?)
+    }
+
+    fn tier_stats(&self) -> Option<HiCacheStats> {
+        Some(self.cache.stats())
+    }
+
+    fn store_errors(&self) -> u64 {
+        self.cache
+            .storage_tier()
+            .map_or(0, |t| t.store().stats().errors)
+    }
+
+    fn has_storage(&self) -> bool {
+        self.cache.has_storage()
+    }
+
+    fn wait_storage(&mut self) -> Result<()> {
+        Ok(self.cache.wait_storage()?)
     }
 }
 

@@ -411,14 +411,21 @@ fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
 }
 
 #[test]
-fn config_files_with_a_storage_tier_or_an_overflowing_geometry_are_refused() {
+fn config_files_with_an_unbuilt_or_incomplete_storage_tier_or_an_overflowing_geometry_are_refused()
+{
     let dir = temp_dir();
     let f = dir.join("kv.toml");
     for (config, error) in [
         (
+            "[model]\npreset = \"jamba-like\"\n[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
+             [cache.storage]\nmodel_id = \"m\"\n\
+             backend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
+            "the storage tier (L3) for models with Mamba or sliding-window layers",
+        ),
+        (
             "[cache]\nkind = \"hicache\"\nhost_tokens = 65536\n\
-             [cache.storage]\nbackend = { type = \"redis\", url = \"redis://cache:6379\" }\n",
-            "the storage tier (L3) is not implemented yet",
+             [cache.storage]\nbackend = { type = \"memory\" }\n",
+            "missing field `model_id`",
         ),
         // The review's geometry: each value is valid, the page's byte count would wrap.
         (
@@ -1125,5 +1132,99 @@ fn a_model_with_full_sliding_window_and_mamba_layers_replays() {
                 .unwrap_or_else(|| panic!("no hit ratio in {out}"));
             assert!(!hit.contains("host 0.0000"), "{hit}");
         }
+    }
+}
+
+/// `runs[0]` of the JSON report a successful run printed.
+fn json_run(args: &[&str]) -> serde_json::Value {
+    let out = succeeds(args);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["runs"][0].clone()
+}
+
+#[test]
+fn a_second_replay_over_a_file_store_starts_warm() {
+    let dir = temp_dir();
+    let store = format!("file:{}", dir.join("store").display());
+    let trace = mooncake();
+    let args = on_mooncake(
+        "replay",
+        &trace,
+        &[
+            "--device-tokens",
+            "32768",
+            "--host-tokens",
+            "65536",
+            "--storage",
+            &store,
+            "--storage-tokens",
+            "1048576",
+            "--quiet",
+            "--json",
+        ],
+    );
+    let cold = json_run(&args);
+    let c = &cold["counters"];
+    assert!(c["backup_pages_written"].as_u64().unwrap() > 0, "{c}");
+    assert!(c["prefetches_started"].as_u64().unwrap() > 0, "{c}");
+    assert_eq!(cold["leaked_tokens"], 0);
+    // The same trace again, device and host cold, over the store the first run filled: what
+    // the first run stored is found (the first run's storage hits are only what it stored
+    // and the host tier evicted before a later request came back to it).
+    let warm = json_run(&args);
+    let storage = warm["hit_tokens_storage"].as_u64().unwrap();
+    assert!(
+        storage > cold["hit_tokens_storage"].as_u64().unwrap(),
+        "{storage} storage hits warm, cold {}",
+        cold["hit_tokens_storage"]
+    );
+    assert_eq!(
+        warm["counters"]["hit_tokens_storage"].as_u64(),
+        Some(storage)
+    );
+    assert!(warm["hit_ratio"]["storage"].as_f64().unwrap() > 0.0);
+    assert!(warm["counters"]["backup_pages_skipped"].as_u64().unwrap() > 0);
+    assert_eq!(warm["leaked_tokens"], 0);
+    // The text report names the tier and what it did.
+    let text = succeeds(&[&args[..args.len() - 1], &["--max-requests", "10"]].concat());
+    assert_contains_all(
+        &text,
+        &[
+            "storage tier     file store",
+            "storage hits     ",
+            "prefetches       ",
+        ],
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_storage_flags_are_refused_with_the_flag_named() {
+    for (args, says) in [
+        (
+            &["--storage", "s3://bucket"][..],
+            "expected file:DIR, memory or redis://HOST:PORT",
+        ),
+        (&["--storage", "file:"][..], "needs a directory"),
+        (
+            &["--storage-tokens", "4096"][..],
+            "--storage-tokens needs a file or memory",
+        ),
+        (
+            &[
+                "--storage",
+                "redis://127.0.0.1:1",
+                "--storage-tokens",
+                "4096",
+            ][..],
+            "maxmemory",
+        ),
+        (
+            &["--storage", "memory", "--storage-gbps", "0"][..],
+            "--storage-gbps",
+        ),
+    ] {
+        let o = radixkv(&[&["demo", "--conversations", "1"][..], args].concat());
+        fails_with(&o, says);
     }
 }

@@ -30,7 +30,8 @@ use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat
 use radixkv_replay::{analysis, plot};
 use radixkv_scheduler_api::config::{Eviction, MambaPolicyKind, ModelGeometry, Pools, Preset};
 use radixkv_scheduler_api::{
-    CacheKind, HostTier, ManagerConfig, ManagerError, Result, SessionBudget, WritePolicy,
+    CacheKind, HostTier, ManagerConfig, ManagerError, PrefetchStopPolicy, Result, SessionBudget,
+    StorageBackendKind, StorageTier, WritePolicy,
 };
 
 #[derive(Parser, Debug)]
@@ -78,7 +79,8 @@ enum Cmd {
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
         #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "swa_bytes", "mamba_policy", "device_tokens", "page_size",
-            "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens"])]
+            "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens",
+            "storage", "storage_tokens"])]
         example: bool,
         #[command(flatten)]
         manager: ManagerArgs,
@@ -276,6 +278,55 @@ struct ManagerArgs {
     /// Enable streaming sessions holding at most this many tokens [default: no sessions]
     #[arg(long, value_name = "TOKENS")]
     session_tokens: Option<usize>,
+    /// Storage tier (L3) under the host tier (implies --cache hicache): file:DIR (page files
+    /// in DIR, kept after the run: a second replay over DIR starts with a warm store),
+    /// memory, or redis://HOST:PORT (a Redis server). Host KV is backed up to it; a request
+    /// whose prefix is stored waits for its prefetch (stop policy wait_complete) and takes it
+    /// as a host hit [default: the --config file's [cache.storage], else none]
+    #[arg(long, value_name = "SPEC")]
+    storage: Option<String>,
+    /// Capacity of the storage tier in tokens (file and memory stores; least recently used
+    /// pages are evicted past it) [default: no cap]
+    #[arg(long, value_name = "TOKENS")]
+    storage_tokens: Option<usize>,
+}
+
+/// The model id a replay keys its stored pages with (with the modeled and simulated KV
+/// geometry, which the manager adds).
+const REPLAY_MODEL_ID: &str = "radixkv-replay";
+
+/// The backend `--storage SPEC` names.
+fn storage_backend(spec: &str, capacity_tokens: Option<usize>) -> Result<StorageBackendKind> {
+    let bad = |m: String| Err(ManagerError::Config(m));
+    if let Some(dir) = spec.strip_prefix("file:") {
+        if dir.is_empty() {
+            return bad("--storage file:DIR needs a directory".into());
+        }
+        Ok(StorageBackendKind::File {
+            dir: dir.into(),
+            capacity_tokens,
+            sync: Default::default(),
+        })
+    } else if spec == "memory" {
+        Ok(StorageBackendKind::Memory { capacity_tokens })
+    } else if spec.starts_with("redis://") {
+        if capacity_tokens.is_some() {
+            return bad(
+                "--storage-tokens applies to file and memory stores: a Redis server's capacity \
+                 is its maxmemory"
+                    .into(),
+            );
+        }
+        Ok(StorageBackendKind::Redis {
+            url: spec.into(),
+            cluster: false,
+            key_prefix: "radixkv:".into(),
+        })
+    } else {
+        bad(format!(
+            "--storage {spec:?}: expected file:DIR, memory or redis://HOST:PORT"
+        ))
+    }
 }
 
 /// The flags of a replay (`demo` and `replay`): the manager's, the scheduler's and the
@@ -293,6 +344,11 @@ struct RunArgs {
     #[arg(long, value_name = "GB/S",
         help = with_default("Host↔device bandwidth in GB/s", CostModel::default().transfer_gbps))]
     bandwidth_gbps: Option<f64>,
+    #[arg(long, value_name = "GB/S",
+        help = with_default("Storage→host read bandwidth of the storage tier in GB/s (a local \
+            NVMe SSD; charged in full, before the step, to the step that admits a storage hit)",
+            CostModel::default().storage_gbps))]
+    storage_gbps: Option<f64>,
     /// Spread the conversations' starts (each keeps its own turn timing) so that the simulated
     /// GPU's busiest minutes are this busy: the busier of compute and KV memory, estimated from
     /// the trace with ideal hits (the report shows the load measured too). 0.7 keeps the server
@@ -460,6 +516,15 @@ fn run(cli: Cli) -> Result<()> {
         }
     };
     let mut cfg = sim_config(&run)?;
+    if run.compare && matches!(&cfg.manager.cache, CacheKind::HiCache(t) if t.storage.is_some()) {
+        // Its rows are built configurations of their own, none with a storage tier: the tier
+        // would be silently left out.
+        return Err(ManagerError::Config(
+            "--compare has no storage-tier rows: replay a storage tier on its own (drop \
+             --compare, or --storage and the config's [cache.storage])"
+                .into(),
+        ));
+    }
     if matches!(
         workload,
         Workload::File {
@@ -658,6 +723,14 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         }
         cfg.cost.transfer_gbps = b;
     }
+    if let Some(b) = run.storage_gbps {
+        if !b.is_finite() || b <= 0.0 {
+            return Err(ManagerError::Config(
+                "--storage-gbps must be positive".into(),
+            ));
+        }
+        cfg.cost.storage_gbps = b;
+    }
     if let Some(n) = run.check_invariants_every {
         if n == 0 {
             return Err(ManagerError::Config(
@@ -739,6 +812,46 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
             _ => {
                 return Err(ManagerError::Config(
                     "--host-policy needs a host tier (--cache hicache or --host-tokens)".into(),
+                ));
+            }
+        }
+    }
+    if let Some(spec) = &run.storage {
+        let backend = storage_backend(spec, run.storage_tokens)?;
+        if !matches!(m.cache, CacheKind::HiCache(_)) {
+            m.cache = CacheKind::HiCache(HostTier::ratio(m.device_tokens, 4.0));
+        }
+        if let CacheKind::HiCache(t) = &mut m.cache {
+            match &mut t.storage {
+                Some(st) => st.backend = backend,
+                None => {
+                    t.storage = Some(
+                        StorageTier::new(backend, REPLAY_MODEL_ID)
+                            .stop(PrefetchStopPolicy::WaitComplete {}),
+                    )
+                }
+            }
+        }
+    } else if let Some(n) = run.storage_tokens {
+        let cap = match &mut m.cache {
+            CacheKind::HiCache(HostTier {
+                storage: Some(st), ..
+            }) => match &mut st.backend {
+                StorageBackendKind::File {
+                    capacity_tokens, ..
+                }
+                | StorageBackendKind::Memory { capacity_tokens } => Some(capacity_tokens),
+                _ => None,
+            },
+            _ => None,
+        };
+        match cap {
+            Some(c) => *c = Some(n),
+            None => {
+                return Err(ManagerError::Config(
+                    "--storage-tokens needs a file or memory storage tier (--storage file:DIR \
+                     or memory)"
+                        .into(),
                 ));
             }
         }

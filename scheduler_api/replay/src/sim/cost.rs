@@ -5,6 +5,11 @@
 //! layer `i`'s load, so with `L` layers, compute `c` and transfer `x` the step takes
 //! `L · max(c, x) / L + min(c, x) / L` (the pipeline's fill plus its slower stage), which is
 //! `c` when nothing is loaded and `x + c / L` when the copy dominates.
+//!
+//! With a storage tier, the pages a step's admissions took from the store were read from it at
+//! `storage_gbps` before the step: a stored page holds every layer, so the read is charged in
+//! full, before the layer-pipelined part (a conservative model: a real prefetch overlaps the
+//! request's wait in the queue).
 
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +25,8 @@ pub struct CostModel {
     pub decode_us_per_seq: f64,
     /// Host↔device bandwidth (GB/s).
     pub transfer_gbps: f64,
+    /// Storage→host read bandwidth of the storage tier (GB/s; default 5, a local NVMe SSD).
+    pub storage_gbps: f64,
     /// Layers the transfer is pipelined over.
     pub layers: u32,
     /// Effective prefill throughput (TFLOP/s) for a model whose geometry has a compute shape
@@ -37,6 +44,7 @@ impl Default for CostModel {
             decode_step_us: 12_000.0,
             decode_us_per_seq: 40.0,
             transfer_gbps: 25.0,
+            storage_gbps: 5.0,
             layers: 32,
             prefill_tflops: 1333.0,
         }
@@ -82,6 +90,14 @@ impl CostModel {
         bytes as f64 / (self.transfer_gbps * 1e3)
     }
 
+    /// Read time of `bytes` from the storage tier (µs).
+    pub fn storage_us(&self, bytes: u64) -> f64 {
+        if self.storage_gbps <= 0.0 {
+            return 0.0;
+        }
+        bytes as f64 / (self.storage_gbps * 1e3)
+    }
+
     /// Time of a whole step (µs) with `load_bytes` loaded layer by layer beside the compute.
     pub fn step_us(&self, prefill_tokens: usize, decode_seqs: usize, load_bytes: u64) -> f64 {
         self.step_us_of(self.prefill_us(prefill_tokens), decode_seqs, load_bytes)
@@ -111,6 +127,7 @@ mod tests {
             decode_step_us: 0.0,
             decode_us_per_seq: 0.0,
             transfer_gbps: 1.0,
+            storage_gbps: 0.5,
             layers: 10,
             prefill_tflops: 1.0,
         };
@@ -123,5 +140,7 @@ mod tests {
         // 1 TFLOP/s: 1e6 FLOPs per µs.
         assert_eq!(m.prefill_us_of_flops(5e6), 5.0);
         assert_eq!(m.step_us_of(5.0, 0, 0), 5.0);
+        // 0.5 GB/s: 500 bytes per µs.
+        assert_eq!(m.storage_us(50_000), 100.0);
     }
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::load::LoadReport;
 use super::memory::MemoryUse;
 use super::scheduler::SimConfig;
-use radixkv_scheduler_api::config::{CacheKind, WritePolicy, human_tokens};
+use radixkv_scheduler_api::config::{CacheKind, StorageBackendKind, WritePolicy, human_tokens};
 use radixkv_scheduler_api::metrics::{Counters, ratio};
 
 /// The version of [`ReportFile`]'s layout, written as its `schema_version`. It changes when a
@@ -41,6 +41,8 @@ pub struct TierRatios {
     pub device: f64,
     /// Host tier.
     pub host: f64,
+    /// Of the host tier's, what the storage tier prefetched into it.
+    pub storage: f64,
     /// All tiers.
     pub overall: f64,
 }
@@ -165,6 +167,8 @@ pub struct Report {
     pub hit_tokens_device: u64,
     /// See `hit_tokens_device`.
     pub hit_tokens_host: u64,
+    /// Of `hit_tokens_host`, the tokens the storage tier prefetched into the host tier.
+    pub hit_tokens_storage: u64,
     /// Prompt tokens the device KV matched at the first admission, usable or not: equal to
     /// `hit_tokens_device` on a KV-only model; on a model with Mamba layers the usable hit
     /// stops at the deepest cached state, and this says how much deeper the KV went.
@@ -245,6 +249,7 @@ impl Report {
         self.hit_ratio = TierRatios {
             device: ratio(d, p),
             host: ratio(h, p),
+            storage: ratio(self.hit_tokens_storage, p),
             overall: ratio(d + h, p),
         };
         self.ideal_hit_ratio = ratio(self.ideal_hit_tokens, p);
@@ -453,6 +458,30 @@ impl fmt::Display for Report {
                 s.idle_ttl_ms as f64 / 1e3
             )?;
         }
+        if let Some(st) = host.and_then(|h| h.storage.as_ref()) {
+            let cap = |c: &Option<usize>| match c {
+                Some(t) => fmt_pool(*t, model.page_size, self.page_bytes),
+                None => "no cap".into(),
+            };
+            let backend = match &st.backend {
+                StorageBackendKind::File {
+                    dir,
+                    capacity_tokens,
+                    ..
+                } => format!("file store {} ({})", dir.display(), cap(capacity_tokens)),
+                StorageBackendKind::Memory { capacity_tokens } => {
+                    format!("memory store ({})", cap(capacity_tokens))
+                }
+                StorageBackendKind::Redis { url, .. } => format!("redis store {url}"),
+                StorageBackendKind::Engine => "the engine's store".into(),
+            };
+            writeln!(
+                f,
+                "storage tier     {backend}, read at {} GB/s (charged in TTFT), prefetch from {} tokens",
+                sim.cost.storage_gbps,
+                fmt_count(st.prefetch_threshold_tokens as u64)
+            )?;
+        }
         writeln!(
             f,
             "scheduler        at most {} running, {} prefill tokens per step{}",
@@ -485,6 +514,34 @@ impl fmt::Display for Report {
             "ideal (∞ cache)  {:.4}   achieved/ideal {:.3}",
             self.ideal_hit_ratio, self.achieved_over_ideal
         )?;
+        if host.is_some_and(|h| h.storage.is_some()) {
+            let c = &self.counters;
+            writeln!(
+                f,
+                "storage hits     {} tokens, {:.4} of prompt tokens (part of the host hits)",
+                fmt_count(self.hit_tokens_storage),
+                r.storage
+            )?;
+            writeln!(
+                f,
+                "prefetches       {} started, {} with nothing to load, {} timed out, {} \
+                 admission waits; {} pages returned unused, {} corrupt",
+                fmt_count(c.prefetches_started),
+                fmt_count(c.prefetches_revoked),
+                fmt_count(c.prefetch_timeouts),
+                fmt_count(c.prefetch_waits),
+                fmt_count(c.prefetch_pages_revoked),
+                fmt_count(c.prefetch_pages_corrupt)
+            )?;
+            writeln!(
+                f,
+                "storage backups  {} pages written, {} found stored, {} failed; {} store errors",
+                fmt_count(c.backup_pages_written),
+                fmt_count(c.backup_pages_skipped),
+                fmt_count(c.backup_pages_failed),
+                fmt_count(c.store_errors)
+            )?;
+        }
         if let Some(mamba) = &self.mamba {
             writeln!(
                 f,

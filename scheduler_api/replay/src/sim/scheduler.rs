@@ -19,7 +19,7 @@ use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, SwaRepor
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
-use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request};
+use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request, WaitReason};
 
 /// Scheduler and simulation parameters.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -428,8 +428,12 @@ impl Sim<'_> {
             self.cpu.add(Phase::Extend, t0);
         }
 
-        // Admission, FCFS: the head of the queue blocks the rest.
+        // Admission, FCFS: the head of the queue blocks the rest, except a request whose
+        // prefetch from the storage tier is still loading, which is passed over (as SGLang
+        // does) and keeps its place in the queue.
         let mut dropped = 0;
+        let mut prefetching = Vec::new();
+        let mut storage_tokens = 0;
         while budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(job) = self.waiting.front_mut() else {
                 break;
@@ -439,6 +443,13 @@ impl Sim<'_> {
             let adm = kv.admit(id)?;
             let a = match adm {
                 Admission::Ready(a) => a,
+                Admission::Wait(WaitReason::Prefetching) => {
+                    self.cpu.add(Phase::Admit, t0);
+                    if let Some(job) = self.waiting.pop_front() {
+                        prefetching.push(job);
+                    }
+                    continue;
+                }
                 Admission::Wait(reason) => {
                     self.cpu.add(Phase::Admit, t0);
                     refused.get_or_insert((job.index, StallCause::Admission(reason)));
@@ -476,6 +487,7 @@ impl Sim<'_> {
                 }
                 None => false,
             };
+            storage_tokens += a.storage_tokens;
             if !job.first_admitted {
                 // Infinite-cache ideal and per-tier hits at the first admission; the output
                 // goes with the job, which a retraction later in this step may send back to
@@ -486,6 +498,7 @@ impl Sim<'_> {
                 self.report.ideal_hit_tokens += self.ideal_hits[job.index];
                 self.report.hit_tokens_device += a.device_tokens as u64;
                 self.report.hit_tokens_host += a.host_tokens as u64;
+                self.report.hit_tokens_storage += a.storage_tokens as u64;
                 self.report.kv_match_tokens += a.kv_match_tokens as u64;
                 self.report.prompt_tokens += r.prompt_len;
                 if let (Some(saved), Some(all)) = (
@@ -505,6 +518,10 @@ impl Sim<'_> {
                 prefill_tokens += take;
             }
             self.running.push(job);
+        }
+        let prefetch_waits = prefetching.len();
+        for job in prefetching.into_iter().rev() {
+            self.waiting.push_front(job);
         }
 
         // One decode token per request past its prefill. The batch is listed first and the
@@ -569,7 +586,9 @@ impl Sim<'_> {
         let tiered = matches!(self.cfg.manager.cache, CacheKind::HiCache(_));
         // Transfers never outlive a step (see the end of the step), so when nothing could run
         // no copy holds pages any more.
-        if prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 {
+        // A request waiting for its prefetch makes progress too: the step's end applies the
+        // store's answers.
+        if prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 && prefetch_waits == 0 {
             // Nothing could run: free memory by retracting the youngest, or give up. (A step
             // that dropped a request made progress.) Every request fits the pool (checked
             // before the replay), so giving up is a stall, reported with the refusal behind it.
@@ -600,10 +619,13 @@ impl Sim<'_> {
         } else {
             self.cfg.cost.prefill_us(prefill_tokens)
         };
-        let dt = self
-            .cfg
-            .cost
-            .step_us_of(prefill_us, decode_seqs, step.load_bytes());
+        let page = model.page_size.max(1) as u64;
+        let storage_bytes = (storage_tokens as u64 / page).saturating_mul(self.report.page_bytes);
+        let dt = self.cfg.cost.storage_us(storage_bytes)
+            + self
+                .cfg
+                .cost
+                .step_us_of(prefill_us, decode_seqs, step.load_bytes());
         let a = kv.accounting();
         let busy = prefill_us + decode_seqs as f64 * self.cfg.cost.decode_us_per_seq;
         self.meter

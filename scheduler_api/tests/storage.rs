@@ -1,0 +1,306 @@
+//! The storage tier (L3) through the manager: a request whose prefix is only in the store is
+//! prefetched at arrival and hits (waiting for it under `wait_complete`, not under
+//! `best_effort`); an abort while prefetching leaves nothing behind; a store that is down
+//! degrades to recomputation with counters that say so; a store opened from the config (file,
+//! memory) and the engine's own store both serve a restarted manager.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{admitted, balanced, step};
+use radixkv_hicache::storage::{FaultConfig, FaultStore, MemStore, StorageBackend};
+use radixkv_scheduler_api::{
+    Admission, Admitted, HostTier, KvCacheManager, ManagerError, PrefetchStopPolicy, ReqId,
+    Request, StorageBackendKind, StorageTier, WaitReason,
+};
+
+const PAGE: usize = 4;
+
+fn tier(backend: StorageBackendKind, stop: PrefetchStopPolicy) -> HostTier {
+    HostTier::ratio(256, 4.0)
+        .load_back_min_tokens(PAGE)
+        .storage(Some(
+            StorageTier::new(backend, "test-model")
+                .prefetch_threshold_tokens(PAGE)
+                .stop(stop),
+        ))
+}
+
+/// A manager (256 device tokens, 1024 host tokens, pages of 4) over the engine's `store`.
+fn manager(store: Arc<dyn StorageBackend>, stop: PrefetchStopPolicy) -> KvCacheManager {
+    KvCacheManager::builder()
+        .page_size(PAGE)
+        .device_tokens(256)
+        .host_tier(tier(StorageBackendKind::Engine, stop))
+        .storage_backend(store)
+        .build()
+        .unwrap()
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+/// Admits `id`, stepping while it waits for its prefetch; returns the admission and how many
+/// times it waited.
+fn admit_after_prefetch(kv: &mut KvCacheManager, id: ReqId) -> (Admitted, usize) {
+    let mut waits = 0;
+    loop {
+        match kv.admit(id).unwrap() {
+            Admission::Ready(a) => return (a, waits),
+            Admission::Wait(WaitReason::Prefetching) => {
+                waits += 1;
+                step(kv);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Prefills and finishes an admitted request in one step.
+fn prefill_and_finish(kv: &mut KvCacheManager, id: ReqId, a: &Admitted) {
+    kv.extend(id, a.extend_tokens).unwrap();
+    let s = kv.begin_step();
+    kv.chunk_done(id).unwrap();
+    kv.end_step(s).unwrap();
+    kv.finish(id).unwrap();
+    step(kv);
+    balanced(kv);
+}
+
+/// Serves `t` on `kv` and waits until its KV is in the store.
+fn serve_and_store(kv: &mut KvCacheManager, t: &[u32]) {
+    let r = kv
+        .arrive(Request::new(t.to_vec()).max_new_tokens(1))
+        .unwrap();
+    let (a, _) = admit_after_prefetch(kv, r);
+    prefill_and_finish(kv, r, &a);
+    kv.drain().unwrap();
+    balanced(kv);
+}
+
+/// Once every transfer is done, nothing is held for requests, and the host pool holds exactly
+/// the tree's pages (the audit counts prefetch reservations; with none open, there are none).
+fn nothing_leaked(kv: &mut KvCacheManager) {
+    kv.drain().unwrap();
+    balanced(kv);
+    let a = kv.accounting();
+    assert_eq!((a.request_owned, a.protected), (0, 0), "{a:?}");
+    assert_eq!(kv.reserved_tokens(), 0);
+}
+
+#[test]
+fn a_prefix_only_in_the_store_is_prefetched_and_hits() {
+    let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+    let t = tokens(1, 64);
+    let mut a = manager(store.clone(), PrefetchStopPolicy::WaitComplete {});
+    serve_and_store(&mut a, &t);
+    let m = a.metrics().counters;
+    assert_eq!(m.backup_pages_written, 16, "{m:?}");
+    assert_eq!(store.stats().pages, 16);
+
+    // wait_complete: a restarted manager (device and host cold) waits for the pages, then
+    // takes them as a host hit.
+    let mut longer = t.clone();
+    longer.extend(tokens(2, 8));
+    let mut b = manager(store.clone(), PrefetchStopPolicy::WaitComplete {});
+    let r = b
+        .arrive(Request::new(longer.clone()).max_new_tokens(1))
+        .unwrap();
+    assert_eq!(b.metrics().counters.prefetches_started, 1);
+    let (adm, waits) = admit_after_prefetch(&mut b, r);
+    // The lookup runs in the background and a step applies it: the first admission waits.
+    assert!(waits >= 1);
+    assert_eq!((adm.device_tokens, adm.host_tokens), (0, 64));
+    assert_eq!(adm.extend_tokens, 8);
+    let m = b.metrics().counters;
+    assert_eq!(m.hit_tokens_storage, 64, "{m:?}");
+    assert_eq!(m.storage_loaded_tokens, 64);
+    assert_eq!(m.prefetch_waits, waits as u64);
+    prefill_and_finish(&mut b, r, &adm);
+    b.drain().unwrap();
+    // Only the new pages are written: the store had the others.
+    assert_eq!(b.metrics().counters.backup_pages_written, 2);
+    nothing_leaked(&mut b);
+
+    // best_effort: admitted at once, with what has arrived — nothing, before any step.
+    let mut c = manager(store.clone(), PrefetchStopPolicy::BestEffort {});
+    let r = c
+        .arrive(Request::new(longer.clone()).max_new_tokens(1))
+        .unwrap();
+    let adm = admitted(&mut c, r);
+    assert_eq!((adm.device_tokens, adm.host_tokens), (0, 0));
+    let m = c.metrics().counters;
+    assert_eq!(
+        (m.prefetches_started, m.prefetches_revoked),
+        (1, 1),
+        "{m:?}"
+    );
+    assert_eq!((m.hit_tokens_storage, m.prefetch_waits), (0, 0));
+    prefill_and_finish(&mut c, r, &adm);
+    nothing_leaked(&mut c);
+    // ... and, once the pages have arrived, takes them without waiting: all 17 whole pages
+    // before the last token, which `b` stored.
+    let mut d = manager(store, PrefetchStopPolicy::BestEffort {});
+    let r = d.arrive(Request::new(longer).max_new_tokens(1)).unwrap();
+    d.wait_storage().unwrap();
+    let adm = admitted(&mut d, r);
+    assert_eq!((adm.device_tokens, adm.host_tokens), (0, 68));
+    assert_eq!(d.metrics().counters.hit_tokens_storage, 68);
+    prefill_and_finish(&mut d, r, &adm);
+    nothing_leaked(&mut d);
+}
+
+#[test]
+fn an_abort_while_prefetching_leaks_nothing() {
+    let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+    let t = tokens(3, 128);
+    let mut a = manager(store.clone(), PrefetchStopPolicy::WaitComplete {});
+    serve_and_store(&mut a, &t);
+    // Aborted during the lookup, while the fetch may be running, and once every page has
+    // arrived (reserved host pages, not in the tree yet).
+    for case in ["lookup", "fetch", "arrived"] {
+        let mut b = manager(store.clone(), PrefetchStopPolicy::WaitComplete {});
+        let r = b.arrive(Request::new(t.clone()).max_new_tokens(1)).unwrap();
+        if case != "lookup" {
+            step(&mut b);
+        }
+        if case == "arrived" {
+            b.wait_storage().unwrap();
+            assert_eq!(
+                b.metrics().gauges.host_tokens,
+                124,
+                "reserved for the fetch"
+            );
+        }
+        b.abort(r).unwrap();
+        assert_eq!(
+            b.metrics().gauges.host_tokens,
+            0,
+            "{case}: pages left reserved"
+        );
+        nothing_leaked(&mut b);
+        // Completions of the aborted jobs change nothing when they arrive.
+        b.wait_storage().unwrap();
+        step(&mut b);
+        assert_eq!(b.metrics().gauges.host_tokens, 0, "{case}");
+        let m = b.metrics().counters;
+        assert_eq!(
+            (m.prefetches_started, m.hit_tokens_storage),
+            (1, 0),
+            "{case}"
+        );
+        nothing_leaked(&mut b);
+    }
+}
+
+#[test]
+fn a_store_that_is_down_degrades_to_recomputation() {
+    let fault = Arc::new(FaultStore::new(MemStore::new(), FaultConfig::seeded(7)).unwrap());
+    let store: Arc<dyn StorageBackend> = fault.clone();
+    let t = tokens(4, 64);
+    let mut a = manager(store.clone(), PrefetchStopPolicy::WaitComplete {});
+    serve_and_store(&mut a, &t);
+    assert_eq!(a.metrics().counters.backup_pages_written, 16);
+    fault.set_down(true);
+    let mut b = manager(store, PrefetchStopPolicy::WaitComplete {});
+    let r = b.arrive(Request::new(t.clone()).max_new_tokens(1)).unwrap();
+    let (adm, _) = admit_after_prefetch(&mut b, r);
+    // The lookup failed: the whole prompt is computed.
+    assert_eq!((adm.device_tokens, adm.host_tokens), (0, 0));
+    assert_eq!(adm.extend_tokens, 64);
+    prefill_and_finish(&mut b, r, &adm);
+    b.drain().unwrap();
+    let m = b.metrics().counters;
+    assert_eq!(
+        (m.prefetches_started, m.prefetches_revoked),
+        (1, 1),
+        "{m:?}"
+    );
+    assert_eq!(m.hit_tokens_storage, 0);
+    // Its backups could not be written either, and say so.
+    assert_eq!(m.backup_pages_written, 0);
+    assert!(m.backup_pages_failed > 0, "{m:?}");
+    assert!(fault.counts().down > 0);
+    nothing_leaked(&mut b);
+    // Up again: the next manager finds the pages the first one stored.
+    fault.set_down(false);
+    let mut c = manager(fault, PrefetchStopPolicy::WaitComplete {});
+    let r = c.arrive(Request::new(t).max_new_tokens(1)).unwrap();
+    let (adm, _) = admit_after_prefetch(&mut c, r);
+    assert_eq!(adm.host_tokens, 60, "the last token is always computed");
+    prefill_and_finish(&mut c, r, &adm);
+    nothing_leaked(&mut c);
+}
+
+#[test]
+fn a_file_store_from_the_config_serves_a_restarted_manager() {
+    let dir = std::env::temp_dir().join(format!("radixkv-storage-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let backend = StorageBackendKind::File {
+        dir: dir.clone(),
+        capacity_tokens: Some(1 << 12),
+        sync: Default::default(),
+    };
+    let build = || {
+        KvCacheManager::builder()
+            .page_size(PAGE)
+            .device_tokens(256)
+            .host_tier(tier(backend.clone(), PrefetchStopPolicy::default()))
+            .build()
+            .unwrap()
+    };
+    let t = tokens(5, 64);
+    let mut a = build();
+    assert!(a.has_storage());
+    serve_and_store(&mut a, &t);
+    drop(a);
+    let mut b = build();
+    let r = b.arrive(Request::new(t).max_new_tokens(1)).unwrap();
+    let (adm, _) = admit_after_prefetch(&mut b, r);
+    assert_eq!(adm.host_tokens, 60);
+    prefill_and_finish(&mut b, r, &adm);
+    nothing_leaked(&mut b);
+    drop(b);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_engine_store_and_the_config_must_agree() {
+    let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+    let memory = StorageBackendKind::Memory {
+        capacity_tokens: None,
+    };
+    // A store handed over for a config that names another backend, or that has no storage
+    // section; and an engine backend without a store.
+    for (host, store) in [
+        (
+            tier(memory, PrefetchStopPolicy::default()),
+            Some(store.clone()),
+        ),
+        (HostTier::ratio(256, 4.0), Some(store.clone())),
+        (
+            tier(StorageBackendKind::Engine, PrefetchStopPolicy::default()),
+            None,
+        ),
+    ] {
+        let mut b = KvCacheManager::builder()
+            .page_size(PAGE)
+            .device_tokens(256)
+            .host_tier(host);
+        if let Some(s) = store {
+            b = b.storage_backend(s);
+        }
+        match b.build() {
+            Err(ManagerError::Config(m)) => assert!(m.contains("storage"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // A device-only cache with a store: refused too.
+    let r = KvCacheManager::builder()
+        .device_tokens(256)
+        .storage_backend(store)
+        .build();
+    assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
+}
