@@ -38,16 +38,14 @@ use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp, Target};
+use radixkv_fuzz::driver::{Driver, DriverOp, Target, audit_host};
 use radixkv_fuzz::input::Size;
 use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{
-    MambaPolicy, MarconiParams, Medium, PolicyKind, PrefixCache, RadixConfig, SwaConfig,
-};
+use radixkv_radix::{MambaPolicy, MarconiParams, PolicyKind, PrefixCache, RadixConfig, SwaConfig};
 use radixkv_session::SessionConfig;
 
 #[derive(Arbitrary, Debug)]
@@ -346,19 +344,6 @@ fn tier(d: &mut Harness, backend: &HostSim, op: &TierOp, faulty: &mut bool) {
     }
 }
 
-/// The host side of the event shadow: host pages in the tree, less unacknowledged backups.
-fn audit_host(d: &mut Harness) {
-    let Some(s) = &d.shadow else { return };
-    let c = d.cache.inner();
-    let host = c.device_cache().tree().host_page_count() - c.unacked_backup_pages();
-    assert_eq!(
-        s.stored(Medium::Host),
-        host,
-        "the events disagree with the tree about what is on the host"
-    );
-    assert!(c.host_tokens() <= c.controller().host().total() * c.page_size());
-}
-
 fn state_bytes(m: &MambaSetup) -> usize {
     8 * (1 + usize::from(m.state_words % 4))
 }
@@ -468,11 +453,11 @@ fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>
             ModeOp::EvictWindow(n) => evict_window(&mut d, n),
         }
         d.audit();
-        audit_host(&mut d);
+        audit_host(&d);
     }
     // Ends everything and flushes the tier: no transfer may keep a lock, nothing may leak.
     d.teardown();
-    audit_host(&mut d);
+    audit_host(&d);
     assert_eq!(c_unacked(&d), 0, "a backup was never acknowledged");
 }
 

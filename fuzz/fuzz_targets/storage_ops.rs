@@ -1,16 +1,17 @@
-//! Sequences of store operations (put, get, exists_prefix, delete) through `FaultStore` over
-//! `MemStore` (capped or not), with faults switched on and off, the store taken down and up,
-//! and pages that are valid, stored under another key, or garbage — against a model map of
-//! the bytes last stored under each key.
+//! Sequences of store operations (put, get, exists_prefix, delete, discard_damaged) through
+//! `FaultStore` over `MemStore` (capped or not), with faults switched on and off, the store
+//! taken down and up, and pages that are valid, stored under another key, or garbage —
+//! against a model map of the bytes last stored under each key.
 //!
 //! Every future is polled once with a no-op waker, as a tier with a zero deadline would:
 //! over `MemStore` an operation is ready at once unless the wrapper made it hang, which the
 //! target checks (and then drops it). Properties: no panic; a page `get` returns that decodes
 //! is exactly the bytes last stored under its key; without corruption every page returned is
 //! exactly those bytes; the store never holds a key the model lacks (`exists_prefix` and
-//! `delete` never exceed the model); without a cap and without partial batches the answers
-//! equal the model's; a failed or hung operation changes nothing; and at the end, faults off,
-//! the store and its counters agree with the model.
+//! `delete` never exceed the model; `discard_damaged` is a delete the store counts); without
+//! a cap and without partial batches the answers equal the model's; a failed or hung
+//! operation changes nothing; and at the end, faults off, the store and its counters agree
+//! with the model.
 #![no_main]
 
 use std::collections::HashMap;
@@ -43,6 +44,8 @@ enum Op {
     Get(Vec<u8>),
     Exists(Vec<u8>),
     Delete(Vec<u8>),
+    /// `discard_damaged`: a delete that the store counts.
+    Discard(Vec<u8>),
     Down(bool),
     /// Probabilities in sixteenths (error, hang, partial, corrupt) and a seed.
     Faults([u8; 4], u64),
@@ -195,9 +198,16 @@ impl World {
                     }
                 }
             }
-            Op::Delete(idx) => {
+            Op::Delete(idx) | Op::Discard(idx) => {
                 let keys = self.keys_of(idx);
-                match poll_once(self.store.delete(&keys)) {
+                let discard = matches!(op, Op::Discard(_));
+                let damaged = self.store.inner().stats().damaged_pages;
+                let f = if discard {
+                    self.store.discard_damaged(&keys)
+                } else {
+                    self.store.delete(&keys)
+                };
+                match poll_once(f) {
                     None => hung(self),
                     Some(Err(e)) => expect_injected(&e),
                     Some(Ok(n)) => {
@@ -211,6 +221,8 @@ impl World {
                         if !self.capped {
                             assert_eq!(n, present);
                         }
+                        let counted = self.store.inner().stats().damaged_pages - damaged;
+                        assert_eq!(counted, if discard { n as u64 } else { 0 });
                     }
                 }
             }

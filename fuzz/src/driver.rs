@@ -1045,6 +1045,21 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
     }
 }
 
+/// The host side of the event shadow of a driver over a tiered cache: the events' host pages
+/// are the tree's, less the backups not acknowledged yet (their host `BlockStored` comes with
+/// the ack); and the host tier holds no more tokens than its pool.
+pub fn audit_host<B: DeviceBackend, S: KvStore>(d: &Driver<HiRadixCache<B>, S>) {
+    let Some(s) = &d.shadow else { return };
+    let c = d.cache.inner();
+    let host = c.device_cache().tree().host_page_count() - c.unacked_backup_pages();
+    assert_eq!(
+        s.stored(Medium::Host),
+        host,
+        "the events disagree with the tree about what is on the host"
+    );
+    assert!(c.host_tokens() <= c.controller().host().total() * c.page_size());
+}
+
 /// Matches `req` again, as a request rejected by admission does: the match `m` it had, with
 /// the same pages.
 ///

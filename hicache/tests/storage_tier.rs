@@ -1030,6 +1030,65 @@ fn file_store_round_trip_survives_a_restart() {
 }
 
 #[test]
+fn a_damaged_page_on_disk_is_one_counted_miss_and_is_removed() {
+    use radixkv_hicache::storage::{FileStore, FileStoreConfig};
+    let dir = TempDir::new("damaged");
+    let s = Setup {
+        page_size: 16,
+        device_pages: 64,
+        host_pages: 128,
+        ..Default::default()
+    };
+    let t = tokens(37, 200);
+    let open = || Arc::new(FileStore::open_blocking(FileStoreConfig::new(&dir.0)).unwrap());
+    let mut keys = Vec::new();
+    KeySeed::new(&Namespace::DEFAULT, &identity()).extend_chain(None, &t, 16, &mut keys);
+    assert_eq!(keys.len(), 12);
+    let store = open();
+    let mut a = cached(&s, store.clone(), None);
+    serve_and_store(&mut a, &t);
+    assert_eq!(a.stats().backup_pages_written, 12);
+    drop(a);
+
+    // Damage page 5 on disk: one byte of its KV flipped.
+    let path = store.page_path(&keys[5]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+
+    // A cold cache loads the pages before it, counts the damaged one as a miss, and the
+    // store drops it.
+    let mut b = cached(&s, store.clone(), None);
+    assert_eq!(prefetch_all(&mut b, 1, &t), 5 * 16);
+    assert_eq!(b.stats().prefetch_pages_corrupt, 1);
+    assert!(!path.exists(), "the damaged page's file is still there");
+    let st = store.stats();
+    assert_eq!((st.damaged_pages, st.pages), (1, 11));
+    b.flush().unwrap();
+    no_leaks(&b);
+    drop(b);
+
+    // The next cold cache (a restarted store too) stops before it without another miss.
+    let store = open();
+    assert_eq!(store.stats().pages, 11);
+    let mut c = cached(&s, store.clone(), None);
+    assert_eq!(prefetch_all(&mut c, 2, &t), 5 * 16);
+    assert_eq!(c.stats().prefetch_pages_corrupt, 0);
+    // Serving the request backs the missing pages up again, whole.
+    let served = serve(&mut c, &t).unwrap();
+    assert_eq!(served.host_hit, 5 * 16);
+    c.flush().unwrap();
+    c.wait_storage().unwrap();
+    assert!(path.exists(), "the page was not written again");
+    no_leaks(&c);
+    drop(c);
+    let mut d = cached(&s, store, None);
+    assert_eq!(prefetch_all(&mut d, 3, &t), 192);
+    assert_eq!(d.stats().prefetch_pages_corrupt, 0);
+}
+
+#[test]
 fn random_store_faults_never_serve_wrong_kv_or_leak() {
     use radixkv_hicache::storage::{FaultConfig, FaultStore};
     let s = Setup {

@@ -51,6 +51,9 @@ pub struct StoreStats {
     pub put_bytes: u64,
     /// Pages the store dropped to stay within its size cap.
     pub evicted_pages: u64,
+    /// Pages removed because a reader found them damaged
+    /// ([`StorageBackend::discard_damaged`]).
+    pub damaged_pages: u64,
     /// Operations that failed.
     pub errors: u64,
 }
@@ -80,8 +83,26 @@ pub trait StorageBackend: Send + Sync + 'static {
     /// cap, without failing the batch).
     fn put<'a>(&'a self, pages: &'a [(PageKey, Vec<u8>)]) -> StoreFuture<'a, Vec<bool>>;
 
+    /// [`StorageBackend::put`] of a batch the caller hands over. A store whose I/O runs on
+    /// other threads (such as [`super::FileStore`], on tokio's blocking pool) writes the
+    /// caller's buffers there instead of copying the batch; the default borrows it and calls
+    /// `put`. The storage tier's backups put this way.
+    fn put_owned(&self, pages: Vec<(PageKey, Vec<u8>)>) -> StoreFuture<'_, Vec<bool>> {
+        Box::pin(async move { self.put(&pages).await })
+    }
+
     /// Removes `keys`; returns how many were stored.
     fn delete<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize>;
+
+    /// Removes `keys`, pages a reader found damaged (see [`super::PageError::is_damage`]), so
+    /// that a damaged page is one miss rather than a miss on every later lookup; returns how
+    /// many were stored. The stores of this crate count them in
+    /// [`StoreStats::damaged_pages`]; the default deletes them without counting. A page
+    /// rewritten whole between the read and this call is removed too (a lost page, never
+    /// wrong KV).
+    fn discard_damaged<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
+        self.delete(keys)
+    }
 
     /// The store's counters.
     fn stats(&self) -> StoreStats;
@@ -95,6 +116,7 @@ pub(crate) struct Counters {
     pub put_pages: AtomicU64,
     pub put_bytes: AtomicU64,
     pub evicted_pages: AtomicU64,
+    pub damaged_pages: AtomicU64,
     pub errors: AtomicU64,
 }
 
@@ -114,6 +136,7 @@ impl Counters {
             put_pages: r(&self.put_pages),
             put_bytes: r(&self.put_bytes),
             evicted_pages: r(&self.evicted_pages),
+            damaged_pages: r(&self.damaged_pages),
             errors: r(&self.errors),
         }
     }
@@ -255,6 +278,14 @@ impl StorageBackend for MemStore {
         Box::pin(async move {
             let mut inner = self.lock();
             Ok(keys.iter().filter(|k| inner.remove(k)).count())
+        })
+    }
+
+    fn discard_damaged<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
+        Box::pin(async move {
+            let n = self.delete(keys).await?;
+            Counters::add(&self.counters.damaged_pages, n as u64);
+            Ok(n)
         })
     }
 

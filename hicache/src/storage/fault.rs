@@ -332,6 +332,29 @@ impl<S: StorageBackend> FaultStore<S> {
             _ => page.push(x as u8),
         }
     }
+
+    /// A put of `len` pages: the faults, then `put(n)`, which stores the first `n` pages in
+    /// the wrapped store.
+    fn put_with<'a>(
+        &'a self,
+        len: usize,
+        put: impl FnOnce(usize) -> StoreFuture<'a, Vec<bool>> + Send + 'a,
+    ) -> StoreFuture<'a, Vec<bool>> {
+        Box::pin(async move {
+            let Some(plan) = self.before()? else {
+                return hang().await;
+            };
+            let cut = plan.cut(len);
+            let stored = cut.unwrap_or(len);
+            if cut.is_some() {
+                bump(&self.counts.partial_batches);
+            }
+            let mut out = put(stored).await?;
+            out.resize(len, false);
+            self.after(&plan).await?;
+            Ok(out)
+        })
+    }
 }
 
 async fn hang<T>() -> Result<T, StoreError> {
@@ -383,19 +406,13 @@ impl<S: StorageBackend> StorageBackend for FaultStore<S> {
     }
 
     fn put<'a>(&'a self, pages: &'a [(PageKey, Vec<u8>)]) -> StoreFuture<'a, Vec<bool>> {
-        Box::pin(async move {
-            let Some(plan) = self.before()? else {
-                return hang().await;
-            };
-            let cut = plan.cut(pages.len());
-            let stored = cut.unwrap_or(pages.len());
-            if cut.is_some() {
-                bump(&self.counts.partial_batches);
-            }
-            let mut out = self.inner.put(&pages[..stored]).await?;
-            out.resize(pages.len(), false);
-            self.after(&plan).await?;
-            Ok(out)
+        self.put_with(pages.len(), move |stored| self.inner.put(&pages[..stored]))
+    }
+
+    fn put_owned(&self, mut pages: Vec<(PageKey, Vec<u8>)>) -> StoreFuture<'_, Vec<bool>> {
+        self.put_with(pages.len(), move |stored| {
+            pages.truncate(stored);
+            self.inner.put_owned(pages)
         })
     }
 
@@ -405,6 +422,17 @@ impl<S: StorageBackend> StorageBackend for FaultStore<S> {
                 return hang().await;
             };
             let n = self.inner.delete(keys).await?;
+            self.after(&plan).await?;
+            Ok(n)
+        })
+    }
+
+    fn discard_damaged<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
+        Box::pin(async move {
+            let Some(plan) = self.before()? else {
+                return hang().await;
+            };
+            let n = self.inner.discard_damaged(keys).await?;
             self.after(&plan).await?;
             Ok(n)
         })

@@ -590,8 +590,8 @@ impl StorageBackend for FileStore {
         "file"
     }
 
-    // The blocking job must own its input, so each batch is copied — in the future, on the
-    // thread that polls it, not in the caller that makes it.
+    // The blocking job must own its input, so each borrowed batch is copied — in the future,
+    // on the thread that polls it, not in the caller that makes it.
 
     fn exists_prefix<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
         Box::pin(async move {
@@ -614,10 +614,24 @@ impl StorageBackend for FileStore {
         })
     }
 
+    // A page is megabytes: copying a batch costs about as much as writing it to the page
+    // cache, so the tier hands its batches over.
+    fn put_owned(&self, pages: Vec<(PageKey, Vec<u8>)>) -> StoreFuture<'_, Vec<bool>> {
+        Box::pin(async move { self.run(move |s| s.put(&pages)).await })
+    }
+
     fn delete<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
         Box::pin(async move {
             let keys = keys.to_vec();
             self.run(move |s| s.delete(&keys)).await
+        })
+    }
+
+    fn discard_damaged<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
+        Box::pin(async move {
+            let n = self.delete(keys).await?;
+            Counters::add(&self.shared.counters.damaged_pages, n as u64);
+            Ok(n)
         })
     }
 

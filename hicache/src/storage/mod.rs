@@ -7,7 +7,10 @@
 //! - **Pages.** A stored page is a header (magic, version, geometry, identity, key, lengths,
 //!   checksum) and a payload (the page's KV of every layer, page-major, then the extra pools'
 //!   sections): [`PageFormat`]. A page that fails any check is a [`PageError`], which the tier
-//!   counts as a miss: it never becomes KV.
+//!   counts as a miss: it never becomes KV. A damaged page ([`PageError::is_damage`]: bad
+//!   magic, lengths, key or checksum) is also removed from the store
+//!   ([`StorageBackend::discard_damaged`], counted in [`StoreStats::damaged_pages`]), so it
+//!   costs one miss rather than one per lookup.
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
 //!   nothing else. [`MemStore`] keeps them in process memory; [`FileStore`], the default,

@@ -53,9 +53,12 @@ pub enum PageError {
         /// Bytes the header needs.
         needed: usize,
     },
-    /// Not a stored page, or one of another format version.
-    #[error("not a stored page of format version {PAGE_VERSION}")]
+    /// Not a stored page (no magic, or a reserved field set).
+    #[error("not a stored page")]
     BadMagic,
+    /// A stored page of another format version (written by another build).
+    #[error("stored page of format version {0}; this build reads version {PAGE_VERSION}")]
+    Version(u16),
     /// The header's lengths disagree with each other or with the bytes present.
     #[error("stored page lengths are inconsistent: {0}")]
     BadLength(&'static str),
@@ -71,6 +74,26 @@ pub enum PageError {
     /// A section of an extra pool this reader does not expect, or of the wrong size.
     #[error("stored page has an unexpected {0} section")]
     UnexpectedSection(&'static str),
+}
+
+impl PageError {
+    /// Whether the bytes are damaged: no magic, inconsistent lengths, a truncation, a key that
+    /// is not the one they are stored under, or a checksum mismatch — bytes no reader can
+    /// use, which the storage tier removes from the store
+    /// ([`super::StorageBackend::discard_damaged`]). A page of another format version, model,
+    /// layout or set of extra pools is whole and is left to the readers it belongs to.
+    pub fn is_damage(&self) -> bool {
+        match self {
+            PageError::Truncated { .. }
+            | PageError::BadMagic
+            | PageError::BadLength(_)
+            | PageError::WrongKey
+            | PageError::Checksum => true,
+            PageError::Version(_) | PageError::WrongLayout | PageError::UnexpectedSection(_) => {
+                false
+            }
+        }
+    }
 }
 
 /// A stored page that passed every check, borrowing the bytes it was decoded from.
@@ -290,8 +313,11 @@ impl PageFormat {
                 needed: FIXED_HEADER_BYTES,
             });
         }
-        if bytes[..8] != PAGE_MAGIC || u16_at(bytes, 8) != PAGE_VERSION {
+        if bytes[..8] != PAGE_MAGIC {
             return Err(PageError::BadMagic);
+        }
+        if u16_at(bytes, 8) != PAGE_VERSION {
+            return Err(PageError::Version(u16_at(bytes, 8)));
         }
         let header_len = usize::from(u16_at(bytes, 10));
         let n_sections = u32_at(bytes, 28) as usize;
@@ -471,6 +497,33 @@ mod tests {
             f3.decode(&k, &good).unwrap_err(),
             PageError::UnexpectedSection("mamba")
         );
+    }
+
+    #[test]
+    fn damage_is_told_from_pages_of_other_readers() {
+        let (f, k) = fmt();
+        let mut good = Vec::new();
+        f.encode(&k, &[3; 24], &[], &mut good).unwrap();
+        let mut flipped = good.clone();
+        flipped[140] ^= 1;
+        let mut magic = good.clone();
+        magic[0] ^= 1;
+        for bad in [
+            &good[..100],
+            &flipped[..],
+            &magic[..],
+            &good[..good.len() - 1],
+        ] {
+            assert!(f.decode(&k, bad).unwrap_err().is_damage());
+        }
+        assert!(f.decode(&k.next(&[9]), &good).unwrap_err().is_damage());
+        let mut v2 = good.clone();
+        v2[8] = 2;
+        let e = f.decode(&k, &v2).unwrap_err();
+        assert_eq!(e, PageError::Version(2));
+        assert!(!e.is_damage(), "another version's page is not damaged");
+        let other = PageFormat::new(f.geometry(), &KvIdentity::new("m2", "l"), &[]).unwrap();
+        assert!(!other.decode(&k, &good).unwrap_err().is_damage());
     }
 
     #[test]

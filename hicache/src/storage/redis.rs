@@ -530,6 +530,14 @@ impl StorageBackend for RedisStore {
         })
     }
 
+    fn discard_damaged<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, usize> {
+        Box::pin(async move {
+            let n = self.delete(keys).await?;
+            Counters::add(&self.counters.damaged_pages, n as u64);
+            Ok(n)
+        })
+    }
+
     fn stats(&self) -> StoreStats {
         self.counters.snapshot(0, 0)
     }

@@ -17,7 +17,9 @@
 //!   batch (stopping at the first short batch); it reports the keys found.
 //! - **Fetch** ([`StorageTier::fetch`]): gets pages into reserved host pages, in order. Each
 //!   page is decoded and checked first; a missing or corrupt page (or a failed batch) ends the
-//!   fetch there, so what was fetched is always a prefix of the chain.
+//!   fetch there, so what was fetched is always a prefix of the chain. A damaged page
+//!   ([`PageError::is_damage`](super::PageError::is_damage)) is removed from the store
+//!   ([`StorageBackend::discard_damaged`]), so it costs one miss, not one per later lookup.
 //!
 //! # Reading and writing host memory: the [`JobGate`]
 //! A backup reads, and a fetch writes, the host pool's memory from a runtime thread. Each such
@@ -439,7 +441,7 @@ impl StorageTier {
                     }
                     batch.push((keys[i], bytes));
                 }
-                match timed(opts.op_timeout, store.put(&batch)).await {
+                match timed(opts.op_timeout, store.put_owned(batch)).await {
                     Ok(stored) => written += stored.iter().filter(|&&b| b).count(),
                     Err(_) => break,
                 }
@@ -529,6 +531,7 @@ impl StorageTier {
             let g = format.geometry();
             let layer_bytes = g.page_bytes_per_layer();
             let (mut loaded, mut corrupt, mut missing, mut failed) = (0, false, false, false);
+            let mut damaged = None;
             'batches: for (b, chunk) in keys.chunks(opts.batch_pages).enumerate() {
                 if task_gate.state().cancelled {
                     break;
@@ -548,8 +551,13 @@ impl StorageTier {
                     };
                     let page = match format.decode(&keys[i], bytes) {
                         Ok(d) if d.sections.is_empty() => d,
-                        _ => {
+                        Ok(_) => {
                             corrupt = true;
+                            break 'batches;
+                        }
+                        Err(e) => {
+                            corrupt = true;
+                            damaged = e.is_damage().then_some(keys[i]);
                             break 'batches;
                         }
                     };
@@ -567,6 +575,11 @@ impl StorageTier {
                     st.done += 1;
                     loaded += 1;
                 }
+            }
+            if let Some(key) = damaged {
+                // One miss, not a miss on every later lookup. Best effort: a failure leaves
+                // the page to fail its checks again.
+                let _ = timed(opts.op_timeout, store.discard_damaged(&[key])).await;
             }
             task_gate.lock().finished = true;
             reply.send(Completion::Fetch {

@@ -135,6 +135,25 @@ pub async fn conformance(store: &dyn StorageBackend, suite: &Suite) {
         assert_eq!((s.pages, s.bytes), (start.pages, start.bytes));
     }
 
+    // Discarding damaged pages: removed like a delete (present keys count once).
+    let before = store.stats();
+    store
+        .put(&[(k(5), pattern(suite.seed ^ 5, 64))])
+        .await
+        .unwrap();
+    assert_eq!(store.discard_damaged(&[k(5), k(5), k(6)]).await.unwrap(), 1);
+    assert_eq!(store.get(&[k(5)]).await.unwrap(), [None]);
+    assert_eq!(store.exists_prefix(&[k(5)]).await.unwrap(), 0);
+    let after = store.stats();
+    assert_eq!(
+        after.damaged_pages - before.damaged_pages,
+        1,
+        "a discard is counted"
+    );
+    if suite.exact_sizes {
+        assert_eq!((after.pages, after.bytes), (before.pages, before.bytes));
+    }
+
     // Large pages, several per batch.
     let big: Vec<(PageKey, Vec<u8>)> = (10..13)
         .map(|i| (k(i), pattern(suite.seed ^ i, (4 << 20) + i as usize)))

@@ -1,0 +1,291 @@
+//! Storage tier throughput: `FileStore` (and `RedisStore`) put and get of stored pages in
+//! batches of 1, 32 and 128, against a plain sequential write and read of the same bytes to one
+//! file in the same run.
+//!
+//! A page is a 16-token page of a Llama-3-8B-like model (32 layers, 8 KV heads of 128 dims,
+//! fp16 K and V: 4 KiB per token per layer), so 2 MiB of KV plus the 136-byte header: the
+//! objects the storage tier really moves. Criterion reports payload bytes/s (the encoded
+//! pages' bytes). The summary at the end prints median-based ratios to the plain file from
+//! interleaved rounds, so both sides see the same load on a shared machine.
+//!
+//! Each timed write makes new files on both sides — the pages' files are deleted, and the
+//! plain file removed, untimed before each round — because the tier backs up only the pages a
+//! store lacks; puts hand their batch over (`put_owned`), as the tier's backups do. Reads find
+//! the files in the page cache on both sides. The files live in the system temporary
+//! directory, written without `fsync` on both sides (the file store's default
+//! [`FileSync::Never`]). The Redis group runs when
+//! the `redis` feature is on and `RADIXKV_REDIS_URL` names a server (it writes under a
+//! `radixkv-bench:` prefix and deletes its pages afterwards); otherwise it prints that it
+//! skipped.
+
+use std::fs::{self, File};
+use std::hint::black_box;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput};
+use radixkv_hicache::KvGeometry;
+use radixkv_hicache::storage::{FileStore, FileStoreConfig, FileSync, PageFormat, StorageBackend};
+use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey};
+use rand_xoshiro::SplitMix64;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
+use tokio::runtime::Runtime;
+
+const LAYERS: usize = 32;
+const PAGE_SIZE: usize = 16;
+/// K and V of 8 heads × 128 dims in fp16.
+const BYTES_PER_TOKEN_LAYER: usize = 2 * 8 * 128 * 2;
+const BATCHES: [usize; 3] = [1, 32, 128];
+const ROUNDS: usize = 11;
+
+/// `n` encoded pages of one key chain, with seeded random KV.
+fn pages(n: usize) -> Vec<(PageKey, Vec<u8>)> {
+    let id = KvIdentity::new("llama-3-8b-like", "bench");
+    let g = KvGeometry::new(LAYERS, PAGE_SIZE, BYTES_PER_TOKEN_LAYER).expect("a valid geometry");
+    let format = PageFormat::new(g, &id, &[]).expect("a valid format");
+    let seed = KeySeed::new(&Namespace::DEFAULT, &id);
+    let tokens: Vec<u32> = (0..(n * PAGE_SIZE) as u32).collect();
+    let mut keys = Vec::new();
+    seed.extend_chain(None, &tokens, PAGE_SIZE, &mut keys);
+    let mut rng = SplitMix64::seed_from_u64(12);
+    let mut kv = vec![0u8; format.kv_bytes()];
+    keys.into_iter()
+        .map(|k| {
+            rng.fill_bytes(&mut kv);
+            let mut out = Vec::new();
+            format.encode(&k, &kv, &[], &mut out).expect("encodes");
+            (k, out)
+        })
+        .collect()
+}
+
+/// The plain baseline: the same bytes written to, and read back from, one file.
+struct Plain {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl Plain {
+    fn new(dir: &Path, pages: &[(PageKey, Vec<u8>)]) -> Self {
+        Plain {
+            path: dir.join("plain"),
+            bytes: pages.iter().flat_map(|(_, b)| b.iter().copied()).collect(),
+        }
+    }
+
+    /// Removes the file, so that the next write makes a new one (as the store's puts do).
+    fn remove(&self) {
+        let _ = fs::remove_file(&self.path);
+    }
+
+    fn write(&self) {
+        let mut f = File::create(&self.path).expect("creates the plain file");
+        f.write_all(black_box(&self.bytes))
+            .expect("writes the plain file");
+    }
+
+    fn read(&self) {
+        black_box(fs::read(&self.path).expect("reads the plain file"));
+    }
+}
+
+/// A fresh directory for one batch size (removed when dropped).
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "radixkv-bench-storage-{name}-{}",
+            std::process::id()
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("creates the bench directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Makes room for a round of puts: the pages of `keys` are deleted (the tier writes only pages
+/// a store lacks, so every timed put writes new files), and a copy of the batch to hand over.
+fn fresh(
+    rt: &Runtime,
+    store: &dyn StorageBackend,
+    pages: &[(PageKey, Vec<u8>)],
+) -> Vec<(PageKey, Vec<u8>)> {
+    let keys: Vec<PageKey> = pages.iter().map(|(k, _)| *k).collect();
+    rt.block_on(store.delete(&keys)).expect("deletes");
+    pages.to_vec()
+}
+
+/// Puts a batch the way the tier does (handing it over).
+fn put(rt: &Runtime, store: &dyn StorageBackend, pages: Vec<(PageKey, Vec<u8>)>) {
+    let stored = rt.block_on(store.put_owned(pages)).expect("puts");
+    assert!(stored.iter().all(|&s| s), "every page stored");
+}
+
+fn get(rt: &Runtime, store: &dyn StorageBackend, keys: &[PageKey]) {
+    let got = rt.block_on(store.get(keys)).expect("gets");
+    assert!(got.iter().all(Option::is_some), "every page found");
+    black_box(got);
+}
+
+fn bytes_of(pages: &[(PageKey, Vec<u8>)]) -> u64 {
+    pages.iter().map(|(_, b)| b.len() as u64).sum()
+}
+
+/// Times `a` and `b` alternately, `ROUNDS` times each, each after its untimed `prep`:
+/// (median of `a`, median of `b`).
+fn paired_medians<A, B>(
+    mut prep_a: impl FnMut() -> A,
+    mut a: impl FnMut(A),
+    mut prep_b: impl FnMut() -> B,
+    mut b: impl FnMut(B),
+) -> (Duration, Duration) {
+    let (mut ta, mut tb) = (Vec::with_capacity(ROUNDS), Vec::with_capacity(ROUNDS));
+    for _ in 0..ROUNDS {
+        let x = prep_a();
+        let t = Instant::now();
+        a(x);
+        ta.push(t.elapsed());
+        let y = prep_b();
+        let t = Instant::now();
+        b(y);
+        tb.push(t.elapsed());
+    }
+    ta.sort();
+    tb.sort();
+    (ta[ROUNDS / 2], tb[ROUNDS / 2])
+}
+
+fn ratio_line(store: &str, op: &str, batch: usize, bytes: u64, (s, p): (Duration, Duration)) {
+    let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+    println!(
+        "  {store:5} {op:3} batch {batch:3}: {:6.2} GB/s  plain file {:6.2} GB/s  ratio {:.2}",
+        gbps(s),
+        gbps(p),
+        p.as_secs_f64() / s.as_secs_f64()
+    );
+}
+
+/// The criterion group `name`: plain write, `put`, plain read and `get` of each batch size.
+fn group(
+    c: &mut Criterion,
+    name: &str,
+    rt: &Runtime,
+    store: &dyn StorageBackend,
+    all: &[(PageKey, Vec<u8>)],
+) {
+    let mut g = c.benchmark_group(name);
+    for batch in BATCHES {
+        let pages = &all[..batch];
+        let keys: Vec<PageKey> = pages.iter().map(|(k, _)| *k).collect();
+        let dir = TempDir::new(&format!("{name}-{batch}"));
+        let plain = Plain::new(&dir.0, pages);
+        // A batch of 128 pages is 256 MiB: criterion's minimum of 10 samples is plenty.
+        g.sample_size(if batch >= 32 { 10 } else { 30 });
+        g.throughput(Throughput::Bytes(bytes_of(pages)));
+        g.bench_function(BenchmarkId::new("plain_write", batch), |b| {
+            b.iter_batched(
+                || plain.remove(),
+                |()| plain.write(),
+                BatchSize::PerIteration,
+            )
+        });
+        g.bench_function(BenchmarkId::new("put", batch), |b| {
+            b.iter_batched(
+                || fresh(rt, store, pages),
+                |batch| put(rt, store, batch),
+                BatchSize::PerIteration,
+            )
+        });
+        g.bench_function(BenchmarkId::new("plain_read", batch), |b| {
+            b.iter(|| plain.read())
+        });
+        g.bench_function(BenchmarkId::new("get", batch), |b| {
+            b.iter(|| get(rt, store, &keys))
+        });
+    }
+    g.finish();
+}
+
+/// Prints each batch size's put and get throughput beside the plain file's, from interleaved
+/// rounds.
+fn summary(label: &str, rt: &Runtime, store: &dyn StorageBackend, all: &[(PageKey, Vec<u8>)]) {
+    for batch in BATCHES {
+        let pages = &all[..batch];
+        let keys: Vec<PageKey> = pages.iter().map(|(k, _)| *k).collect();
+        let dir = TempDir::new(&format!("summary-{label}-{batch}"));
+        let plain = Plain::new(&dir.0, pages);
+        let bytes = bytes_of(pages);
+        let w = paired_medians(
+            || fresh(rt, store, pages),
+            |batch| put(rt, store, batch),
+            || plain.remove(),
+            |()| plain.write(),
+        );
+        ratio_line(label, "put", batch, bytes, w);
+        let r = paired_medians(|| (), |()| get(rt, store, &keys), || (), |()| plain.read());
+        ratio_line(label, "get", batch, bytes, r);
+    }
+}
+
+/// The Redis store of `RADIXKV_REDIS_URL`, or why there is none.
+#[cfg(feature = "redis")]
+fn redis_store(rt: &Runtime) -> Result<Box<dyn StorageBackend>, &'static str> {
+    use radixkv_hicache::storage::{RedisConfig, RedisStore};
+    let url = std::env::var("RADIXKV_REDIS_URL").map_err(|_| "RADIXKV_REDIS_URL is not set")?;
+    let config = RedisConfig::new(url)
+        .with_key_prefix(format!("radixkv-bench:{}:", std::process::id()))
+        .with_op_timeout(Duration::from_secs(60));
+    Ok(Box::new(
+        rt.block_on(RedisStore::connect(config))
+            .expect("connects to RADIXKV_REDIS_URL"),
+    ))
+}
+
+#[cfg(not(feature = "redis"))]
+fn redis_store(_: &Runtime) -> Result<Box<dyn StorageBackend>, &'static str> {
+    Err("built without the `redis` feature")
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let all = pages(BATCHES[BATCHES.len() - 1]);
+    let keys: Vec<PageKey> = all.iter().map(|(k, _)| *k).collect();
+    let dir = TempDir::new("store");
+    let file = rt
+        .block_on(FileStore::open(
+            FileStoreConfig::new(&dir.0).with_sync(FileSync::Never),
+        ))
+        .expect("opens the file store");
+    group(&mut c, "storage_file", &rt, &file, &all);
+    let redis = redis_store(&rt);
+    match &redis {
+        Ok(store) => group(&mut c, "storage_redis", &rt, store.as_ref(), &all),
+        Err(why) => println!("storage_redis: skipped ({why})"),
+    }
+
+    println!(
+        "\nstore throughput vs a plain sequential file of the same bytes \
+         ({} KiB pages, medians of {ROUNDS} interleaved rounds):",
+        all[0].1.len() >> 10
+    );
+    summary("file", &rt, &file, &all);
+    if let Ok(store) = &redis {
+        summary("redis", &rt, store.as_ref(), &all);
+        rt.block_on(store.delete(&keys))
+            .expect("deletes the bench pages");
+    }
+    c.final_summary();
+}
