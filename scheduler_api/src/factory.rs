@@ -127,6 +127,14 @@ pub trait ManagedCache: PrefixCache + Send {
     fn on_end_step(&mut self) -> Result<StepTransfers> {
         Ok(StepTransfers::default())
     }
+    /// Before an admission that needs `tokens` device tokens (under a temporary lock of its
+    /// matched prefix): starts freeing them without waiting. `false` when they arrive only at
+    /// the acks of copies in flight (a host tier's write-back eviction): the admission waits
+    /// ([`WaitReason::RoomInFlight`](crate::WaitReason::RoomInFlight)) and the room is there
+    /// after a later step. The default (eviction is immediate) does nothing.
+    fn prepare_room(&mut self, _tokens: usize) -> bool {
+        true
+    }
     /// Starts everything queued, waits for every transfer and applies its ack (end of a
     /// replay, shutdown). Returns the traffic not reported by a step yet.
     ///

@@ -722,6 +722,30 @@ impl KvCacheManager {
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
+        // Last, once nothing else makes it wait: a write-back eviction frees its victims only
+        // at their copies' acks, so start it now, under a temporary lock of the matched prefix
+        // (never a victim), and wait a step if the room is not free yet rather than have the
+        // allocation wait for the copy.
+        let ready = match t.kv.last_node {
+            Some(node) => {
+                let receipt = self.cache.inc_lock_ref(node)?;
+                let ready = self.cache.prepare_room(needed);
+                self.cache.dec_lock_ref(receipt)?;
+                ready
+            }
+            None => self.cache.prepare_room(needed),
+        };
+        if !ready {
+            self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, needed, "admission waits: write-back in flight");
+            // As for full-KV room: a lent turn gives its session's slot back while it waits.
+            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
+            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
+                self.cache
+                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+            }
+            return Ok(Admission::Wait(WaitReason::RoomInFlight { needed }));
+        }
         match self.cache.begin_request(&mut t.kv) {
             Ok(()) => {}
             // Every Mamba slot is held by a running request or a locked state: nothing was

@@ -293,6 +293,10 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         Ok(self.transfers_since_last())
     }
 
+    fn prepare_room(&mut self, tokens: usize) -> bool {
+        self.cache.prepare_room(tokens)
+    }
+
     fn drain(&mut self) -> Result<StepTransfers> {
         self.cache.flush()?;
         Ok(self.transfers_since_last())
