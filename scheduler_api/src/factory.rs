@@ -135,6 +135,11 @@ pub trait ManagedCache: PrefixCache + Send {
     fn prepare_room(&mut self, _tokens: usize) -> bool {
         true
     }
+    /// Device tokens evicted so far when copies' acks were applied (a host tier's write-back
+    /// victims, demoted at their acks), cumulative. 0 by default: eviction is immediate.
+    fn evicted_at_acks(&self) -> u64 {
+        0
+    }
     /// Starts everything queued, waits for every transfer and applies its ack (end of a
     /// replay, shutdown). Returns the traffic not reported by a step yet.
     ///

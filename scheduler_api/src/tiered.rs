@@ -297,6 +297,10 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         self.cache.prepare_room(tokens)
     }
 
+    fn evicted_at_acks(&self) -> u64 {
+        self.cache.stats().write_back_demoted_tokens
+    }
+
     fn drain(&mut self) -> Result<StepTransfers> {
         self.cache.flush()?;
         Ok(self.transfers_since_last())

@@ -471,6 +471,8 @@ pub struct HiCacheStats {
     /// Asynchronous write-back evictions queued (one merged backup each; see
     /// [`HiRadixCache::prepare_room`]).
     pub write_backs_async: u64,
+    /// Device tokens of asynchronous write-back victims demoted at their acks.
+    pub write_back_demoted_tokens: u64,
     /// Mamba states whose backup was queued (with their node's KV, or alone for a node whose
     /// KV was backed up before).
     pub mamba_states_backed_up: u64,

@@ -453,7 +453,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         if demote {
             for v in anchors {
-                self.evict_one(v, false);
+                let n = self.evict_one(v, false);
+                self.stats.write_back_demoted_tokens += n as u64;
             }
         }
         res
