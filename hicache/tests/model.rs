@@ -1,7 +1,9 @@
 //! State-machine test of HiRadixCache against a reference model of which pages are on the
 //! device, on the host, or gone — maintained from the cache's own KV events — with random
 //! traffic under device and host pressure. Checks the tier invariants after every step, that
-//! every hit is a prefix of something served before, and the bytes of every hit.
+//! every hit is a prefix of something served before, and the bytes of every hit. Under
+//! write-back, asynchronous evictions ([`HiRadixCache::prepare_room`]) leave backups in flight
+//! across the other operations, with their victims pinned until the acks.
 
 mod common;
 
@@ -9,7 +11,7 @@ use std::collections::HashSet;
 
 use common::*;
 use proptest::prelude::*;
-use radixkv_hicache::{HiRadixCache, HostLayout, HostSim, HostSize, WritePolicy};
+use radixkv_hicache::{HiRadixCache, HostLayout, HostSim, HostSize, TestMutations, WritePolicy};
 use radixkv_radix::{FinishKind, KeyRef, KvEvent, Medium, PrefixCache, RadixKey, RequestKv};
 
 const P: usize = 2;
@@ -34,6 +36,9 @@ enum Op {
     Flush,
     /// The next backup copy fails (fault injection).
     FailWrite,
+    /// Asynchronous eviction toward this many free pages (write-back: the backups stay in
+    /// flight until a step).
+    PrepareRoom(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -48,6 +53,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Step),
         1 => Just(Op::Flush),
         1 => Just(Op::FailWrite),
+        2 => (1..16usize).prop_map(Op::PrepareRoom),
     ]
 }
 
@@ -170,7 +176,12 @@ fn check(c: &mut HiRadixCache<HostSim>, m: &mut Model) {
 }
 
 fn run(policy: WritePolicy, layout: HostLayout, ops: Vec<Op>) {
+    run_with(policy, layout, ops, TestMutations::default());
+}
+
+fn run_with(policy: WritePolicy, layout: HostLayout, ops: Vec<Op>, mutations: TestMutations) {
     let mut c = cache(P, 14, HostSize::Pages(10), layout, policy);
+    c.set_test_mutations(mutations);
     let mut m = Model::default();
     let mut held: Option<RequestKv> = None;
     for op in ops {
@@ -234,7 +245,37 @@ fn run(policy: WritePolicy, layout: HostLayout, ops: Vec<Op>) {
             Op::Step => {
                 c.step().unwrap();
             }
-            Op::Flush => c.flush().unwrap(),
+            Op::Flush => {
+                c.flush().unwrap();
+                assert_eq!(
+                    c.write_back_pending_tokens(),
+                    0,
+                    "write-backs left after a flush"
+                );
+            }
+            Op::PrepareRoom(n) => {
+                let in_flight = c.write_back_pending_tokens();
+                let ready = c.prepare_room(n * P);
+                let free = c.pools().pages.available();
+                if ready {
+                    assert!(
+                        free >= n || c.write_back_pending_tokens() == 0,
+                        "ready with {free} of {n} pages free and write-backs in flight"
+                    );
+                } else {
+                    assert!(free < n, "not ready with {free} of {n} pages free");
+                    assert!(c.write_back_pending_tokens() > 0);
+                }
+                if policy != WritePolicy::WriteBack {
+                    assert!(ready, "only write-back evicts asynchronously");
+                    assert_eq!(c.write_back_pending_tokens(), 0);
+                }
+                // The victims in flight count toward the target: never more than needed.
+                assert!(
+                    c.write_back_pending_tokens() <= in_flight.max(n * P) + 6 * P,
+                    "asynchronous eviction went far past its target"
+                );
+            }
             Op::FailWrite => c
                 .backend()
                 .fail_next_copies(radixkv_hicache::StreamKind::Write, 1),
@@ -275,4 +316,51 @@ proptest! {
     fn write_back_matches_model(ops in prop::collection::vec(op(), 1..40)) {
         run(WritePolicy::WriteBack, HostLayout::LayerFirst, ops);
     }
+}
+
+/// Fills the device (14 pages) with three served requests, then evicts asynchronously: the
+/// unbacked victims' backup stays in flight until the step.
+fn write_back_in_flight() -> Vec<Op> {
+    let serve = |family, pages| Op::Serve {
+        family,
+        branch: 0,
+        pages,
+        tail: false,
+    };
+    vec![
+        serve(0, 6),
+        serve(1, 6),
+        Op::PrepareRoom(8),
+        serve(2, 5),
+        Op::Step,
+        Op::PrepareRoom(14),
+        Op::Flush,
+    ]
+}
+
+#[test]
+fn write_back_in_flight_keeps_the_model() {
+    run(
+        WritePolicy::WriteBack,
+        HostLayout::LayerFirst,
+        write_back_in_flight(),
+    );
+}
+
+/// The mutation check: a write-back that frees its victims when it queues their backup,
+/// before the ack, is caught (the audit finds a node off the device while its backup is in
+/// flight).
+#[test]
+#[should_panic(expected = "left the device while its backup is in flight")]
+fn write_back_model_catches_a_victim_freed_before_its_ack() {
+    let m = TestMutations {
+        write_back_frees_early: true,
+        ..Default::default()
+    };
+    run_with(
+        WritePolicy::WriteBack,
+        HostLayout::LayerFirst,
+        write_back_in_flight(),
+        m,
+    );
 }

@@ -132,10 +132,9 @@ fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
     let mut c = hi(WritePolicy::WriteBack);
     let a = tokens(1, 9);
     serve(&mut c, &a).unwrap();
-    // B needs A's pages: evicting A backs it up first, and that submission is refused.
+    // A synchronous eviction of A backs it up first, and that submission is refused.
     c.backend().refuse_next_submissions(StreamKind::Write, 1);
-    let b = tokens(2, 29);
-    serve(&mut c, &b).unwrap();
+    c.evict(100);
     let s = c.stats();
     assert_eq!(s.refused_submissions, 1);
     assert_eq!(s.demoted_tokens, 0, "{s:?}");
@@ -145,6 +144,31 @@ fn refused_write_back_evicts_without_backup_and_serves_no_wrong_kv() {
     // A is recomputed, never loaded from a host copy taken after its pages were reused.
     let served = serve(&mut c, &a).unwrap();
     assert_eq!((served.host_hit, served.loaded), (0, 0));
+    settled(&mut c);
+}
+
+#[test]
+fn refused_async_write_back_is_retried_and_serves_the_right_kv() {
+    let mut c = hi(WritePolicy::WriteBack);
+    let a = tokens(1, 9);
+    serve(&mut c, &a).unwrap();
+    // B needs A's pages: its allocation evicts A asynchronously (A stays pinned until the
+    // ack), the submission is refused, and the allocation, which cannot wait a step,
+    // completes the write-back, retrying the submission first.
+    c.backend().refuse_next_submissions(StreamKind::Write, 1);
+    let b = tokens(2, 29);
+    serve(&mut c, &b).unwrap();
+    let s = c.stats();
+    assert_eq!(s.refused_submissions, 1);
+    assert_eq!(s.write_backs_async, 1, "{s:?}");
+    assert_eq!(s.backups_awaited_for_room, 1, "{s:?}");
+    assert_eq!(s.dropped_without_backup, 0, "{s:?}");
+    assert!(s.demoted_tokens >= 8, "{s:?}");
+    c.step().unwrap();
+    settled(&mut c);
+    // A comes back from its host copy, byte for byte (`serve` checks the bytes).
+    let served = serve(&mut c, &a).unwrap();
+    assert_eq!(served.loaded, 8);
     settled(&mut c);
 }
 

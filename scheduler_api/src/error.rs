@@ -180,6 +180,10 @@ impl std::fmt::Display for StallCause {
                 f,
                 "its admission waits for room ({needed} tokens needed, {available} available)"
             ),
+            StallCause::Admission(WaitReason::RoomInFlight { needed }) => write!(
+                f,
+                "its admission waits for write-back evictions in flight ({needed} tokens needed)"
+            ),
             StallCause::Admission(WaitReason::NoRow) => {
                 f.write_str("its admission waits for a request row (every row is in use)")
             }

@@ -130,6 +130,19 @@ pub trait ManagedCache: PrefixCache + Send {
     fn on_end_step(&mut self) -> Result<StepTransfers> {
         Ok(StepTransfers::default())
     }
+    /// Before an admission that needs `tokens` device tokens (under a temporary lock of its
+    /// matched prefix): starts freeing them without waiting. `false` when they arrive only at
+    /// the acks of copies in flight (a host tier's write-back eviction): the admission waits
+    /// ([`WaitReason::RoomInFlight`](crate::WaitReason::RoomInFlight)) and the room is there
+    /// after a later step. The default (eviction is immediate) does nothing.
+    fn prepare_room(&mut self, _tokens: usize) -> bool {
+        true
+    }
+    /// Device tokens evicted so far when copies' acks were applied (a host tier's write-back
+    /// victims, demoted at their acks), cumulative. 0 by default: eviction is immediate.
+    fn evicted_at_acks(&self) -> u64 {
+        0
+    }
     /// Starts everything queued, waits for every transfer and applies its ack (end of a
     /// replay, shutdown). Returns the traffic not reported by a step yet.
     ///

@@ -786,6 +786,34 @@ impl KvCacheManager {
         let Some(t) = self.requests.get_mut(id.0) else {
             return Err(ManagerError::UnknownRequest(id.0));
         };
+        // Last, once nothing else makes it wait: a write-back eviction frees its victims only
+        // at their copies' acks, so start it now, under a temporary lock of the matched prefix
+        // (never a victim), and wait a step if the room is not free yet rather than have the
+        // allocation wait for the copy.
+        let cached_before = self.cache.evictable_tokens() + self.cache.protected_tokens();
+        let ready = match t.kv.last_node {
+            Some(node) => {
+                let receipt = self.cache.inc_lock_ref(node)?;
+                let ready = self.cache.prepare_room(needed);
+                self.cache.dec_lock_ref(receipt)?;
+                ready
+            }
+            None => self.cache.prepare_room(needed),
+        };
+        // It changes the tree only by evicting (backed-up victims are demoted at once).
+        let cached_after = self.cache.evictable_tokens() + self.cache.protected_tokens();
+        self.metrics.counters.evicted_tokens += cached_before.saturating_sub(cached_after) as u64;
+        if !ready {
+            self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, needed, "admission waits: write-back in flight");
+            // As for full-KV room: a lent turn gives its session's slot back while it waits.
+            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
+            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
+                self.cache
+                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+            }
+            return Ok(Admission::Wait(WaitReason::RoomInFlight { needed }));
+        }
         match self.cache.begin_request(&mut t.kv) {
             Ok(()) => {}
             // Every Mamba slot is held by a running request or a locked state: nothing was
@@ -1183,9 +1211,18 @@ impl KvCacheManager {
     /// # Errors
     /// A failed copy.
     pub fn drain(&mut self) -> Result<StepTransfers> {
+        let acked = self.cache.evicted_at_acks();
         let t = self.cache.drain()?;
+        self.count_acked_evictions(acked);
         self.count_transfers(&t);
         Ok(t)
+    }
+
+    /// Counts the evictions applied with acks since the cumulative count was `before` (the
+    /// allocation path counts those it waits for itself).
+    fn count_acked_evictions(&mut self, before: u64) {
+        let n = self.cache.evicted_at_acks().saturating_sub(before);
+        self.metrics.counters.evicted_tokens += n;
     }
 
     /// Starts a step, once its batch is formed and before its forward: every load queued so
@@ -1262,10 +1299,12 @@ impl KvCacheManager {
         // Acks are applied even after a failed `begin_step`: the transfers that did start
         // still complete, and their locks must be released.
         let step_error = self.step_error.take();
+        let acked = self.cache.evicted_at_acks();
         let transfers = match self.cache.on_end_step() {
             Ok(t) => t,
             Err(e) => return Err(step_error.unwrap_or(e)),
         };
+        self.count_acked_evictions(acked);
         self.count_transfers(&transfers);
         let load_pages = step.load_pages();
         tracing::debug!(

@@ -261,6 +261,13 @@ pub enum WaitReason {
     },
     /// Every request-pool row is in use.
     NoRow,
+    /// The room the request needs is being freed by a host tier's write-back eviction: its
+    /// victims are copied to the host first and leave the device at the copies' acks, which a
+    /// later step applies. Admission budget was enough ([`WaitReason::NoRoom`] otherwise).
+    RoomInFlight {
+        /// Tokens the request needs (extend + clipped output + one page).
+        needed: usize,
+    },
     /// The request needs a load from the host tier, and the tier already holds its limit of
     /// pending loads (`HiCacheConfig::max_pending_ops`); they complete by the next step.
     TransfersBusy,

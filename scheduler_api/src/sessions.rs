@@ -50,6 +50,14 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
         self.inner_mut().drain()
     }
 
+    fn prepare_room(&mut self, tokens: usize) -> bool {
+        self.inner_mut().prepare_room(tokens)
+    }
+
+    fn evicted_at_acks(&self) -> u64 {
+        self.inner().evicted_at_acks()
+    }
+
     fn open_session(&mut self, id: u64, streaming: bool, ttl_ms: Option<u64>) -> Result<()> {
         Ok(self.open(id, streaming, ttl_ms)?)
     }

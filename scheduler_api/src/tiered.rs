@@ -340,6 +340,14 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         Ok(self.transfers_since_last())
     }
 
+    fn prepare_room(&mut self, tokens: usize) -> bool {
+        self.cache.prepare_room(tokens)
+    }
+
+    fn evicted_at_acks(&self) -> u64 {
+        self.cache.stats().write_back_demoted_tokens
+    }
+
     fn drain(&mut self) -> Result<StepTransfers> {
         self.cache.flush()?;
         // Backups to the store follow the host backups the flush applied.

@@ -1248,3 +1248,73 @@ fn stall_errors_name_the_request_and_the_refusal() {
         "not a pool-too-small message: {m}"
     );
 }
+
+/// Write-back eviction is asynchronous: an admission that needs the room of cached KV without
+/// a host copy starts its backup and waits ([`WaitReason::RoomInFlight`]) instead of waiting
+/// for the copy; the victims stay on the device (pinned) until the ack, which a later step
+/// applies, and then the request is admitted and allocates without waiting. The write-through
+/// policies evict at once, as before.
+#[test]
+fn write_back_eviction_waits_a_step_at_admission_not_in_the_allocation() {
+    for policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
+        let mut kv = KvCacheManager::builder()
+            .device_tokens(256)
+            .page_size(4)
+            .max_rows(8)
+            .host_tier(HostTier::ratio(256, 4.0).write_policy(policy))
+            .build()
+            .unwrap();
+        // Fill the device with cached KV (under write-back, none of it backed up).
+        for i in 0..3u32 {
+            let t: Vec<u32> = (i * 1000..i * 1000 + 80).collect();
+            let id = kv.arrive(Request::new(t).max_new_tokens(1)).unwrap();
+            let n = ready(&mut kv, id);
+            finish_in_one_step(&mut kv, id, n);
+        }
+        let before = kv.accounting();
+        let big: Vec<u32> = (50_000..50_120).collect();
+        assert!(big.len() > before.free, "{policy}: {before:?}");
+        let id = kv
+            .arrive(Request::new(big.clone()).max_new_tokens(1))
+            .unwrap();
+        let evicted_before = kv.metrics().counters.evicted_tokens;
+        let first = kv.admit(id).unwrap();
+        if policy == WritePolicy::WriteBack {
+            let Admission::Wait(WaitReason::RoomInFlight { needed }) = first else {
+                panic!("{policy}: expected a wait for the write-back, got {first:?}");
+            };
+            assert!(needed > before.free, "{policy}");
+            // The victims are still on the device, pinned by their backups.
+            let pinned = kv.accounting();
+            assert!(pinned.protected > before.protected, "{pinned:?}");
+            kv.check_invariants().unwrap();
+            // The ack arrives at a later step; then the room is free.
+            let step = kv.begin_step();
+            kv.end_step(step).unwrap();
+            kv.drain().unwrap();
+            assert!(kv.accounting().free >= needed, "{:?}", kv.accounting());
+            let a = admitted(&mut kv, id);
+            assert_eq!(a.extend_tokens, big.len());
+        } else {
+            let Admission::Ready(a) = first else {
+                panic!("{policy}: write-through evicts at once, got {first:?}");
+            };
+            assert_eq!(a.extend_tokens, big.len());
+        }
+        kv.extend(id, big.len())
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert!(
+            kv.metrics().counters.evicted_tokens > evicted_before,
+            "{policy}: evictions are counted"
+        );
+        let step = kv.begin_step();
+        kv.chunk_done(id).unwrap();
+        kv.finish(id).unwrap();
+        kv.end_step(step).unwrap();
+        kv.drain().unwrap();
+        kv.check_invariants().unwrap();
+        let acc = kv.accounting();
+        assert_eq!(acc.free + acc.evictable, acc.total, "{policy}: {acc:?}");
+        assert_eq!(kv.reserved_tokens(), 0);
+    }
+}

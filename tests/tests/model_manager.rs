@@ -16,7 +16,7 @@ use proptest::prelude::*;
 use radixkv_radix::{TokenId, pages_for};
 use radixkv_scheduler_api::{
     Admission, CloseOutcome, HostTier, KvCacheManager, ManagerConfig, ManagerError, ReqId, Request,
-    SessionBudget, WritePolicy,
+    SessionBudget, WaitReason, WritePolicy,
 };
 
 const P: usize = 4;
@@ -465,8 +465,14 @@ impl Harness {
                 assert_eq!(self.kv.accounting(), before);
                 assert_eq!(self.kv.reserved_tokens(), reserved_before);
             }
-            Admission::Wait(_) => {
+            Admission::Wait(reason) => {
                 self.bump("admission waited");
+                // Waiting for a write-back in flight: the admission started the eviction, whose
+                // unbacked victims stay on the device, locked, until their acks.
+                let in_flight = matches!(reason, WaitReason::RoomInFlight { .. });
+                if in_flight {
+                    self.bump("admission waited for a write-back in flight");
+                }
                 let a = self.kv.accounting();
                 // Waiting holds nothing, but for a session turn, which keeps its session's
                 // slot across a rejected admission (the next admit matches it again). Idle
@@ -492,7 +498,12 @@ impl Harness {
                 } else {
                     assert_eq!(a.request_owned, before.request_owned);
                 }
-                if !demoted {
+                if in_flight {
+                    assert!(
+                        a.protected >= before.protected,
+                        "no ack is applied at admission"
+                    );
+                } else if !demoted {
                     assert_eq!(a.protected, before.protected);
                 } else {
                     self.bump("sessions demoted for admission");

@@ -60,6 +60,23 @@
 //! ([`HiRadixCache::finish_pinned_backups`], counted in
 //! [`HiCacheStats::backups_awaited_for_room`]), then evicts.
 //!
+//! # Asynchronous write-back eviction
+//! Under write-back, a victim without a host copy must be copied before its device pages go.
+//! [`HiRadixCache::prepare_room`] (what a scheduler calls before it admits a request) and the
+//! first pass of [`PrefixCache::make_room`] do not wait for that copy: backed-up victims are
+//! demoted at once, the others and their unbacked ancestors are backed up in one merged write
+//! (counted in [`HiCacheStats::write_backs_async`]), and the victims stay on the device,
+//! locked, until its ack; the ack demotes those still evictable (a victim a request locked or
+//! extended meanwhile stays, backed up). Until then the victims count in
+//! [`HiRadixCache::backup_pinned_tokens`], so admission budgets see the room coming, and
+//! victims in flight count toward later targets
+//! ([`HiRadixCache::write_back_pending_tokens`]), so retries do not evict more. A failed copy
+//! releases its victims device-only. An allocation cannot wait a step: when the first pass
+//! frees too little now, `make_room` completes the write-backs in flight and finishes
+//! synchronously (counted in `backups_awaited_for_room`). [`PrefixCache::evict`] stays
+//! synchronous (its victims are gone when it returns). The write-through policies evict at
+//! once and are unchanged.
+//!
 //! # Extra pools: Mamba states
 //! With Mamba slots in [`RadixConfig::mamba_slots`] the controller gets a Mamba pool
 //! ([`PoolName::Mamba`]) whose device side is the tree's state slot pool (the slot indices are
@@ -451,6 +468,11 @@ pub struct HiCacheStats {
     /// `begin_request` did so because every device Mamba slot was held and pending backups
     /// locked some of them.
     pub backups_awaited_for_room: u64,
+    /// Asynchronous write-back evictions queued (one merged backup each; see
+    /// [`HiRadixCache::prepare_room`]).
+    pub write_backs_async: u64,
+    /// Device tokens of asynchronous write-back victims demoted at their acks.
+    pub write_back_demoted_tokens: u64,
     /// Mamba states whose backup was queued (with their node's KV, or alone for a node whose
     /// KV was backed up before).
     pub mamba_states_backed_up: u64,
@@ -515,6 +537,9 @@ pub struct TestMutations {
     /// `step` applies only completed transfers, even when a load still in flight is known to
     /// have failed: it returns `Ok` while that load's pages hold garbage.
     pub step_skips_failing_loads: bool,
+    /// An asynchronous write-back eviction frees its victims' device pages when it queues
+    /// their backup instead of at the ack: the copy reads pages that may be reused.
+    pub write_back_frees_early: bool,
 }
 
 /// A queued or in-flight backup.
@@ -535,6 +560,11 @@ pub(crate) struct PendingWrite {
     pub(crate) swa_host: Vec<u32>,
     /// Pinned window KV: (node, pages when pinned), unpinned at the ack.
     pub(crate) swa_pins: Vec<(NodeId, usize)>,
+    /// Asynchronous write-back: a lock on each victim (the anchor is the victim), released at
+    /// the ack, when the victims still evictable are demoted.
+    pub(crate) victims: Vec<LockReceipt>,
+    /// Device tokens of the victims when the write-back was queued.
+    pub(crate) victim_tokens: usize,
 }
 
 /// A queued or in-flight load.
@@ -581,6 +611,9 @@ pub struct HiRadixCache<B: DeviceBackend> {
     storage: Option<Box<storage::StorageState>>,
     /// How the ranks agree.
     consensus: Arc<dyn Consensus>,
+    /// Device tokens of the victims of asynchronous write-backs not acknowledged yet (the sum
+    /// of their [`PendingWrite::victim_tokens`]): room that arrives at their acks.
+    write_back_tokens: usize,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HiRadixCache<B> {
@@ -678,6 +711,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             swa,
             storage,
             consensus: cfg.consensus,
+            write_back_tokens: 0,
         })
     }
 
@@ -741,7 +775,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         for lock in self
             .pending_writes
             .values()
-            .flat_map(|w| w.lock.iter().chain(&w.state_locks))
+            .flat_map(|w| w.lock.iter().chain(&w.state_locks).chain(&w.victims))
         {
             let mut n = lock.anchor();
             while n != root {
@@ -775,6 +809,39 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let _ = self.ctrl.wait_writes();
         let mut acks = self.ctrl.poll_acks();
         self.apply_acks(&mut acks)
+    }
+
+    /// Starts making `tokens` device tokens free without waiting, for a scheduler about to
+    /// admit a request that needs them: returns `true` when they are free now (or waiting
+    /// would not bring them: the allocation then evicts as usual), `false` when they arrive
+    /// only at the acks of write-backs in flight: retry after the next
+    /// [`HiRadixCache::step`].
+    ///
+    /// Only write-back evicts here: its eviction must copy unbacked victims to the host first,
+    /// so it is asynchronous. Victims with a host copy are demoted now; the others (and their
+    /// unbacked ancestors) are backed up in one merged write and stay on the device, locked,
+    /// until its ack, which demotes those still evictable. Victims of write-backs already in
+    /// flight count toward `tokens`, so repeated calls do not evict more. Under the
+    /// write-through policies eviction is immediate, so this changes nothing and returns
+    /// `true`. Lock the request's matched prefix first, or it may be chosen as a victim.
+    pub fn prepare_room(&mut self, tokens: usize) -> bool {
+        if self.policy != WritePolicy::WriteBack {
+            return true;
+        }
+        let p = self.page_size();
+        let need = tokens.div_ceil(p);
+        let free = self.pools().pages.available();
+        if free >= need {
+            return true;
+        }
+        self.evict_device_async((need - free) * p);
+        self.pools().pages.available() >= need || self.write_back_tokens == 0
+    }
+
+    /// Device tokens of write-back victims whose backup is in flight: they become free at
+    /// the acks (see [`HiRadixCache::prepare_room`]).
+    pub fn write_back_pending_tokens(&self) -> usize {
+        self.write_back_tokens
     }
 
     /// Evicts up to `n` unlocked device Mamba states (least recently used first, or by the
@@ -1021,13 +1088,23 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     /// Evicts; when evicting the unpinned KV alone cannot free `n` pages but completing the
     /// pending backups would unpin enough, first completes them
     /// ([`HiRadixCache::finish_pinned_backups`], counted in
-    /// [`HiCacheStats::backups_awaited_for_room`]).
+    /// [`HiCacheStats::backups_awaited_for_room`]). Under write-back, eviction is first tried
+    /// asynchronously ([`HiRadixCache::prepare_room`]); an allocation cannot wait a step, so
+    /// when that frees too little now, the write-backs in flight are completed and eviction
+    /// finishes synchronously (also counted in `backups_awaited_for_room`). A scheduler avoids
+    /// that wait by calling [`HiRadixCache::prepare_room`] before it admits a request.
     fn make_room(&mut self, n: usize) -> radixkv_radix::Result<()> {
         let p = self.page_size();
         let free = self.pools().pages.available();
         if free < n && free + self.inner.evictable_tokens() / p < n {
             let pinned = self.backup_pinned_tokens();
             if pinned > 0 && free + (self.inner.evictable_tokens() + pinned) / p >= n {
+                self.stats.backups_awaited_for_room += 1;
+                self.finish_pinned_backups()?;
+            }
+        } else if free < n && self.policy == WritePolicy::WriteBack {
+            self.evict_device_async((n - free) * p);
+            if self.pools().pages.available() < n && self.write_back_tokens > 0 {
                 self.stats.backups_awaited_for_room += 1;
                 self.finish_pinned_backups()?;
             }
@@ -1108,9 +1185,28 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         let pending = self
             .pending_writes
             .values()
-            .map(|w| usize::from(w.lock.is_some()) + w.state_locks.len())
+            .map(|w| usize::from(w.lock.is_some()) + w.state_locks.len() + w.victims.len())
             .sum::<usize>()
             + self.pending_loads.len();
+        let victim_tokens: usize = self.pending_writes.values().map(|w| w.victim_tokens).sum();
+        if victim_tokens != self.write_back_tokens {
+            return Err(InvariantViolation(format!(
+                "pending write-backs hold {victim_tokens} victim tokens but {} are counted",
+                self.write_back_tokens
+            )));
+        }
+        // A backup in flight reads the device pages of its nodes and victims: they stay on
+        // the device (locked) until the ack.
+        for w in self.pending_writes.values() {
+            let victims = w.victims.iter().map(LockReceipt::anchor);
+            for v in w.nodes.iter().copied().chain(victims) {
+                if !tree.on_device(v).unwrap_or(false) {
+                    return Err(InvariantViolation(format!(
+                        "node {v:?} left the device while its backup is in flight"
+                    )));
+                }
+            }
+        }
         if pending > tree.outstanding_locks() {
             return Err(InvariantViolation(format!(
                 "{pending} transfers pending but only {} locks outstanding",

@@ -36,14 +36,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let mut res = Ok(());
         for id in &acks.writes {
             self.stats.writes_acked += 1;
-            if let Some(w) = self.pending_writes.remove(id) {
+            if let Some(mut w) = self.pending_writes.remove(id) {
                 self.report_backup(&w);
                 self.queue_storage_backup(&w);
                 res = res.and(self.unpin_windows(&w.swa_pins));
-                res = res.and(self.release(w.lock));
-                for l in w.state_locks {
+                res = res.and(self.release(w.lock.take()));
+                for l in std::mem::take(&mut w.state_locks) {
                     res = res.and(self.release(Some(l)));
                 }
+                res = res.and(self.finish_write_back(&mut w, true));
             }
         }
         for id in &acks.loads {
@@ -72,6 +73,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 for l in std::mem::take(&mut w.state_locks) {
                     res = res.and(self.release(Some(l)));
                 }
+                res = res.and(self.finish_write_back(&mut w, false));
                 failed.push(w);
             }
         }

@@ -7,6 +7,7 @@ use radixkv_radix::{LockReceipt, NodeId, PageId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::{DeviceBackend, StreamKind};
+use crate::controller::OpId;
 use crate::controller::{PoolName, PoolTransfer};
 use crate::error::{HiCacheError, Result};
 
@@ -63,17 +64,17 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// still find no host slot are left out (counted). With `lock`, the chain and the states
     /// stay locked until the write is acknowledged. The host copies are recorded now (so
     /// nothing backs them up twice) but the KV's is reported by a host `BlockStored` event
-    /// only at the ack. Returns `false` (and counts it) when the host cannot make room for the
-    /// KV: the nodes stay device-only.
+    /// only at the ack. Returns the operation queued, or `None` (and counts it) when the host
+    /// cannot make room for the KV: the nodes stay device-only.
     pub(super) fn backup_chain(
         &mut self,
         chain: &[NodeId],
         above: &[NodeId],
         lock: bool,
-    ) -> Result<bool> {
+    ) -> Result<Option<OpId>> {
         if !self.ctrl.has_room(StreamKind::Write) {
             self.stats.backups_skipped_queue_full += 1;
-            return Ok(false);
+            return Ok(None);
         }
         let p = self.page_size();
         self.pages.clear();
@@ -98,7 +99,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         };
         self.make_room_for_windows(&mut windows);
         if need == 0 && states.is_empty() {
-            return Ok(false);
+            return Ok(None);
         }
         let mut extra = Vec::new();
         if !states.is_empty() {
@@ -135,7 +136,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             Ok(v) => v,
             Err(HiCacheError::HostFull { .. } | HiCacheError::ExtraPoolFull { .. }) => {
                 self.stats.host_exhausted += 1;
-                return Ok(false);
+                return Ok(None);
             }
             Err(e) => return Err(e),
         };
@@ -192,31 +193,26 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 state_locks,
                 swa_host,
                 swa_pins,
+                victims: Vec::new(),
+                victim_tokens: 0,
             },
         );
         self.stats.backed_up_tokens += (need * p) as u64;
         self.stats.mamba_states_backed_up += states.len() as u64;
         self.stats.swa_pages_backed_up += at as u64;
-        Ok(true)
+        Ok(Some(id))
     }
 
     /// Device eviction: pops leaves in policy order until `tokens` are freed. A backed-up leaf
-    /// is demoted (device pages freed, node kept host-only); under write-back the victims and
-    /// their unbacked ancestors are first backed up in one merged, synchronous write.
+    /// is demoted (device pages freed, node kept host-only). Under write-back, the victims
+    /// without a backup and their unbacked ancestors are first backed up in one merged write:
+    /// synchronously here (the victims are freed before this returns; see
+    /// [`HiRadixCache::evict_device_async`] for the asynchronous eviction).
     pub(super) fn evict_device(&mut self, tokens: usize) -> usize {
         let mut done = 0;
         let mut victims = Vec::new();
         while done < tokens {
-            victims.clear();
-            let mut got = 0;
-            {
-                let (tree, _) = self.inner.parts_mut();
-                while done + got < tokens {
-                    let Some(v) = tree.pop_victim() else { break };
-                    got += tree.node_key(v).map_or(0, <[u32]>::len);
-                    victims.push(v);
-                }
-            }
+            self.pop_victims(tokens - done, &mut victims);
             if victims.is_empty() {
                 break;
             }
@@ -226,20 +222,93 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 tracing::warn!(error = %e, "write-back failed; evicting without backup");
             }
             for &v in &victims {
-                done += self.evict_one(v);
+                done += self.evict_one(v, true);
             }
         }
         done
     }
 
-    fn evict_one(&mut self, v: NodeId) -> usize {
+    /// Asynchronous device eviction toward `tokens` free tokens (write-back only; any other
+    /// policy evicts synchronously, as [`HiRadixCache::evict_device`]). The victims of
+    /// write-backs still in flight count toward `tokens`, since their room arrives at their
+    /// acks. Backed-up victims are demoted now; the others are backed up in one merged write
+    /// and stay on the device, locked, until its ack, which demotes those still evictable
+    /// then. A victim whose backup cannot be queued (host or write queue full) is evicted
+    /// without backup now, as in the synchronous path. Returns the tokens freed now.
+    pub(super) fn evict_device_async(&mut self, tokens: usize) -> usize {
+        if self.policy != WritePolicy::WriteBack {
+            return self.evict_device(tokens);
+        }
+        let mut done = 0;
+        let mut queued = self.write_back_tokens;
+        let mut victims = Vec::new();
+        let mut unbacked = Vec::new();
+        while done + queued < tokens {
+            self.pop_victims(tokens - done - queued, &mut victims);
+            if victims.is_empty() {
+                break;
+            }
+            unbacked.clear();
+            for &v in &victims {
+                if self.fully_backed_up(v) {
+                    done += self.evict_one(v, true);
+                } else {
+                    unbacked.push(v);
+                }
+            }
+            if unbacked.is_empty() {
+                continue;
+            }
+            match self.write_back_async(&unbacked) {
+                Ok(Some(t)) => queued += t,
+                Ok(None) => {
+                    for &v in &unbacked {
+                        done += self.evict_one(v, true);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "write-back failed; evicting without backup");
+                    for &v in &unbacked {
+                        done += self.evict_one(v, true);
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    /// Pops victims (policy order) until they hold `tokens` device tokens or none is left.
+    fn pop_victims(&mut self, tokens: usize, victims: &mut Vec<NodeId>) {
+        victims.clear();
+        let (tree, _) = self.inner.parts_mut();
+        let mut got = 0;
+        while got < tokens {
+            let Some(v) = tree.pop_victim() else { break };
+            got += tree.node_key(v).map_or(0, <[u32]>::len);
+            victims.push(v);
+        }
+    }
+
+    /// True when demoting `v` loses nothing: its KV has a host copy, and so has its device
+    /// Mamba state if it has one.
+    fn fully_backed_up(&self, v: NodeId) -> bool {
+        self.inner.tree().host_pages(v).is_ok_and(|h| h.is_some())
+            && self
+                .states_to_back_up(&[v])
+                .is_ok_and(|states| states.is_empty())
+    }
+
+    /// Releases the device pages of victim `v`. `expected`: the policy gave it, so it must be
+    /// evictable (a debug assertion); otherwise (a write-back victim at its ack) one that is
+    /// not (locked again, grown a child) is left alone. Returns the tokens freed.
+    fn evict_one(&mut self, v: NodeId, expected: bool) -> usize {
         let (tree, pools) = self.inner.parts_mut();
         let had_host = tree.host_pages(v).is_ok_and(|h| h.is_some());
         self.pages.clear();
         let n = match tree.evict_device(v, &mut self.pages) {
             Ok(n) => n,
             Err(e) => {
-                debug_assert!(false, "policy returned a non-evictable node: {e}");
+                debug_assert!(!expected, "policy returned a non-evictable node: {e}");
                 return 0;
             }
         };
@@ -257,8 +326,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         n
     }
 
-    /// Backs up the victims without a host copy, ancestors first, and waits for the copy.
-    fn write_back(&mut self, victims: &[NodeId]) -> Result<()> {
+    /// The chain a write-back of `victims` copies: the victims without a host copy and their
+    /// unbacked ancestors, ancestors first (backed-up nodes stay root-connected), and the
+    /// victims that have one (their Mamba states may still need a copy).
+    fn write_back_chain(&self, victims: &[NodeId]) -> Result<(Vec<NodeId>, Vec<NodeId>)> {
         let tree = self.inner.tree();
         let root = tree.root();
         let mut chain = Vec::new();
@@ -281,10 +352,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 chain.push(u);
             }
         }
+        Ok((chain, above))
+    }
+
+    /// Backs up the victims without a host copy, ancestors first, and waits for the copy.
+    fn write_back(&mut self, victims: &[NodeId]) -> Result<()> {
+        let (chain, above) = self.write_back_chain(victims)?;
         if chain.is_empty() && self.states_to_back_up(&above)?.is_empty() {
             return Ok(());
         }
-        if self.backup_chain(&chain, &above, false)? {
+        if self.backup_chain(&chain, &above, false)?.is_some() {
             if let Err(e) = self.ctrl.start_writing() {
                 // The victims are evicted right after this, so a refused backup cannot wait for
                 // a retry: a copy submitted later would read device pages already reused. Fail
@@ -299,6 +376,88 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.finish_writes_now()?;
         }
         Ok(())
+    }
+
+    /// Queues the backup of `victims` (not fully backed up) and their unbacked ancestors, and
+    /// locks every victim until the ack (which demotes them; see
+    /// [`HiRadixCache::evict_device_async`]). The backup is started now; a refused submission
+    /// is retried at the next step, like a write-through backup, since nothing reuses the
+    /// victims' pages before the ack. Returns the victims' device tokens, or `None` when no
+    /// backup was queued (host or write queue full; nothing locked).
+    fn write_back_async(&mut self, victims: &[NodeId]) -> Result<Option<usize>> {
+        let (chain, above) = self.write_back_chain(victims)?;
+        let pin = !self.mutations.write_back_frees_early;
+        // The victims are locked first: their locks cover the whole merged chain (every node
+        // of it is a victim or an ancestor of one), which pinning its window KV requires.
+        let mut tokens = 0;
+        let mut locks = Vec::with_capacity(victims.len());
+        for &v in victims {
+            tokens += self.inner.tree().node_key(v).map_or(0, <[u32]>::len);
+            if pin {
+                match self.inner.inc_lock_ref(v) {
+                    Ok(l) => locks.push(l),
+                    Err(e) => {
+                        self.release_all(locks)?;
+                        return Err(e.into());
+                    }
+                }
+            }
+        }
+        let id = match self.backup_chain(&chain, &above, pin) {
+            Ok(Some(id)) => id,
+            Ok(None) => {
+                self.release_all(locks)?;
+                return Ok(None);
+            }
+            Err(e) => {
+                self.release_all(locks)?;
+                return Err(e);
+            }
+        };
+        let early = if pin { Vec::new() } else { victims.to_vec() };
+        if let Some(w) = self.pending_writes.get_mut(&id) {
+            w.victims = locks;
+            w.victim_tokens = tokens;
+        }
+        self.write_back_tokens += tokens;
+        self.stats.write_backs_async += 1;
+        self.start_writes();
+        for v in early {
+            // The mutation: freed now, while the copy may still read the pages.
+            self.evict_one(v, false);
+        }
+        Ok(Some(tokens))
+    }
+
+    /// Releases victim locks taken for a write-back that was not queued.
+    fn release_all(&mut self, locks: Vec<radixkv_radix::LockReceipt>) -> Result<()> {
+        for l in locks {
+            self.inner.dec_lock_ref(l)?;
+        }
+        Ok(())
+    }
+
+    /// At the ack of an asynchronous write-back: releases the victims' locks and demotes the
+    /// victims that are still evictable (unlocked device leaves). A victim a request locked or
+    /// extended meanwhile stays on the device, backed up. After a failed copy (`demote`
+    /// false) the victims are only released: device-only again, a later eviction retries.
+    pub(super) fn finish_write_back(&mut self, w: &mut PendingWrite, demote: bool) -> Result<()> {
+        self.write_back_tokens = self.write_back_tokens.saturating_sub(w.victim_tokens);
+        w.victim_tokens = 0;
+        let mut res = Ok(());
+        let victims = std::mem::take(&mut w.victims);
+        let mut anchors = Vec::with_capacity(victims.len());
+        for l in victims {
+            anchors.push(l.anchor());
+            res = res.and(self.inner.dec_lock_ref(l).map_err(HiCacheError::from));
+        }
+        if demote {
+            for v in anchors {
+                let n = self.evict_one(v, false);
+                self.stats.write_back_demoted_tokens += n as u64;
+            }
+        }
+        res
     }
 
     /// Host eviction: removes host-only leaves in the order of the configured eviction policy

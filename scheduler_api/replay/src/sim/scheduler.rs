@@ -185,6 +185,7 @@ pub(super) fn replay_with_ideal(
         running: Vec::new(),
         now_us: 0.0,
         cpu: CpuClock::default(),
+        room_waits: 0,
         ttft_ms: Vec::with_capacity(trace.requests.len()),
         report: Report {
             config: cfg.manager.label(),
@@ -333,6 +334,9 @@ struct Sim<'a> {
     running: Vec<Job>,
     now_us: f64,
     cpu: CpuClock,
+    /// Consecutive steps in which nothing ran because the head of the queue waited for
+    /// write-back evictions in flight (their acks land at the end of the step).
+    room_waits: u32,
     ttft_ms: Vec<f64>,
     report: Report,
     sample_every: u64,
@@ -588,7 +592,20 @@ impl Sim<'_> {
         // no copy holds pages any more.
         // A request waiting for its prefetch makes progress too: the step's end applies the
         // store's answers.
-        if prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 && prefetch_waits == 0 {
+        let idle = prefill_tokens == 0 && decode_seqs == 0 && dropped == 0 && prefetch_waits == 0;
+        // The head of the queue waits for write-back evictions whose acks this step applies
+        // (the replay drains every copy at the end of the step): the room is there at the next
+        // step, so an idle step is progress once. Twice in a row would be a stall.
+        let room_in_flight = matches!(
+            refused,
+            Some((_, StallCause::Admission(WaitReason::RoomInFlight { .. })))
+        );
+        self.room_waits = if idle && room_in_flight {
+            self.room_waits + 1
+        } else {
+            0
+        };
+        if idle && !(room_in_flight && self.room_waits == 1) {
             // Nothing could run: free memory by retracting the youngest, or give up. (A step
             // that dropped a request made progress.) Every request fits the pool (checked
             // before the replay), so giving up is a stall, reported with the refusal behind it.
