@@ -7,7 +7,8 @@
 
 mod common;
 
-use common::{admitted, balanced, session_budget, step};
+use common::turns::turn;
+use common::{admitted, balanced, session_budget};
 use radixkv_scheduler_api::config::LayerPattern;
 use radixkv_scheduler_api::{
     Admission, KvCacheManager, MambaPolicyKind, ModelGeometry, ReqId, Request, WaitReason,
@@ -51,34 +52,6 @@ fn manager(swa_pages: u64, slots: u64, sessions: bool) -> KvCacheManager {
     kv
 }
 
-/// Arrives, admits, prefills in one chunk, decodes `out − 1` tokens and finishes.
-fn run(kv: &mut KvCacheManager, session: Option<u64>, tokens: Vec<u32>, out: u32) -> usize {
-    let mut r = Request::new(tokens).max_new_tokens(out as usize);
-    if let Some(s) = session {
-        r = r.session(s);
-    }
-    let id = kv.arrive(r).unwrap();
-    let a = admitted(kv, id);
-    let device = a.device_tokens;
-    assert!(
-        a.mamba_slot.is_some(),
-        "every running request holds a state slot"
-    );
-    kv.extend(id, a.extend_tokens).unwrap();
-    let s = kv.begin_step();
-    kv.chunk_done(id).unwrap();
-    kv.end_step(s).unwrap();
-    balanced(kv);
-    for t in 0..out.saturating_sub(1) {
-        kv.decode(id, 9_000 + t).unwrap();
-        step(kv);
-        balanced(kv);
-    }
-    kv.finish(id).unwrap();
-    balanced(kv);
-    device
-}
-
 fn drained(kv: &mut KvCacheManager) {
     kv.drain().unwrap();
     balanced(kv);
@@ -94,18 +67,18 @@ fn drained(kv: &mut KvCacheManager) {
 fn a_hit_needs_a_cached_state_and_every_pool_balances() {
     let mut kv = manager(64, 8, false);
     let prompt: Vec<u32> = (0..20).collect();
-    assert_eq!(run(&mut kv, None, prompt.clone(), 1), 0);
+    assert_eq!(turn(&mut kv, None, prompt.clone(), 1).device_tokens, 0);
     // The request-end state at 20 (a page end) and its window are cached: the same prompt
     // plus more hits there.
     let mut more = prompt.clone();
     more.extend(100..106);
-    assert_eq!(run(&mut kv, None, more.clone(), 1), 20);
+    assert_eq!(turn(&mut kv, None, more.clone(), 1).device_tokens, 20);
     // A prompt that shares only the first 16 tokens: the KV matches 16, but no state is
     // cached there, so nothing is usable (the radix tests cover the window side and the
     // cascade: tests/hybrid_model.rs).
     let mut fork: Vec<u32> = (0..16).collect();
     fork.extend(700..710);
-    assert_eq!(run(&mut kv, None, fork, 1), 0);
+    assert_eq!(turn(&mut kv, None, fork, 1).device_tokens, 0);
     drained(&mut kv);
 }
 
@@ -168,7 +141,7 @@ fn finish_running(kv: &mut KvCacheManager, id: ReqId) {
 fn sessions_keep_the_state_and_the_window_across_turns() {
     let mut kv = manager(64, 8, true);
     let t1: Vec<u32> = (0..30).collect();
-    run(&mut kv, Some(7), t1.clone(), 6);
+    turn(&mut kv, Some(7), t1.clone(), 6);
     // The idle session holds its running state and its window.
     assert!(kv.mamba_accounting().unwrap().request_owned >= 1);
     assert!(kv.swa_accounting().unwrap().request_owned >= 1);
@@ -176,7 +149,7 @@ fn sessions_keep_the_state_and_the_window_across_turns() {
     t2.extend((0..5).map(|i| 9_000 + i));
     t2.extend(100..110);
     // Turn 2 continues at the whole held length (35 computed), not cut back to a cached state.
-    assert_eq!(run(&mut kv, Some(7), t2.clone(), 3), 35);
+    assert_eq!(turn(&mut kv, Some(7), t2.clone(), 3).device_tokens, 35);
     kv.close_session(7).unwrap();
     drained(&mut kv);
 }

@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{admitted, balanced, gemma, gemma_swa_page_bytes, session_budget, step};
+use common::turns::{drained, next, turn};
+use common::{balanced, gemma, gemma_swa_page_bytes, session_budget, step};
 use radixkv_scheduler_api::{
-    Admission, Admitted, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, ReqId,
-    Request, SessionBudget,
+    Admission, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, Request, SessionBudget,
 };
 
 fn manager(swa_pages: u64) -> KvCacheManager {
@@ -25,63 +25,11 @@ fn manager(swa_pages: u64) -> KvCacheManager {
     kv
 }
 
-/// Arrives, admits and prefills one request (of `session`, if any) in one step.
-fn start(
-    kv: &mut KvCacheManager,
-    session: Option<u64>,
-    tokens: Vec<u32>,
-    out: u32,
-) -> (ReqId, Admitted) {
-    let mut r = Request::new(tokens).max_new_tokens(out as usize);
-    if let Some(s) = session {
-        r = r.session(s);
-    }
-    let id = kv.arrive(r).unwrap();
-    let a = admitted(kv, id);
-    kv.extend(id, a.extend_tokens).unwrap();
-    let s = kv.begin_step();
-    kv.chunk_done(id).unwrap();
-    kv.end_step(s).unwrap();
-    balanced(kv);
-    (id, a)
-}
-
-/// One turn: prefill, `out − 1` decode steps (tokens 9000, 9001, …), finish.
-fn turn(kv: &mut KvCacheManager, session: u64, tokens: Vec<u32>, out: u32) -> Admitted {
-    let (id, a) = start(kv, Some(session), tokens, out);
-    for t in 0..out.saturating_sub(1) {
-        kv.decode(id, 9_000 + t).unwrap();
-        step(kv);
-        balanced(kv);
-    }
-    kv.finish(id).unwrap();
-    balanced(kv);
-    a
-}
-
-/// `tokens` followed by the `out − 1` fed-back outputs of `turn` and `more`.
-fn next(tokens: &[u32], out: u32, more: std::ops::Range<u32>) -> Vec<u32> {
-    let mut t = tokens.to_vec();
-    t.extend((0..out - 1).map(|i| 9_000 + i));
-    t.extend(more);
-    t
-}
-
-/// Nothing held: no session, request or lock holds a page of either pool.
-fn drained(kv: &mut KvCacheManager) {
-    kv.drain().unwrap();
-    balanced(kv);
-    let a = kv.accounting();
-    assert_eq!(a.session_held + a.protected + a.request_owned, 0, "{a:?}");
-    let s = kv.swa_accounting().unwrap();
-    assert_eq!(s.protected + s.request_owned, 0, "{s:?}");
-}
-
 #[test]
 fn turns_continue_in_the_held_window_and_demotion_and_close_hand_it_back() {
     let mut kv = manager(64);
     let t1: Vec<u32> = (0..30).collect();
-    let a1 = turn(&mut kv, 7, t1.clone(), 6);
+    let a1 = turn(&mut kv, Some(7), t1.clone(), 6);
     assert_eq!(a1.cached_tokens(), 0);
     // The idle session owns the window past its prefill's insert: request-owned SWA pages
     // that no running request owns.
@@ -90,7 +38,7 @@ fn turns_continue_in_the_held_window_and_demotion_and_close_hand_it_back() {
     assert!(held > 0);
     // Turn 2 continues at the whole held length (30 + 5 computed), from the session's window.
     let t2 = next(&t1, 6, 100..110);
-    let a2 = turn(&mut kv, 7, t2.clone(), 4);
+    let a2 = turn(&mut kv, Some(7), t2.clone(), 4);
     assert_eq!(a2.device_tokens, 35);
     // The TTL demotes the idle session: its window goes to the tree, so the next turn matches
     // the history's page-aligned end there (its window is live).
@@ -100,14 +48,14 @@ fn turns_continue_in_the_held_window_and_demotion_and_close_hand_it_back() {
     assert_eq!(kv.metrics().gauges.held_sessions, 0);
     assert_eq!(kv.swa_accounting().unwrap().request_owned, 0);
     let t3 = next(&t2, 4, 200..203);
-    let a3 = turn(&mut kv, 7, t3.clone(), 3);
+    let a3 = turn(&mut kv, Some(7), t3.clone(), 3);
     assert_eq!(
         a3.device_tokens, 48,
         "the demoted history's page-aligned 48 of 48 tokens"
     );
     // And the turn after the demotion is a session turn again.
     let t4 = next(&t3, 3, 300..302);
-    let a4 = turn(&mut kv, 7, t4, 2);
+    let a4 = turn(&mut kv, Some(7), t4, 2);
     assert_eq!(a4.device_tokens, t3.len() + 2);
     kv.close_session(7).unwrap();
     drained(&mut kv);
@@ -116,7 +64,7 @@ fn turns_continue_in_the_held_window_and_demotion_and_close_hand_it_back() {
 #[test]
 fn admission_counts_the_idle_windows_and_allocation_demotes_them() {
     let mut kv = manager(24);
-    turn(&mut kv, 7, (0..30).collect(), 6);
+    turn(&mut kv, Some(7), (0..30).collect(), 6);
     // The session owns the window pages past its prefill (tokens 28..35: 2 pages).
     assert_eq!(kv.swa_accounting().unwrap().request_owned, 2);
     // A prompt of one page more than free + evictable (its SWA peak: one more page, for its
@@ -159,8 +107,8 @@ fn a_cap_on_held_window_pages_demotes_and_a_bad_cap_is_a_config_error() {
         })
         .build()
         .unwrap();
-    turn(&mut kv, 1, (0..30).collect(), 6);
-    turn(&mut kv, 2, (1_000..1_030).collect(), 6);
+    turn(&mut kv, Some(1), (0..30).collect(), 6);
+    turn(&mut kv, Some(2), (1_000..1_030).collect(), 6);
     assert!(kv.metrics().gauges.held_sessions <= 1);
     for s in [1, 2] {
         kv.close_session(s).unwrap();
