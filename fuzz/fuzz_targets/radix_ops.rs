@@ -20,10 +20,15 @@ use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, check_kv, row_pages, write_kv};
 use radixkv_fuzz::ok;
 use radixkv_radix::{
-    CacheError, FinishKind, InsertOptions, KeyRef, LockReceipt, Medium, Namespace, NodeId,
-    NodeMeta, PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey,
-    RequestKv, TokenId, align_down, pages_for,
+    CacheError, FinishKind, InsertOptions, KeyRef, KvIdentity, LockReceipt, Medium, Namespace,
+    NodeId, NodeMeta, PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig,
+    RadixKey, RequestKv, TokenId, align_down, pages_for,
 };
+
+/// The model identity the page keys of events chain from.
+fn fuzz_identity() -> KvIdentity {
+    KvIdentity::new("fuzz-model", "fuzz-layout")
+}
 
 #[derive(Arbitrary, Debug)]
 struct Setup {
@@ -32,6 +37,8 @@ struct Setup {
     pages: u8,
     rows: u8,
     events: bool,
+    /// Events carry storage page keys (with events only).
+    page_keys: bool,
     /// Mostly the default capacity; sometimes a tiny one, so events are dropped and counted.
     event_capacity: u8,
     disabled: u8,
@@ -200,6 +207,7 @@ impl Harness {
             event_capacity,
             disabled,
             mamba_slots: None,
+            event_page_keys: (s.events && s.page_keys).then(fuzz_identity),
             ..Default::default()
         };
         let cache = RadixCache::new(cfg.clone()).ok()?;
@@ -215,7 +223,10 @@ impl Harness {
             policy,
             disabled,
             kv: KvModel::new(pages, p),
-            shadow: s.events.then(|| EventShadow::new(p)),
+            shadow: s.events.then(|| match s.page_keys {
+                true => EventShadow::with_page_keys(p, fuzz_identity()),
+                false => EventShadow::new(p),
+            }),
             event_capacity,
             dropped: 0,
             handles: Vec::new(),

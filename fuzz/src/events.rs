@@ -5,21 +5,28 @@
 //! on that medium, the chain hashes match the reported tokens, residency reported per medium
 //! is root-connected (a stored page's parent page is stored on the same medium), a removal
 //! names the namespace the page was stored in, and the number of pages the shadow holds equals
-//! what the cache holds.
+//! what the cache holds. A shadow built with [`EventShadow::with_page_keys`] also checks each
+//! page's storage key: the BLAKE3 chain from the namespace's seed over the page's tokens,
+//! continued from the parent page's key, and named again by its removal.
 
 use std::collections::HashMap;
 
 use radixkv_radix::events::{chain_hashes, namespace_seed};
-use radixkv_radix::{KvEvent, Medium, Namespace, TokenId, align_down};
+use radixkv_radix::{
+    KeySeed, KvEvent, KvIdentity, Medium, Namespace, PageKey, TokenId, align_down,
+};
 
-/// A stored page: the hash of its parent page and its namespace.
-type StoredPage = (Option<u64>, Namespace);
+/// A stored page: the hash of its parent page, its namespace and its storage key (with
+/// page keys on).
+type StoredPage = (Option<u64>, Namespace, Option<PageKey>);
 
 /// Pages stored per medium, each with the hash of its parent page and its namespace.
 #[derive(Debug, Default, Clone)]
 pub struct EventShadow {
     page_size: usize,
     stored: HashMap<Medium, HashMap<u64, StoredPage>>,
+    /// The identity the events' page keys chain from (`None`: events carry no keys).
+    keys: Option<KvIdentity>,
     /// Events applied so far.
     pub applied: usize,
 }
@@ -31,6 +38,30 @@ impl EventShadow {
             page_size,
             ..Default::default()
         }
+    }
+
+    /// An empty shadow for a cache whose events carry page keys chained from `identity`.
+    pub fn with_page_keys(page_size: usize, identity: KvIdentity) -> Self {
+        EventShadow {
+            page_size,
+            keys: Some(identity),
+            ..Default::default()
+        }
+    }
+
+    /// The storage keys a stored event must carry: the chain over `tokens` from `parent_key`
+    /// (or the namespace's seed); empty without page keys.
+    fn want_keys(
+        &self,
+        namespace: &Namespace,
+        parent_key: Option<&PageKey>,
+        tokens: &[TokenId],
+    ) -> Vec<PageKey> {
+        let mut out = Vec::new();
+        if let Some(id) = &self.keys {
+            KeySeed::new(namespace, id).extend_chain(parent_key, tokens, self.page_size, &mut out);
+        }
+        out
     }
 
     fn medium(&mut self, m: Medium) -> &mut HashMap<u64, StoredPage> {
@@ -59,6 +90,8 @@ impl EventShadow {
                     page_size,
                     namespace,
                     medium,
+                    page_keys,
+                    parent_key,
                 } => {
                     if page_size != self.page_size
                         || page_hashes.is_empty()
@@ -78,10 +111,33 @@ impl EventShadow {
                             "BlockStored on {medium:?}: hashes do not chain over its tokens"
                         ));
                     }
+                    if page_keys != self.want_keys(&namespace, parent_key.as_ref(), &token_ids) {
+                        return Err(format!(
+                            "BlockStored on {medium:?}: page keys do not chain over its tokens"
+                        ));
+                    }
+                    let known_parent = parent_hash.and_then(|h| {
+                        self.stored
+                            .values()
+                            .find_map(|map| map.get(&h))
+                            .map(|stored| stored.2)
+                    });
+                    if let Some(known) = known_parent
+                        && known != parent_key
+                    {
+                        return Err(format!(
+                            "BlockStored on {medium:?}: parent key {parent_key:?}, but the \
+                             parent page was stored with {known:?}"
+                        ));
+                    }
                     let mut parent = parent_hash;
+                    let mut keys = page_keys.into_iter();
                     let map = self.medium(medium);
                     for h in page_hashes {
-                        if map.insert(h, (parent, namespace.clone())).is_some() {
+                        if map
+                            .insert(h, (parent, namespace.clone(), keys.next()))
+                            .is_some()
+                        {
                             return Err(format!("page {h:#x} stored twice on {medium:?}"));
                         }
                         parent = Some(h);
@@ -91,16 +147,32 @@ impl EventShadow {
                     page_hashes,
                     namespace,
                     medium,
+                    page_keys,
                 } => {
+                    if self.keys.is_some() == page_keys.is_empty()
+                        || (!page_keys.is_empty() && page_keys.len() != page_hashes.len())
+                    {
+                        return Err(format!(
+                            "BlockRemoved of {} pages with {} page keys",
+                            page_hashes.len(),
+                            page_keys.len()
+                        ));
+                    }
                     let map = self.medium(medium);
-                    for h in page_hashes {
+                    for (i, h) in page_hashes.into_iter().enumerate() {
                         match map.remove(&h) {
+                            Some((_, _, key)) if key != page_keys.get(i).copied() => {
+                                return Err(format!(
+                                    "BlockRemoved of page {h:#x} names key {:?}, stored as {key:?}",
+                                    page_keys.get(i)
+                                ));
+                            }
                             None => {
                                 return Err(format!(
                                     "BlockRemoved of page {h:#x}, never stored on {medium:?}"
                                 ));
                             }
-                            Some((_, ns)) if ns != namespace => {
+                            Some((_, ns, _)) if ns != namespace => {
                                 return Err(format!(
                                     "BlockRemoved of page {h:#x} in {namespace:?}, stored in {ns:?}"
                                 ));
@@ -115,7 +187,7 @@ impl EventShadow {
         for (m, map) in &self.stored {
             if let Some((h, p)) = map
                 .iter()
-                .find(|(_, (p, _))| p.is_some_and(|p| !map.contains_key(&p)))
+                .find(|(_, (p, _, _))| p.is_some_and(|p| !map.contains_key(&p)))
             {
                 return Err(format!(
                     "page {h:#x} is stored on {m:?} but its parent {:?} is not",

@@ -59,6 +59,7 @@ fn cache_config(pages: usize, policy: PolicyKind) -> RadixConfig {
         swa: None,
         mamba_policy: Default::default(),
         mamba_track: true,
+        event_page_keys: None,
     }
 }
 

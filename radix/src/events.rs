@@ -31,12 +31,25 @@
 //! | `BlockRemoved::namespace` | none: vLLM's hashes already include the LoRA and salt; ours do too (the chain is seeded by the namespace), the field is there for routers that index by namespace |
 //! | [`KvEvent::AllBlocksCleared`] | `AllBlocksCleared` |
 //!
+//! | `BlockStored::page_keys`, `BlockStored::parent_key`, `BlockRemoved::page_keys` | none (see [Page keys](#page-keys)); left out of the serialized event when empty |
+//!
+//! ## Page keys
+//! A tree built with [`RadixConfig::event_page_keys`](crate::RadixConfig::event_page_keys)
+//! (or [`RadixTree::set_event_page_keys`](crate::RadixTree::set_event_page_keys)) also gives
+//! each stored and removed page its 256-bit [`PageKey`]: the BLAKE3 chain that the storage tier
+//! stores the page under, seeded by the namespace and the same
+//! [`KvIdentity`](crate::KvIdentity). A router, or a peer that reads the same store, can then
+//! name exactly the stored page an event speaks of, which the 64-bit routing hash cannot do
+//! safely. The keys serialize as 64 lower-case hex digits. Keys cost one BLAKE3 hash per new
+//! page and 32 bytes per cached page, so they are off unless asked for.
+//!
 //! vLLM's `group_idx` and KV-cache-spec fields (hybrid models with several KV groups) and its
 //! `data_parallel_rank` have no counterpart: this cache holds one KV group, and the engine
 //! that runs several ranks knows which one published. The events carry no request id: the
 //! cache stores and evicts pages of the tree, which several requests may share, and never
 //! learns the engine's request ids.
 
+use crate::page_key::PageKey;
 use crate::types::{Medium, Namespace, TokenId};
 
 /// One KV event. Serialized as a map tagged by `"type"` (`"BlockStored"`, `"BlockRemoved"`,
@@ -58,6 +71,14 @@ pub enum KvEvent {
         namespace: Namespace,
         /// Where the KV now lives.
         medium: Medium,
+        /// The storage key of each stored page (see [Page keys](#page-keys)); empty unless the
+        /// tree keys its events, and then left out of the serialized event.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        page_keys: Vec<PageKey>,
+        /// The storage key of the page before the first stored page (`None` at the start of a
+        /// sequence, or without page keys).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent_key: Option<PageKey>,
     },
     /// Pages stopped being resident on `medium`.
     BlockRemoved {
@@ -67,6 +88,9 @@ pub enum KvEvent {
         namespace: Namespace,
         /// Where the KV was removed from.
         medium: Medium,
+        /// The storage key of each removed page; empty unless the tree keys its events.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        page_keys: Vec<PageKey>,
     },
     /// Everything was dropped (cache reset), on every medium.
     AllBlocksCleared,
@@ -269,6 +293,7 @@ mod tests {
             page_hashes: vec![h],
             namespace: Namespace::new("tenant"),
             medium: Medium::Device,
+            page_keys: vec![],
         }
     }
 
@@ -308,6 +333,8 @@ mod tests {
                     page_size: 2,
                     namespace: ns.clone(),
                     medium: Medium::Host,
+                    page_keys: vec![],
+                    parent_key: None,
                 },
                 KvEvent::BlockStored {
                     page_hashes: vec![u64::MAX],
@@ -316,11 +343,14 @@ mod tests {
                     page_size: 2,
                     namespace: Namespace::DEFAULT,
                     medium: Medium::Device,
+                    page_keys: vec![],
+                    parent_key: None,
                 },
                 KvEvent::BlockRemoved {
                     page_hashes,
                     namespace: ns,
                     medium: Medium::Device,
+                    page_keys: vec![],
                 },
                 KvEvent::AllBlocksCleared,
             ],

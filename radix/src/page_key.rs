@@ -143,6 +143,26 @@ impl fmt::Display for PageKey {
     }
 }
 
+/// Serialized as its 64 lower-case hex digits ([`PageKey::to_hex`]), the form stores name a
+/// page by, so a KV event's key reads the same in JSON, msgpack and a store's listing.
+impl serde::Serialize for PageKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PageKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        PageKey::from_hex(&s).ok_or_else(|| {
+            serde::de::Error::invalid_value(
+                serde::de::Unexpected::Str(&s),
+                &"a page key: 64 lower-case hex digits",
+            )
+        })
+    }
+}
+
 fn chain_step(parent: &[u8; 32], tokens: &[TokenId]) -> PageKey {
     let mut h = blake3::Hasher::new_derive_key(PAGE_CONTEXT);
     h.update(parent);

@@ -10,6 +10,7 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent};
 use crate::mamba_policy::{MambaAdmission, MambaPolicy, MambaStats};
+use crate::page_key::KvIdentity;
 use crate::policy::PolicyKind;
 use crate::slots::SlotState;
 use crate::tree::mamba::MambaCow;
@@ -69,6 +70,11 @@ pub struct RadixConfig {
     /// session's window across turns (`radixkv-session`); the host tier does not support it
     /// yet (it refuses it).
     pub swa: Option<SwaConfig>,
+    /// KV events also carry each page's storage key ([`crate::PageKey`]), chained from this
+    /// model identity and the page's namespace exactly as the storage tier keys pages (see
+    /// the [events](crate::events#page-keys) docs). `None` (the default): the 64-bit routing
+    /// hashes only. Needs `events`.
+    pub event_page_keys: Option<KvIdentity>,
 }
 
 impl Default for RadixConfig {
@@ -85,6 +91,7 @@ impl Default for RadixConfig {
             mamba_policy: MambaPolicy::default(),
             mamba_track: true,
             swa: None,
+            event_page_keys: None,
         }
     }
 }
@@ -133,6 +140,7 @@ impl RadixCache {
         let mamba = MambaAdmission::new(cfg.mamba_policy, cfg.mamba_track)?;
         let mut tree = RadixTree::new(cfg.page_size, cfg.policy, cfg.events)?;
         tree.set_event_capacity(cfg.event_capacity)?;
+        tree.set_event_page_keys(cfg.event_page_keys)?;
         if let Some(slots) = cfg.mamba_slots {
             tree.enable_mamba(slots)?;
             tree.set_mamba_policy(&cfg.mamba_policy)?;

@@ -24,6 +24,7 @@ use slab::Slab;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent, chain_hashes, namespace_seed};
+use crate::page_key::{KeySeed, KvIdentity, PageKey};
 use crate::policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
 use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId, TokenId};
 
@@ -84,6 +85,8 @@ struct Node {
     leaf: Option<LeafToken>,
     /// Chain hash per page (only kept when events are enabled).
     page_hashes: Vec<u64>,
+    /// Storage key per page (only kept when events carry page keys).
+    page_keys: Vec<PageKey>,
 }
 
 impl Node {
@@ -159,6 +162,30 @@ pub struct RadixTree {
     mamba: Option<Box<mamba::MambaComponent>>,
     /// The sliding-window KV component (SWA models only); `None` for a KV-only tree.
     swa: Option<Box<swa::SwaComponent>>,
+    /// Events carry storage page keys ([`RadixTree::set_event_page_keys`]).
+    event_keys: Option<Box<EventKeys>>,
+}
+
+/// What page keys of events are chained from: the identity and each namespace's seed (cached,
+/// cleared past [`EventKeys::SEED_LIMIT`] namespaces so a namespace per request cannot grow it).
+#[derive(Debug)]
+struct EventKeys {
+    identity: KvIdentity,
+    seeds: ahash::AHashMap<Namespace, KeySeed>,
+}
+
+impl EventKeys {
+    const SEED_LIMIT: usize = 4096;
+
+    fn seed(&mut self, ns: &Namespace) -> KeySeed {
+        if self.seeds.len() >= Self::SEED_LIMIT && !self.seeds.contains_key(ns) {
+            self.seeds.clear();
+        }
+        *self
+            .seeds
+            .entry(ns.clone())
+            .or_insert_with(|| KeySeed::new(ns, &self.identity))
+    }
 }
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
@@ -258,6 +285,7 @@ impl RadixTree {
             policy_fault: None,
             mamba: None,
             swa: None,
+            event_keys: None,
         };
         t.root = t.alloc_node(Node {
             parent: NIL,
@@ -275,6 +303,7 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes: Vec::new(),
+            page_keys: Vec::new(),
         });
         Ok(t)
     }
@@ -325,6 +354,60 @@ impl RadixTree {
     /// True when KV events are recorded.
     pub fn events_enabled(&self) -> bool {
         self.events.is_some()
+    }
+
+    /// Makes KV events carry each page's storage [`PageKey`] (chained from `identity` and the
+    /// page's namespace, as the storage tier keys it; see the [events](crate::events#page-keys)
+    /// docs), or stops it with `None`.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when the tree records no events, or already holds a node: every
+    /// node's keys chain from its parent's, so they must be kept from the first insert on.
+    pub fn set_event_page_keys(&mut self, identity: Option<KvIdentity>) -> Result<()> {
+        if identity.is_some() && self.events.is_none() {
+            return Err(CacheError::Config(
+                "event page keys need KV events to be recorded".into(),
+            ));
+        }
+        if self.nodes.len() > 1 {
+            return Err(CacheError::Config(
+                "event page keys must be set on an empty tree (before the first insert)".into(),
+            ));
+        }
+        self.event_keys = identity.map(|identity| {
+            Box::new(EventKeys {
+                identity,
+                seeds: ahash::AHashMap::default(),
+            })
+        });
+        Ok(())
+    }
+
+    /// The identity event page keys are chained from, when they are on.
+    pub fn event_page_keys(&self) -> Option<&KvIdentity> {
+        self.event_keys.as_ref().map(|k| &k.identity)
+    }
+
+    /// The storage keys of the whole pages of `tokens`, a new child of `parent` in `ns`;
+    /// empty unless events carry page keys.
+    fn chain_page_keys(&mut self, parent: u32, ns: &Namespace, tokens: &[TokenId]) -> Vec<PageKey> {
+        let Some(keys) = self.event_keys.as_deref_mut() else {
+            return Vec::new();
+        };
+        let p = self.page_size;
+        let mut out = Vec::with_capacity(tokens.len() / p);
+        match self.nodes[parent as usize].page_keys.last() {
+            // Below the root a node's chain continues its parent's.
+            Some(&parent_key) => {
+                let mut prev = parent_key;
+                for page in tokens.chunks_exact(p) {
+                    prev = prev.next(page);
+                    out.push(prev);
+                }
+            }
+            None => keys.seed(ns).extend_chain(None, tokens, p, &mut out),
+        }
+        out
     }
 
     /// Drains recorded KV events.

@@ -4,8 +4,9 @@
 
 use radixkv_radix::events::{chain_hashes, namespace_seed};
 use radixkv_radix::{
-    FinishKind, InsertOptions, KeyRef, KvEvent, Medium, Namespace, NodeId, PageId, PolicyKind,
-    PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv, TokenId,
+    CacheError, FinishKind, InsertOptions, KeyRef, KeySeed, KvEvent, KvIdentity, Medium, Namespace,
+    NodeId, PageId, PageKey, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey, RadixTree,
+    RequestKv, TokenId,
 };
 
 fn cache_with(page_size: usize, total_pages: usize, policy: PolicyKind) -> RadixCache {
@@ -365,6 +366,8 @@ fn kv_events_follow_the_lifecycle() {
             page_size: 2,
             namespace: ns.clone(),
             medium: Medium::Device,
+            page_keys: vec![],
+            parent_key: None,
         }]
     );
     // An extension stores only its new page, chained to the cached one.
@@ -386,6 +389,8 @@ fn kv_events_follow_the_lifecycle() {
             page_size: 2,
             namespace: ns.clone(),
             medium: Medium::Device,
+            page_keys: vec![],
+            parent_key: None,
         }]
     );
     // The same tokens in the default namespace hash differently.
@@ -409,6 +414,7 @@ fn kv_events_follow_the_lifecycle() {
                 page_hashes,
                 namespace,
                 medium: Medium::Device,
+                ..
             } => {
                 // Each removal names the namespace its pages were stored in.
                 let want = if page_hashes.iter().all(|x| default_hash.contains(x)) {
@@ -431,6 +437,108 @@ fn kv_events_follow_the_lifecycle() {
     assert!(pos(h[2]) < pos(h[1]));
     c.reset().unwrap();
     assert_eq!(c.take_events(), vec![KvEvent::AllBlocksCleared]);
+}
+
+#[test]
+fn kv_events_carry_the_storage_page_keys_when_asked() {
+    let id = KvIdentity::new("model@rev", "layout");
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: 2,
+        total_pages: 32,
+        events: true,
+        event_page_keys: Some(id.clone()),
+        ..Default::default()
+    })
+    .unwrap();
+    let ns = Namespace::new("tenant");
+    let keys = KeySeed::new(&ns, &id).chain(&[1, 2, 3, 4, 5, 6, 7, 8], 2);
+    let seq = |t: &[TokenId]| RadixKey::with_namespace(t.to_vec(), ns.clone());
+    // A first sequence of three pages (and a partial one), then one that splits it after its
+    // first page and grows a branch of its own.
+    for tokens in [&[1, 2, 3, 4, 5, 6, 7][..], &[1, 2, 9, 9, 9]] {
+        let mut r = RequestKv::new(seq(tokens));
+        c.match_request(&mut r).unwrap();
+        c.begin_request(&mut r).unwrap();
+        let n = tokens.len() - r.allocated_len;
+        c.alloc_tokens(&mut r, n).unwrap();
+        r.commit(n).unwrap();
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        c.check_invariants().unwrap();
+    }
+    let branch = KeySeed::new(&ns, &id).chain(&[1, 2, 9, 9], 2);
+    let ev = c.take_events();
+    let stored: Vec<_> = ev
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored {
+                page_keys,
+                parent_key,
+                page_hashes,
+                ..
+            } => {
+                assert_eq!(page_keys.len(), page_hashes.len());
+                (page_keys.clone(), *parent_key)
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // The keys are the storage chain's, and a branch chains from the page it hangs under.
+    assert_eq!(
+        stored,
+        vec![(keys[..3].to_vec(), None), (vec![branch[1]], Some(keys[0]))]
+    );
+    assert_ne!(branch[1], keys[1]);
+    // Keys travel as hex; a tree without keys leaves the fields out.
+    let json = serde_json::to_value(&ev[1]).unwrap();
+    assert_eq!(json["parent_key"], keys[0].to_hex());
+    assert_eq!(json["page_keys"][0], branch[1].to_hex());
+    let back: KvEvent = serde_json::from_value(json).unwrap();
+    assert_eq!(back, ev[1]);
+    let mut plain = cache(2, 8);
+    run(&mut plain, &[1, 2], FinishKind::Finished);
+    let json = serde_json::to_value(&plain.take_events()[0]).unwrap();
+    assert!(
+        json.get("page_keys").is_none() && json.get("parent_key").is_none(),
+        "{json}"
+    );
+    // Removals name the keys of the removed pages: every stored page, once.
+    assert_eq!(c.evict(8), 8);
+    let mut removed: Vec<PageKey> = c
+        .take_events()
+        .into_iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockRemoved { page_keys, .. } => page_keys,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    removed.sort();
+    let mut want = vec![keys[0], keys[1], keys[2], branch[1]];
+    want.sort();
+    assert_eq!(removed, want);
+}
+
+#[test]
+fn event_page_keys_are_refused_without_events_or_on_a_used_tree() {
+    let id = KvIdentity::new("m", "l");
+    let err = RadixCache::new(RadixConfig {
+        events: false,
+        event_page_keys: Some(id.clone()),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(matches!(err, CacheError::Config(_)), "{err:?}");
+    let mut t = RadixTree::new(2, PolicyKind::Lru, true).unwrap();
+    let mut replaced = Vec::new();
+    t.insert(
+        KeyRef::new(&[1, 2]),
+        &mut [PageId(0)],
+        &mut replaced,
+        InsertOptions::default(),
+    )
+    .unwrap();
+    let err = t.set_event_page_keys(Some(id)).unwrap_err();
+    assert!(matches!(err, CacheError::Config(_)), "{err:?}");
+    assert!(t.event_page_keys().is_none());
 }
 
 fn insert_leaf(c: &mut RadixCache, t: TokenId, priority: i32) -> NodeId {

@@ -204,6 +204,12 @@ impl ManagerBuilder {
         self
     }
 
+    /// KV events carry the storage tier's page keys (see [`ManagerConfig::event_page_keys`]).
+    pub fn event_page_keys(mut self, on: bool) -> Self {
+        self.cfg.event_page_keys = on;
+        self
+    }
+
     /// The engine's own device backend for the host tier, instead of the built-in one the
     /// configuration names ([`ManagerConfig::backend`]; HostSim by default). Any
     /// [`DeviceBackend`] will do — HostSim, an engine's GPU backend, a wrapper around either.

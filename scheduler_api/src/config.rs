@@ -657,6 +657,12 @@ pub struct ManagerConfig {
     /// [`Counters::kv_events_dropped`](crate::metrics::Counters::kv_events_dropped), and the
     /// router must resync (see [`EventBuffer`](radixkv_radix::EventBuffer)).
     pub event_capacity: usize,
+    /// KV events also carry each page's 256-bit storage key (`page_keys`, `parent_key`): the
+    /// key the storage tier stores the page under, so a router or a peer reading the same store
+    /// can name it (see [the events docs](radixkv_radix::events#page-keys)). Needs `events`
+    /// and a `[cache.storage]` section, whose `model_id` and the KV layout seed the chain.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub event_page_keys: bool,
     /// Output tokens reserved per request at admission are clipped to this (SGLang's
     /// `CLIP_MAX_NEW_TOKENS`): reserving a request's whole `max_new_tokens` starves admission.
     pub reserve_clip_tokens: usize,
@@ -716,6 +722,7 @@ impl Default for ManagerConfig {
             sim_geometry: SimGeometry::default(),
             events: false,
             event_capacity: radixkv_radix::EventBuffer::DEFAULT_CAPACITY,
+            event_page_keys: false,
             reserve_clip_tokens: 4096,
             mamba_policy: None,
         }
@@ -822,6 +829,18 @@ impl ManagerConfig {
         }
         if self.event_capacity == 0 {
             return bad("the KV event buffer must hold at least one event (event_capacity)".into());
+        }
+        if self.event_page_keys {
+            if !self.events {
+                return bad("event_page_keys = true needs events = true".into());
+            }
+            if !matches!(&self.cache, CacheKind::HiCache(h) if h.storage.is_some()) {
+                return bad(
+                    "event_page_keys = true needs a [cache.storage] section: its model_id and \
+                     the KV layout seed the page keys, as the storage tier keys its pages"
+                        .into(),
+                );
+            }
         }
         if let Some(s) = &self.sessions {
             if s.max_held_tokens > self.device_tokens {
@@ -1503,6 +1522,7 @@ mod tests {
             "concurrency",
             "op_timeout_ms",
             "worker_threads",
+            "event_page_keys",
         ];
         let storage: String = EXAMPLE_TOML
             .lines()
@@ -1519,6 +1539,7 @@ mod tests {
         assert_eq!(s.stop, PrefetchStopPolicy::default());
         assert_eq!(s.prefetch_threshold_tokens, 256);
         assert!(matches!(s.backend, StorageBackendKind::File { .. }));
+        assert!(c.event_page_keys);
         let readme = include_str!("../../README.md");
         assert!(
             readme.contains(&format!("```toml\n{EXAMPLE_TOML}```")),

@@ -476,6 +476,8 @@ fn build<B: DeviceBackend>(
         policy: cfg.eviction.0,
         events: cfg.events,
         event_capacity: cfg.event_capacity,
+        // Set by the tiered cache from the storage tier's identity (`Tiered::over`).
+        event_page_keys: None,
         disabled: matches!(cfg.cache, CacheKind::Disabled),
         // The disabled cache keeps no state, so it plans no checkpoints (the baseline policy).
         mamba_slots,

@@ -173,7 +173,7 @@ impl<B: DeviceBackend> Tiered<B> {
     fn over(
         cfg: &ManagerConfig,
         host: &HostTier,
-        radix: RadixConfig,
+        mut radix: RadixConfig,
         device: Arc<B>,
         backend_layers: u32,
         state_bytes: usize,
@@ -183,7 +183,13 @@ impl<B: DeviceBackend> Tiered<B> {
         let page_size = radix.page_size;
         let (storage, keepalive) = match &host.storage {
             Some(s) => {
-                let (c, k) = crate::storage::open(s, &cfg.model, &device.geometry(), store)?;
+                let g = device.geometry();
+                if cfg.event_page_keys {
+                    // The events' keys are the store's: the same identity seeds both chains.
+                    radix.event_page_keys =
+                        Some(crate::storage::identity(&s.model_id, &cfg.model, &g));
+                }
+                let (c, k) = crate::storage::open(s, &cfg.model, &g, store)?;
                 (Some(c), k)
             }
             None if store.is_some() => {

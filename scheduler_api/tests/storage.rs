@@ -2,7 +2,8 @@
 //! prefetched at arrival and hits (waiting for it under `wait_complete`, not under
 //! `best_effort`); an abort while prefetching leaves nothing behind; a store that is down
 //! degrades to recomputation with counters that say so; a store opened from the config (file,
-//! memory) and the engine's own store both serve a restarted manager.
+//! memory) and the engine's own store both serve a restarted manager; KV events can carry the
+//! keys the store holds the pages under.
 
 mod common;
 
@@ -10,6 +11,7 @@ use std::sync::Arc;
 
 use common::{admitted, balanced, step};
 use radixkv_hicache::storage::{FaultConfig, FaultStore, MemStore, StorageBackend};
+use radixkv_radix::{KvEvent, Medium, Namespace};
 use radixkv_scheduler_api::{
     Admission, Admitted, HostTier, KvCacheManager, ManagerError, PrefetchStopPolicy, ReqId,
     Request, StorageBackendKind, StorageTier, WaitReason,
@@ -303,4 +305,88 @@ fn an_engine_store_and_the_config_must_agree() {
         .storage_backend(store)
         .build();
     assert!(matches!(r, Err(ManagerError::Config(_))), "{r:?}");
+}
+
+#[test]
+fn kv_events_carry_the_keys_the_store_holds_its_pages_under() {
+    let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+    let mut kv = KvCacheManager::builder()
+        .page_size(PAGE)
+        .device_tokens(256)
+        .host_tier(tier(
+            StorageBackendKind::Engine,
+            PrefetchStopPolicy::WaitComplete {},
+        ))
+        .storage_backend(store.clone())
+        .events(true)
+        .event_page_keys(true)
+        .build()
+        .unwrap();
+    let t = tokens(3, 64);
+    let tenant = Namespace::new("tenant-b");
+    let mut keys = Vec::new();
+    for ns in [Namespace::DEFAULT, tenant] {
+        let r = kv
+            .arrive(Request::new(t.clone()).namespace(ns).max_new_tokens(1))
+            .unwrap();
+        let (a, _) = admit_after_prefetch(&mut kv, r);
+        prefill_and_finish(&mut kv, r, &a);
+        kv.drain().unwrap();
+        let mut stored = Vec::new();
+        for ev in kv.take_events() {
+            if let KvEvent::BlockStored {
+                page_keys,
+                page_hashes,
+                medium: Medium::Device,
+                ..
+            } = ev
+            {
+                assert_eq!(page_keys.len(), page_hashes.len());
+                stored.extend(page_keys);
+            }
+        }
+        assert_eq!(stored.len(), 16);
+        keys.push(stored);
+    }
+    // Every key an event named is a key the store holds a page under, and the two
+    // namespaces' pages have different keys.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for k in &keys {
+        assert_eq!(rt.block_on(store.exists_prefix(k)).unwrap(), 16);
+    }
+    assert!(keys[0].iter().all(|k| !keys[1].contains(k)));
+    assert_eq!(store.stats().pages, 32);
+    nothing_leaked(&mut kv);
+}
+
+#[test]
+fn event_page_keys_need_events_and_a_storage_tier() {
+    let build = |events: bool, storage: bool| {
+        let mut b = KvCacheManager::builder()
+            .page_size(PAGE)
+            .device_tokens(256)
+            .events(events)
+            .event_page_keys(true);
+        if storage {
+            b = b.host_tier(tier(
+                StorageBackendKind::Memory {
+                    capacity_tokens: None,
+                },
+                PrefetchStopPolicy::BestEffort {},
+            ));
+        } else {
+            b = b.host_tier(HostTier::ratio(256, 4.0));
+        }
+        b.build()
+    };
+    for (events, storage) in [(false, true), (true, false)] {
+        let e = build(events, storage).unwrap_err();
+        assert!(
+            matches!(&e, ManagerError::Config(m) if m.contains("event_page_keys")),
+            "{e:?}"
+        );
+    }
+    assert!(build(true, true).is_ok());
 }

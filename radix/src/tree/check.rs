@@ -84,6 +84,19 @@ impl RadixTree {
                 n.on_device() || n.host.is_some(),
                 "node {k} has neither device nor host KV"
             );
+            if self.event_keys.is_some() {
+                ensure_inv!(
+                    n.page_keys.len() * p == n.key.len()
+                        && n.page_keys.first().is_some_and(|first| {
+                            let parent = &self.nodes[n.parent as usize];
+                            match parent.page_keys.last() {
+                                Some(pk) => pk.next(&n.key[..p]) == *first,
+                                None => n.parent == self.root,
+                            }
+                        }),
+                    "node {k}: event page keys do not chain from its parent"
+                );
+            }
             let parent = &self.nodes[n.parent as usize];
             ensure_inv!(
                 !n.on_device() || n.parent == self.root || parent.on_device(),

@@ -243,7 +243,8 @@ fn events_report_store_remove_and_clear() {
         vec![KvEvent::BlockRemoved {
             page_hashes: h2.clone(),
             namespace: Namespace::DEFAULT,
-            medium: Medium::Device
+            medium: Medium::Device,
+            page_keys: vec![],
         }]
     );
     t.reset(&mut out).unwrap();

@@ -437,6 +437,7 @@ impl RadixTree {
                 .unwrap_or_else(|| namespace_seed(key.namespace));
             chain_hashes(seed, seg, p, &mut page_hashes);
         }
+        let page_keys = self.chain_page_keys(node, key.namespace, seg);
         let node_key = self.bufs.tokens(seg);
         let idx = self.alloc_node(Node {
             parent: node,
@@ -456,6 +457,7 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes,
+            page_keys,
         });
         self.add_child(node, idx);
         self.emit_stored(idx, Medium::Host);

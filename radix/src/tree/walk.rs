@@ -105,6 +105,12 @@ impl RadixTree {
             let tail = c.page_hashes.split_off(pages_at);
             std::mem::replace(&mut c.page_hashes, tail)
         };
+        let head_keys = if c.page_keys.is_empty() {
+            Vec::new()
+        } else {
+            let tail = c.page_keys.split_off(pages_at);
+            std::mem::replace(&mut c.page_keys, tail)
+        };
         let parent = c.parent;
         let mid_node = Node {
             parent,
@@ -119,6 +125,7 @@ impl RadixTree {
             meta: c.meta,
             leaf: None,
             page_hashes: head_hashes,
+            page_keys: head_keys,
         };
         let mid = self.alloc_node(mid_node);
         if let Some(w) = self.swa.as_deref_mut() {
@@ -311,6 +318,7 @@ impl RadixTree {
             page_hashes.reserve_exact(pages.len());
             chain_hashes(seed, tokens, p, &mut page_hashes);
         }
+        let page_keys = self.chain_page_keys(parent, ns, tokens);
         let key = self.bufs.tokens(tokens);
         let node_pages = self.bufs.pages(pages);
         let idx = self.alloc_node(Node {
@@ -331,6 +339,7 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes,
+            page_keys,
         });
         self.add_child(parent, idx);
         self.on_device_added(idx, tokens.len());
@@ -356,14 +365,16 @@ impl RadixTree {
             return;
         }
         let n = &self.nodes[idx as usize];
-        let parent_hash = self.nodes[n.parent as usize].page_hashes.last().copied();
+        let parent = &self.nodes[n.parent as usize];
         let ev = KvEvent::BlockStored {
             page_hashes: n.page_hashes.clone(),
-            parent_hash,
+            parent_hash: parent.page_hashes.last().copied(),
             token_ids: n.key.clone(),
             page_size: self.page_size,
             namespace: n.namespace.clone(),
             medium,
+            page_keys: n.page_keys.clone(),
+            parent_key: parent.page_keys.last().copied(),
         };
         self.push_event(ev);
     }
@@ -379,6 +390,7 @@ impl RadixTree {
             page_hashes: n.page_hashes.clone(),
             namespace: n.namespace.clone(),
             medium,
+            page_keys: n.page_keys.clone(),
         };
         self.push_event(ev);
     }
