@@ -8,9 +8,11 @@
 //! pages' bytes). The summary at the end prints median-based ratios to the plain file from
 //! interleaved rounds, so both sides see the same load on a shared machine.
 //!
-//! Each timed write makes new files on both sides — the pages' files are deleted, and the
-//! plain file removed, untimed before each round — because the tier backs up only the pages a
-//! store lacks; puts hand their batch over (`put_owned`), as the tier's backups do. Reads find
+//! Each timed write stores new pages on both sides — the pages are deleted from the store, and
+//! the plain file removed, untimed before each round — because the tier backs up only the pages
+//! a store lacks; puts hand their batch over (`put_owned`), as the tier's backups do. The file
+//! store appends them to its segment files and, once at its cap, evicts whole segments within
+//! the timed put. Reads find
 //! the files in the page cache on both sides. The files live in the system temporary
 //! directory, written without `fsync` on both sides (the file store's default
 //! [`FileSync::Never`]). The Redis group runs when
@@ -38,6 +40,10 @@ const PAGE_SIZE: usize = 16;
 const BYTES_PER_TOKEN_LAYER: usize = 2 * 8 * 128 * 2;
 const BATCHES: [usize; 3] = [1, 32, 128];
 const ROUNDS: usize = 11;
+/// The file store's cap: the bench writes tens of gigabytes, and a store's deletes only mark
+/// pages dead, so the cap (16 segments of 256 MiB) is what bounds the disk it takes. Puts on
+/// the full store include evicting its least recently used segments, as they would in service.
+const FILE_CAP_BYTES: u64 = 4 << 30;
 
 /// `n` encoded pages of one key chain, with seeded random KV.
 fn pages(n: usize) -> Vec<(PageKey, Vec<u8>)> {
@@ -266,7 +272,9 @@ fn main() {
     let dir = TempDir::new("store");
     let file = rt
         .block_on(FileStore::open(
-            FileStoreConfig::new(&dir.0).with_sync(FileSync::Never),
+            FileStoreConfig::new(&dir.0)
+                .with_sync(FileSync::Never)
+                .with_cap(FILE_CAP_BYTES),
         ))
         .expect("opens the file store");
     group(&mut c, "storage_file", &rt, &file, &all);

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use radixkv_hicache::storage::{
     FaultConfig, FaultCounts, FaultStore, FileStore, FileStoreConfig, FileSync, MemStore,
-    PageFormat, StorageBackend, StoreError,
+    PageFormat, RECORD_HEADER_BYTES, StorageBackend, StoreError,
 };
 use radixkv_radix::PageKey;
 use storage_suite::{Suite, conformance, conformance_cap, page_format, pattern};
@@ -99,22 +99,43 @@ async fn fault_store_without_faults_conforms() {
 
 // ---- FileStore ----
 
+/// The segment files in `dir`, by name.
+fn segments(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    out.sort();
+    out
+}
+
 #[tokio::test]
-async fn file_store_lays_pages_out_by_hex_key_in_fanout_directories() {
+async fn file_store_appends_a_batch_to_one_segment_file() {
     let dir = TempDir::new("layout");
     let store = FileStore::open(dir.config()).await.unwrap();
-    let k = key(1);
-    store.put(&[(k, b"page".to_vec())]).await.unwrap();
-    let hex = k.to_hex();
-    let path = dir.0.join(&hex[..2]).join(&hex);
-    assert_eq!(store.page_path(&k), path);
-    assert_eq!(fs::read(&path).unwrap(), b"page");
-    // Nothing but the page is left in its directory (no temporary file).
-    let names: Vec<_> = fs::read_dir(dir.0.join(&hex[..2]))
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
+    let pages: Vec<(PageKey, Vec<u8>)> = (0..3)
+        .map(|i| (key(i), pattern(i, 100 + i as usize)))
         .collect();
-    assert_eq!(names, [std::ffi::OsString::from(&hex)]);
+    assert_eq!(store.put(&pages).await.unwrap(), [true; 3]);
+    let segs = segments(&dir.0);
+    assert_eq!(segs.len(), 1, "one segment: {segs:?}");
+    let bytes = fs::read(&segs[0]).unwrap();
+    let mut at = RECORD_HEADER_BYTES;
+    for (k, page) in &pages {
+        let (path, off, len) = store.page_location(k).unwrap();
+        assert_eq!((&path, off, len), (&segs[0], at, page.len() as u64));
+        assert_eq!(&bytes[off as usize..(off + len) as usize], &page[..]);
+        at += len + RECORD_HEADER_BYTES;
+    }
+    assert_eq!(
+        bytes.len() as u64,
+        at - RECORD_HEADER_BYTES,
+        "nothing but the records"
+    );
+    // Nothing but the segment is in the directory.
+    assert_eq!(fs::read_dir(&dir.0).unwrap().count(), 1);
+    assert_eq!(store.page_location(&key(9)), None);
 }
 
 #[tokio::test]
@@ -145,59 +166,53 @@ async fn file_store_survives_a_restart_with_its_pages_and_byte_count() {
 }
 
 #[tokio::test]
-async fn file_store_open_removes_temp_files_and_ignores_foreign_ones() {
-    let dir = TempDir::new("temp");
+async fn file_store_ignores_and_keeps_foreign_files() {
+    let dir = TempDir::new("foreign");
     {
         let store = FileStore::open(dir.config()).await.unwrap();
         store.put(&[(key(1), vec![1; 10])]).await.unwrap();
     }
-    let hex = key(1).to_hex();
-    let sub = dir.0.join(&hex[..2]);
-    // A crashed writer's leftovers, a foreign file, a file in a non-fanout directory, and a
-    // page name in the wrong fan-out directory.
-    fs::write(sub.join(format!(".tmp.{hex}.1.2.3")), b"half a pa").unwrap();
-    fs::write(sub.join(".tmp.x"), b"").unwrap();
-    fs::write(sub.join("notes.txt"), b"keep me").unwrap();
-    fs::create_dir_all(dir.0.join("other")).unwrap();
-    fs::write(dir.0.join("other").join(&hex), b"keep me too").unwrap();
-    let other = key(2).to_hex();
-    let wrong = if &other[..2] == "00" { "01" } else { "00" };
-    fs::create_dir_all(dir.0.join(wrong)).unwrap();
-    fs::write(dir.0.join(wrong).join(&other), b"misplaced").unwrap();
+    // A foreign file, a file in a directory, a page file of the old one-file-per-page
+    // layout, a directory and a file with the segment suffix that is not a segment name.
+    let hex = key(2).to_hex();
+    fs::write(dir.0.join("notes.txt"), b"keep me").unwrap();
+    fs::create_dir_all(dir.0.join(&hex[..2])).unwrap();
+    fs::write(dir.0.join(&hex[..2]).join(&hex), b"old layout").unwrap();
+    fs::create_dir_all(dir.0.join("0000000000000000-00000000-00000000.seg")).unwrap();
+    fs::write(dir.0.join("Not A Segment.seg"), b"garbage").unwrap();
 
     let store = FileStore::open(dir.config()).await.unwrap();
-    let mut names: Vec<_> = fs::read_dir(&sub)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
-    let mut want = vec![hex.clone(), "notes.txt".to_owned()];
-    want.sort();
-    assert_eq!(names, want, "temporary files are gone, the rest stays");
     let s = store.stats();
     assert_eq!((s.pages, s.bytes), (1, 10), "only the page counts");
-    assert!(dir.0.join("other").join(&hex).exists());
-    assert_eq!(store.get(&[key(2)]).await.unwrap(), [None]);
+    assert_eq!(
+        store.get(&[key(2), key(1)]).await.unwrap(),
+        [None, Some(vec![1; 10])]
+    );
+    assert_eq!(fs::read(dir.0.join("notes.txt")).unwrap(), b"keep me");
+    assert!(dir.0.join(&hex[..2]).join(&hex).exists());
+    assert!(dir.0.join("Not A Segment.seg").exists());
 }
 
-/// Sets the modification time of a page's file.
+/// Sets the modification time of the segment holding a page.
 fn set_mtime(store: &FileStore, k: &PageKey, secs: u64) {
     let f = fs::File::options()
         .write(true)
-        .open(store.page_path(k))
+        .open(store.page_location(k).unwrap().0)
         .unwrap();
     f.set_modified(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
         .unwrap();
 }
 
 #[tokio::test]
-async fn file_store_cap_holds_across_restarts_oldest_files_first() {
+async fn file_store_cap_holds_across_restarts_oldest_segments_first() {
     let dir = TempDir::new("cap-restart");
     {
         let store = FileStore::open(dir.config().with_cap(4000)).await.unwrap();
         let pages: Vec<(PageKey, Vec<u8>)> = (0..4).map(|i| (key(i), pattern(i, 1000))).collect();
         assert_eq!(store.put(&pages).await.unwrap(), [true; 4]);
-        // Make the age order explicit: page 2 oldest, then 0, 3, 1.
+        // One page per segment (a segment is at most cap / 16 bytes). Make the age order
+        // explicit: page 2 oldest, then 0, 3, 1.
+        assert_eq!(segments(&dir.0).len(), 4);
         for (i, t) in [(2, 100), (0, 200), (3, 300), (1, 400)] {
             set_mtime(&store, &key(i), t);
         }
@@ -218,13 +233,12 @@ async fn file_store_cap_holds_across_restarts_oldest_files_first() {
     assert_eq!(store.put(&more).await.unwrap(), [true; 3]);
     let s = store.stats();
     assert_eq!((s.pages, s.bytes, s.evicted_pages), (4, 4000, 1));
-    // The files on disk agree with the count.
-    let on_disk: u64 = fs::read_dir(&dir.0)
-        .unwrap()
-        .flat_map(|d| fs::read_dir(d.unwrap().path()).unwrap())
-        .map(|f| f.unwrap().metadata().unwrap().len())
+    // The files on disk agree with the count: four records, each a header and its page.
+    let on_disk: u64 = segments(&dir.0)
+        .iter()
+        .map(|p| p.metadata().unwrap().len())
         .sum();
-    assert_eq!(on_disk, 4000);
+    assert_eq!(on_disk, 4000 + 4 * RECORD_HEADER_BYTES);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,10 +251,30 @@ async fn two_file_stores_share_a_directory() {
     assert_eq!(b.exists_prefix(&[key(1)]).await.unwrap(), 1);
     assert_eq!(b.get(&[key(1)]).await.unwrap(), [Some(pattern(1, 500))]);
     assert_eq!((b.stats().pages, b.stats().bytes), (1, 500));
-    // A page one deletes is a miss for the other, which forgets it.
-    b.delete(&[key(1)]).await.unwrap();
+    // A page one deletes is still served whole by the other until a miss of the other
+    // rescans the directory and finds the tombstone; then it is a miss there too.
+    assert_eq!(b.delete(&[key(1)]).await.unwrap(), 1);
+    assert_eq!(b.get(&[key(1)]).await.unwrap(), [None]);
+    assert_eq!(a.get(&[key(1)]).await.unwrap(), [Some(pattern(1, 500))]);
+    assert_eq!(a.exists_prefix(&[key(2)]).await.unwrap(), 0);
     assert_eq!(a.get(&[key(1)]).await.unwrap(), [None]);
     assert_eq!((a.stats().pages, a.stats().bytes), (0, 0));
+    // A third store opened now finds neither.
+    let c = FileStore::open(dir.config()).await.unwrap();
+    assert_eq!((c.stats().pages, c.stats().bytes), (0, 0));
+    // Each store appends only to its own segments.
+    a.put(&[(key(3), pattern(3, 10))]).await.unwrap();
+    b.put(&[(key(4), pattern(4, 10))]).await.unwrap();
+    let (pa, pb) = (
+        a.page_location(&key(3)).unwrap().0,
+        b.page_location(&key(4)).unwrap().0,
+    );
+    assert_ne!(pa, pb);
+    assert_eq!(
+        c.get(&[key(3), key(4)]).await.unwrap(),
+        [Some(pattern(3, 10)), Some(pattern(4, 10))]
+    );
+    assert_eq!(c.page_location(&key(3)).unwrap().0, pa);
 
     // Both rewrite the same keys with whole encoded pages while both read them: every page
     // read is a whole page that decodes, never a mix.
@@ -274,18 +308,13 @@ async fn two_file_stores_share_a_directory() {
     for t in tasks {
         t.await.unwrap();
     }
-    let leftovers = fs::read_dir(&dir.0)
-        .unwrap()
-        .flat_map(|d| fs::read_dir(d.unwrap().path()).unwrap())
-        .filter(|f| {
-            f.as_ref()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-                .starts_with(".tmp.")
-        })
-        .count();
-    assert_eq!(leftovers, 0, "no temporary file is left behind");
+    // Both stores find the pages after the race, whole.
+    for store in [&a, &b] {
+        assert_eq!(store.exists_prefix(&keys).await.unwrap(), 8);
+        for (k, got) in keys.iter().zip(store.get(&keys).await.unwrap()) {
+            fmt.decode(k, &got.expect("stored")).expect("a whole page");
+        }
+    }
 }
 
 #[tokio::test]
@@ -324,24 +353,239 @@ fn file_store_outside_a_runtime_is_a_config_error() {
 #[tokio::test]
 async fn file_store_io_failures_are_io_errors_and_counted() {
     let dir = TempDir::new("io");
-    let store = FileStore::open(dir.config()).await.unwrap();
-    // A directory where a page's file should be: reading and deleting it fail.
-    fs::create_dir_all(store.page_path(&key(1))).unwrap();
+    // Segments of 100 bytes: every 200-byte page starts a segment, and so does a tombstone.
+    let store = FileStore::open(dir.config().with_segment_bytes(100))
+        .await
+        .unwrap();
+    store.put(&[(key(1), vec![1; 200])]).await.unwrap();
+    // A directory where the page's segment should be: reading it fails.
+    let seg = store.page_location(&key(1)).unwrap().0;
+    fs::remove_file(&seg).unwrap();
+    fs::create_dir_all(&seg).unwrap();
     assert!(matches!(store.get(&[key(1)]).await, Err(StoreError::Io(_))));
+    // A file where the store's directory should be: no new segment can be made.
+    fs::remove_dir_all(&dir.0).unwrap();
+    fs::write(&dir.0, b"x").unwrap();
+    assert!(matches!(
+        store.put(&[(key(2), vec![2; 200])]).await,
+        Err(StoreError::Io(_))
+    ));
     assert!(matches!(
         store.delete(&[key(1)]).await,
         Err(StoreError::Io(_))
     ));
+    assert_eq!(store.stats().errors, 3);
+    // The failed put and delete changed nothing; a miss, which lists the directory again,
+    // fails too.
+    assert_eq!(store.exists_prefix(&[key(1)]).await.unwrap(), 1);
     assert!(matches!(
-        store.put(&[(key(1), vec![1])]).await,
+        store.exists_prefix(&[key(1), key(2)]).await,
         Err(StoreError::Io(_))
     ));
-    // Not a page: no prefix.
-    assert_eq!(store.exists_prefix(&[key(1)]).await.unwrap(), 0);
-    assert_eq!(store.stats().errors, 3);
-    // No temporary file is left by the failed put.
-    let sub = store.page_path(&key(1)).parent().unwrap().to_owned();
-    assert_eq!(fs::read_dir(sub).unwrap().count(), 1);
+    assert_eq!(store.stats().errors, 4);
+    assert_eq!((store.stats().pages, store.stats().bytes), (1, 200));
+    fs::remove_file(&dir.0).unwrap();
+}
+
+// ---- FileStore: segments, torn tails, damage, eviction ----
+
+#[tokio::test]
+async fn file_store_restart_skips_a_torn_tail_and_keeps_writing() {
+    let dir = TempDir::new("torn");
+    let pages: Vec<(PageKey, Vec<u8>)> = (0..4).map(|i| (key(i), pattern(i, 1000))).collect();
+    let seg = {
+        let store = FileStore::open(dir.config()).await.unwrap();
+        store.put(&pages).await.unwrap();
+        store.page_location(&key(0)).unwrap().0
+    };
+    let full = fs::metadata(&seg).unwrap().len();
+    assert_eq!(full, 4 * (1000 + RECORD_HEADER_BYTES));
+    // Cut the last record short (a process killed mid-write), and at the last header.
+    for (cut, found) in [
+        (full - 1, 3),
+        (full - 1000 - 3, 3),
+        (3 * (1000 + RECORD_HEADER_BYTES) + 5, 3),
+    ] {
+        let f = fs::File::options().write(true).open(&seg).unwrap();
+        f.set_len(cut).unwrap();
+        drop(f);
+        let store = FileStore::open(dir.config()).await.unwrap();
+        assert_eq!(store.stats().pages, found, "cut at {cut}");
+        let got = store.get(&[key(0), key(1), key(2), key(3)]).await.unwrap();
+        assert_eq!(
+            got[..3],
+            [
+                Some(pages[0].1.clone()),
+                Some(pages[1].1.clone()),
+                Some(pages[2].1.clone())
+            ]
+        );
+        assert_eq!(got[3], None, "a torn record is a miss");
+    }
+    // Garbage after the last whole record (zeros of a lost write, random bytes).
+    let mut f = fs::File::options().append(true).open(&seg).unwrap();
+    std::io::Write::write_all(&mut f, &[0u8; 100]).unwrap();
+    std::io::Write::write_all(&mut f, &pattern(9, 300)).unwrap();
+    drop(f);
+    let store = FileStore::open(dir.config()).await.unwrap();
+    assert_eq!(store.stats().pages, 3);
+    // The store writes on into a segment of its own; a restart finds everything.
+    assert_eq!(
+        store.put(&[(key(3), pages[3].1.clone())]).await.unwrap(),
+        [true]
+    );
+    assert_ne!(store.page_location(&key(3)).unwrap().0, seg);
+    drop(store);
+    let store = FileStore::open(dir.config()).await.unwrap();
+    let keys: Vec<PageKey> = (0..4).map(key).collect();
+    let got = store.get(&keys).await.unwrap();
+    assert!(
+        got.iter()
+            .zip(&pages)
+            .all(|(g, (_, p))| g.as_ref() == Some(p))
+    );
+}
+
+#[tokio::test]
+async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
+    let dir = TempDir::new("damage");
+    let store = FileStore::open(dir.config()).await.unwrap();
+    let pages: Vec<(PageKey, Vec<u8>)> = (0..3).map(|i| (key(i), pattern(i, 500))).collect();
+    store.put(&pages).await.unwrap();
+    // One payload byte of page 1 flipped on disk.
+    let (path, off, _) = store.page_location(&key(1)).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[off as usize + 250] ^= 0x10;
+    fs::write(&path, &bytes).unwrap();
+    let got = store.get(&[key(0), key(1), key(2)]).await.unwrap();
+    assert_eq!(
+        got,
+        [Some(pages[0].1.clone()), None, Some(pages[2].1.clone())]
+    );
+    let s = store.stats();
+    assert_eq!(
+        (s.damaged_pages, s.pages, s.bytes, s.get_hits),
+        (1, 2, 1000, 2)
+    );
+    assert_eq!(store.exists_prefix(&[key(0), key(1)]).await.unwrap(), 1);
+    // Written again, it is whole.
+    store.put(&[pages[1].clone()]).await.unwrap();
+    assert_eq!(
+        store.get(&[key(1)]).await.unwrap(),
+        [Some(pages[1].1.clone())]
+    );
+}
+
+#[tokio::test]
+async fn file_store_evicts_whole_segments_least_recently_used_first() {
+    let dir = TempDir::new("evict");
+    // Segments of two 300-byte pages (2 × 372 bytes); a cap of eight pages.
+    let store = FileStore::open(dir.config().with_segment_bytes(800).with_cap(2400))
+        .await
+        .unwrap();
+    let page = |i: u64| (key(i), pattern(i, 300));
+    // Four segments: {0, 1}, {2, 3}, {4, 5}, {6, 7}.
+    for i in (0..8).step_by(2) {
+        assert_eq!(store.put(&[page(i), page(i + 1)]).await.unwrap(), [true; 2]);
+    }
+    assert_eq!(segments(&dir.0).len(), 4);
+    assert_eq!(store.stats().evicted_pages, 0);
+    // Use page 1: its segment {0, 1} is now the most recently used but for the newest.
+    store.get(&[key(1)]).await.unwrap();
+    // Two more pages: the segment {2, 3} goes, whole.
+    store.put(&[page(8), page(9)]).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.pages, s.bytes, s.evicted_pages), (8, 2400, 2));
+    let keys: Vec<PageKey> = (0..10).map(key).collect();
+    let present: Vec<bool> = store
+        .get(&keys)
+        .await
+        .unwrap()
+        .iter()
+        .map(Option::is_some)
+        .collect();
+    assert_eq!(
+        present,
+        [true, true, false, false, true, true, true, true, true, true]
+    );
+    assert_eq!(segments(&dir.0).len(), 4);
+    // A replaced page's old bytes count until their segment goes: rewriting page 9 takes the
+    // store over its cap, and the least recently used segment ({0, 1}, read before {4, 5}
+    // by the get above) goes.
+    store.put(&[page(9)]).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.pages, s.evicted_pages), (6, 4));
+    assert!(s.bytes <= 2400);
+    let present: Vec<bool> = store
+        .get(&keys)
+        .await
+        .unwrap()
+        .iter()
+        .map(Option::is_some)
+        .collect();
+    assert_eq!(
+        present,
+        [
+            false, false, false, false, true, true, true, true, true, true
+        ]
+    );
+}
+
+#[tokio::test]
+async fn file_store_a_delete_outlives_the_eviction_of_its_tombstone() {
+    let dir = TempDir::new("tombstone");
+    let config = dir.config().with_segment_bytes(800).with_cap(1200);
+    let page = |i: u64| (key(i), pattern(i, 300));
+    {
+        let store = FileStore::open(config.clone()).await.unwrap();
+        store.put(&[page(1), page(3)]).await.unwrap(); // segment A: 1, 3
+        assert_eq!(store.delete(&[key(1)]).await.unwrap(), 1); // segment C: tombstone of 1
+        store.put(&[page(6)]).await.unwrap(); // C: tombstone of 1, 6
+        store.get(&[key(3)]).await.unwrap(); // A is used after C
+        // Segment D: 7, 8. Over the cap: C, the least recently used, goes (with page 6);
+        // A, which still holds page 1's old record, stays.
+        store.put(&[page(7), page(8)]).await.unwrap();
+        let s = store.stats();
+        assert_eq!((s.pages, s.evicted_pages), (3, 1));
+        assert_eq!(store.get(&[key(1), key(6)]).await.unwrap(), [None, None]);
+    }
+    // After a restart page 1 is still deleted: its tombstone was written again.
+    let store = FileStore::open(config).await.unwrap();
+    let got = store
+        .get(&[key(1), key(3), key(6), key(7), key(8)])
+        .await
+        .unwrap();
+    let present: Vec<bool> = got.iter().map(Option::is_some).collect();
+    assert_eq!(present, [false, true, false, true, true]);
+}
+
+#[tokio::test]
+async fn file_store_restart_keeps_the_newest_record_of_a_key() {
+    let dir = TempDir::new("newest");
+    {
+        let store = FileStore::open(dir.config().with_segment_bytes(500))
+            .await
+            .unwrap();
+        // Several segments; key 1 written three times, key 2 deleted and written again.
+        store
+            .put(&[(key(1), pattern(1, 300)), (key(2), pattern(2, 300))])
+            .await
+            .unwrap();
+        store.put(&[(key(1), pattern(10, 200))]).await.unwrap();
+        store.delete(&[key(2)]).await.unwrap();
+        store
+            .put(&[(key(1), pattern(11, 100)), (key(2), pattern(12, 50))])
+            .await
+            .unwrap();
+        assert!(segments(&dir.0).len() > 2);
+    }
+    let store = FileStore::open(dir.config()).await.unwrap();
+    assert_eq!(
+        store.get(&[key(1), key(2)]).await.unwrap(),
+        [Some(pattern(11, 100)), Some(pattern(12, 50))]
+    );
+    let s = store.stats();
+    assert_eq!((s.pages, s.bytes), (2, 150));
 }
 
 // ---- FaultStore ----

@@ -1,55 +1,91 @@
-//! [`FileStore`]: the default store, a directory of page files.
+//! [`FileStore`]: the default store, a directory of append-only segment files.
 //!
 //! # Layout
-//! A page stored under key `k` is the file `<dir>/<first two hex digits of k>/<k in hex>` (64
-//! lower-case hex digits), holding exactly the bytes given to `put`. The 256 fan-out
-//! directories keep every directory listable when the store holds hundreds of thousands of
-//! pages. Files in flight are named `.tmp.*` in the same fan-out directory; anything else in
-//! the tree is ignored (never counted, never deleted).
+//! A store keeps its pages in *segments*: files named `<16 hex>-<8 hex>-<8 hex>.seg` (the
+//! creating process's clock, id and a counter, so names never repeat) directly in its
+//! directory. A segment is a log of records, each a 72-byte header — magic `RKVR`, kind (page
+//! or tombstone), a write stamp, the key, the payload length, an XXH3-64 of the payload and an
+//! XXH3-64 of the header's first 64 bytes — followed by the payload, exactly the bytes given
+//! to `put` ([`RECORD_HEADER_BYTES`]). Anything else in the directory is ignored (never
+//! counted, never deleted), including the one-file-per-page layout of earlier versions.
+//!
+//! A batch `put` appends its pages to the store's current segment with one vectored write per
+//! segment it touches (a new segment is started when the next record would take the current
+//! one past [`FileStoreConfig::segment_bytes`]; a record larger than that gets a segment of its
+//! own). A `get` reads each page with one positioned read and checks its XXH3 before returning
+//! it. The store keeps an in-memory index, key → (segment, offset, length, checksum, stamp),
+//! rebuilt at open by reading every segment's record headers (not the payloads).
 //!
 //! # Writes, crashes and durability
-//! A page is written to a fresh temporary file beside its final name and then renamed over
-//! it. A rename is atomic, so a reader sees the old page, the new page or no page, and a
-//! process that dies mid-write leaves only a temporary file, which the next
-//! [`FileStore::open`] removes. How much reaches the disk before a power loss is the
-//! [`FileSync`] policy; the default, [`FileSync::Never`], does not call `fsync`: a power loss
-//! may then leave a renamed page short or empty, and the stored page's checksum (see
-//! [`super::PageFormat`]) turns that into a miss, never into wrong KV.
+//! Records are never changed once written, and a store appends only to segments it created,
+//! one batch at a time. A process that dies mid-write leaves a torn tail: a header that does
+//! not check, or a record longer than the file. Reading a segment stops there, so a torn
+//! record is never indexed (the bytes stay until the segment is evicted; nobody appends to it
+//! again). A page whose bytes were damaged on disk after its header checked fails its XXH3 at
+//! `get`: a miss, counted in [`StoreStats::damaged_pages`] and dropped from the index —
+//! never wrong bytes. A failed write is cut off again (the segment is truncated back to where
+//! the batch began).
+//!
+//! How much reaches the disk before `put` reports a page stored is the [`FileSync`] policy,
+//! applied once per batch rather than once per page: [`FileSync::Never`] (the default) calls
+//! no `fsync`; [`FileSync::Pages`] syncs the data of every segment the batch wrote;
+//! [`FileSync::PagesAndDirs`] also syncs the directory after a batch that started a segment.
+//! Deletes (tombstones) follow the same policy.
+//!
+//! # Replacing and deleting
+//! A `put` of a stored key appends a new record; the index moves to it and the old record
+//! becomes dead bytes. A `delete` appends a tombstone record and drops the key from the index.
+//! Records carry a stamp (nanoseconds since the epoch, increasing within a process), and when
+//! the index is rebuilt the newest record of a key wins, so a deleted page stays deleted after
+//! a restart. When the segment holding a tombstone is evicted while an older segment remains,
+//! the tombstone is appended again to the current segment. Dead bytes are reclaimed only when
+//! their segment is evicted.
 //!
 //! # Size cap and eviction
-//! With a cap, the store keeps an in-memory index of its pages (size and last use) and, after
-//! each write, deletes the least recently used pages until it is under the cap again (a page
-//! larger than the cap is refused). The index is rebuilt at open by scanning the directory,
-//! oldest file (by modification time) first, so a restarted store finds its pages, their byte
-//! count and a sensible eviction order; a store opened with a smaller cap than the directory
-//! holds evicts down to it at open.
+//! The cap counts the payload bytes of every page record in the store's segments, live or dead
+//! (a replaced or deleted page counts until its segment goes); record headers (72 bytes a page)
+//! and tombstones are not counted, so the files exceed the cap by that much at most. With a
+//! cap, segments are by default at most a sixteenth of it, and after each batch the store deletes whole
+//! segments, least recently used first, until it is under the cap again: a segment's last use
+//! is the last `put` into it or `get` from it. The segment being appended to is never evicted,
+//! so the newest page always stays; a page larger than the cap is refused. Hot pages of an
+//! evicted segment are not copied forward: a hot page keeps its whole segment alive, and the
+//! storage tier backs up again any page the host tier holds and the store lacks. At open, the
+//! segments' modification times give the initial order (oldest first), and a store opened with
+//! a smaller cap than the directory holds evicts down to it.
 //!
 //! # Sharing a directory
-//! Several stores (processes, servers) may share one directory: every page appears by rename,
-//! so none ever reads a half-written page. Each store indexes the pages it opened with, wrote
-//! or read, and enforces its cap over those; a page another store deleted is a miss (and
-//! leaves this store's index once seen missing), and a page another store wrote is found by
-//! `get` and `exists_prefix`. A store alone in its directory keeps its index exactly in step
-//! with the files, whatever its batches race (renames, deletes and evictions run under the
-//! index's lock). A store opening the directory removes temporary files, including one
-//! another store is writing at that instant: that page is then reported as not stored.
+//! Several stores (processes, servers) may share one directory. Each appends only to its own
+//! segments, so none ever reads a half-written record. A store's index holds the pages of the
+//! segments it found at open and of its own writes; on a miss (`get` or `exists_prefix` of a
+//! key it does not know) it lists the directory again, reads the segments it has not seen and
+//! the records appended to known ones since, and drops the segments that are gone. So a page
+//! another store wrote is found by `get` and `exists_prefix`; a page another store deleted or
+//! evicted is still served (whole and correct) until this store's next miss triggers that
+//! rescan, or, for an evicted segment, until a read finds the file gone. Each store enforces
+//! its cap over the segments it knows, and may evict a segment another store is still
+//! appending to: the writer's pages in it then stay readable to the writer only (through its
+//! open file) until it starts its next segment. A store alone in its directory has an index
+//! that matches its segments exactly.
 //!
 //! # Threads
 //! Every operation is one blocking job on tokio's blocking pool
 //! ([`tokio::task::spawn_blocking`]) per batch, so the thread polling the future never waits
 //! for the disk. The store therefore needs a tokio runtime; polled outside one, an operation
 //! fails with [`StoreError::Config`]. A future dropped before it completes (a deadline above)
-//! lets its job finish in the background; the job keeps the index right either way.
+//! lets its job finish in the background; the job keeps the index right either way. Puts and
+//! deletes of one store append one batch at a time; gets read outside every lock.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File};
-use std::io::{self, Write};
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, IoSlice, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use radixkv_radix::PageKey;
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::backend::{Counters, StorageBackend, StoreError, StoreFuture, StoreStats};
 
@@ -58,18 +94,26 @@ use super::backend::{Counters, StorageBackend, StoreError, StoreFuture, StoreSta
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum FileSync {
-    /// No `fsync`: a crashed process never leaves a half page under a key (rename is atomic),
-    /// but after a power loss a page may read back short or empty, which the page checksum
-    /// turns into a miss. The fastest; right for a cache.
+    /// No `fsync`: a crashed process leaves at most a torn record at a segment's end, which
+    /// is never indexed; after a power loss a record may read back damaged, which its
+    /// checksum turns into a miss. The fastest; right for a cache.
     #[default]
     Never,
-    /// Each page's data is synced before its rename: after a power loss a page under a key
-    /// is whole, though the rename itself may be lost (the page is then simply absent).
+    /// The data of every segment a batch wrote is synced before the batch is reported stored
+    /// (one `fdatasync` per segment per batch): after a power loss its pages are whole, though
+    /// a segment the batch started may be lost with its directory entry (its pages are then
+    /// simply absent).
     Pages,
-    /// As `Pages`, and each fan-out directory a batch renamed into (and the store's
-    /// directory) is synced after the batch: a page reported stored survives a power loss.
+    /// As `Pages`, and the store's directory is synced after a batch that started a segment:
+    /// a page reported stored survives a power loss.
     PagesAndDirs,
 }
+
+/// The most bytes of one segment file unless configured ([`FileStoreConfig::segment_bytes`]).
+pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
+
+/// Bytes of the header before each record's payload in a segment.
+pub const RECORD_HEADER_BYTES: u64 = 72;
 
 /// Where a [`FileStore`] keeps its pages and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,15 +124,20 @@ pub struct FileStoreConfig {
     pub cap_bytes: Option<u64>,
     /// The durability policy.
     pub sync: FileSync,
+    /// Most bytes of one segment file (a record larger than this gets a segment of its own).
+    /// `None`: [`DEFAULT_SEGMENT_BYTES`], or a sixteenth of the cap if that is smaller (so an
+    /// eviction frees a sixteenth of the store at most). Must not be 0.
+    pub segment_bytes: Option<u64>,
 }
 
 impl FileStoreConfig {
-    /// A store in `dir` without a cap and with the default [`FileSync`].
+    /// A store in `dir` without a cap, with the default [`FileSync`] and segment size.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         FileStoreConfig {
             dir: dir.into(),
             cap_bytes: None,
             sync: FileSync::default(),
+            segment_bytes: None,
         }
     }
 
@@ -103,75 +152,274 @@ impl FileStoreConfig {
         self.sync = sync;
         self
     }
+
+    /// The same with segments of at most `segment_bytes` bytes, whatever the cap.
+    pub fn with_segment_bytes(mut self, segment_bytes: u64) -> Self {
+        self.segment_bytes = Some(segment_bytes);
+        self
+    }
 }
 
-/// The prefix of temporary files' names.
-const TEMP_PREFIX: &str = ".tmp.";
+const RECORD_MAGIC: [u8; 4] = *b"RKVR";
+const KIND_PAGE: u32 = 1;
+const KIND_TOMB: u32 = 2;
+const HEADER: usize = RECORD_HEADER_BYTES as usize;
+const SEGMENT_SUFFIX: &str = ".seg";
+/// With a cap and no configured segment size, segments are at most this fraction of it (the
+/// eviction granularity).
+const SEGMENTS_PER_CAP: u64 = 16;
 
-/// Numbers temporary files within this process (several stores may share it).
-static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
+/// Numbers segment files within this process (several stores may share it).
+static SEGMENT_SEQ: AtomicU64 = AtomicU64::new(0);
+/// The last record stamp this process gave out.
+static LAST_STAMP: AtomicU64 = AtomicU64::new(0);
+
+/// A record stamp: the wall clock in nanoseconds, strictly increasing within the process.
+fn next_stamp() -> u64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let mut prev = LAST_STAMP.load(Ordering::Relaxed);
+    loop {
+        let next = now.max(prev.saturating_add(1));
+        match LAST_STAMP.compare_exchange_weak(prev, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return next,
+            Err(p) => prev = p,
+        }
+    }
+}
+
+/// A record's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Record {
+    tomb: bool,
+    stamp: u64,
+    key: PageKey,
+    len: u64,
+    hash: u64,
+}
+
+impl Record {
+    fn encode(&self) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[0..4].copy_from_slice(&RECORD_MAGIC);
+        let kind = if self.tomb { KIND_TOMB } else { KIND_PAGE };
+        h[4..8].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&self.stamp.to_le_bytes());
+        h[16..48].copy_from_slice(&self.key.0);
+        h[48..56].copy_from_slice(&self.len.to_le_bytes());
+        h[56..64].copy_from_slice(&self.hash.to_le_bytes());
+        let check = xxh3_64(&h[..64]);
+        h[64..72].copy_from_slice(&check.to_le_bytes());
+        h
+    }
+
+    /// The header in `h`, if it is one (magic, kind and checksum all right).
+    fn decode(h: &[u8; HEADER]) -> Option<Record> {
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        if h[0..4] != RECORD_MAGIC || u64_at(64) != xxh3_64(&h[..64]) {
+            return None;
+        }
+        let mut kind = [0u8; 4];
+        kind.copy_from_slice(&h[4..8]);
+        let tomb = match u32::from_le_bytes(kind) {
+            KIND_PAGE => false,
+            KIND_TOMB => true,
+            _ => return None,
+        };
+        let mut key = [0u8; 32];
+        key.copy_from_slice(&h[16..48]);
+        let r = Record {
+            tomb,
+            stamp: u64_at(8),
+            key: PageKey(key),
+            len: u64_at(48),
+            hash: u64_at(56),
+        };
+        (!tomb || r.len == 0).then_some(r)
+    }
+}
+
+/// Where a page's payload lies.
+#[derive(Clone, Copy, Debug)]
+struct Loc {
+    seg: u32,
+    /// Byte offset of the payload in the segment.
+    off: u64,
+    len: u64,
+    hash: u64,
+    stamp: u64,
+}
 
 #[derive(Clone, Copy, Debug)]
-struct Entry {
-    len: u64,
-    used: u64,
+struct Tomb {
+    seg: u32,
+    stamp: u64,
 }
 
-/// The pages this store knows of, in least-recently-used order.
+#[derive(Debug)]
+struct Segment {
+    name: String,
+    /// The append handle of a segment this store created.
+    writer: Option<Arc<File>>,
+    /// Bytes read (a segment of another store) or written (this store's) so far.
+    end: u64,
+    /// Payload bytes of its page records, live or dead: what it counts against the cap.
+    held: u64,
+    /// Last use (the store's clock).
+    used: u64,
+    /// The oldest stamp of its records.
+    first_stamp: u64,
+    /// The key of every record in it, in order (a key may repeat).
+    keys: Vec<PageKey>,
+}
+
+/// The store's index of segments and pages.
 #[derive(Debug, Default)]
-struct Index {
-    pages: HashMap<PageKey, Entry>,
-    /// Last use → key: the least recently used page first.
-    order: BTreeMap<u64, PageKey>,
-    bytes: u64,
+struct State {
+    pages: HashMap<PageKey, Loc>,
+    tombs: HashMap<PageKey, Tomb>,
+    segs: HashMap<u32, Segment>,
+    names: HashMap<String, u32>,
+    next_seg: u32,
+    /// The segment this store appends to.
+    active: Option<u32>,
+    /// Payload bytes of the pages in `pages`.
+    live_bytes: u64,
+    /// Sum of the segments' `held`.
+    held: u64,
     clock: u64,
 }
 
-impl Index {
-    /// Records `key` (of `len` bytes) as just used.
-    fn touch(&mut self, key: PageKey, len: u64) {
-        self.forget(&key);
+/// What a removed segment leaves to do.
+struct Removed {
+    name: String,
+    pages: u64,
+    /// Its tombstones that an older segment still needs.
+    carry: Vec<(PageKey, u64)>,
+}
+
+impl State {
+    fn add_segment(&mut self, name: String, writer: Option<Arc<File>>, end: u64) -> u32 {
+        let id = self.next_seg;
+        self.next_seg = self.next_seg.wrapping_add(1);
         self.clock += 1;
-        self.pages.insert(
-            key,
-            Entry {
-                len,
+        self.names.insert(name.clone(), id);
+        self.segs.insert(
+            id,
+            Segment {
+                name,
+                writer,
+                end,
+                held: 0,
                 used: self.clock,
+                first_stamp: u64::MAX,
+                keys: Vec::new(),
             },
         );
-        self.order.insert(self.clock, key);
-        self.bytes += len;
+        id
     }
 
-    /// Drops `key` from the index; whether it was there.
-    fn forget(&mut self, key: &PageKey) -> bool {
-        match self.pages.remove(key) {
-            Some(e) => {
-                self.order.remove(&e.used);
-                self.bytes -= e.len;
-                true
-            }
-            None => false,
+    fn touch(&mut self, seg: u32) {
+        self.clock += 1;
+        if let Some(s) = self.segs.get_mut(&seg) {
+            s.used = self.clock;
         }
     }
 
-    /// Drops the least recently used pages until the index holds at most `cap` bytes; the
-    /// keys dropped, whose files the caller deletes.
-    fn over_cap(&mut self, cap: Option<u64>) -> Vec<PageKey> {
-        let mut victims = Vec::new();
-        let Some(cap) = cap else {
-            return victims;
+    fn drop_page(&mut self, key: &PageKey) -> Option<Loc> {
+        let loc = self.pages.remove(key)?;
+        self.live_bytes -= loc.len;
+        Some(loc)
+    }
+
+    /// Adds a record found at `off` (its payload's offset) in segment `seg`: the index follows
+    /// it if it is the newest record of its key. A segment removed meanwhile takes nothing.
+    fn add_record(&mut self, seg: u32, r: &Record, off: u64) {
+        let Some(s) = self.segs.get_mut(&seg) else {
+            return;
         };
-        while self.bytes > cap {
-            let Some((_, key)) = self.order.pop_first() else {
-                break;
-            };
-            if let Some(e) = self.pages.remove(&key) {
-                self.bytes -= e.len;
-            }
-            victims.push(key);
+        s.keys.push(r.key);
+        s.first_stamp = s.first_stamp.min(r.stamp);
+        if !r.tomb {
+            s.held += r.len;
+            self.held += r.len;
         }
-        victims
+        if self.tombs.get(&r.key).is_some_and(|t| t.stamp >= r.stamp)
+            || self.pages.get(&r.key).is_some_and(|l| l.stamp >= r.stamp)
+        {
+            return;
+        }
+        self.drop_page(&r.key);
+        if r.tomb {
+            self.tombs.insert(
+                r.key,
+                Tomb {
+                    seg,
+                    stamp: r.stamp,
+                },
+            );
+        } else {
+            self.tombs.remove(&r.key);
+            self.pages.insert(
+                r.key,
+                Loc {
+                    seg,
+                    off,
+                    len: r.len,
+                    hash: r.hash,
+                    stamp: r.stamp,
+                },
+            );
+            self.live_bytes += r.len;
+        }
+    }
+
+    /// Removes segment `id` and the pages and tombstones whose newest record is in it.
+    fn remove_segment(&mut self, id: u32) -> Option<Removed> {
+        let seg = self.segs.remove(&id)?;
+        self.names.remove(&seg.name);
+        self.held -= seg.held;
+        if self.active == Some(id) {
+            self.active = None;
+        }
+        let oldest_left = self
+            .segs
+            .values()
+            .map(|s| s.first_stamp)
+            .min()
+            .unwrap_or(u64::MAX);
+        let mut out = Removed {
+            name: seg.name,
+            pages: 0,
+            carry: Vec::new(),
+        };
+        for key in &seg.keys {
+            if self.pages.get(key).is_some_and(|l| l.seg == id) {
+                self.drop_page(key);
+                out.pages += 1;
+            }
+            if self.tombs.get(key).is_some_and(|t| t.seg == id)
+                && let Some(t) = self.tombs.remove(key)
+                && oldest_left < t.stamp
+            {
+                out.carry.push((*key, t.stamp));
+            }
+        }
+        Some(out)
+    }
+
+    /// The least recently used segment other than the one appended to.
+    fn victim(&self) -> Option<u32> {
+        self.segs
+            .iter()
+            .filter(|(id, _)| Some(**id) != self.active)
+            .min_by_key(|(id, s)| (s.used, **id))
+            .map(|(id, _)| *id)
     }
 }
 
@@ -180,13 +428,20 @@ struct Shared {
     dir: PathBuf,
     cap_bytes: Option<u64>,
     sync: FileSync,
-    index: Mutex<Index>,
+    /// The effective most bytes of a segment.
+    segment_bytes: u64,
+    /// Held by a batch that appends (puts, deletes, evictions): one at a time.
+    append: Mutex<()>,
+    /// Held by a rescan of the directory.
+    scan: Mutex<()>,
+    state: Mutex<State>,
     counters: Counters,
 }
 
-/// A store of page files in a directory, with atomic writes, an optional size cap with
-/// least-recently-used eviction, and an index rebuilt at open (see the module docs for the
-/// layout, the crash and durability guarantees and sharing a directory).
+/// A store of pages in append-only segment files in a directory, with an optional size cap
+/// with least-recently-used eviction of whole segments, and an index rebuilt at open (see
+/// the module docs for the layout, the crash and durability guarantees and sharing a
+/// directory).
 ///
 /// ```
 /// # use radixkv_hicache::storage::{FileStore, FileStoreConfig, StorageBackend};
@@ -211,11 +466,13 @@ fn io_err(what: &str, path: &Path, e: io::Error) -> StoreError {
     StoreError::Io(format!("{what} {}: {e}", path.display()))
 }
 
-fn is_fanout(name: &str) -> bool {
-    name.len() == 2
-        && name
-            .bytes()
-            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+fn is_segment_name(name: &str) -> bool {
+    name.strip_suffix(SEGMENT_SUFFIX).is_some_and(|stem| {
+        !stem.is_empty()
+            && stem
+                .bytes()
+                .all(|c| c == b'-' || c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    })
 }
 
 /// Runs `f` on tokio's blocking pool.
@@ -231,137 +488,475 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| StoreError::Unavailable(format!("file store I/O job: {e}")))?
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Index> {
-        // Every update of the index finishes before anything that could panic runs.
-        self.index.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn page_path(&self, key: &PageKey) -> PathBuf {
-        let hex = key.to_hex();
-        self.dir.join(&hex[..2]).join(hex)
-    }
-
-    /// Deletes the files of evicted pages (called with the index locked, so no other batch of
-    /// this store rewrites a victim in between). A file already gone is fine (another store
-    /// deleted it); a failure to delete leaves an unindexed file the next open counts again.
-    fn remove_victims(&self, victims: &[PageKey]) {
-        for key in victims {
-            let path = self.page_path(key);
-            match fs::remove_file(&path) {
-                Ok(()) => Counters::add(&self.counters.evicted_pages, 1),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "file store: cannot evict a page");
-                }
-            }
+/// The names of the segment files in `dir`.
+fn list_segments(dir: &Path) -> Result<Vec<String>, StoreError> {
+    let mut out = Vec::new();
+    let entries = fs::read_dir(dir).map_err(|e| io_err("cannot list", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_err("cannot list", dir, e))?;
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        if is_segment_name(&name) && entry.file_type().is_ok_and(|t| t.is_file()) {
+            out.push(name);
         }
     }
+    Ok(out)
+}
 
-    /// Opens a fresh temporary file in `sub` for `key`, creating `sub` when missing.
-    fn temp_file(&self, sub: &Path, hex: &str) -> Result<(PathBuf, File), StoreError> {
+/// What reading a segment from some offset found.
+struct Scanned {
+    /// Whole records and their payloads' offsets, in file order.
+    records: Vec<(Record, u64)>,
+    /// The end of the last whole record.
+    end: u64,
+    modified: SystemTime,
+}
+
+/// Reads the whole records of segment `path` from byte `from` on; `None` if the file is gone.
+/// Reading stops at the first header that does not check or record that runs past the file's
+/// end (a torn tail, or a record another store is still writing).
+fn scan_segment(path: &Path, from: u64) -> Result<Option<Scanned>, StoreError> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err("cannot open", path, e)),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| io_err("cannot stat", path, e))?;
+    let size = meta.len();
+    let modified = meta.modified().unwrap_or(UNIX_EPOCH);
+    let mut out = Scanned {
+        records: Vec::new(),
+        end: from,
+        modified,
+    };
+    if size <= from {
+        return Ok(Some(out));
+    }
+    let mut r = BufReader::with_capacity(64 << 10, file);
+    r.seek(SeekFrom::Start(from))
+        .map_err(|e| io_err("cannot read", path, e))?;
+    let mut off = from;
+    let mut h = [0u8; HEADER];
+    while off + RECORD_HEADER_BYTES <= size {
+        match r.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+            Err(e) => return Err(io_err("cannot read", path, e)),
+        }
+        let Some(rec) = Record::decode(&h) else {
+            break;
+        };
+        let payload = off + RECORD_HEADER_BYTES;
+        if rec.len > size - payload {
+            break;
+        }
+        // `rec.len` fits in the file, so in an i64.
+        r.seek_relative(rec.len as i64)
+            .map_err(|e| io_err("cannot read", path, e))?;
+        out.records.push((rec, payload));
+        off = payload + rec.len;
+        out.end = off;
+    }
+    Ok(Some(out))
+}
+
+/// Writes all of `bufs` to `file` (opened for appending).
+fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match file.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A record to append: its header and its payload (empty for a tombstone).
+type Item<'a> = (Record, &'a [u8]);
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update of the index finishes before anything that could panic runs.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_append(&self) -> MutexGuard<'_, ()> {
+        self.append.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn segment_path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Creates a new segment file of this store.
+    fn create_segment(&self) -> Result<(String, File), StoreError> {
         let pid = std::process::id();
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
         for _ in 0..16 {
-            let seq = TEMP_SEQ.fetch_add(1, Ordering::Relaxed);
-            let path = sub.join(format!("{TEMP_PREFIX}{hex}.{pid}.{nanos}.{seq}"));
-            match File::create_new(&path) {
-                Ok(f) => return Ok((path, f)),
+            let seq = SEGMENT_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
+            let name = format!("{:016x}-{pid:08x}-{seq:08x}{SEGMENT_SUFFIX}", next_stamp());
+            let path = self.segment_path(&name);
+            match OpenOptions::new()
+                .read(true)
+                .append(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(f) => return Ok((name, f)),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    fs::create_dir_all(sub).map_err(|e| io_err("cannot create", sub, e))?;
-                }
-                Err(e) => return Err(io_err("cannot create a file in", sub, e)),
+                Err(e) => return Err(io_err("cannot create", &path, e)),
             }
         }
         Err(StoreError::Io(format!(
-            "no free temporary file name in {}",
-            sub.display()
+            "no free segment name in {}",
+            self.dir.display()
         )))
     }
 
-    /// Writes `bytes` to a fresh temporary file beside `key`'s file; its path.
-    fn write_temp(&self, key: &PageKey, bytes: &[u8]) -> Result<PathBuf, StoreError> {
-        let hex = key.to_hex();
-        let sub = self.dir.join(&hex[..2]);
-        let (tmp, mut file) = self.temp_file(&sub, &hex)?;
-        let written = file.write_all(bytes).and_then(|()| {
-            if self.sync == FileSync::Never {
-                Ok(())
-            } else {
-                file.sync_data()
+    /// Appends `items` (called with the append lock held): each segment they go to gets one
+    /// vectored write, then the [`FileSync`] policy runs, then the records written join the
+    /// index. A failure leaves the records written before it in the index and cuts the failed
+    /// write off its segment.
+    fn append_locked(&self, items: &[Item<'_>]) -> Result<(), StoreError> {
+        let mut written: Vec<(u32, usize, u64)> = Vec::with_capacity(items.len());
+        let result = self.write_items(items, &mut written);
+        let mut st = self.lock();
+        for &(seg, i, off) in &written {
+            st.add_record(seg, &items[i].0, off);
+        }
+        let mut last = None;
+        for &(seg, _, _) in &written {
+            if last != Some(seg) {
+                st.touch(seg);
+                last = Some(seg);
             }
-        });
-        drop(file);
-        match written {
-            Ok(()) => Ok(tmp),
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                Err(io_err("cannot write", &tmp, e))
+        }
+        result
+    }
+
+    fn write_items(
+        &self,
+        items: &[Item<'_>],
+        written: &mut Vec<(u32, usize, u64)>,
+    ) -> Result<(), StoreError> {
+        let mut synced: Vec<(Arc<File>, String)> = Vec::new();
+        let mut created = false;
+        let mut i = 0;
+        while i < items.len() {
+            let first = RECORD_HEADER_BYTES + items[i].0.len;
+            let current = {
+                let st = self.lock();
+                st.active.and_then(|a| {
+                    let s = st.segs.get(&a)?;
+                    let w = s.writer.clone()?;
+                    (s.end == 0 || s.end + first <= self.segment_bytes)
+                        .then(|| (a, w, s.end, s.name.clone()))
+                })
+            };
+            let (seg, file, start, name) = match current {
+                Some(c) => c,
+                None => {
+                    let (name, f) = self.create_segment()?;
+                    created = true;
+                    let f = Arc::new(f);
+                    let mut st = self.lock();
+                    let id = st.add_segment(name.clone(), Some(Arc::clone(&f)), 0);
+                    st.active = Some(id);
+                    (id, f, 0, name)
+                }
+            };
+            // The records that go to this segment, and their headers.
+            let mut end = start;
+            let mut j = i;
+            let mut headers = Vec::new();
+            while j < items.len() {
+                let size = RECORD_HEADER_BYTES + items[j].0.len;
+                if end > 0 && end + size > self.segment_bytes {
+                    break;
+                }
+                headers.push(items[j].0.encode());
+                end += size;
+                j += 1;
+            }
+            let mut slices = Vec::with_capacity(2 * (j - i));
+            for (h, (_, payload)) in headers.iter().zip(&items[i..j]) {
+                slices.push(IoSlice::new(h));
+                if !payload.is_empty() {
+                    slices.push(IoSlice::new(payload));
+                }
+            }
+            let path = self.segment_path(&name);
+            if let Err(e) = write_all_vectored(&file, &mut slices) {
+                if file.set_len(start).is_err() {
+                    // Cannot cut the failed write off: append no more to this segment.
+                    let mut st = self.lock();
+                    if st.active == Some(seg) {
+                        st.active = None;
+                    }
+                }
+                return Err(io_err("cannot write", &path, e));
+            }
+            {
+                let mut st = self.lock();
+                if let Some(s) = st.segs.get_mut(&seg) {
+                    s.end = end;
+                }
+            }
+            let mut off = start;
+            for (k, item) in items.iter().enumerate().take(j).skip(i) {
+                written.push((seg, k, off + RECORD_HEADER_BYTES));
+                off += RECORD_HEADER_BYTES + item.0.len;
+            }
+            if self.sync != FileSync::Never && !synced.iter().any(|(_, n)| *n == name) {
+                synced.push((file, name));
+            }
+            i = j;
+        }
+        for (file, name) in &synced {
+            file.sync_data()
+                .map_err(|e| io_err("cannot sync", &self.segment_path(name), e))?;
+        }
+        if created && self.sync == FileSync::PagesAndDirs {
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io_err("cannot sync", &self.dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// Evicts least recently used segments until the store is under its cap (called with the
+    /// append lock held).
+    fn enforce_cap_locked(&self) {
+        let Some(cap) = self.cap_bytes else {
+            return;
+        };
+        loop {
+            let removed = {
+                let mut st = self.lock();
+                if st.held <= cap {
+                    return;
+                }
+                let Some(victim) = st.victim() else {
+                    return;
+                };
+                st.remove_segment(victim)
+            };
+            let Some(removed) = removed else {
+                return;
+            };
+            Counters::add(&self.counters.evicted_pages, removed.pages);
+            let path = self.segment_path(&removed.name);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "file store: cannot evict a segment");
+                }
+            }
+            if !removed.carry.is_empty() {
+                let items: Vec<Item<'_>> = removed
+                    .carry
+                    .iter()
+                    .map(|&(key, stamp)| {
+                        let r = Record {
+                            tomb: true,
+                            stamp,
+                            key,
+                            len: 0,
+                            hash: 0,
+                        };
+                        (r, &[][..])
+                    })
+                    .collect();
+                if let Err(e) = self.append_locked(&items) {
+                    tracing::warn!(error = %e, "file store: cannot carry tombstones forward");
+                }
             }
         }
     }
 
-    // Index discipline: every change to a page file by this store (rename into place, delete,
-    // eviction) and the index update that goes with it happen under the index lock, and a
-    // read joins the index only if its file is still there under the lock. So the index of a
-    // store that does not share its directory always matches the directory; the expensive
-    // part (reading and writing page bytes) runs outside the lock.
-
-    fn exists_prefix(&self, keys: &[PageKey]) -> Result<usize, StoreError> {
-        for (i, key) in keys.iter().enumerate() {
-            let path = self.page_path(key);
-            match fs::metadata(&path) {
-                Ok(m) if m.is_file() => {}
-                Ok(_) => return Ok(i),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    // Gone (deleted by another store)? Check again under the lock: a put of
-                    // this store may have renamed it into place since.
-                    let mut index = self.lock();
-                    if fs::metadata(&path).is_err() {
-                        index.forget(key);
+    /// Lists the directory again and reads what other stores wrote since: new segments, and
+    /// records appended to known ones; segments of other stores that are gone leave the index.
+    /// Whether the index changed.
+    fn refresh(&self) -> Result<bool, StoreError> {
+        let _scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
+        let listed = list_segments(&self.dir)?;
+        let listed_set: HashSet<&str> = listed.iter().map(String::as_str).collect();
+        let mut fresh = Vec::new();
+        let mut grown = Vec::new();
+        let mut gone = Vec::new();
+        {
+            let st = self.lock();
+            for name in &listed {
+                match st.names.get(name) {
+                    None => fresh.push(name.clone()),
+                    Some(&id) => {
+                        if let Some(s) = st.segs.get(&id).filter(|s| s.writer.is_none()) {
+                            grown.push((id, name.clone(), s.end));
+                        }
                     }
-                    return Ok(i);
                 }
-                Err(e) => return Err(io_err("cannot stat", &path, e)),
+            }
+            for (id, s) in &st.segs {
+                if s.writer.is_none() && !listed_set.contains(s.name.as_str()) {
+                    gone.push(*id);
+                }
             }
         }
-        Ok(keys.len())
+        let mut found_new = Vec::new();
+        for name in fresh {
+            if let Some(sc) = scan_segment(&self.segment_path(&name), 0)? {
+                found_new.push((name, sc));
+            }
+        }
+        let mut found_more = Vec::new();
+        for (id, name, end) in grown {
+            match scan_segment(&self.segment_path(&name), end)? {
+                Some(sc) if !sc.records.is_empty() => found_more.push((id, end, sc)),
+                Some(_) => {}
+                None => gone.push(id),
+            }
+        }
+        let mut changed = false;
+        {
+            let mut st = self.lock();
+            for id in gone {
+                changed |= st.remove_segment(id).is_some();
+            }
+            for (name, sc) in found_new {
+                if st.names.contains_key(&name) {
+                    continue;
+                }
+                let id = st.add_segment(name, None, sc.end);
+                for (r, off) in &sc.records {
+                    st.add_record(id, r, *off);
+                }
+                changed = true;
+            }
+            for (id, end, sc) in found_more {
+                if st.segs.get(&id).is_none_or(|s| s.end != end) {
+                    continue;
+                }
+                for (r, off) in &sc.records {
+                    st.add_record(id, r, *off);
+                }
+                if let Some(s) = st.segs.get_mut(&id) {
+                    s.end = sc.end;
+                }
+                changed = true;
+            }
+        }
+        if changed && self.cap_bytes.is_some_and(|cap| self.lock().held > cap) {
+            let _append = self.lock_append();
+            self.enforce_cap_locked();
+        }
+        Ok(changed)
+    }
+
+    fn prefix_known(&self, keys: &[PageKey]) -> usize {
+        let st = self.lock();
+        keys.iter().take_while(|k| st.pages.contains_key(k)).count()
+    }
+
+    fn exists_prefix(&self, keys: &[PageKey]) -> Result<usize, StoreError> {
+        let n = self.prefix_known(keys);
+        if n < keys.len() && self.refresh()? {
+            return Ok(self.prefix_known(keys));
+        }
+        Ok(n)
+    }
+
+    /// Where each key's page lies: (location, segment name).
+    fn locate(&self, keys: &[PageKey]) -> Vec<Option<(Loc, String)>> {
+        let st = self.lock();
+        keys.iter()
+            .map(|k| {
+                let loc = *st.pages.get(k)?;
+                Some((loc, st.segs.get(&loc.seg)?.name.clone()))
+            })
+            .collect()
     }
 
     fn get(&self, keys: &[PageKey]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let mut locs = self.locate(keys);
+        if locs.iter().any(Option::is_none) && self.refresh()? {
+            locs = self.locate(keys);
+        }
+        // Read outside every lock, one open file per segment and batch.
+        let mut open: HashMap<u32, Option<(File, u64)>> = HashMap::new();
         let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            let path = self.page_path(key);
-            match fs::read(&path) {
-                Ok(b) => out.push(Some(b)),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => out.push(None),
-                Err(e) => return Err(io_err("cannot read", &path, e)),
+        let mut damaged: Vec<(PageKey, Loc)> = Vec::new();
+        let mut missing: Vec<u32> = Vec::new();
+        for (key, loc) in keys.iter().zip(&locs) {
+            let Some((loc, name)) = loc else {
+                out.push(None);
+                continue;
+            };
+            let path = self.segment_path(name);
+            let slot = match open.entry(loc.seg) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => match File::open(&path) {
+                    Ok(f) => v.insert(Some((f, 0))),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        missing.push(loc.seg);
+                        v.insert(None)
+                    }
+                    Err(e) => return Err(io_err("cannot open", &path, e)),
+                },
+            };
+            let Some((file, pos)) = slot else {
+                out.push(None);
+                continue;
+            };
+            if *pos != loc.off {
+                file.seek(SeekFrom::Start(loc.off))
+                    .map_err(|e| io_err("cannot read", &path, e))?;
+            }
+            let len = usize::try_from(loc.len)
+                .map_err(|_| StoreError::Io(format!("a page of {} bytes", loc.len)))?;
+            let mut buf = Vec::with_capacity(len);
+            let n = (&*file)
+                .take(loc.len)
+                .read_to_end(&mut buf)
+                .map_err(|e| io_err("cannot read", &path, e))?;
+            *pos = loc.off + n as u64;
+            if n != len || xxh3_64(&buf) != loc.hash {
+                damaged.push((*key, *loc));
+                out.push(None);
+            } else {
+                out.push(Some(buf));
             }
         }
         {
-            let mut index = self.lock();
-            for (key, page) in keys.iter().zip(&out) {
-                // What is on disk now, not what was read: a delete or a rewrite may have come
-                // in between.
-                match fs::metadata(self.page_path(key)) {
-                    Ok(m) if m.is_file() && page.is_some() => index.touch(*key, m.len()),
-                    Ok(m) if m.is_file() => {
-                        // Written since our read missed it: know it, without a use.
-                        if !index.pages.contains_key(key) {
-                            index.touch(*key, m.len());
-                        }
-                    }
-                    _ => {
-                        index.forget(key);
-                    }
+            let mut st = self.lock();
+            for seg in missing {
+                // Deleted by another store.
+                st.remove_segment(seg);
+            }
+            let mut last = None;
+            for loc in locs.iter().flatten() {
+                if last != Some(loc.0.seg) {
+                    st.touch(loc.0.seg);
+                    last = Some(loc.0.seg);
                 }
             }
-            // A page another store wrote joins the index and may take it over the cap.
-            let victims = index.over_cap(self.cap_bytes);
-            self.remove_victims(&victims);
+            for (key, loc) in &damaged {
+                if st.pages.get(key).is_some_and(|l| l.stamp == loc.stamp) {
+                    st.drop_page(key);
+                    Counters::add(&self.counters.damaged_pages, 1);
+                }
+            }
+        }
+        if !damaged.is_empty() {
+            tracing::warn!(
+                pages = damaged.len(),
+                dir = %self.dir.display(),
+                "file store: pages failed their checksum"
+            );
         }
         let hits = out.iter().filter(|p| p.is_some()).count();
         Counters::add(&self.counters.get_pages, keys.len() as u64);
@@ -370,80 +965,79 @@ impl Shared {
     }
 
     fn put(&self, pages: &[(PageKey, Vec<u8>)]) -> Result<Vec<bool>, StoreError> {
-        let mut out = Vec::with_capacity(pages.len());
-        let mut dirs: Vec<PathBuf> = Vec::new();
-        for (key, bytes) in pages {
+        let mut out = vec![false; pages.len()];
+        // Checksums outside every lock.
+        let mut items: Vec<Item<'_>> = Vec::with_capacity(pages.len());
+        for ((key, bytes), ok) in pages.iter().zip(out.iter_mut()) {
             let len = bytes.len() as u64;
             if self.cap_bytes.is_some_and(|cap| len > cap) {
-                out.push(false);
                 continue;
             }
-            let tmp = self.write_temp(key, bytes)?;
-            let path = self.page_path(key);
-            {
-                let mut index = self.lock();
-                match fs::rename(&tmp, &path) {
-                    Ok(()) => {}
-                    // Another store opening the directory removed the temporary file.
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                        out.push(false);
-                        continue;
-                    }
-                    Err(e) => {
-                        drop(index);
-                        let _ = fs::remove_file(&tmp);
-                        return Err(io_err("cannot rename into", &path, e));
-                    }
-                }
-                index.touch(*key, len);
-                let victims = index.over_cap(self.cap_bytes);
-                self.remove_victims(&victims);
-            }
-            out.push(true);
-            Counters::add(&self.counters.put_pages, 1);
-            Counters::add(&self.counters.put_bytes, len);
-            if self.sync == FileSync::PagesAndDirs
-                && let Some(sub) = path.parent().filter(|s| !dirs.iter().any(|d| d == s))
-            {
-                dirs.push(sub.to_owned());
-            }
+            *ok = true;
+            let r = Record {
+                tomb: false,
+                stamp: 0,
+                key: *key,
+                len,
+                hash: xxh3_64(bytes),
+            };
+            items.push((r, bytes.as_slice()));
         }
-        if !dirs.is_empty() {
-            // The root too: a batch may have created a fan-out directory.
-            dirs.push(self.dir.clone());
+        if items.is_empty() {
+            return Ok(out);
         }
-        for dir in dirs {
-            File::open(&dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| io_err("cannot sync", &dir, e))?;
+        let _append = self.lock_append();
+        for (r, _) in &mut items {
+            r.stamp = next_stamp();
         }
+        self.append_locked(&items)?;
+        self.enforce_cap_locked();
+        let bytes: u64 = items.iter().map(|(r, _)| r.len).sum();
+        Counters::add(&self.counters.put_pages, items.len() as u64);
+        Counters::add(&self.counters.put_bytes, bytes);
         Ok(out)
     }
 
     fn delete(&self, keys: &[PageKey]) -> Result<usize, StoreError> {
-        let mut removed = 0;
-        let mut index = self.lock();
-        for key in keys {
-            let path = self.page_path(key);
-            match fs::remove_file(&path) {
-                Ok(()) => removed += 1,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err("cannot delete", &path, e)),
-            }
-            index.forget(key);
+        let _append = self.lock_append();
+        let present: Vec<PageKey> = {
+            let st = self.lock();
+            let mut seen = HashSet::new();
+            keys.iter()
+                .filter(|k| st.pages.contains_key(k) && seen.insert(**k))
+                .copied()
+                .collect()
+        };
+        if present.is_empty() {
+            return Ok(0);
         }
-        Ok(removed)
+        let items: Vec<Item<'_>> = present
+            .iter()
+            .map(|&key| {
+                let r = Record {
+                    tomb: true,
+                    stamp: next_stamp(),
+                    key,
+                    len: 0,
+                    hash: 0,
+                };
+                (r, &[][..])
+            })
+            .collect();
+        self.append_locked(&items)?;
+        Ok(present.len())
     }
 }
 
 impl FileStore {
-    /// Opens (creating if needed) the store of `config` on tokio's blocking pool: removes
-    /// leftover temporary files, indexes the pages present and evicts down to the cap.
+    /// Opens (creating if needed) the store of `config` on tokio's blocking pool: reads the
+    /// record headers of every segment in the directory into the index and evicts down to
+    /// the cap.
     ///
     /// # Errors
-    /// [`StoreError::Config`] for a cap of 0, a path that is not a directory or cannot be
-    /// created, or no current tokio runtime; [`StoreError::Io`] when the directory cannot be
-    /// scanned.
+    /// [`StoreError::Config`] for a cap or segment size of 0, a path that is not a directory
+    /// or cannot be created, or no current tokio runtime; [`StoreError::Io`] when the
+    /// directory or a segment cannot be read.
     pub async fn open(config: FileStoreConfig) -> Result<FileStore, StoreError> {
         blocking(move || FileStore::open_blocking(config)).await
     }
@@ -458,10 +1052,16 @@ impl FileStore {
             dir,
             cap_bytes,
             sync,
+            segment_bytes,
         } = config;
         if cap_bytes == Some(0) {
             return Err(StoreError::Config(
                 "a file store's cap must be at least one byte".into(),
+            ));
+        }
+        if segment_bytes == Some(0) {
+            return Err(StoreError::Config(
+                "a file store's segments must be at least one byte".into(),
             ));
         }
         match fs::metadata(&dir) {
@@ -487,22 +1087,39 @@ impl FileStore {
                 )));
             }
         }
-        let mut found = scan(&dir)?;
-        // The oldest page first; the key breaks ties so the order is deterministic.
-        found.sort_unstable_by_key(|&(mtime, key, _)| (mtime, key));
-        let mut index = Index::default();
-        for (_, key, len) in found {
-            index.touch(key, len);
+        let mut found = Vec::new();
+        for name in list_segments(&dir)? {
+            if let Some(sc) = scan_segment(&dir.join(&name), 0)? {
+                found.push((name, sc));
+            }
         }
-        let victims = index.over_cap(cap_bytes);
+        // The least recently written segment first; the name breaks ties.
+        found.sort_unstable_by(|a, b| (a.1.modified, &a.0).cmp(&(b.1.modified, &b.0)));
+        let mut st = State::default();
+        for (name, sc) in found {
+            let id = st.add_segment(name, None, sc.end);
+            for (r, off) in &sc.records {
+                st.add_record(id, r, *off);
+            }
+        }
+        let segment_bytes = segment_bytes.unwrap_or(match cap_bytes {
+            Some(cap) => DEFAULT_SEGMENT_BYTES.min((cap / SEGMENTS_PER_CAP).max(1)),
+            None => DEFAULT_SEGMENT_BYTES,
+        });
         let shared = Shared {
             dir,
             cap_bytes,
             sync,
-            index: Mutex::new(index),
+            segment_bytes,
+            append: Mutex::new(()),
+            scan: Mutex::new(()),
+            state: Mutex::new(st),
             counters: Counters::default(),
         };
-        shared.remove_victims(&victims);
+        {
+            let _append = shared.lock_append();
+            shared.enforce_cap_locked();
+        }
         Ok(FileStore {
             shared: Arc::new(shared),
         })
@@ -518,9 +1135,19 @@ impl FileStore {
         self.shared.cap_bytes
     }
 
-    /// The file a page stored under `key` lives in (whether or not it is stored).
-    pub fn page_path(&self, key: &PageKey) -> PathBuf {
-        self.shared.page_path(key)
+    /// The most bytes of one segment this store writes (see
+    /// [`FileStoreConfig::segment_bytes`]).
+    pub fn segment_bytes(&self) -> u64 {
+        self.shared.segment_bytes
+    }
+
+    /// Where the page this store's index holds under `key` lies: its segment file, the byte
+    /// offset of its payload there and its length (for tools and tests; no I/O).
+    pub fn page_location(&self, key: &PageKey) -> Option<(PathBuf, u64, u64)> {
+        let st = self.shared.lock();
+        let loc = st.pages.get(key)?;
+        let seg = st.segs.get(&loc.seg)?;
+        Some((self.shared.segment_path(&seg.name), loc.off, loc.len))
     }
 
     /// Runs `op` over the shared state on the blocking pool, counting a failure.
@@ -535,54 +1162,6 @@ impl FileStore {
         }
         r
     }
-}
-
-/// Removes temporary files and lists the pages of the store in `dir`: (modified, key, bytes).
-fn scan(dir: &Path) -> Result<Vec<(SystemTime, PageKey, u64)>, StoreError> {
-    let mut found = Vec::new();
-    let entries = fs::read_dir(dir).map_err(|e| io_err("cannot list", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| io_err("cannot list", dir, e))?;
-        let name = entry.file_name();
-        let Some(prefix) = name.to_str().filter(|n| is_fanout(n)) else {
-            continue;
-        };
-        let sub = entry.path();
-        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let pages = fs::read_dir(&sub).map_err(|e| io_err("cannot list", &sub, e))?;
-        for page in pages {
-            let page = page.map_err(|e| io_err("cannot list", &sub, e))?;
-            let name = page.file_name();
-            let Some(name) = name.to_str() else {
-                continue;
-            };
-            if name.starts_with(TEMP_PREFIX) {
-                match fs::remove_file(page.path()) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err("cannot remove", &page.path(), e)),
-                }
-                continue;
-            }
-            let Some(key) = PageKey::from_hex(name).filter(|_| name.starts_with(prefix)) else {
-                continue;
-            };
-            let meta = match page.metadata() {
-                Ok(m) => m,
-                // Deleted by another store since the listing.
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_err("cannot stat", &page.path(), e)),
-            };
-            if !meta.is_file() {
-                continue;
-            }
-            let mtime = meta.modified().unwrap_or(UNIX_EPOCH);
-            found.push((mtime, key, meta.len()));
-        }
-    }
-    Ok(found)
 }
 
 impl StorageBackend for FileStore {
@@ -636,9 +1215,58 @@ impl StorageBackend for FileStore {
     }
 
     fn stats(&self) -> StoreStats {
-        let index = self.shared.lock();
+        let st = self.shared.lock();
         self.shared
             .counters
-            .snapshot(index.pages.len() as u64, index.bytes)
+            .snapshot(st.pages.len() as u64, st.live_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_headers_round_trip_and_refuse_damage() {
+        let r = Record {
+            tomb: false,
+            stamp: 42,
+            key: PageKey([9; 32]),
+            len: 1234,
+            hash: 77,
+        };
+        let h = r.encode();
+        assert_eq!(Record::decode(&h), Some(r));
+        for i in 0..HEADER {
+            let mut bad = h;
+            bad[i] ^= 1;
+            assert_eq!(Record::decode(&bad), None, "byte {i} flipped");
+        }
+        assert_eq!(Record::decode(&[0; HEADER]), None);
+        let t = Record {
+            tomb: true,
+            len: 0,
+            hash: 0,
+            ..r
+        };
+        assert_eq!(Record::decode(&t.encode()), Some(t));
+        // A tombstone with a payload is not a record.
+        let t = Record { len: 5, ..t };
+        assert_eq!(Record::decode(&t.encode()), None);
+    }
+
+    #[test]
+    fn segment_names() {
+        assert!(is_segment_name("0123456789abcdef-00000001-00000002.seg"));
+        assert!(!is_segment_name(".seg"));
+        assert!(!is_segment_name("notes.seg.txt"));
+        assert!(!is_segment_name("ABC.seg"));
+    }
+
+    #[test]
+    fn stamps_increase() {
+        let a = next_stamp();
+        let b = next_stamp();
+        assert!(b > a);
     }
 }

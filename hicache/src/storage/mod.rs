@@ -14,8 +14,9 @@
 //! - **Stores.** [`StorageBackend`] is an object-safe async trait of batched operations
 //!   (longest stored prefix, get, put, delete, stats); a store keeps encoded pages and knows
 //!   nothing else. [`MemStore`] keeps them in process memory; [`FileStore`], the default,
-//!   keeps them as files in a directory (atomic writes, a size cap with least-recently-used
-//!   eviction, an index rebuilt at open so a restarted server finds its pages); `RedisStore`
+//!   appends them to segment files in a directory (checksummed records, a torn tail is never
+//!   read, a size cap with least-recently-used eviction of whole segments, an index rebuilt at
+//!   open so a restarted server finds its pages); `RedisStore`
 //!   (cargo feature `redis`) on a Redis server or cluster.
 //! - **Faults.** [`FaultStore`] wraps any store and injects seeded errors, hangs, slow
 //!   answers, partial batches and corrupted pages, and can take the store down and up again:
@@ -36,7 +37,7 @@ mod tier;
 
 pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats};
 pub use fault::{FaultConfig, FaultCounts, FaultStore};
-pub use file::{FileStore, FileStoreConfig, FileSync};
+pub use file::{DEFAULT_SEGMENT_BYTES, FileStore, FileStoreConfig, FileSync, RECORD_HEADER_BYTES};
 pub use page::{
     DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
