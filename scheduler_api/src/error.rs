@@ -88,6 +88,18 @@ pub enum ManagerError {
         /// What was wrong.
         what: &'static str,
     },
+    /// A lazy request's [`TokenSource`](crate::TokenSource) failed to give its prompt (its
+    /// own error, or another number of tokens than it announced). The request stays
+    /// registered and waiting, holding nothing: abort it.
+    #[error("request {}: token source: {message}", request_name(*.id, .engine_id.as_deref()))]
+    TokenSource {
+        /// The request's handle (the raw [`crate::ReqId::get`]).
+        id: u64,
+        /// The engine's id for the request ([`crate::Request::engine_id`]), if it gave one.
+        engine_id: Option<String>,
+        /// What went wrong.
+        message: String,
+    },
     /// An operation that needs an idle manager (e.g. [`reset`](crate::KvCacheManager::reset))
     /// while requests are still registered.
     #[error("the manager is busy: {requests} requests are registered (finish or abort them first)")]

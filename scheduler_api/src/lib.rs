@@ -158,7 +158,7 @@ pub use config::{
 pub use error::{BackendMismatch, ManagerError, Result, StallCause};
 pub use manager::{
     Admission, Admitted, KvCacheManager, MambaCheckpoints, NeverReason, ReqId, Request, StepHandle,
-    StepSummary, WaitReason,
+    StepSummary, TokenSource, TokenSourceError, TokenStorage, WaitReason,
 };
 pub use metrics::Metrics;
 pub use radixkv_radix::{

@@ -45,7 +45,7 @@ use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
 pub use crate::request::{
     Admission, Admitted, MambaCheckpoints, NeverReason, ReqId, Request, StepHandle, StepSummary,
-    WaitReason,
+    TokenSource, TokenSourceError, TokenStorage, WaitReason,
 };
 use crate::sessions::SimClock;
 use crate::table::Table;
@@ -79,6 +79,16 @@ struct Tracked {
     swa_peak: usize,
     /// A storage prefetch started at arrival has not ended yet.
     prefetching: bool,
+    /// A lazy request's prompt ([`Request::lazy`]): while it waits, `kv.key.tokens` is empty
+    /// unless `materialised`.
+    source: Option<Arc<dyn TokenSource>>,
+    /// A lazy request's tokens are in `kv.key.tokens` (always true of an owned request).
+    materialised: bool,
+    /// A lazy request's decoded tokens while it waits unmaterialised after a retraction
+    /// (they are in no source).
+    decoded: Vec<TokenId>,
+    /// What this request counts in the manager's token storage totals.
+    share: TokenShare,
     /// Tokens the request's prefetch loaded from the storage tier.
     storage_loaded: usize,
     /// The request's `kv_request` span, from `arrive` to `finish` / `abort` (closed when the
@@ -160,6 +170,18 @@ pub struct KvCacheManager {
     swa_window: Option<usize>,
     /// The cache has a storage tier (read once).
     has_storage: bool,
+    /// Token storage of the waiting requests, the sum of their shares' bytes.
+    waiting_token_bytes: usize,
+    /// Token storage of the running requests, the sum of their shares' bytes.
+    running_token_bytes: usize,
+    /// Waiting requests holding their prompt's tokens (owned ones, and lazy ones
+    /// materialised).
+    waiting_materialised: usize,
+    /// Of those, lazy ones.
+    waiting_lazy_materialised: usize,
+    /// The lazy waiting request whose tokens the last admission attempt materialised (its
+    /// table slot): the next lazy request materialised drops them.
+    materialised_slot: Option<u64>,
 }
 
 // The threading model (crate docs): the manager moves to the one thread or task that owns it,
@@ -236,6 +258,11 @@ impl KvCacheManager {
             ended_step: 0,
             swa_window,
             has_storage,
+            waiting_token_bytes: 0,
+            running_token_bytes: 0,
+            waiting_materialised: 0,
+            waiting_lazy_materialised: 0,
+            materialised_slot: None,
         })
     }
 
@@ -487,6 +514,43 @@ impl KvCacheManager {
                 }
             }
         }
+        // Waiting token storage: every request's share is current and the totals sum them;
+        // of the lazy requests, only the one tried last holds its tokens while it waits
+        // (besides turns holding lent session KV, which keep theirs).
+        let (mut waiting, mut running, mut materialised, mut lazy, mut lazy_unlent) =
+            (0, 0, 0, 0, 0);
+        for t in self.requests.values() {
+            let share = TokenShare::of(t);
+            if share != t.share {
+                return Err(inv(format!(
+                    "a request's token storage share is {:?}, counted as {:?}",
+                    share, t.share
+                )));
+            }
+            if share.running {
+                running += share.bytes;
+            } else {
+                waiting += share.bytes;
+            }
+            materialised += usize::from(share.materialised);
+            if share.materialised && share.lazy {
+                lazy += 1;
+                lazy_unlent += usize::from(!t.kv.kv_lent);
+            }
+        }
+        let totals = (
+            self.waiting_token_bytes,
+            self.running_token_bytes,
+            self.waiting_materialised,
+            self.waiting_lazy_materialised,
+        );
+        if (waiting, running, materialised, lazy) != totals || lazy_unlent > 1 {
+            return Err(inv(format!(
+                "token storage: {waiting} bytes waiting, {running} running, {materialised} \
+                 waiting materialised ({lazy} lazy, {lazy_unlent} without lent KV) but the \
+                 totals say {totals:?}"
+            )));
+        }
         if swa_peak != self.swa_peak_total {
             return Err(inv(format!(
                 "SWA peaks sum to {swa_peak} but the total says {}",
@@ -513,23 +577,48 @@ impl KvCacheManager {
 
     /// Registers a request; it waits until [`Self::admit`] succeeds.
     ///
+    /// A request with owned tokens ([`Request::new`]) keeps them while it waits; a lazy one
+    /// ([`Request::lazy`], [`Request::shared`]) holds none: its tokens are filled from its
+    /// [`TokenSource`] by [`Self::admit`] (see [`TokenStorage`] for what waiting requests
+    /// hold). With a storage tier, arrival starts the request's prefetch, which needs its
+    /// tokens: a lazy request's are filled for it and dropped before `arrive` returns.
+    ///
     /// # Errors
-    /// [`ManagerError::Lifecycle`] for an empty prompt; [`ManagerError::SessionsOff`] for a
-    /// request tagged with a session on a manager without sessions.
+    /// [`ManagerError::Lifecycle`] for an empty prompt or for a request with both tokens and
+    /// a source; [`ManagerError::SessionsOff`] for a request tagged with a session on a
+    /// manager without sessions; [`ManagerError::TokenSource`] when a storage tier's prefetch
+    /// needs a lazy request's tokens and its source fails (the request is not registered).
     pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
-        if req.tokens.is_empty() {
-            return Err(ManagerError::Lifecycle {
-                id: self.requests.next_handle(),
-                engine_id: req.engine_id,
-                what: "empty prompt",
-            });
+        let prompt_len = req.prompt_len();
+        let refuse = |engine_id, what| ManagerError::Lifecycle {
+            id: self.requests.next_handle(),
+            engine_id,
+            what,
+        };
+        if prompt_len == 0 {
+            return Err(refuse(req.engine_id, "empty prompt"));
         }
-        let prompt_len = req.tokens.len();
+        if req.source.is_some() && !req.tokens.is_empty() {
+            return Err(refuse(req.engine_id, "both tokens and a token source"));
+        }
+        let source = req.source;
         let mut tokens = req.tokens;
-        // Decoded tokens are appended one by one on the hot path: make room once, here (free
-        // when the caller already left room). Only a hint: a request never holds more tokens
-        // than the device pool, and a reservation the allocator refuses is just skipped.
-        let _ = tokens.try_reserve(req.max_new_tokens.min(self.cfg.device_tokens));
+        // A storage tier's prefetch (below) needs a lazy request's tokens: filled first, so
+        // that a failing source leaves nothing registered (no session opened either).
+        let mut prefetch_tokens = None;
+        if self.has_storage
+            && let Some(src) = &source
+        {
+            let id = self.requests.next_handle();
+            prefetch_tokens = Some(fill_tokens(src.as_ref(), &[], 0, id, &req.engine_id)?);
+        }
+        if source.is_none() {
+            // Decoded tokens are appended one by one on the hot path: make room once, here
+            // (free when the caller already left room). Only a hint: a request never holds
+            // more tokens than the device pool, and a reservation the allocator refuses is
+            // just skipped. (A lazy request gets its room when it is materialised.)
+            let _ = tokens.try_reserve(req.max_new_tokens.min(self.cfg.device_tokens));
+        }
         let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
@@ -578,17 +667,29 @@ impl KvCacheManager {
             swa_peak: 0,
             prefetching: false,
             storage_loaded: 0,
+            materialised: source.is_none(),
+            source,
+            decoded: Vec::new(),
+            share: TokenShare::default(),
             span,
         });
         self.waiting += 1;
         self.metrics.counters.arrived += 1;
         // With a storage tier: the prefix past what the device and host hold is looked up in
-        // the store now, and loaded into the host tier in the background while it waits.
+        // the store now, and loaded into the host tier in the background while it waits. (A
+        // lazy request's tokens are lent to the lookup and dropped again.)
         if self.has_storage
             && let Some(t) = self.requests.get_mut(id)
         {
+            if let Some(tokens) = prefetch_tokens {
+                t.kv.key.tokens = tokens;
+            }
             t.prefetching = self.cache.storage_prefetch(id, &t.kv);
+            if !t.materialised {
+                t.kv.key.tokens = Vec::new();
+            }
         }
+        self.recount_tokens(id);
         Ok(ReqId(id))
     }
 
@@ -599,9 +700,70 @@ impl KvCacheManager {
     /// they are demoted until the request fits. A session turn served from its session's slot
     /// that must wait for room hands the slot back until its next admission.
     ///
+    /// A lazy request ([`Request::lazy`]) has its tokens filled from its source first (once
+    /// its admission budget could ever fit the pool), and dropped again when the next lazy
+    /// request is tried while it still waits: of the lazy requests, only the one tried last
+    /// holds tokens while waiting, so a scheduler retrying the head of its queue every step
+    /// fills them once, and a backlog holds none (see [`TokenStorage`]).
+    ///
     /// # Errors
-    /// Unknown or already running request; cache errors (nothing is held then).
+    /// Unknown or already running request; cache errors (nothing is held then);
+    /// [`ManagerError::TokenSource`] when a lazy request's source fails (it stays waiting,
+    /// holding nothing).
     pub fn admit(&mut self, id: ReqId) -> Result<Admission> {
+        let t = self
+            .requests
+            .get_mut(id.0)
+            .ok_or(ManagerError::UnknownRequest(id.0))?;
+        if t.phase != Phase::Waiting {
+            return Err(t.lifecycle(id, "admit on a running request"));
+        }
+        if t.source.is_some() {
+            if !t.materialised {
+                // What `admit_materialised` refuses first, without the tokens: a request that
+                // can never fit is not filled.
+                let len = t.prompt_len + t.decoded.len();
+                let output_left = t
+                    .max_new
+                    .saturating_sub(t.decoded.len())
+                    .min(self.cfg.reserve_clip_tokens);
+                let capacity = self.cache.pools().total_tokens();
+                let page = self.cfg.model.page_size;
+                if let Some(never) = never_fits(len, output_left, page, capacity) {
+                    tracing::debug!(parent: &t.span, ?never, "never admissible");
+                    return Ok(Admission::Never(never));
+                }
+            }
+            // Only the lazy request tried last keeps its tokens while it waits.
+            if let Some(prev) = self.materialised_slot.take()
+                && prev != id.0
+                && let Some(p) = self.requests.get_mut(prev)
+            {
+                dematerialise(p);
+                self.recount_tokens(prev);
+            }
+            let device_tokens = self.cfg.device_tokens;
+            let Some(t) = self.requests.get_mut(id.0) else {
+                return Err(ManagerError::UnknownRequest(id.0));
+            };
+            materialise(t, id, device_tokens)?;
+            self.materialised_slot = Some(id.0);
+        }
+        let r = self.admit_materialised(id);
+        if self
+            .requests
+            .get(id.0)
+            .is_none_or(|t| t.phase != Phase::Waiting)
+            && self.materialised_slot == Some(id.0)
+        {
+            self.materialised_slot = None;
+        }
+        self.recount_tokens(id.0);
+        r
+    }
+
+    /// [`Self::admit`] of a request whose tokens are materialised.
+    fn admit_materialised(&mut self, id: ReqId) -> Result<Admission> {
         let page = self.cfg.model.page_size;
         let clip = self.cfg.reserve_clip_tokens;
         let t = self
@@ -953,7 +1115,14 @@ impl KvCacheManager {
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
         let pos = t.kv.allocated_len;
+        let capacity = t.kv.key.tokens.capacity();
         t.kv.key.tokens.push(token);
+        if t.kv.key.tokens.capacity() != capacity {
+            // Past the room reserved at arrival (or materialisation): the vector moved.
+            let grown = (t.kv.key.tokens.capacity() - capacity) * std::mem::size_of::<TokenId>();
+            t.share.bytes += grown;
+            self.running_token_bytes += grown;
+        }
         t.alloc_step = forward_step;
         // The common case, checked here so that it makes no call and moves no `Result`.
         if self.page_granular && alloc_in_place(&mut self.reserved_total, t, 1) {
@@ -1004,12 +1173,17 @@ impl KvCacheManager {
     /// Tokens of the request so far (prompt, then prompt + decoded tokens).
     ///
     /// # Errors
-    /// Unknown request.
+    /// Unknown request; a lazy request ([`Request::lazy`]) waiting without its tokens
+    /// ([`ManagerError::Lifecycle`]: they are in its source until an admission fills them).
     pub fn tokens(&self, id: ReqId) -> Result<&[TokenId]> {
-        self.requests
+        let t = self
+            .requests
             .get(id.0)
-            .map(|t| t.kv.key.tokens.as_slice())
-            .ok_or(ManagerError::UnknownRequest(id.0))
+            .ok_or(ManagerError::UnknownRequest(id.0))?;
+        if !t.materialised {
+            return Err(t.lifecycle(id, "a waiting lazy request holds no tokens"));
+        }
+        Ok(t.kv.key.tokens.as_slice())
     }
 
     /// Finishes a request: its KV enters the cache (or its session), its lock and row go.
@@ -1023,7 +1197,7 @@ impl KvCacheManager {
             self.requests.restore(id.0, t);
             return Err(e);
         }
-        self.forget(&t);
+        self.forget(id, &t);
         t.span.record("outcome", "finished");
         if let Some(tag) = t.kv.session {
             self.use_seq += 1;
@@ -1043,7 +1217,7 @@ impl KvCacheManager {
     /// Unknown request; cache errors.
     pub fn abort(&mut self, id: ReqId) -> Result<()> {
         let mut t = self.take(id)?;
-        self.forget(&t);
+        self.forget(id, &t);
         t.span.record("outcome", "aborted");
         self.metrics.counters.aborted += 1;
         // A prefetch still loading for it stops, and its host pages return to the pool.
@@ -1115,7 +1289,56 @@ impl KvCacheManager {
         {
             self.metrics.counters.session_demotions += 1;
         }
+        // A lazy request waits again holding only what it decoded (its prompt is in its
+        // source).
+        if let Some(t) = self.requests.get_mut(id.0) {
+            dematerialise(t);
+        }
+        self.recount_tokens(id.0);
         committed
+    }
+
+    /// What the requests hold in token storage, waiting and running (see [`TokenStorage`]).
+    /// Kept as requests move: a call costs nothing but the copy (a scheduler or a replay may
+    /// read it every step).
+    pub fn token_storage(&self) -> TokenStorage {
+        TokenStorage {
+            waiting_requests: self.waiting,
+            waiting_materialised: self.waiting_materialised,
+            waiting_lazy_materialised: self.waiting_lazy_materialised,
+            waiting_bytes: self.waiting_token_bytes,
+            running_bytes: self.running_token_bytes,
+        }
+    }
+
+    /// Brings request `slot`'s share of the token storage totals up to date (nothing once it
+    /// is gone).
+    fn recount_tokens(&mut self, slot: u64) {
+        let Some(t) = self.requests.get_mut(slot) else {
+            return;
+        };
+        let old = std::mem::take(&mut t.share);
+        let new = TokenShare::of(t);
+        t.share = new;
+        self.uncount_tokens(old);
+        if new.running {
+            self.running_token_bytes += new.bytes;
+        } else {
+            self.waiting_token_bytes += new.bytes;
+        }
+        self.waiting_materialised += usize::from(new.materialised);
+        self.waiting_lazy_materialised += usize::from(new.materialised && new.lazy);
+    }
+
+    /// Takes `share` out of the token storage totals.
+    fn uncount_tokens(&mut self, share: TokenShare) {
+        if share.running {
+            self.running_token_bytes -= share.bytes;
+        } else {
+            self.waiting_token_bytes -= share.bytes;
+        }
+        self.waiting_materialised -= usize::from(share.materialised);
+        self.waiting_lazy_materialised -= usize::from(share.materialised && share.lazy);
     }
 
     /// Closes a session: whatever KV it holds is released to the cache. While a turn of it
@@ -1342,7 +1565,11 @@ impl KvCacheManager {
     }
 
     /// Drops a removed request's share of the manager's totals.
-    fn forget(&mut self, t: &Tracked) {
+    fn forget(&mut self, id: ReqId, t: &Tracked) {
+        self.uncount_tokens(t.share);
+        if self.materialised_slot == Some(id.0) {
+            self.materialised_slot = None;
+        }
         self.reserved_total -= t.reserved;
         match t.phase {
             Phase::Running => {
@@ -1471,6 +1698,116 @@ fn slide(cache: &mut dyn ManagedCache, kv: &mut RequestKv) -> Result<usize> {
         return Ok(0);
     }
     Ok(cache.slide_window(kv)?)
+}
+
+/// What one request counts in the manager's token storage totals.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+struct TokenShare {
+    bytes: usize,
+    /// Counted in the running total (else the waiting one).
+    running: bool,
+    /// Waiting with its prompt's tokens.
+    materialised: bool,
+    lazy: bool,
+}
+
+impl TokenShare {
+    /// `t`'s share as it is now.
+    fn of(t: &Tracked) -> Self {
+        let running = t.phase == Phase::Running;
+        TokenShare {
+            bytes: token_bytes(t),
+            running,
+            materialised: !running && t.materialised,
+            lazy: t.source.is_some(),
+        }
+    }
+}
+
+/// Bytes of token storage `t` holds: its token vector and a lazy request's decoded tokens
+/// kept aside (capacities).
+fn token_bytes(t: &Tracked) -> usize {
+    (t.kv.key.tokens.capacity() + t.decoded.capacity()) * std::mem::size_of::<TokenId>()
+}
+
+/// A lazy request's tokens from `source`, then `decoded`, with room for `room` more; `id` and
+/// `engine_id` name the request in the error.
+///
+/// # Errors
+/// [`ManagerError::TokenSource`] when the source fails or gives another number of tokens than
+/// its `len`.
+fn fill_tokens(
+    source: &dyn TokenSource,
+    decoded: &[TokenId],
+    room: usize,
+    id: u64,
+    engine_id: &Option<String>,
+) -> Result<Vec<TokenId>> {
+    let err = |message| ManagerError::TokenSource {
+        id,
+        engine_id: engine_id.clone(),
+        message,
+    };
+    let len = source.len();
+    let mut tokens = Vec::new();
+    // Only a hint, as at arrival: a source announcing an impossible length gets no room.
+    let _ = tokens.try_reserve_exact(len.saturating_add(decoded.len()).saturating_add(room));
+    source.fill(&mut tokens).map_err(|e| err(e.0))?;
+    if tokens.len() != len {
+        return Err(err(format!(
+            "gave {} tokens, announced {len}",
+            tokens.len()
+        )));
+    }
+    tokens.extend_from_slice(decoded);
+    Ok(tokens)
+}
+
+/// Fills a waiting lazy request's tokens from its source (its prompt, then what it decoded
+/// before a retraction), with room for the rest of its output; nothing for a request whose
+/// tokens are there.
+///
+/// # Errors
+/// As [`fill_tokens`]; the request is unchanged then.
+fn materialise(t: &mut Tracked, id: ReqId, device_tokens: usize) -> Result<()> {
+    let Some(src) = t.source.as_ref().filter(|_| !t.materialised) else {
+        return Ok(());
+    };
+    let room = t.max_new.saturating_sub(t.decoded.len()).min(device_tokens);
+    t.kv.key.tokens = fill_tokens(src.as_ref(), &t.decoded, room, id.0, &t.engine_id)?;
+    t.decoded = Vec::new();
+    t.materialised = true;
+    Ok(())
+}
+
+/// Drops a waiting lazy request's tokens, keeping only what it decoded (in no source), with
+/// the match it made with them (the next admission matches again). A request that holds KV
+/// (a session turn lent its session's KV whose close waits for it) keeps them: its key
+/// describes that KV.
+fn dematerialise(t: &mut Tracked) {
+    let kv = &t.kv;
+    if t.source.is_none()
+        || !t.materialised
+        || t.phase != Phase::Waiting
+        || kv.row.is_some()
+        || kv.lock.is_some()
+        || kv.kv_lent
+        || kv.mamba_slot.is_some()
+    {
+        return;
+    }
+    let tokens = std::mem::take(&mut t.kv.key.tokens);
+    t.decoded = tokens
+        .get(t.prompt_len..)
+        .map_or_else(Vec::new, <[TokenId]>::to_vec);
+    let kv = &mut t.kv;
+    kv.prefix_pages = Vec::new();
+    kv.prefix_len = 0;
+    kv.host_hit_len = 0;
+    kv.last_node = None;
+    kv.load_anchor = None;
+    kv.kv_match_len = 0;
+    t.materialised = false;
 }
 
 fn inv(msg: String) -> ManagerError {

@@ -11,11 +11,104 @@ use radixkv_radix::{
 use crate::error::Result;
 use crate::factory::{LayerWait, StepTransfers};
 
+/// Where a lazily submitted request's prompt tokens come from ([`Request::lazy`]).
+///
+/// A request that arrives with a source holds no tokens while it waits: the manager asks the
+/// source for them when it tries to admit the request (and when something needs them earlier:
+/// a storage tier's prefetch at [`KvCacheManager::arrive`](crate::KvCacheManager::arrive),
+/// which fills them, hashes them and drops them at once). So the memory of a backlog is the
+/// sources' (an engine's shared prompt buffer, a trace's block ids), not the manager's.
+///
+/// A source must give the same tokens every time it is asked (a request may be asked again
+/// after a wait or a retraction), exactly [`TokenSource::len`] of them.
+pub trait TokenSource: Send + Sync + std::fmt::Debug {
+    /// The prompt's length in tokens (fixed; at least one for a request that can arrive).
+    fn len(&self) -> usize;
+
+    /// True when the prompt has no tokens (such a request is refused at arrival).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the prompt's [`TokenSource::len`] tokens to `out` (whose other contents it
+    /// leaves alone).
+    ///
+    /// # Errors
+    /// Whatever keeps the source from producing them (a prompt evicted from an engine-side
+    /// store, say). The manager reports it as
+    /// [`ManagerError::TokenSource`](crate::ManagerError::TokenSource), and as the same error
+    /// when the source appends another number of tokens than it said; the request then
+    /// holds nothing and waits (abort it).
+    fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError>;
+}
+
+/// Why a [`TokenSource`] could not produce its tokens (a message for the engine's logs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenSourceError(pub String);
+
+impl std::fmt::Display for TokenSourceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TokenSourceError {}
+
+/// A prompt shared with the engine ([`Request::shared`]): the manager copies it out at
+/// admission and keeps nothing of it while the request waits.
+impl TokenSource for Arc<[TokenId]> {
+    fn len(&self) -> usize {
+        <[TokenId]>::len(self)
+    }
+
+    fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError> {
+        out.extend_from_slice(self);
+        Ok(())
+    }
+}
+
+/// What the requests registered with a manager hold in token storage
+/// ([`KvCacheManager::token_storage`](crate::KvCacheManager::token_storage)): the bytes of
+/// their token vectors (capacity, not length), so that a scheduler (or a test) can check that
+/// a backlog costs the tokens' sources, not the manager.
+///
+/// A waiting request holds tokens when it arrived with them ([`Request::new`]), and a lazy
+/// one ([`Request::lazy`]) only while it is the last lazy request an admission attempt
+/// materialised and it still waits (at most one such request at a time: the head of a FCFS
+/// queue, retried every step, is not materialised again at every try), or while it holds a
+/// session's KV lent to it (a turn of a session whose close waits for it). A lazy request that
+/// was retracted keeps the tokens it decoded (they are in no source) and nothing of its
+/// prompt.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenStorage {
+    /// Requests waiting (arrived or retracted, not admitted).
+    pub waiting_requests: usize,
+    /// Of those, requests holding their prompt's tokens.
+    pub waiting_materialised: usize,
+    /// Of those, lazy requests holding their prompt's tokens (at most one, unless turns hold
+    /// session KV lent to them while their session's close waits).
+    pub waiting_lazy_materialised: usize,
+    /// Bytes of token storage held by waiting requests: materialised prompts (and their
+    /// decoded tokens) and the decoded tokens retracted lazy requests keep.
+    pub waiting_bytes: usize,
+    /// Bytes of token storage held by running requests (prompt and decoded tokens, with the
+    /// room reserved for the decoded ones).
+    pub running_bytes: usize,
+}
+
 /// A request as the scheduler submits it.
+///
+/// Its prompt is either owned ([`Request::new`]: [`Request::tokens`], kept by the manager
+/// from arrival to the end) or given by a [`TokenSource`] ([`Request::lazy`],
+/// [`Request::shared`]: [`Request::source`], materialised only when the manager tries to admit
+/// the request), never both.
 #[derive(Clone, Debug, Default)]
 pub struct Request {
-    /// Prompt tokens (at least one).
+    /// Prompt tokens (at least one), or empty when [`Request::source`] gives them.
     pub tokens: Vec<TokenId>,
+    /// Where the prompt's tokens come from, for a request that does not own them (then
+    /// [`Request::tokens`] must be empty, or arrival refuses the request).
+    pub source: Option<Arc<dyn TokenSource>>,
     /// Tenant / LoRA / cache-salt namespace.
     pub namespace: Namespace,
     /// The streaming session this request continues, if any (opened on first use; a turn
@@ -36,12 +129,36 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request for `tokens` in the default namespace.
+    /// A request for `tokens` in the default namespace. The manager keeps them from arrival
+    /// on, waiting included; see [`Request::lazy`] for a request that holds nothing while it
+    /// waits.
     pub fn new(tokens: Vec<TokenId>) -> Self {
         Request {
             tokens,
             ..Default::default()
         }
+    }
+
+    /// A request whose prompt `source` gives, in the default namespace: the manager holds none
+    /// of its tokens while it waits and fills them from `source` when it tries to admit it
+    /// (see [`TokenSource`] and [`TokenStorage`]). Admission, hits and events are those of
+    /// [`Request::new`] with the same tokens.
+    pub fn lazy(source: Arc<dyn TokenSource>) -> Self {
+        Request {
+            source: Some(source),
+            ..Default::default()
+        }
+    }
+
+    /// A request for a prompt the engine keeps (`Arc<[TokenId]>`): [`Request::lazy`] over it,
+    /// so that the manager copies the tokens only at admission.
+    pub fn shared(tokens: Arc<[TokenId]>) -> Self {
+        Request::lazy(Arc::new(tokens))
+    }
+
+    /// The prompt's length in tokens (from the source for a lazy request).
+    pub fn prompt_len(&self) -> usize {
+        self.source.as_ref().map_or(self.tokens.len(), |s| s.len())
     }
 
     /// Sets the namespace.
