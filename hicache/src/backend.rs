@@ -261,6 +261,13 @@ impl HostMemory {
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Start of the buffer, for a device backend's DMA (the allocation never moves). Taken
+    /// through the write lock so the pointer may be written through.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn dma_ptr(&self) -> *mut u8 {
+        self.write().as_mut_ptr()
+    }
 }
 
 /// A flat buffer of fixed-size slots: the host side of an extra pool, and the device side of
@@ -364,6 +371,18 @@ impl SlotMemory {
 
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start of the buffer, for a device backend's DMA (see [`HostMemory`]'s).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn dma_ptr(&self) -> *mut u8 {
+        self.write().as_mut_ptr()
+    }
+
+    /// Size in bytes.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.slots * self.item_bytes
     }
 }
 

@@ -116,6 +116,8 @@
 mod backend;
 mod consensus;
 mod controller;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod geometry;
 mod hiradix;
