@@ -88,10 +88,10 @@ pub trait CopyEvent: Clone + Send + Sync + 'static {
 
 /// A device with a paged KV pool and two asynchronous copy streams.
 ///
-/// Implementations: [`HostSim`](crate::HostSim) (ordinary memory, worker threads) and, in a
-/// later issue, a CUDA backend (device memory, `cudaMemcpyAsync` on two streams, CUDA events;
-/// the host pool's buffer is registered as pinned memory). Backends allocate the device pool
-/// when they are constructed.
+/// Implementations: [`HostSim`](crate::HostSim) (ordinary memory, worker threads) and, with the
+/// `cuda` feature, `cuda::CudaBackend` (device memory, asynchronous memcpys on two streams,
+/// CUDA events; the host pool's buffer is registered as pinned memory). Backends allocate (or
+/// wrap) the device pool when they are constructed.
 pub trait DeviceBackend: Send + Sync + 'static {
     /// The stream event type.
     type Event: CopyEvent;

@@ -88,8 +88,25 @@ pub(crate) fn probe_with(library_present: impl FnOnce() -> bool) -> Result<CudaD
             "the CUDA driver library (libcuda) is not installed or not on the library path".into(),
         ));
     }
-    result::init()
-        .map_err(|e| HiCacheError::NoDevice(format!("cuInit failed: {}", describe(e))))?;
+    // cudarc panics when a function is missing from the library (a stub or foreign
+    // `libcuda`): that is no usable driver either. Look the entry point up first, and keep any
+    // panic of the first call from unwinding into the caller.
+    // SAFETY: the library is present (checked above), so `culib` loads it without panicking;
+    // looking a symbol up calls nothing.
+    let has_init = unsafe {
+        sys::culib()
+            .get::<*const std::ffi::c_void>(b"cuInit")
+            .is_ok()
+    };
+    if !has_init {
+        return Err(HiCacheError::NoDevice(
+            "the CUDA driver library lacks the driver API (cuInit)".into(),
+        ));
+    }
+    let init = std::panic::catch_unwind(result::init).map_err(|_| {
+        HiCacheError::NoDevice("the CUDA driver library lacks the driver API (cuInit)".into())
+    })?;
+    init.map_err(|e| HiCacheError::NoDevice(format!("cuInit failed: {}", describe(e))))?;
     let mut version = 0;
     // SAFETY: the library is present and initialised; the out-pointer is valid.
     unsafe { sys::cuDriverGetVersion(&mut version) }
