@@ -66,14 +66,22 @@ fn host_page(host: &HostMemory, layer: usize, page: u32) -> Vec<u8> {
 /// event per layer as a pipelined load does. Every byte is checked, and the pages no run
 /// names are checked untouched.
 fn merged_runs_copy_byte_exactly<F: Factory>(layout: HostLayout, page_size: usize) {
-    let g = geometry(page_size);
-    let Some(dev) = F::make(g, PAGES) else { return };
+    let Some(dev) = F::make(geometry(page_size), PAGES) else {
+        return;
+    };
+    check_merged_runs(&*dev, layout);
+}
+
+fn check_merged_runs<B: DeviceBackend>(dev: &B, layout: HostLayout) {
+    let g = dev.geometry();
+    let page_size = g.page_size;
+    let name = dev.name();
     let host = Arc::new(HostMemory::new(g, PAGES, layout).unwrap());
     dev.register_host(&host).unwrap();
     dev.register_host(&host).unwrap(); // idempotent
     let pages: Vec<PageId> = (0..PAGES as u32).map(PageId).collect();
     let hs: Vec<u64> = (0..PAGES as u64).map(|i| mix(i + 500)).collect();
-    write_pages(&*dev, &pages, &hs);
+    write_pages(dev, &pages, &hs);
     let out = [run(2, 5, 4), run(6, 9, 1), run(9, 0, 1), run(12, 11, 3)];
     dev.enqueue_copy(
         StreamKind::Write,
@@ -91,8 +99,7 @@ fn merged_runs_copy_byte_exactly<F: Factory>(layout: HostLayout, page_size: usiz
                 assert_eq!(
                     host_page(&host, l, r.host + i),
                     page_bytes(&g, hs[(r.device + i) as usize], l),
-                    "{} {layout:?} p{page_size}: host page {} layer {l}",
-                    F::NAME,
+                    "{name} {layout:?} p{page_size}: host page {} layer {l}",
                     r.host + i
                 );
             }
@@ -129,7 +136,7 @@ fn merged_runs_copy_byte_exactly<F: Factory>(layout: HostLayout, page_size: usiz
     }
     let want: Vec<u64> = [2, 3, 4, 5, 6, 12, 13, 14].map(|d| hs[d]).to_vec();
     let dst: Vec<PageId> = (0..8).map(PageId).collect();
-    check_pages(&*dev, &dst, &want);
+    check_pages(dev, &dst, &want);
     // Page 8 was cleared and named by no run: still zero.
     let mut buf = vec![1u8; g.page_bytes_per_layer()];
     dev.read_device_page(1, PageId(8), &mut buf).unwrap();
@@ -261,6 +268,94 @@ fn cuda_tests_ran_or_were_skipped() {
                 "RADIXKV_REQUIRE_GPU is set but there is no GPU: {e}"
             );
             eprintln!("CUDA GPU TESTS SKIPPED: {e}. The cuda::* tests returned without running.");
+        }
+    }
+}
+
+/// CUDA only: host buffers left pageable (as when the driver refuses to pin them) copy the
+/// same bytes, and are counted as unpinned.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_pageable_host_buffers_copy_byte_exactly() {
+    use radixkv_hicache::cuda::{CudaBackend, CudaConfig, probe};
+    if probe().is_err() {
+        return; // the sentinel reports the skip
+    }
+    let cfg = CudaConfig {
+        pin_host: false,
+        ..Default::default()
+    };
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        let dev = CudaBackend::new(geometry(16), PAGES, cfg.clone()).unwrap();
+        check_merged_runs(&dev, layout);
+        assert_eq!(dev.host_buffers(), (1, 0));
+        assert_eq!(dev.pin_failures(), 0, "pinning was not asked for");
+    }
+    let dev = CudaBackend::new(geometry(16), PAGES, CudaConfig::default()).unwrap();
+    check_merged_runs(&dev, HostLayout::LayerFirst);
+    assert_eq!(dev.host_buffers().0, 1);
+    assert_eq!(dev.host_buffers().1 as u64 + dev.pin_failures(), 1);
+}
+
+/// CUDA only: a pool the engine owns, with K and V of each layer in separate buffers and a
+/// gap after every page, copies byte-exactly through `from_device_regions`.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_engine_owned_split_regions_copy_byte_exactly() {
+    use radixkv_hicache::cuda::cudarc::driver::result;
+    use radixkv_hicache::cuda::{CudaBackend, CudaConfig, DeviceRegion, probe};
+    if probe().is_err() {
+        return; // the sentinel reports the skip
+    }
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        for page_size in [1, 16] {
+            let g = geometry(page_size);
+            let half = g.page_bytes_per_layer() / 2;
+            let stride = (half + 64) as u64;
+            let ctx = radixkv_hicache::cuda::cudarc::driver::CudaContext::new(0).unwrap();
+            ctx.bind_to_thread().unwrap();
+            let buf_bytes = stride as usize * PAGES;
+            // SAFETY: plain allocations, freed after the backend is dropped.
+            let bufs: Vec<u64> = (0..2 * LAYERS)
+                .map(|_| unsafe { result::malloc_sync(buf_bytes) }.unwrap())
+                .collect();
+            let regions: Vec<Vec<DeviceRegion>> = (0..LAYERS)
+                .map(|l| {
+                    vec![
+                        DeviceRegion {
+                            base: bufs[2 * l],
+                            page_stride: stride,
+                            bytes: half,
+                        },
+                        DeviceRegion {
+                            base: bufs[2 * l + 1],
+                            page_stride: stride,
+                            bytes: g.page_bytes_per_layer() - half,
+                        },
+                    ]
+                })
+                .collect();
+            {
+                // SAFETY: the buffers are device memory of device 0's primary context, large
+                // enough for every page, disjoint, and outlive the backend (freed below).
+                let dev = unsafe {
+                    CudaBackend::from_device_regions(g, PAGES, regions, CudaConfig::default())
+                }
+                .unwrap();
+                // The engine's buffers are not zeroed: clear the pages the check reads.
+                let zero = vec![0u8; g.page_bytes_per_layer()];
+                for p in 0..PAGES as u32 {
+                    for l in 0..LAYERS {
+                        dev.write_device_page(l, PageId(p), &zero).unwrap();
+                    }
+                }
+                check_merged_runs(&dev, layout);
+            }
+            ctx.bind_to_thread().unwrap();
+            for b in bufs {
+                // SAFETY: allocated above; the backend that used it is gone.
+                unsafe { result::free_sync(b) }.unwrap();
+            }
         }
     }
 }
