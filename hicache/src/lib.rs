@@ -108,9 +108,9 @@
 //!   identical.
 //!
 //! ## Not yet here
-//! The CUDA backend has not run on a GPU yet (no GPU machine was available; its byte-exact
-//! tests skip without one), and it has no fault injection: the failure tests run on
-//! [`HostSim`]. It does not use the driver's batched copy call or a gather kernel.
+//! The CUDA backend has not run on a GPU yet (no GPU machine was available; its tests skip
+//! without one). It has no copy gate or refusal injection, so the tests that need them run on
+//! [`HostSim`] only. It does not use the driver's batched copy call or a gather kernel.
 //!
 //! The storage tier moves KV pages only (refused for trees with Mamba states, sliding-window
 //! KV or extra pools); the manager's configuration and the replay tool do not offer it yet.

@@ -1,12 +1,11 @@
 //! Extra pools (Mamba state, SWA KV) move their bytes in the same merged operation as the KV.
-//! The byte-exact tests run on every backend (`hostsim::*`, `cuda::*`); the fault-injection
-//! test on HostSim only.
+//! Every test runs on every backend (`hostsim::*`, `cuda::*`).
 
 mod common;
 
 use std::sync::Arc;
 
-use common::backends::{Factory, HostSimFactory, for_each_backend};
+use common::backends::{Factory, FailCopies, for_each_backend};
 use radixkv_hicache::{
     DeviceBackend, ExtraPoolSpec, HiCacheError, HostLayout, HostPool, HybridCacheController,
     KvGeometry, PoolName, PoolTransfer, SlotOwner, StreamKind,
@@ -65,6 +64,7 @@ fn slot<B: DeviceBackend>(dev: &B, pool: PoolName, s: u32, len: usize) -> Vec<u8
 for_each_backend! {
     extra_pools_round_trip_byte_exactly_with_the_kv => extra_pools_round_trip_byte_exactly_with_the_kv(),
     one_pool_short_rolls_back_every_pool_and_moves_nothing => one_pool_short_rolls_back_every_pool_and_moves_nothing(),
+    a_failed_extra_pool_copy_fails_the_whole_operation => a_failed_extra_pool_copy_fails_the_whole_operation(),
 }
 
 fn extra_pools_round_trip_byte_exactly_with_the_kv<F: Factory>() {
@@ -237,9 +237,10 @@ fn one_pool_short_rolls_back_every_pool_and_moves_nothing<F: Factory>() {
     assert_eq!(ctrl.extra_available(PoolName::Mamba).unwrap(), (7, 6));
 }
 
-#[test]
-fn a_failed_extra_pool_copy_fails_the_whole_operation() {
-    let (dev, mut ctrl) = setup::<HostSimFactory>(HostLayout::LayerFirst).unwrap();
+fn a_failed_extra_pool_copy_fails_the_whole_operation<F: Factory>() {
+    let Some((dev, mut ctrl)) = setup::<F>(HostLayout::LayerFirst) else {
+        return;
+    };
     // Without a fault the operation is acknowledged as written.
     let op = ctrl
         .write(

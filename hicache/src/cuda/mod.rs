@@ -32,15 +32,17 @@
 //!   [`HiCacheError::Transfer`]. A copy whose memcpys were only partly queued fails the next
 //!   event of its stream, so its bytes are never acknowledged.
 //!
-//! Not here: fault injection and the copy gate of [`HostSim`](crate::HostSim) (the failure
-//! tests run on HostSim only).
+//! Tests can fail copies as [`HostSim::fail_next_copies`](crate::HostSim::fail_next_copies)
+//! does ([`CudaBackend::fail_next_copies`]: the destination is poisoned on the stream, the next
+//! event fails). Not here: HostSim's refusals, dead-worker hooks and copy gate (the tests that
+//! need them run on HostSim only).
 
 mod plan;
 
 pub use cudarc;
 pub use plan::DeviceRegion;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
@@ -53,6 +55,7 @@ use crate::backend::{
 use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::KvGeometry;
+use crate::hostsim::POISON_BYTE;
 use plan::Span;
 
 /// What [`probe`] found.
@@ -279,8 +282,11 @@ pub struct CudaBackend {
     hosts: Mutex<Vec<HostBuffer>>,
     pin_failures: AtomicU64,
     cfg: CudaConfig,
-    /// Per stream (load, write): a copy was only partly queued since the last event.
+    /// Per stream (load, write): a copy was only partly queued (or failed by injection)
+    /// since the last event.
     failed: [Mutex<Option<String>>; 2],
+    /// Per stream: copies still to fail (fault injection).
+    faults: [AtomicU32; 2],
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -420,6 +426,7 @@ impl CudaBackend {
             pin_failures: AtomicU64::new(0),
             cfg,
             failed: [Mutex::new(None), Mutex::new(None)],
+            faults: [AtomicU32::new(0), AtomicU32::new(0)],
         }
     }
 
@@ -466,6 +473,73 @@ impl CudaBackend {
             owned: false,
         });
         Ok(())
+    }
+
+    /// Fault injection (tests): the next `n` copies submitted to `stream` (a KV copy or an
+    /// extra-pool copy each) fail as a device error would: instead of its bytes, the copy
+    /// writes [`POISON_BYTE`](crate::POISON_BYTE) over its destination, in stream order, and
+    /// the next event recorded on the stream fails with [`HiCacheError::Transfer`] (the
+    /// semantics of [`HostSim::fail_next_copies`](crate::HostSim::fail_next_copies)).
+    pub fn fail_next_copies(&self, stream: StreamKind, n: u32) {
+        self.faults[stream_index(stream)].fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// Queues `spans` (planned for a copy in direction `dir`), or their poisoning when an
+    /// injected fault takes this copy.
+    fn submit_or_fail(
+        &self,
+        kind: StreamKind,
+        dir: Direction,
+        host: u64,
+        spans: &[Span],
+        what: &str,
+    ) -> Result<()> {
+        let fault = self.faults[stream_index(kind)]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if !fault {
+            return self.submit(kind, dir, host, spans);
+        }
+        self.poison(kind, dir, host, spans)?;
+        lock(&self.failed[stream_index(kind)])
+            .get_or_insert_with(|| format!("injected fault in {what} copy"));
+        Ok(())
+    }
+
+    /// Overwrites the destination of `spans` with [`POISON_BYTE`] in `kind`'s stream order:
+    /// device spans with a memset, host spans with a host function run by the stream.
+    fn poison(&self, kind: StreamKind, dir: Direction, host: u64, spans: &[Span]) -> Result<()> {
+        self.bind()?;
+        let stream = self.stream(kind).cu_stream();
+        match dir {
+            Direction::HostToDevice => {
+                for s in spans {
+                    // SAFETY: a planned span inside the device pool.
+                    unsafe { result::memset_d8_async(s.device, POISON_BYTE, s.len, stream) }
+                        .map_err(|e| transfer("cuMemsetD8Async", e))?;
+                }
+                Ok(())
+            }
+            Direction::DeviceToHost => {
+                let targets: Box<Vec<(usize, usize)>> = Box::new(
+                    spans
+                        .iter()
+                        .map(|s| ((host + s.host as u64) as usize, s.len))
+                        .collect(),
+                );
+                let arg = Box::into_raw(targets);
+                // SAFETY: the callback takes ownership of `arg` once; the spans lie in a
+                // registered host buffer that outlives the stream's work (see `drop`).
+                let r = unsafe {
+                    result::stream::launch_host_function(stream, fill_poison, arg.cast())
+                };
+                r.map_err(|e| {
+                    // SAFETY: not launched, so still ours.
+                    drop(unsafe { Box::from_raw(arg) });
+                    transfer("cuLaunchHostFunc", e)
+                })
+            }
+        }
     }
 
     /// Host buffers the driver refused to page-lock (they are used pageable).
@@ -632,6 +706,16 @@ impl CudaBackend {
     }
 }
 
+/// Host function of an injected D2H fault: fills the spans with [`POISON_BYTE`].
+unsafe extern "C" fn fill_poison(arg: *mut std::ffi::c_void) {
+    // SAFETY: `arg` is the boxed span list `poison` leaked for this one call.
+    let targets = unsafe { Box::from_raw(arg.cast::<Vec<(usize, usize)>>()) };
+    for (ptr, len) in targets.iter() {
+        // SAFETY: each span lies in a live registered host buffer (see `poison`).
+        unsafe { std::ptr::write_bytes(*ptr as *mut u8, POISON_BYTE, *len) };
+    }
+}
+
 fn stream_index(kind: StreamKind) -> usize {
     match kind {
         StreamKind::Load => 0,
@@ -758,7 +842,11 @@ impl DeviceBackend for CudaBackend {
         let host = self.kv_host(&copy.host)?;
         let mut spans = Vec::new();
         plan::page_copy_spans(&self.geometry, &self.regions, &copy, &mut spans);
-        self.submit(stream, copy.direction, host, &spans)
+        let what = match copy.direction {
+            Direction::DeviceToHost => "DeviceToHost",
+            Direction::HostToDevice => "HostToDevice",
+        };
+        self.submit_or_fail(stream, copy.direction, host, &spans, what)
     }
 
     fn record_event(&self, stream: StreamKind) -> Result<CudaCopyEvent> {
@@ -830,7 +918,8 @@ impl DeviceBackend for CudaBackend {
         let host = self.host_buffer(copy.host.dma_ptr(), copy.host.len_bytes(), || {
             Keep::Slots(copy.host.clone())
         })?;
-        self.submit(stream, copy.direction, host, &spans)
+        let what = format!("{:?}", copy.pool);
+        self.submit_or_fail(stream, copy.direction, host, &spans, &what)
     }
 
     fn read_extra_slot(&self, pool: PoolName, slot: u32, out: &mut [u8]) -> Result<()> {

@@ -4,12 +4,31 @@
 
 use std::sync::Arc;
 
-use radixkv_hicache::{DeviceBackend, HostSim, HostSimConfig, KvGeometry};
+use radixkv_hicache::{DeviceBackend, HostSim, HostSimConfig, KvGeometry, StreamKind};
+
+/// Fault injection every backend under test has: the next `n` copies on `stream` fail (their
+/// destination is poisoned, the next event fails).
+pub trait FailCopies {
+    fn fail_next_copies(&self, stream: StreamKind, n: u32);
+}
+
+impl FailCopies for HostSim {
+    fn fail_next_copies(&self, stream: StreamKind, n: u32) {
+        HostSim::fail_next_copies(self, stream, n);
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl FailCopies for radixkv_hicache::cuda::CudaBackend {
+    fn fail_next_copies(&self, stream: StreamKind, n: u32) {
+        radixkv_hicache::cuda::CudaBackend::fail_next_copies(self, stream, n);
+    }
+}
 
 /// Builds the backend under test.
 pub trait Factory {
     /// The backend.
-    type B: DeviceBackend;
+    type B: DeviceBackend + FailCopies;
     /// Its `DeviceBackend::name`.
     const NAME: &'static str;
     /// A device pool of `pages` pages, or `None` when this backend cannot run here (no GPU);
