@@ -477,7 +477,7 @@ impl CudaBackend {
 
     /// Fault injection (tests): the next `n` copies submitted to `stream` (a KV copy or an
     /// extra-pool copy each) fail as a device error would: instead of its bytes, the copy
-    /// writes [`POISON_BYTE`](crate::POISON_BYTE) over its destination, in stream order, and
+    /// writes [`POISON_BYTE`] over its destination, in stream order, and
     /// the next event recorded on the stream fails with [`HiCacheError::Transfer`] (the
     /// semantics of [`HostSim::fail_next_copies`](crate::HostSim::fail_next_copies)).
     pub fn fail_next_copies(&self, stream: StreamKind, n: u32) {
