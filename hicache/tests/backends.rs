@@ -359,3 +359,49 @@ fn cuda_engine_owned_split_regions_copy_byte_exactly() {
         }
     }
 }
+
+/// A `libcuda` that is not the driver (a stub, or another library under that name) is found
+/// by the loader but lacks the driver API: `probe` must say `NoDevice`, not panic in cudarc.
+/// Runs itself in a child process whose library path holds a copy of a library this process
+/// already loaded (the GCC runtime) under the driver's names.
+#[cfg(all(feature = "cuda", target_os = "linux"))]
+#[test]
+fn a_library_without_the_driver_api_is_no_device_not_a_panic() {
+    const NAME: &str = "a_library_without_the_driver_api_is_no_device_not_a_panic";
+    const CHILD: &str = "RADIXKV_STUB_LIBCUDA_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let e = radixkv_hicache::cuda::probe().unwrap_err();
+        assert!(
+            matches!(&e, HiCacheError::NoDevice(m) if m.contains("lacks the driver API")),
+            "{e:?}"
+        );
+        println!("stub libcuda refused: {e}");
+        return;
+    }
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let lib = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("/libgcc_s.so"))
+        .expect("a Rust test binary loads the GCC runtime");
+    let dir = std::env::temp_dir().join(format!("radixkv-stub-libcuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["libcuda.so", "libcuda.so.1"] {
+        std::fs::copy(lib, dir.join(name)).unwrap();
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && stdout.contains("stub libcuda refused")
+            && stdout.contains("1 passed"),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
