@@ -25,6 +25,7 @@ for_each_backend! {
     invalid_copies_are_refused_and_queue_nothing => invalid_copies_are_refused_and_queue_nothing(),
     extra_pools_register_once_and_check_their_slots => extra_pools_register_once_and_check_their_slots(),
     device_page_accessors_check_their_arguments => device_page_accessors_check_their_arguments(),
+    a_load_exposes_one_event_per_layer => a_load_exposes_one_event_per_layer(),
 }
 
 const PAGES: usize = 16;
@@ -404,4 +405,40 @@ fn a_library_without_the_driver_api_is_no_device_not_a_panic() {
         "child failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The events a forward pass (or an engine's compute stream) waits on: every layer of a
+/// started load has its own, and they complete once the load is done.
+fn a_load_exposes_one_event_per_layer<F: Factory>() {
+    use radixkv_hicache::{HostPool, HybridCacheController};
+    use radixkv_radix::PageAllocator;
+    let g = geometry(4);
+    let Some(dev) = F::make(g, PAGES) else { return };
+    let host = HostPool::new(g, 8, HostLayout::LayerFirst).unwrap();
+    let mut ctrl = HybridCacheController::new(dev.clone(), host, &[]).unwrap();
+    let src: Vec<PageId> = [1u32, 2, 7].map(PageId).to_vec();
+    let hs: Vec<u64> = (0..3).map(|i| mix(i + 900)).collect();
+    write_pages(&*dev, &src, &hs);
+    let host_pages = ctrl.write(&src, 0, Vec::new()).unwrap().host_pages.clone();
+    ctrl.start_writing().unwrap().unwrap();
+    ctrl.wait_all().unwrap();
+    ctrl.poll_acks();
+    let mut alloc = PageAllocator::new(PAGES).unwrap();
+    let _held = alloc.alloc(8).unwrap(); // the load lands on pages 8..
+    let dst = ctrl
+        .load(&host_pages, &mut alloc, Vec::new())
+        .unwrap()
+        .device_pages
+        .clone();
+    let step = ctrl.start_loading().unwrap().unwrap();
+    let counter = ctrl.layer_counter().clone();
+    for l in 0..LAYERS {
+        let evs = counter.layer_events(step.producer, l);
+        assert_eq!(evs.len(), 1, "layer {l}");
+        evs[0].wait().unwrap();
+        assert!(evs[0].is_complete() && counter.is_layer_done(step.producer, l));
+    }
+    assert!(counter.layer_events(step.producer, LAYERS).is_empty());
+    ctrl.wait_all().unwrap();
+    check_pages(&*dev, &dst, &hs);
 }
