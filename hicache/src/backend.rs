@@ -88,10 +88,10 @@ pub trait CopyEvent: Clone + Send + Sync + 'static {
 
 /// A device with a paged KV pool and two asynchronous copy streams.
 ///
-/// Implementations: [`HostSim`](crate::HostSim) (ordinary memory, worker threads) and, in a
-/// later issue, a CUDA backend (device memory, `cudaMemcpyAsync` on two streams, CUDA events;
-/// the host pool's buffer is registered as pinned memory). Backends allocate the device pool
-/// when they are constructed.
+/// Implementations: [`HostSim`](crate::HostSim) (ordinary memory, worker threads) and, with the
+/// `cuda` feature, `cuda::CudaBackend` (device memory, asynchronous memcpys on two streams,
+/// CUDA events; the host pool's buffer is registered as pinned memory). Backends allocate (or
+/// wrap) the device pool when they are constructed.
 pub trait DeviceBackend: Send + Sync + 'static {
     /// The stream event type.
     type Event: CopyEvent;
@@ -261,6 +261,13 @@ impl HostMemory {
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Start of the buffer, for a device backend's DMA (the allocation never moves). Taken
+    /// through the write lock so the pointer may be written through.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn dma_ptr(&self) -> *mut u8 {
+        self.write().as_mut_ptr()
+    }
 }
 
 /// A flat buffer of fixed-size slots: the host side of an extra pool, and the device side of
@@ -364,6 +371,18 @@ impl SlotMemory {
 
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Start of the buffer, for a device backend's DMA (see [`HostMemory`]'s).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn dma_ptr(&self) -> *mut u8 {
+        self.write().as_mut_ptr()
+    }
+
+    /// Size in bytes.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.slots * self.item_bytes
     }
 }
 

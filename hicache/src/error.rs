@@ -92,6 +92,20 @@ pub enum HiCacheError {
         /// Its size.
         bytes: usize,
     },
+    /// No usable GPU: the CUDA driver library is not installed, the driver found no device,
+    /// or the device asked for does not exist. Detected without touching the driver's
+    /// functions when the library is missing, so it is an error, never a panic.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// A CUDA driver call failed while setting a backend up or tearing one down (copies that
+    /// fail report [`HiCacheError::Transfer`] instead).
+    #[error("CUDA driver call {call} failed: {error}")]
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// The driver's error name and description.
+        error: String,
+    },
     /// An error of the radix layer.
     #[error(transparent)]
     Cache(#[from] CacheError),

@@ -115,6 +115,13 @@ impl<E: CopyEvent> LayerDoneCounter<E> {
         wait_all(&self.events(Some(producer), layer))
     }
 
+    /// The events `producer`'s `layer` waits for (empty when it loads nothing for that
+    /// layer). An engine makes its compute stream wait on them on the device (with the
+    /// `cuda` feature, `CudaCopyEvent::make_stream_wait`) instead of blocking the CPU in [`LayerDoneCounter::wait_until`].
+    pub fn layer_events(&self, producer: usize, layer: usize) -> Vec<E> {
+        self.events(Some(producer), layer)
+    }
+
     /// True when `producer`'s load of `layer` is complete (or there is none).
     pub fn is_layer_done(&self, producer: usize, layer: usize) -> bool {
         self.lock()

@@ -13,9 +13,10 @@
 //! - **Backends.** [`DeviceBackend`] has CUDA semantics: `enqueue_copy` returns at once, an
 //!   event recorded after it completes when the copy is done. [`HostSim`] implements it with
 //!   ordinary memory and one worker thread per stream; it can delay or gate copies so tests
-//!   observe overlap. There is no CUDA backend yet: an engine implements [`DeviceBackend`]
-//!   for its own device and hands it to [`HiRadixCache::new`] (or to the manager's builder in
-//!   `radixkv-scheduler-api`).
+//!   observe overlap. With the `cuda` feature, `cuda::CudaBackend` implements it on an NVIDIA
+//!   GPU (the CUDA driver API, loaded at run time; see that module). An engine may also
+//!   implement [`DeviceBackend`] for its own device; either is handed to
+//!   [`HiRadixCache::new`] (or to the manager's builder in `radixkv-scheduler-api`).
 //! - **Controller.** `write`/`load` allocate the target pages (and extra-pool slots, all or
 //!   nothing) and queue a [`CacheOperation`]; `start_writing`/`start_loading` merge the queue
 //!   into one transfer whose adjacent pages coalesce into runs. Extra pools (Mamba state, SWA
@@ -107,15 +108,20 @@
 //!   identical.
 //!
 //! ## Not yet here
-//! The CUDA backend comes in a later issue. The storage tier moves KV pages only (refused for
-//! trees with Mamba states, sliding-window KV or extra pools); the manager's configuration and
-//! the replay tool do not offer it yet.
+//! The CUDA backend has not run on a GPU yet (no GPU machine was available; its tests skip
+//! without one). It has no copy gate or refusal injection, so the tests that need them run on
+//! [`HostSim`] only. It does not use the driver's batched copy call or a gather kernel.
+//!
+//! The storage tier moves KV pages only (refused for trees with Mamba states, sliding-window
+//! KV or extra pools); the manager's configuration and the replay tool do not offer it yet.
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
 //! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 
 mod backend;
 mod consensus;
 mod controller;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod geometry;
 mod hiradix;

@@ -1,21 +1,25 @@
 //! Extra pools (Mamba state, SWA KV) move their bytes in the same merged operation as the KV.
+//! Every test runs on every backend (`hostsim::*`, `cuda::*`).
 
 mod common;
 
 use std::sync::Arc;
 
+use common::backends::{Factory, FailCopies, for_each_backend};
 use radixkv_hicache::{
-    DeviceBackend, ExtraPoolSpec, HiCacheError, HostLayout, HostPool, HostSim, HostSimConfig,
-    HybridCacheController, KvGeometry, PoolName, PoolTransfer, SlotOwner, StreamKind,
+    DeviceBackend, ExtraPoolSpec, HiCacheError, HostLayout, HostPool, HybridCacheController,
+    KvGeometry, PoolName, PoolTransfer, SlotOwner, StreamKind,
 };
 use radixkv_radix::{PageAllocator, PageId};
 
 const MAMBA_ITEM: usize = 24;
 const SWA_ITEM: usize = 40;
 
-fn setup(layout: HostLayout) -> (Arc<HostSim>, HybridCacheController<HostSim>) {
+type Rig<B> = (Arc<B>, HybridCacheController<B>);
+
+fn setup<F: Factory>(layout: HostLayout) -> Option<Rig<F::B>> {
     let g = KvGeometry::new(3, 4, 16).unwrap();
-    let dev = Arc::new(HostSim::new(g, 16, HostSimConfig::default()).unwrap());
+    let dev = F::make(g, 16)?;
     let pool = HostPool::new(g, 16, layout).unwrap();
     let extra = [
         ExtraPoolSpec {
@@ -34,7 +38,7 @@ fn setup(layout: HostLayout) -> (Arc<HostSim>, HybridCacheController<HostSim>) {
         },
     ];
     let ctrl = HybridCacheController::new(dev.clone(), pool, &extra).unwrap();
-    (dev, ctrl)
+    Some((dev, ctrl))
 }
 
 fn item(pool: PoolName, slot: u32, len: usize) -> Vec<u8> {
@@ -51,16 +55,23 @@ fn transfer(name: PoolName, device: Vec<u32>, host: Vec<u32>) -> PoolTransfer {
     }
 }
 
-fn slot(dev: &HostSim, pool: PoolName, s: u32, len: usize) -> Vec<u8> {
+fn slot<B: DeviceBackend>(dev: &B, pool: PoolName, s: u32, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
     dev.read_extra_slot(pool, s, &mut out).unwrap();
     out
 }
 
-#[test]
-fn extra_pools_round_trip_byte_exactly_with_the_kv() {
+for_each_backend! {
+    extra_pools_round_trip_byte_exactly_with_the_kv => extra_pools_round_trip_byte_exactly_with_the_kv(),
+    one_pool_short_rolls_back_every_pool_and_moves_nothing => one_pool_short_rolls_back_every_pool_and_moves_nothing(),
+    a_failed_extra_pool_copy_fails_the_whole_operation => a_failed_extra_pool_copy_fails_the_whole_operation(),
+}
+
+fn extra_pools_round_trip_byte_exactly_with_the_kv<F: Factory>() {
     for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
-        let (dev, mut ctrl) = setup(layout);
+        let Some((dev, mut ctrl)) = setup::<F>(layout) else {
+            return;
+        };
         let g = dev.geometry();
         let kv: Vec<PageId> = [3, 4, 9].map(PageId).to_vec();
         for (i, &p) in kv.iter().enumerate() {
@@ -142,14 +153,14 @@ fn extra_pools_round_trip_byte_exactly_with_the_kv() {
         for (&d_old, &d_new) in mamba_dev.iter().zip(&load.extra[0].device_indices) {
             assert_ne!(d_old, d_new, "a fresh slot, so the check is meaningful");
             assert_eq!(
-                slot(&dev, PoolName::Mamba, d_new, MAMBA_ITEM),
+                slot(&*dev, PoolName::Mamba, d_new, MAMBA_ITEM),
                 item(PoolName::Mamba, d_old, MAMBA_ITEM),
                 "{layout:?}"
             );
         }
         let swa_new = load.extra[1].device_indices[0];
         assert_eq!(
-            slot(&dev, PoolName::Swa, swa_new, SWA_ITEM),
+            slot(&*dev, PoolName::Swa, swa_new, SWA_ITEM),
             item(PoolName::Swa, 7, SWA_ITEM)
         );
         let mut buf = vec![0u8; g.page_bytes_per_layer()];
@@ -163,9 +174,10 @@ fn extra_pools_round_trip_byte_exactly_with_the_kv() {
     }
 }
 
-#[test]
-fn one_pool_short_rolls_back_every_pool_and_moves_nothing() {
-    let (dev, mut ctrl) = setup(HostLayout::PageFirst);
+fn one_pool_short_rolls_back_every_pool_and_moves_nothing<F: Factory>() {
+    let Some((dev, mut ctrl)) = setup::<F>(HostLayout::PageFirst) else {
+        return;
+    };
     let host_free = ctrl.host().available();
     dev.write_extra_slot(PoolName::Mamba, 0, &item(PoolName::Mamba, 0, MAMBA_ITEM))
         .unwrap();
@@ -225,9 +237,10 @@ fn one_pool_short_rolls_back_every_pool_and_moves_nothing() {
     assert_eq!(ctrl.extra_available(PoolName::Mamba).unwrap(), (7, 6));
 }
 
-#[test]
-fn a_failed_extra_pool_copy_fails_the_whole_operation() {
-    let (dev, mut ctrl) = setup(HostLayout::LayerFirst);
+fn a_failed_extra_pool_copy_fails_the_whole_operation<F: Factory>() {
+    let Some((dev, mut ctrl)) = setup::<F>(HostLayout::LayerFirst) else {
+        return;
+    };
     // Without a fault the operation is acknowledged as written.
     let op = ctrl
         .write(

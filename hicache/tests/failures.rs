@@ -1,12 +1,15 @@
 //! Failed copies: a failed backup leaves the node device-only; a failed load is never
-//! reported as a load and never leaves wrong KV in the tree.
+//! reported as a load and never leaves wrong KV in the tree. The tests of injected copy
+//! failures run on every backend (`hostsim::*`, `cuda::*`); those that also need HostSim's
+//! copy gate or refusals run on HostSim only.
 
 mod common;
 
+use common::backends::{Factory, FailCopies, for_each_backend};
 use common::*;
 use radixkv_hicache::{
-    DEFAULT_MAX_PENDING_OPS, DeviceBackend, HiCacheError, HiRadixCache, HostLayout, HostSim,
-    HostSize, POISON_BYTE, StreamKind, WritePolicy,
+    DEFAULT_MAX_PENDING_OPS, DeviceBackend, HiCacheError, HiRadixCache, HostLayout, HostSize,
+    KvGeometry, POISON_BYTE, StreamKind, WritePolicy,
 };
 use radixkv_radix::{FinishKind, KvEvent, Medium, PrefixCache, RadixKey, RequestKv};
 
@@ -20,7 +23,25 @@ fn host_hit(c: &mut impl PrefixCache, t: &[u32]) -> (usize, usize) {
     (m.prefix_len, m.host_hit_len)
 }
 
-fn host_event_balance(c: &mut HiRadixCache<HostSim>) -> (usize, usize) {
+for_each_backend! {
+    failed_backup_leaves_the_node_device_only => failed_backup_leaves_the_node_device_only(),
+    failed_load_is_repaired_and_not_reported_as_loaded => failed_load_is_repaired_and_not_reported_as_loaded(),
+    unrepairable_load_is_demoted_back_to_the_host => unrepairable_load_is_demoted_back_to_the_host(),
+}
+
+/// A write-through cache of page size 2 over 16 device pages of `F`'s backend.
+fn cache_of<F: Factory>(layout: HostLayout) -> Option<HiRadixCache<F::B>> {
+    let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
+    let dev = F::make(g, 16)?;
+    Some(cache_on(
+        dev,
+        HostSize::Ratio(2.0),
+        layout,
+        WritePolicy::WriteThrough,
+    ))
+}
+
+fn host_event_balance<B: DeviceBackend>(c: &mut HiRadixCache<B>) -> (usize, usize) {
     let mut n = (0, 0);
     for e in c.take_events() {
         match e {
@@ -38,15 +59,10 @@ fn host_event_balance(c: &mut HiRadixCache<HostSim>) -> (usize, usize) {
     n
 }
 
-#[test]
-fn failed_backup_leaves_the_node_device_only() {
-    let mut c = cache(
-        2,
-        16,
-        HostSize::Ratio(2.0),
-        HostLayout::PageFirst,
-        WritePolicy::WriteThrough,
-    );
+fn failed_backup_leaves_the_node_device_only<F: Factory>() {
+    let Some(mut c) = cache_of::<F>(HostLayout::PageFirst) else {
+        return;
+    };
     c.backend().fail_next_copies(StreamKind::Write, 1);
     let a = toks(1, 9);
     serve(&mut c, &a).unwrap();
@@ -101,7 +117,7 @@ fn failed_backup_drops_backups_below_it() {
 
 /// Demotes A to the host, then begins a request for it whose load is started; returns the
 /// request (holding its row and lock) and whether waiting for every layer failed.
-fn begin_loaded(c: &mut HiRadixCache<HostSim>, a: &[u32]) -> (RequestKv, bool) {
+fn begin_loaded<B: DeviceBackend>(c: &mut HiRadixCache<B>, a: &[u32]) -> (RequestKv, bool) {
     serve(c, a).unwrap();
     c.flush().unwrap();
     c.evict(100);
@@ -122,22 +138,17 @@ fn begin_loaded(c: &mut HiRadixCache<HostSim>, a: &[u32]) -> (RequestKv, bool) {
     (r, failed)
 }
 
-fn finish(c: &mut HiRadixCache<HostSim>, r: &mut RequestKv, tokens: &[u32]) {
+fn finish<B: DeviceBackend>(c: &mut HiRadixCache<B>, r: &mut RequestKv, tokens: &[u32]) {
     // Only a partial page is left to compute: no whole page of new KV to write.
     c.alloc_tokens(r, tokens.len() - r.prefix_len).unwrap();
     r.commit(tokens.len() - r.prefix_len).unwrap();
     c.cache_finished_req(r, FinishKind::Finished).unwrap();
 }
 
-#[test]
-fn failed_load_is_repaired_and_not_reported_as_loaded() {
-    let mut c = cache(
-        2,
-        16,
-        HostSize::Ratio(2.0),
-        HostLayout::PageFirst,
-        WritePolicy::WriteThrough,
-    );
+fn failed_load_is_repaired_and_not_reported_as_loaded<F: Factory>() {
+    let Some(mut c) = cache_of::<F>(HostLayout::PageFirst) else {
+        return;
+    };
     let a = toks(1, 9);
     c.backend().fail_next_copies(StreamKind::Load, 1);
     let (mut r, failed) = begin_loaded(&mut c, &a);
@@ -160,15 +171,10 @@ fn failed_load_is_repaired_and_not_reported_as_loaded() {
     assert_eq!(c.protected_tokens(), 0);
 }
 
-#[test]
-fn unrepairable_load_is_demoted_back_to_the_host() {
-    let mut c = cache(
-        2,
-        16,
-        HostSize::Ratio(2.0),
-        HostLayout::LayerFirst,
-        WritePolicy::WriteThrough,
-    );
+fn unrepairable_load_is_demoted_back_to_the_host<F: Factory>() {
+    let Some(mut c) = cache_of::<F>(HostLayout::LayerFirst) else {
+        return;
+    };
     let a = toks(1, 9);
     // Every layer fails, and so do the repairs at the next two steps.
     c.backend()

@@ -1,13 +1,13 @@
 //! Byte-exact round trips: KV written on device, evicted to host, loaded back, compared.
+//! Written once against `DeviceBackend`; runs on HostSim and, with the `cuda` feature and a
+//! GPU, on the CUDA backend (`hostsim::*` and `cuda::*` tests).
 
 mod common;
 
-use std::sync::Arc;
-
+use common::backends::{Factory, for_each_backend};
 use common::*;
 use radixkv_hicache::{
-    DeviceBackend, HostLayout, HostPool, HostSim, HostSimConfig, HostSize, HybridCacheController,
-    KvGeometry, WritePolicy,
+    DeviceBackend, HostLayout, HostPool, HostSize, HybridCacheController, KvGeometry, WritePolicy,
 };
 use radixkv_radix::{PageAllocator, PageId, PrefixCache, RadixKey, RequestKv};
 
@@ -15,16 +15,12 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| seed * 1000 + i).collect()
 }
 
-fn cache_round_trip(page_size: usize, layout: HostLayout) {
+fn cache_round_trip<F: Factory>(page_size: usize, layout: HostLayout) {
     // Room for one request of 4 pages (+1 for the unaligned tail) at a time.
     let p = page_size;
-    let mut c = cache(
-        p,
-        6,
-        HostSize::Ratio(4.0),
-        layout,
-        WritePolicy::WriteThrough,
-    );
+    let g = KvGeometry::new(LAYERS, p, BYTES_PER_TOKEN).unwrap();
+    let Some(dev) = F::make(g, 6) else { return };
+    let mut c = cache_on(dev, HostSize::Ratio(4.0), layout, WritePolicy::WriteThrough);
     let a = tokens(1, 4 * p + 1);
     let b = tokens(2, 4 * p + 1);
     assert_eq!(serve(&mut c, &a).unwrap().device_hit, 0);
@@ -50,33 +46,20 @@ fn cache_round_trip(page_size: usize, layout: HostLayout) {
     c.check_invariants().unwrap();
 }
 
-#[test]
-fn round_trip_layer_first_page_1() {
-    cache_round_trip(1, HostLayout::LayerFirst);
-}
-
-#[test]
-fn round_trip_layer_first_page_16() {
-    cache_round_trip(16, HostLayout::LayerFirst);
-}
-
-#[test]
-fn round_trip_page_first_page_1() {
-    cache_round_trip(1, HostLayout::PageFirst);
-}
-
-#[test]
-fn round_trip_page_first_page_16() {
-    cache_round_trip(16, HostLayout::PageFirst);
+for_each_backend! {
+    round_trip_layer_first_page_1 => cache_round_trip(1, HostLayout::LayerFirst),
+    round_trip_layer_first_page_16 => cache_round_trip(16, HostLayout::LayerFirst),
+    round_trip_page_first_page_1 => cache_round_trip(1, HostLayout::PageFirst),
+    round_trip_page_first_page_16 => cache_round_trip(16, HostLayout::PageFirst),
+    controller_round_trip_scattered_pages => controller_round_trip_scattered_pages(),
 }
 
 /// Controller-level round trip with scattered pages: device → host → other device pages.
-#[test]
-fn controller_round_trip_scattered_pages() {
+fn controller_round_trip_scattered_pages<F: Factory>() {
     for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
         for p in [1, 16] {
             let g = KvGeometry::new(4, p, 12).unwrap();
-            let dev = Arc::new(HostSim::new(g, 32, HostSimConfig::default()).unwrap());
+            let Some(dev) = F::make(g, 32) else { return };
             let host = HostPool::new(g, 16, layout).unwrap();
             let mut ctrl = HybridCacheController::new(dev.clone(), host, &[]).unwrap();
             let src: Vec<PageId> = [3u32, 4, 9, 1, 2, 17].map(PageId).to_vec();
@@ -112,7 +95,7 @@ fn controller_round_trip_scattered_pages() {
             ctrl.wait_all().unwrap();
             check_pages(&*dev, &dst, &hs);
             assert_eq!(ctrl.poll_acks().loads.len(), 1);
-            assert_eq!(dev.name(), "hostsim");
+            assert_eq!(dev.name(), F::NAME);
         }
     }
 }

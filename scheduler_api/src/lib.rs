@@ -61,8 +61,10 @@
 //!   the tier ([`factory::Tiered`]) runs over it. That backend's pools must hold the model's
 //!   KV in the configured device pool (layers, bytes per token per layer, page size, pages),
 //!   and the cache must have a host tier; otherwise [`ManagerError::Backend`] says what does
-//!   not fit. radixkv has no CUDA backend of its own yet: `backend = cuda` in a config without
-//!   a backend handed to the builder is [`ManagerError::NotImplemented`].
+//!   not fit. The manager does not build a GPU backend from the config: `backend = cuda` in a
+//!   config without a backend handed to the builder is [`ManagerError::NotImplemented`]; an
+//!   engine builds `radixkv_hicache::cuda::CudaBackend` (hicache feature `cuda`) and hands it
+//!   over.
 //! - **Modeled vs simulated bytes**: the built-in HostSim really copies bytes, so its pools use
 //!   a tiny [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost
 //!   model's transfer time) is *modeled*: pages × the model's page bytes. Over an engine's own

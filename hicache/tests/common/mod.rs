@@ -13,6 +13,7 @@ use radixkv_radix::{FinishKind, PageId, PrefixCache, RadixConfig, RadixKey, Requ
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng, SeedableRng};
 
+pub mod backends;
 pub mod hybrid;
 
 pub const LAYERS: usize = 3;
@@ -78,6 +79,18 @@ pub fn cache(
 ) -> HiRadixCache<HostSim> {
     let g = KvGeometry::new(LAYERS, page_size, BYTES_PER_TOKEN).unwrap();
     let backend = Arc::new(HostSim::new(g, device_pages, HostSimConfig::default()).unwrap());
+    cache_on(backend, host, layout, policy)
+}
+
+/// [`cache`] over any backend (its geometry gives the page size, its pool the device pages).
+pub fn cache_on<B: DeviceBackend>(
+    backend: Arc<B>,
+    host: HostSize,
+    layout: HostLayout,
+    policy: WritePolicy,
+) -> HiRadixCache<B> {
+    let page_size = backend.geometry().page_size;
+    let device_pages = backend.device_pages();
     HiRadixCache::new(
         HiCacheConfig {
             radix: RadixConfig {

@@ -1,0 +1,298 @@
+//! GPU check of the CUDA backend: a byte-exact self-check of merged page-run copies (both host
+//! layouts, page sizes 1 and 16, both directions), then host→device and device→host bandwidth
+//! of merged page-run copies against one large memcpy of the same bytes, per layout and run
+//! length, with the ratio.
+//!
+//! ```text
+//! cargo run --release -p radixkv-hicache --features cuda --example gpu_check
+//! ```
+//!
+//! Without a CUDA driver or device it says so and exits with status 0. The full test suite on
+//! the GPU is `RADIXKV_REQUIRE_GPU=1 cargo test --release -p radixkv-hicache --features cuda`
+//! (the variable makes a missing GPU fail the tests instead of skipping them).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use radixkv_hicache::cuda::cudarc::driver::{result, sys};
+use radixkv_hicache::cuda::{CudaBackend, CudaConfig, probe};
+use radixkv_hicache::{
+    CopyEvent, DeviceBackend, Direction, HiCacheError, HostLayout, HostMemory, KvGeometry,
+    PageCopy, PageRun, StreamKind,
+};
+use radixkv_radix::PageId;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> ExitCode {
+    match probe() {
+        Ok(info) => println!(
+            "CUDA driver version {}, {} device(s); using device 0",
+            info.driver_version, info.devices
+        ),
+        Err(HiCacheError::NoDevice(why)) => {
+            println!("gpu_check: no CUDA driver or device found ({why}); nothing to check.");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("gpu_check: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    match self_check().and_then(|()| bandwidth()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu_check FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A deterministic byte of (page, layer, offset).
+fn byte(seed: u64, page: usize, layer: usize, i: usize) -> u8 {
+    let mut z = seed ^ ((page as u64) << 40) ^ ((layer as u64) << 20) ^ i as u64;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) as u8
+}
+
+fn page(g: &KvGeometry, seed: u64, p: usize, l: usize) -> Vec<u8> {
+    (0..g.page_bytes_per_layer())
+        .map(|i| byte(seed, p, l, i))
+        .collect()
+}
+
+/// Device → host with merged and single-page runs, then back into other device pages layer
+/// by layer; every byte compared.
+fn self_check() -> Res<()> {
+    let runs = [
+        PageRun {
+            device: 2,
+            host: 5,
+            pages: 4,
+        },
+        PageRun {
+            device: 6,
+            host: 9,
+            pages: 1,
+        },
+        PageRun {
+            device: 9,
+            host: 0,
+            pages: 1,
+        },
+        PageRun {
+            device: 12,
+            host: 11,
+            pages: 3,
+        },
+    ];
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        for page_size in [1, 16] {
+            let g = KvGeometry::new(4, page_size, 256)?;
+            let dev = CudaBackend::new(g, 32, CudaConfig::default())?;
+            let host = Arc::new(HostMemory::new(g, 16, layout)?);
+            dev.register_host(&host)?;
+            for p in 0..16 {
+                for l in 0..g.layers {
+                    dev.write_device_page(l, PageId(p as u32), &page(&g, 1, p, l))?;
+                }
+            }
+            dev.enqueue_copy(
+                StreamKind::Write,
+                PageCopy {
+                    direction: Direction::DeviceToHost,
+                    layers: 0..g.layers,
+                    runs: runs.to_vec().into(),
+                    host: host.clone(),
+                },
+            )?;
+            dev.record_event(StreamKind::Write)?.wait()?;
+            let back: Vec<PageRun> = runs
+                .iter()
+                .map(|r| PageRun {
+                    device: r.device + 16,
+                    ..*r
+                })
+                .collect();
+            let back: Arc<[PageRun]> = back.into();
+            let mut events = Vec::new();
+            for l in 0..g.layers {
+                dev.enqueue_copy(
+                    StreamKind::Load,
+                    PageCopy {
+                        direction: Direction::HostToDevice,
+                        layers: l..l + 1,
+                        runs: back.clone(),
+                        host: host.clone(),
+                    },
+                )?;
+                events.push(dev.record_event(StreamKind::Load)?);
+            }
+            for e in &events {
+                e.wait()?;
+            }
+            let mut buf = vec![0u8; g.page_bytes_per_layer()];
+            for r in &runs {
+                for i in 0..r.pages {
+                    for l in 0..g.layers {
+                        let want = page(&g, 1, (r.device + i) as usize, l);
+                        host.read_page(l, r.host + i, &mut buf)?;
+                        if buf != want {
+                            return Err(format!(
+                                "{layout:?} page size {page_size}: host page {} layer {l} differs",
+                                r.host + i
+                            )
+                            .into());
+                        }
+                        dev.read_device_page(l, PageId(r.device + 16 + i), &mut buf)?;
+                        if buf != want {
+                            return Err(format!(
+                                "{layout:?} page size {page_size}: device page {} layer {l} differs",
+                                r.device + 16 + i
+                            )
+                            .into());
+                        }
+                    }
+                }
+            }
+            println!(
+                "self-check {layout:?} page size {page_size}: byte-exact (pinned host buffers: {})",
+                dev.host_buffers().1
+            );
+        }
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+const REPEATS: usize = 7;
+
+/// Seconds of one large host→device or device→host memcpy of `bytes` between pinned host
+/// memory and device memory (median of [`REPEATS`]).
+fn single_memcpy(dev: &CudaBackend, bytes: usize, dir: Direction) -> Res<f64> {
+    dev.context().bind_to_thread()?;
+    let stream = dev.context().new_stream()?;
+    // SAFETY: fresh allocations of `bytes`, freed below; the copies finish before that.
+    unsafe {
+        let d = result::malloc_sync(bytes)?;
+        let h = result::malloc_host(bytes, 0)?;
+        let mut times = Vec::new();
+        for _ in 0..REPEATS + 1 {
+            let t = Instant::now();
+            match dir {
+                Direction::HostToDevice => {
+                    sys::cuMemcpyHtoDAsync_v2(d, h.cast_const(), bytes, stream.cu_stream())
+                        .result()?
+                }
+                Direction::DeviceToHost => {
+                    sys::cuMemcpyDtoHAsync_v2(h, d, bytes, stream.cu_stream()).result()?
+                }
+            }
+            stream.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.remove(0); // warm-up
+        result::free_host(h)?;
+        result::free_sync(d)?;
+        Ok(median(times))
+    }
+}
+
+/// Seconds of moving every page as runs of `run` pages (device runs in order, host runs in a
+/// scattered order), median of [`REPEATS`]. Loads go layer by layer with one event per layer
+/// (as the controller's pipelined load); backups are one copy of all layers.
+fn page_runs(dev: &CudaBackend, host: &Arc<HostMemory>, run: u32, dir: Direction) -> Res<f64> {
+    let g = dev.geometry();
+    let n = dev.device_pages() as u32 / run;
+    // Host run i goes to slot (i × 7) mod n: scattered, every page once (7 is odd and n a
+    // power of two).
+    let runs: Arc<[PageRun]> = (0..n)
+        .map(|i| PageRun {
+            device: i * run,
+            host: ((i * 7) % n) * run,
+            pages: run,
+        })
+        .collect::<Vec<_>>()
+        .into();
+    let mut times = Vec::new();
+    for _ in 0..REPEATS + 1 {
+        let t = Instant::now();
+        match dir {
+            Direction::HostToDevice => {
+                let mut events = Vec::new();
+                for l in 0..g.layers {
+                    dev.enqueue_copy(
+                        StreamKind::Load,
+                        PageCopy {
+                            direction: dir,
+                            layers: l..l + 1,
+                            runs: runs.clone(),
+                            host: host.clone(),
+                        },
+                    )?;
+                    events.push(dev.record_event(StreamKind::Load)?);
+                }
+                for e in &events {
+                    e.wait()?;
+                }
+            }
+            Direction::DeviceToHost => {
+                dev.enqueue_copy(
+                    StreamKind::Write,
+                    PageCopy {
+                        direction: dir,
+                        layers: 0..g.layers,
+                        runs: runs.clone(),
+                        host: host.clone(),
+                    },
+                )?;
+                dev.record_event(StreamKind::Write)?.wait()?;
+            }
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.remove(0); // warm-up (and first-touch registration)
+    Ok(median(times))
+}
+
+fn bandwidth() -> Res<()> {
+    // 8 layers × 512 pages × 16 tokens × 4 KiB per token and layer: 256 MiB each way.
+    let g = KvGeometry::new(8, 16, 4096)?;
+    let pages = 512;
+    let dev = CudaBackend::new(g, pages, CudaConfig::default())?;
+    let bytes = g.pool_bytes(pages)?;
+    let gbs = |s: f64| bytes as f64 / s / 1e9;
+    println!(
+        "bandwidth: {} MiB per transfer, {} layers, page {} KiB per layer, median of {REPEATS}",
+        bytes >> 20,
+        g.layers,
+        g.page_bytes_per_layer() >> 10
+    );
+    for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+        let base = gbs(single_memcpy(&dev, bytes, dir)?);
+        println!("{dir:?}: one memcpy of the same bytes {base:.1} GB/s");
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+            let host = Arc::new(HostMemory::new(g, pages, layout)?);
+            dev.register_host(&host)?;
+            for run in [1u32, 4, 16, 64] {
+                let got = gbs(page_runs(&dev, &host, run, dir)?);
+                println!(
+                    "  {dir:?} {layout:?} runs of {run:>2} pages: {got:6.1} GB/s = {:.2}x the single memcpy",
+                    got / base
+                );
+            }
+        }
+    }
+    let (buffers, pinned) = dev.host_buffers();
+    println!(
+        "host buffers: {buffers}, pinned {pinned}, pinning refused {}",
+        dev.pin_failures()
+    );
+    Ok(())
+}

@@ -1,0 +1,1010 @@
+//! [`CudaBackend`]: the [`DeviceBackend`] of NVIDIA GPUs, through the CUDA driver API
+//! ([`cudarc`], loaded at run time: building needs no CUDA toolkit, running needs the driver).
+//!
+//! Same semantics as [`HostSim`](crate::HostSim): `enqueue_copy` returns once the copies are
+//! queued on the stream, and an event recorded after them completes when they are done.
+//!
+//! - **Device pools.** Allocated by the backend ([`CudaBackend::new`]: one allocation per
+//!   layer, zeroed) or wrapping the engine's own KV memory ([`CudaBackend::from_device_regions`]:
+//!   per layer one or more [`DeviceRegion`]s with a page stride, e.g. the K and V buffers of a
+//!   paged pool). Extra pools (Mamba states, SWA KV) are allocated by
+//!   [`DeviceBackend::register_extra_pool`] or wrapped with [`CudaBackend::wrap_extra_pool`].
+//! - **Host pool.** [`DeviceBackend::register_host`] page-locks the host pool's existing
+//!   allocation (`cuMemHostRegister`, portable, not write-combined, so the CPU reads it at
+//!   full speed). When the driver refuses, the buffer stays pageable: copies still work (the
+//!   driver stages them) and [`CudaBackend::pin_failures`] counts it. Extra pools' host
+//!   buffers are registered the first time a copy names them.
+//! - **Streams.** A load stream and a write stream, both non-blocking and separate from the
+//!   engine's compute stream, and a third one for the synchronous page and slot accessors.
+//! - **Copies.** Each copy is planned into contiguous spans (adjacent pages of a run merge
+//!   when both sides are contiguous: layer-first host layouts give one memcpy per run and
+//!   layer; page-first ones one per page and layer) and submitted as asynchronous memcpys.
+//!   The driver's batched copy call and a gather kernel are not used (not built yet).
+//! - **Events.** [`CudaCopyEvent`] wraps a CUDA event recorded on the stream.
+//!   `is_complete` queries it (write completion is checked at step boundaries, no polling
+//!   thread); the engine's compute stream can wait on a layer's load on the device with
+//!   [`CudaCopyEvent::make_stream_wait`] (the events of a batch's layer come from
+//!   [`LayerDoneCounter::layer_events`](crate::LayerDoneCounter::layer_events)).
+//! - **Errors.** A missing driver library, a driver without devices or a wrong ordinal is
+//!   [`HiCacheError::NoDevice`] (the library is looked for before any driver function is
+//!   called: cudarc would panic otherwise); failed setup calls are [`HiCacheError::Driver`];
+//!   an out-of-memory allocation is [`HiCacheError::AllocFailed`]; a failed copy or event is
+//!   [`HiCacheError::Transfer`]. A copy whose memcpys were only partly queued fails the next
+//!   event of its stream, so its bytes are never acknowledged.
+//!
+//! Tests can fail copies as [`HostSim::fail_next_copies`](crate::HostSim::fail_next_copies)
+//! does ([`CudaBackend::fail_next_copies`]: the destination is poisoned on the stream, the next
+//! event fails). Not here: HostSim's refusals, dead-worker hooks and copy gate (the tests that
+//! need them run on HostSim only).
+
+mod plan;
+
+pub use cudarc;
+pub use plan::DeviceRegion;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use radixkv_radix::PageId;
+
+use crate::backend::{
+    CopyEvent, DeviceBackend, Direction, HostMemory, PageCopy, SlotCopy, SlotMemory, StreamKind,
+    validate_copy,
+};
+use crate::controller::PoolName;
+use crate::error::{HiCacheError, Result};
+use crate::geometry::KvGeometry;
+use crate::hostsim::POISON_BYTE;
+use plan::Span;
+
+/// What [`probe`] found.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CudaDriverInfo {
+    /// The driver's CUDA version, as the driver reports it (e.g. 12080 for 12.8).
+    pub driver_version: i32,
+    /// Devices the driver sees.
+    pub devices: usize,
+}
+
+/// Looks for the CUDA driver and its devices without panicking.
+///
+/// # Errors
+/// [`HiCacheError::NoDevice`] when the driver library is not installed (checked before any
+/// driver function is called), when it fails to initialise, or when it sees no device;
+/// [`HiCacheError::Driver`] when a query fails.
+pub fn probe() -> Result<CudaDriverInfo> {
+    probe_with(driver_library_present)
+}
+
+fn driver_library_present() -> bool {
+    // SAFETY: loads and unloads the driver library by its usual names, running only its
+    // initialisers; no function of it is called.
+    unsafe { sys::is_culib_present() }
+}
+
+/// [`probe`] with the library check injected (tests drive the missing-library path on any
+/// machine).
+pub(crate) fn probe_with(library_present: impl FnOnce() -> bool) -> Result<CudaDriverInfo> {
+    if !library_present() {
+        return Err(HiCacheError::NoDevice(
+            "the CUDA driver library (libcuda) is not installed or not on the library path".into(),
+        ));
+    }
+    // cudarc panics when a function is missing from the library (a stub or foreign
+    // `libcuda`): that is no usable driver either. Look the entry point up first, and keep any
+    // panic of the first call from unwinding into the caller.
+    // SAFETY: the library is present (checked above), so `culib` loads it without panicking;
+    // looking a symbol up calls nothing.
+    let has_init = unsafe {
+        sys::culib()
+            .get::<*const std::ffi::c_void>(b"cuInit")
+            .is_ok()
+    };
+    if !has_init {
+        return Err(HiCacheError::NoDevice(
+            "the CUDA driver library lacks the driver API (cuInit)".into(),
+        ));
+    }
+    let init = std::panic::catch_unwind(result::init).map_err(|_| {
+        HiCacheError::NoDevice("the CUDA driver library lacks the driver API (cuInit)".into())
+    })?;
+    init.map_err(|e| HiCacheError::NoDevice(format!("cuInit failed: {}", describe(e))))?;
+    let mut version = 0;
+    // SAFETY: the library is present and initialised; the out-pointer is valid.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| driver("cuDriverGetVersion", e))?;
+    let devices = result::device::get_count().map_err(|e| driver("cuDeviceGetCount", e))?;
+    if devices <= 0 {
+        return Err(HiCacheError::NoDevice(
+            "the CUDA driver sees no device".into(),
+        ));
+    }
+    Ok(CudaDriverInfo {
+        driver_version: version,
+        devices: devices as usize,
+    })
+}
+
+fn describe(e: DriverError) -> String {
+    match (e.error_name(), e.error_string()) {
+        (Ok(n), Ok(s)) => format!("{} ({})", n.to_string_lossy(), s.to_string_lossy()),
+        _ => format!("{:?}", e.0),
+    }
+}
+
+fn driver(call: &'static str, e: DriverError) -> HiCacheError {
+    HiCacheError::Driver {
+        call,
+        error: describe(e),
+    }
+}
+
+fn transfer(call: &str, e: DriverError) -> HiCacheError {
+    HiCacheError::Transfer(format!("{call} failed: {}", describe(e)))
+}
+
+/// Options of a [`CudaBackend`].
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// Device ordinal (default 0). The backend uses the device's primary context, the one
+    /// engines built on the CUDA runtime use.
+    pub ordinal: usize,
+    /// Page-lock host buffers (default true). False leaves them pageable (slower copies that
+    /// the driver stages; for comparisons).
+    pub pin_host: bool,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            ordinal: 0,
+            pin_host: true,
+        }
+    }
+}
+
+/// A completion event of a [`CudaBackend`] stream: a CUDA event recorded after the copies
+/// submitted before it.
+#[derive(Clone, Debug)]
+pub struct CudaCopyEvent {
+    event: Arc<CudaEvent>,
+    /// Set when a copy before the event was only partly queued: the event fails.
+    failed: Option<Arc<str>>,
+}
+
+impl CudaCopyEvent {
+    /// The driver's event handle (owned by this event: do not destroy it).
+    pub fn cu_event(&self) -> sys::CUevent {
+        self.event.cu_event()
+    }
+
+    /// Makes `stream` (the engine's compute stream) wait on the device for the copies before
+    /// this event, without blocking the CPU. A partly queued copy (see
+    /// [`CudaCopyEvent::failed`]) is not visible to the device: check it, or the error of
+    /// [`CopyEvent::wait`] at the step boundary, before trusting the bytes.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Transfer`] when the driver refuses the wait.
+    pub fn make_stream_wait(&self, stream: &CudaStream) -> Result<()> {
+        stream
+            .wait(&self.event)
+            .map_err(|e| transfer("cuStreamWaitEvent", e))
+    }
+
+    /// Like [`CudaCopyEvent::make_stream_wait`] for a raw stream handle of the engine.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the same context (the device's primary context).
+    ///
+    /// # Errors
+    /// [`HiCacheError::Transfer`] when the driver refuses the wait.
+    pub unsafe fn make_raw_stream_wait(&self, stream: sys::CUstream) -> Result<()> {
+        self.event
+            .context()
+            .bind_to_thread()
+            .map_err(|e| transfer("cuCtxSetCurrent", e))?;
+        // SAFETY: the caller guarantees the stream; the event lives as long as `self`.
+        unsafe {
+            result::stream::wait_event(
+                stream,
+                self.event.cu_event(),
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| transfer("cuStreamWaitEvent", e))
+    }
+
+    /// The failure known when the event was recorded (a copy before it was only partly
+    /// queued), if any.
+    pub fn failed(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+}
+
+impl CopyEvent for CudaCopyEvent {
+    fn is_complete(&self) -> bool {
+        // An error is a completion too (the failure is reported by `wait`).
+        self.event.try_is_complete().unwrap_or(true)
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.event
+            .synchronize()
+            .map_err(|e| transfer("cuEventSynchronize", e))?;
+        match &self.failed {
+            Some(f) => Err(HiCacheError::Transfer(f.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The device side of an extra pool.
+#[derive(Debug)]
+struct ExtraPool {
+    pool: PoolName,
+    slots: u32,
+    item_bytes: usize,
+    base: u64,
+    stride: u64,
+    /// Allocated by the backend (freed on drop) or the engine's.
+    owned: bool,
+}
+
+/// What keeps a registered host buffer alive while the backend may copy into it.
+#[derive(Debug)]
+#[allow(dead_code)] // held for its drop only
+enum Keep {
+    Kv(Arc<HostMemory>),
+    Slots(Arc<SlotMemory>),
+}
+
+#[derive(Debug)]
+struct HostBuffer {
+    ptr: usize,
+    pinned: bool,
+    _keep: Keep,
+}
+
+/// The CUDA device backend. See the module docs.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    load: Arc<CudaStream>,
+    write: Arc<CudaStream>,
+    sync: Arc<CudaStream>,
+    geometry: KvGeometry,
+    pages: usize,
+    regions: Vec<Vec<DeviceRegion>>,
+    /// Device allocations of the KV pool made by the backend (freed on drop).
+    owned: Vec<u64>,
+    extra: RwLock<Vec<ExtraPool>>,
+    hosts: Mutex<Vec<HostBuffer>>,
+    pin_failures: AtomicU64,
+    cfg: CudaConfig,
+    /// Per stream (load, write): a copy was only partly queued (or failed by injection)
+    /// since the last event.
+    failed: [Mutex<Option<String>>; 2],
+    /// Per stream: copies still to fail (fault injection).
+    faults: [AtomicU32; 2],
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.cfg.ordinal)
+            .field("geometry", &self.geometry)
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Allocates `bytes` of zeroed device memory in the current context.
+fn alloc_zeroed(bytes: usize, what: &'static str) -> Result<u64> {
+    // SAFETY: plain allocation in the current context; the memory is zeroed before use.
+    let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+        if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            HiCacheError::AllocFailed { what, bytes }
+        } else {
+            driver("cuMemAlloc", e)
+        }
+    })?;
+    // SAFETY: `ptr` is a fresh allocation of `bytes` bytes.
+    if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+        // SAFETY: freed once, nothing uses it.
+        let _ = unsafe { result::free_sync(ptr) };
+        return Err(driver("cuMemsetD8", e));
+    }
+    Ok(ptr)
+}
+
+impl CudaBackend {
+    /// A backend on device `cfg.ordinal` with a zeroed pool of `pages` pages that it
+    /// allocates (one allocation per layer).
+    ///
+    /// # Errors
+    /// [`HiCacheError::NoDevice`] without a driver or device; [`HiCacheError::Config`] for zero
+    /// or too many pages or an overflowing size; [`HiCacheError::AllocFailed`] when the device
+    /// memory is short (nothing stays allocated); [`HiCacheError::Driver`] for other failures.
+    pub fn new(geometry: KvGeometry, pages: usize, cfg: CudaConfig) -> Result<Self> {
+        check_pages(&geometry, pages)?;
+        let (ctx, load, write, sync) = open(&cfg)?;
+        let layer_bytes = geometry.page_bytes_per_layer() * pages;
+        let pbl = geometry.page_bytes_per_layer();
+        let mut owned = Vec::with_capacity(geometry.layers);
+        let mut regions = Vec::with_capacity(geometry.layers);
+        for _ in 0..geometry.layers {
+            match alloc_zeroed(layer_bytes, "CUDA device pool layer") {
+                Ok(ptr) => {
+                    owned.push(ptr);
+                    regions.push(vec![DeviceRegion {
+                        base: ptr,
+                        page_stride: pbl as u64,
+                        bytes: pbl,
+                    }]);
+                }
+                Err(e) => {
+                    for &p in &owned {
+                        // SAFETY: allocated above, used by nothing yet.
+                        let _ = unsafe { result::free_sync(p) };
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Self::assemble(
+            ctx, load, write, sync, geometry, pages, regions, owned, cfg,
+        ))
+    }
+
+    /// A backend over KV memory the engine owns: `regions[layer]` lists where each layer's
+    /// pages live (one region for a packed layer, e.g. K then V for split buffers; the host
+    /// copy of a page holds the regions' bytes back to back in this order).
+    ///
+    /// # Safety
+    /// For the backend's whole life, every region must be device memory of the primary
+    /// context of device `cfg.ordinal`, valid from `base` to
+    /// `base + (pages - 1) × page_stride + bytes`; the spans of different (layer, page,
+    /// region) must not overlap; and the engine must not free or reuse that memory while the
+    /// backend exists. The backend reads and writes it on its own streams, ordered with the
+    /// engine's kernels only through the events it returns.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] when the regions do not describe `geometry` (a layer count
+    /// other than `geometry.layers`, a layer whose region bytes do not add up to
+    /// `page_bytes_per_layer`, a stride smaller than its bytes, an address range that
+    /// overflows); otherwise as [`CudaBackend::new`].
+    pub unsafe fn from_device_regions(
+        geometry: KvGeometry,
+        pages: usize,
+        regions: Vec<Vec<DeviceRegion>>,
+        cfg: CudaConfig,
+    ) -> Result<Self> {
+        check_pages(&geometry, pages)?;
+        check_regions(&geometry, pages, &regions)?;
+        let (ctx, load, write, sync) = open(&cfg)?;
+        Ok(Self::assemble(
+            ctx,
+            load,
+            write,
+            sync,
+            geometry,
+            pages,
+            regions,
+            Vec::new(),
+            cfg,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        ctx: Arc<CudaContext>,
+        load: Arc<CudaStream>,
+        write: Arc<CudaStream>,
+        sync: Arc<CudaStream>,
+        geometry: KvGeometry,
+        pages: usize,
+        regions: Vec<Vec<DeviceRegion>>,
+        owned: Vec<u64>,
+        cfg: CudaConfig,
+    ) -> Self {
+        CudaBackend {
+            ctx,
+            load,
+            write,
+            sync,
+            geometry,
+            pages,
+            regions,
+            owned,
+            extra: RwLock::new(Vec::new()),
+            hosts: Mutex::new(Vec::new()),
+            pin_failures: AtomicU64::new(0),
+            cfg,
+            failed: [Mutex::new(None), Mutex::new(None)],
+            faults: [AtomicU32::new(0), AtomicU32::new(0)],
+        }
+    }
+
+    /// Makes an extra pool's device side the engine's buffer at `base`: slot `s` is
+    /// `item_bytes` bytes at `base + s × slot_stride`.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::from_device_regions`]: device memory of the same context, valid for
+    /// every slot, not overlapping other pools, kept alive for the backend's life.
+    ///
+    /// # Errors
+    /// [`HiCacheError::Config`] for zero sizes, a stride below `item_bytes`, an overflowing
+    /// range or a pool already registered.
+    pub unsafe fn wrap_extra_pool(
+        &self,
+        pool: PoolName,
+        base: u64,
+        slots: u32,
+        item_bytes: usize,
+        slot_stride: u64,
+    ) -> Result<()> {
+        if slots == 0 || item_bytes == 0 || slot_stride < item_bytes as u64 {
+            return Err(HiCacheError::Config(format!(
+                "extra pool {pool:?}: {slots} slots of {item_bytes} bytes every {slot_stride} bytes"
+            )));
+        }
+        (u64::from(slots) - 1)
+            .checked_mul(slot_stride)
+            .and_then(|o| o.checked_add(item_bytes as u64))
+            .and_then(|o| o.checked_add(base))
+            .ok_or_else(|| HiCacheError::Config(format!("extra pool {pool:?} overflows")))?;
+        let mut pools = self.extra.write().unwrap_or_else(|e| e.into_inner());
+        if pools.iter().any(|p| p.pool == pool) {
+            return Err(HiCacheError::Config(format!(
+                "extra pool {pool:?} is already registered"
+            )));
+        }
+        pools.push(ExtraPool {
+            pool,
+            slots,
+            item_bytes,
+            base,
+            stride: slot_stride,
+            owned: false,
+        });
+        Ok(())
+    }
+
+    /// Fault injection (tests): the next `n` copies submitted to `stream` (a KV copy or an
+    /// extra-pool copy each) fail as a device error would: instead of its bytes, the copy
+    /// writes [`POISON_BYTE`] over its destination, in stream order, and
+    /// the next event recorded on the stream fails with [`HiCacheError::Transfer`] (the
+    /// semantics of [`HostSim::fail_next_copies`](crate::HostSim::fail_next_copies)).
+    pub fn fail_next_copies(&self, stream: StreamKind, n: u32) {
+        self.faults[stream_index(stream)].fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// Queues `spans` (planned for a copy in direction `dir`), or their poisoning when an
+    /// injected fault takes this copy.
+    fn submit_or_fail(
+        &self,
+        kind: StreamKind,
+        dir: Direction,
+        host: u64,
+        spans: &[Span],
+        what: &str,
+    ) -> Result<()> {
+        let fault = self.faults[stream_index(kind)]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if !fault {
+            return self.submit(kind, dir, host, spans);
+        }
+        self.poison(kind, dir, host, spans)?;
+        lock(&self.failed[stream_index(kind)])
+            .get_or_insert_with(|| format!("injected fault in {what} copy"));
+        Ok(())
+    }
+
+    /// Overwrites the destination of `spans` with [`POISON_BYTE`] in `kind`'s stream order:
+    /// device spans with a memset, host spans with a host function run by the stream.
+    fn poison(&self, kind: StreamKind, dir: Direction, host: u64, spans: &[Span]) -> Result<()> {
+        self.bind()?;
+        let stream = self.stream(kind).cu_stream();
+        match dir {
+            Direction::HostToDevice => {
+                for s in spans {
+                    // SAFETY: a planned span inside the device pool.
+                    unsafe { result::memset_d8_async(s.device, POISON_BYTE, s.len, stream) }
+                        .map_err(|e| transfer("cuMemsetD8Async", e))?;
+                }
+                Ok(())
+            }
+            Direction::DeviceToHost => {
+                let targets: Box<Vec<(usize, usize)>> = Box::new(
+                    spans
+                        .iter()
+                        .map(|s| ((host + s.host as u64) as usize, s.len))
+                        .collect(),
+                );
+                let arg = Box::into_raw(targets);
+                // SAFETY: the callback takes ownership of `arg` once; the spans lie in a
+                // registered host buffer that outlives the stream's work (see `drop`).
+                let r = unsafe {
+                    result::stream::launch_host_function(stream, fill_poison, arg.cast())
+                };
+                r.map_err(|e| {
+                    // SAFETY: not launched, so still ours.
+                    drop(unsafe { Box::from_raw(arg) });
+                    transfer("cuLaunchHostFunc", e)
+                })
+            }
+        }
+    }
+
+    /// Host buffers the driver refused to page-lock (they are used pageable).
+    pub fn pin_failures(&self) -> u64 {
+        self.pin_failures.load(Ordering::Relaxed)
+    }
+
+    /// Host buffers registered with the backend and how many of them are page-locked.
+    pub fn host_buffers(&self) -> (usize, usize) {
+        let h = lock(&self.hosts);
+        (h.len(), h.iter().filter(|b| b.pinned).count())
+    }
+
+    /// The context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream of `kind` (the engine may order its own work after the backend's copies
+    /// with events, never by submitting to these streams).
+    pub fn stream(&self, kind: StreamKind) -> &Arc<CudaStream> {
+        match kind {
+            StreamKind::Load => &self.load,
+            StreamKind::Write => &self.write,
+        }
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| transfer("cuCtxSetCurrent", e))
+    }
+
+    /// Registers (page-locks) a host buffer once; returns its start.
+    fn host_buffer(&self, ptr: *mut u8, len: usize, keep: impl FnOnce() -> Keep) -> Result<u64> {
+        let mut hosts = lock(&self.hosts);
+        if hosts.iter().any(|h| h.ptr == ptr as usize) {
+            return Ok(ptr as u64);
+        }
+        let mut pinned = false;
+        if self.cfg.pin_host {
+            self.bind()?;
+            // SAFETY: `ptr..ptr + len` is one live heap allocation, kept alive by `keep` until
+            // it is unregistered in `drop`.
+            let r = unsafe {
+                sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+            };
+            match r {
+                sys::CUresult::CUDA_SUCCESS => pinned = true,
+                e => {
+                    self.pin_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        bytes = len,
+                        error = %describe(DriverError(e)),
+                        "could not page-lock a host buffer; copies use pageable memory"
+                    );
+                }
+            }
+        }
+        hosts.push(HostBuffer {
+            ptr: ptr as usize,
+            pinned,
+            _keep: keep(),
+        });
+        Ok(ptr as u64)
+    }
+
+    fn kv_host(&self, host: &Arc<HostMemory>) -> Result<u64> {
+        self.host_buffer(host.dma_ptr(), host.len_bytes(), || Keep::Kv(host.clone()))
+    }
+
+    /// Queues `spans` as asynchronous memcpys on `kind`'s stream. A failure after the first
+    /// memcpy was queued fails the stream's next event.
+    fn submit(&self, kind: StreamKind, dir: Direction, host: u64, spans: &[Span]) -> Result<()> {
+        self.bind()?;
+        let stream = self.stream(kind).cu_stream();
+        for (i, s) in spans.iter().enumerate() {
+            let h = (host + s.host as u64) as *mut u8;
+            // SAFETY: the spans were planned from validated runs inside the device regions
+            // and the registered host buffer, which outlive the copies (see `drop`).
+            let r = unsafe {
+                match dir {
+                    Direction::HostToDevice => {
+                        sys::cuMemcpyHtoDAsync_v2(s.device, h.cast_const().cast(), s.len, stream)
+                    }
+                    Direction::DeviceToHost => {
+                        sys::cuMemcpyDtoHAsync_v2(h.cast(), s.device, s.len, stream)
+                    }
+                }
+            };
+            if let Err(e) = r.result() {
+                let err = transfer("cuMemcpyAsync", e);
+                if i > 0 {
+                    lock(&self.failed[stream_index(kind)]).get_or_insert_with(|| err.to_string());
+                }
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    fn extra_pool<T>(&self, pool: PoolName, f: impl FnOnce(&ExtraPool) -> Result<T>) -> Result<T> {
+        let pools = self.extra.read().unwrap_or_else(|e| e.into_inner());
+        let p = pools
+            .iter()
+            .find(|p| p.pool == pool)
+            .ok_or(HiCacheError::UnknownPool(pool))?;
+        f(p)
+    }
+
+    /// A synchronous copy of one span on the accessor stream.
+    fn copy_sync(&self, dir: Direction, device: u64, host: *mut u8, len: usize) -> Result<()> {
+        self.bind()?;
+        let stream = self.sync.cu_stream();
+        // SAFETY: `device..device + len` was checked by the caller; `host` is a live buffer of
+        // `len` bytes that the caller holds until the stream is synchronised below.
+        let r = unsafe {
+            match dir {
+                Direction::HostToDevice => {
+                    sys::cuMemcpyHtoDAsync_v2(device, host.cast_const().cast(), len, stream)
+                }
+                Direction::DeviceToHost => {
+                    sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream)
+                }
+            }
+        };
+        r.result().map_err(|e| transfer("cuMemcpyAsync", e))?;
+        self.sync
+            .synchronize()
+            .map_err(|e| transfer("cuStreamSynchronize", e))
+    }
+
+    fn page_check(&self, layer: usize, page: PageId, len: usize) -> Result<()> {
+        let g = &self.geometry;
+        if layer >= g.layers {
+            return Err(HiCacheError::LayerOutOfRange {
+                layer,
+                layers: g.layers,
+            });
+        }
+        if page.index() >= self.pages {
+            return Err(HiCacheError::DevicePageOutOfRange(page));
+        }
+        if len != g.page_bytes_per_layer() {
+            return Err(HiCacheError::BufferSize {
+                expected: g.page_bytes_per_layer(),
+                got: len,
+            });
+        }
+        Ok(())
+    }
+
+    fn slot_check(p: &ExtraPool, slot: u32, len: usize) -> Result<u64> {
+        if slot >= p.slots {
+            return Err(HiCacheError::HostPageOutOfRange(slot));
+        }
+        if len != p.item_bytes {
+            return Err(HiCacheError::BufferSize {
+                expected: p.item_bytes,
+                got: len,
+            });
+        }
+        Ok(p.base + u64::from(slot) * p.stride)
+    }
+}
+
+/// Host function of an injected D2H fault: fills the spans with [`POISON_BYTE`].
+unsafe extern "C" fn fill_poison(arg: *mut std::ffi::c_void) {
+    // SAFETY: `arg` is the boxed span list `poison` leaked for this one call.
+    let targets = unsafe { Box::from_raw(arg.cast::<Vec<(usize, usize)>>()) };
+    for (ptr, len) in targets.iter() {
+        // SAFETY: each span lies in a live registered host buffer (see `poison`).
+        unsafe { std::ptr::write_bytes(*ptr as *mut u8, POISON_BYTE, *len) };
+    }
+}
+
+fn stream_index(kind: StreamKind) -> usize {
+    match kind {
+        StreamKind::Load => 0,
+        StreamKind::Write => 1,
+    }
+}
+
+fn check_pages(geometry: &KvGeometry, pages: usize) -> Result<()> {
+    geometry.validate()?;
+    if pages == 0 || pages > u32::MAX as usize {
+        return Err(HiCacheError::Config(format!(
+            "device pool of {pages} pages must be in 1..=u32::MAX"
+        )));
+    }
+    geometry.pool_bytes(pages)?;
+    Ok(())
+}
+
+pub(crate) fn check_regions(
+    g: &KvGeometry,
+    pages: usize,
+    regions: &[Vec<DeviceRegion>],
+) -> Result<()> {
+    let bad = |why: String| Err(HiCacheError::Config(format!("device regions: {why}")));
+    if regions.len() != g.layers {
+        return bad(format!("{} layers for {}", regions.len(), g.layers));
+    }
+    for (l, layer) in regions.iter().enumerate() {
+        let total: usize = layer.iter().map(|r| r.bytes).sum();
+        if layer.is_empty() || total != g.page_bytes_per_layer() {
+            return bad(format!(
+                "layer {l} has {total} bytes per page, the geometry {}",
+                g.page_bytes_per_layer()
+            ));
+        }
+        for r in layer {
+            let end = (pages as u64 - 1)
+                .checked_mul(r.page_stride)
+                .and_then(|o| o.checked_add(r.bytes as u64))
+                .and_then(|o| o.checked_add(r.base));
+            if r.bytes == 0 || r.page_stride < r.bytes as u64 || end.is_none() {
+                return bad(format!(
+                    "layer {l}: region {r:?} is empty, overlaps itself or overflows"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+type Streams = (
+    Arc<CudaContext>,
+    Arc<CudaStream>,
+    Arc<CudaStream>,
+    Arc<CudaStream>,
+);
+
+/// Finds the driver and the device, and creates the context and the three streams.
+fn open(cfg: &CudaConfig) -> Result<Streams> {
+    let info = probe()?;
+    if cfg.ordinal >= info.devices {
+        return Err(HiCacheError::NoDevice(format!(
+            "device {} asked for, the driver sees {}",
+            cfg.ordinal, info.devices
+        )));
+    }
+    let ctx = CudaContext::new(cfg.ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+    let stream = || ctx.new_stream().map_err(|e| driver("cuStreamCreate", e));
+    let (load, write, sync) = (stream()?, stream()?, stream()?);
+    Ok((ctx, load, write, sync))
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Everything queued must finish before its memory goes.
+        let _ = self.ctx.bind_to_thread();
+        for s in [&self.load, &self.write, &self.sync] {
+            let _ = s.synchronize();
+        }
+        for h in lock(&self.hosts).drain(..) {
+            if h.pinned {
+                // SAFETY: registered by `host_buffer`, still alive (held by `h`).
+                let _ = unsafe { sys::cuMemHostUnregister(h.ptr as *mut _) };
+            }
+        }
+        let pools = std::mem::take(&mut *self.extra.write().unwrap_or_else(|e| e.into_inner()));
+        for p in pools.iter().filter(|p| p.owned) {
+            // SAFETY: allocated by `register_extra_pool`; no copy is queued any more.
+            let _ = unsafe { result::free_sync(p.base) };
+        }
+        for &p in &self.owned {
+            // SAFETY: allocated by `new`; no copy is queued any more.
+            let _ = unsafe { result::free_sync(p) };
+        }
+    }
+}
+
+impl DeviceBackend for CudaBackend {
+    type Event = CudaCopyEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    fn device_pages(&self) -> usize {
+        self.pages
+    }
+
+    fn register_host(&self, host: &Arc<HostMemory>) -> Result<()> {
+        if host.geometry() != self.geometry {
+            return Err(HiCacheError::Config(
+                "host pool geometry differs from the device's".into(),
+            ));
+        }
+        self.kv_host(host).map(|_| ())
+    }
+
+    fn enqueue_copy(&self, stream: StreamKind, copy: PageCopy) -> Result<()> {
+        validate_copy(&self.geometry, self.pages, &copy)?;
+        let host = self.kv_host(&copy.host)?;
+        let mut spans = Vec::new();
+        plan::page_copy_spans(&self.geometry, &self.regions, &copy, &mut spans);
+        let what = match copy.direction {
+            Direction::DeviceToHost => "DeviceToHost",
+            Direction::HostToDevice => "HostToDevice",
+        };
+        self.submit_or_fail(stream, copy.direction, host, &spans, what)
+    }
+
+    fn record_event(&self, stream: StreamKind) -> Result<CudaCopyEvent> {
+        self.bind()?;
+        let event = self
+            .stream(stream)
+            .record_event(None)
+            .map_err(|e| transfer("cuEventRecord", e))?;
+        let failed = lock(&self.failed[stream_index(stream)]).take();
+        Ok(CudaCopyEvent {
+            event: Arc::new(event),
+            failed: failed.map(Arc::from),
+        })
+    }
+
+    fn register_extra_pool(&self, pool: PoolName, slots: u32, item_bytes: usize) -> Result<()> {
+        let mut pools = self.extra.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.pool == pool) {
+            return if p.slots == slots && p.item_bytes == item_bytes {
+                Ok(())
+            } else {
+                Err(HiCacheError::Config(format!(
+                    "extra pool {pool:?} is registered with other sizes"
+                )))
+            };
+        }
+        let bytes = (slots as usize)
+            .checked_mul(item_bytes)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                HiCacheError::Config(format!(
+                    "extra pool {pool:?}: {slots} slots of {item_bytes} bytes is empty or too large"
+                ))
+            })?;
+        self.bind()?;
+        let base = alloc_zeroed(bytes, "CUDA extra pool")?;
+        pools.push(ExtraPool {
+            pool,
+            slots,
+            item_bytes,
+            base,
+            stride: item_bytes as u64,
+            owned: true,
+        });
+        Ok(())
+    }
+
+    fn enqueue_slot_copy(&self, stream: StreamKind, copy: SlotCopy) -> Result<()> {
+        let mut spans = Vec::new();
+        self.extra_pool(copy.pool, |p| {
+            if copy.host.item_bytes() != p.item_bytes || copy.host.pool() != copy.pool {
+                return Err(HiCacheError::Config(format!(
+                    "host buffer does not match extra pool {:?}",
+                    copy.pool
+                )));
+            }
+            for r in copy.runs.iter() {
+                let end = r.device as usize + r.pages as usize;
+                if r.pages == 0 || end > p.slots as usize {
+                    return Err(HiCacheError::HostPageOutOfRange(
+                        end.saturating_sub(1) as u32
+                    ));
+                }
+            }
+            copy.host.check_runs(&copy.runs, false)?;
+            plan::slot_copy_spans(p.base, p.stride, p.item_bytes, &copy.runs, &mut spans);
+            Ok(())
+        })?;
+        let host = self.host_buffer(copy.host.dma_ptr(), copy.host.len_bytes(), || {
+            Keep::Slots(copy.host.clone())
+        })?;
+        let what = format!("{:?}", copy.pool);
+        self.submit_or_fail(stream, copy.direction, host, &spans, &what)
+    }
+
+    fn read_extra_slot(&self, pool: PoolName, slot: u32, out: &mut [u8]) -> Result<()> {
+        let at = self.extra_pool(pool, |p| Self::slot_check(p, slot, out.len()))?;
+        self.copy_sync(Direction::DeviceToHost, at, out.as_mut_ptr(), out.len())
+    }
+
+    fn write_extra_slot(&self, pool: PoolName, slot: u32, data: &[u8]) -> Result<()> {
+        let at = self.extra_pool(pool, |p| Self::slot_check(p, slot, data.len()))?;
+        // The driver only reads `data` for a host-to-device copy.
+        self.copy_sync(
+            Direction::HostToDevice,
+            at,
+            data.as_ptr().cast_mut(),
+            data.len(),
+        )
+    }
+
+    fn read_device_page(&self, layer: usize, page: PageId, out: &mut [u8]) -> Result<()> {
+        self.page_check(layer, page, out.len())?;
+        let mut o = 0;
+        for r in &self.regions[layer] {
+            let at = r.base + page.index() as u64 * r.page_stride;
+            self.copy_sync(Direction::DeviceToHost, at, out[o..].as_mut_ptr(), r.bytes)?;
+            o += r.bytes;
+        }
+        Ok(())
+    }
+
+    fn write_device_page(&self, layer: usize, page: PageId, data: &[u8]) -> Result<()> {
+        self.page_check(layer, page, data.len())?;
+        let mut o = 0;
+        for r in &self.regions[layer] {
+            let at = r.base + page.index() as u64 * r.page_stride;
+            // The driver only reads `data` for a host-to-device copy.
+            self.copy_sync(
+                Direction::HostToDevice,
+                at,
+                data[o..].as_ptr().cast_mut(),
+                r.bytes,
+            )?;
+            o += r.bytes;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_driver_library_is_a_typed_error_not_a_panic() {
+        let e = probe_with(|| false).unwrap_err();
+        assert!(matches!(e, HiCacheError::NoDevice(_)), "{e:?}");
+    }
+
+    #[test]
+    fn regions_that_do_not_describe_the_geometry_are_refused() {
+        let g = KvGeometry::new(2, 4, 8).unwrap();
+        let ok = |base| DeviceRegion {
+            base,
+            page_stride: 32,
+            bytes: 32,
+        };
+        assert!(check_regions(&g, 10, &[vec![ok(0)], vec![ok(4096)]]).is_ok());
+        // One layer missing.
+        assert!(check_regions(&g, 10, &[vec![ok(0)]]).is_err());
+        // K and V halves that add up, and halves that do not.
+        let half = |base, bytes| DeviceRegion {
+            base,
+            page_stride: 64,
+            bytes,
+        };
+        let kv = vec![half(0, 16), half(8192, 16)];
+        assert!(check_regions(&g, 10, &[kv.clone(), kv.clone()]).is_ok());
+        assert!(check_regions(&g, 10, &[kv.clone(), vec![half(0, 16)]]).is_err());
+        // A stride below the bytes, an empty layer, an address range that overflows.
+        let tight = DeviceRegion {
+            base: 0,
+            page_stride: 16,
+            bytes: 32,
+        };
+        assert!(check_regions(&g, 10, &[vec![ok(0)], vec![tight]]).is_err());
+        assert!(check_regions(&g, 10, &[vec![ok(0)], vec![]]).is_err());
+        assert!(check_regions(&g, 10, &[vec![ok(0)], vec![ok(u64::MAX - 64)]]).is_err());
+    }
+}
