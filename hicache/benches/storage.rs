@@ -9,10 +9,12 @@
 //! interleaved rounds, so both sides see the same load on a shared machine.
 //!
 //! Each timed write stores new pages on both sides — the pages are deleted from the store, and
-//! the plain file removed, untimed before each round — because the tier backs up only the pages
-//! a store lacks; puts hand their batch over (`put_owned`), as the tier's backups do. The file
-//! store appends them to its segment files and, once at its cap, evicts whole segments within
-//! the timed put. Reads find
+//! the plain side writes a new file, untimed before each round — because the tier backs up only
+//! the pages a store lacks; puts hand their batch over (`put_owned`), as the tier's backups do.
+//! The file store appends them to its segment files and, once at its cap, evicts whole
+//! segments within the timed put; a delete does not discard a page's bytes (they stay dead in
+//! their segment), so the plain side too keeps its earlier files up to the same cap, and both
+//! meet the kernel's write-back of what they keep. Reads find
 //! the files in the page cache on both sides. The files live in the system temporary
 //! directory, written without `fsync` on both sides (the file store's default
 //! [`FileSync::Never`]). The Redis group runs when
@@ -20,6 +22,8 @@
 //! `radixkv-bench:` prefix and deletes its pages afterwards); otherwise it prints that it
 //! skipped.
 
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::fs::{self, File};
 use std::hint::black_box;
 use std::io::Write;
@@ -41,9 +45,10 @@ const BYTES_PER_TOKEN_LAYER: usize = 2 * 8 * 128 * 2;
 const BATCHES: [usize; 3] = [1, 32, 128];
 const ROUNDS: usize = 11;
 /// The file store's cap: the bench writes tens of gigabytes, and a store's deletes only mark
-/// pages dead, so the cap (16 segments of 256 MiB) is what bounds the disk it takes. Puts on
+/// pages dead, so the cap (16 segments of 128 MiB) is what bounds the disk it takes. Puts on
 /// the full store include evicting its least recently used segments, as they would in service.
-const FILE_CAP_BYTES: u64 = 4 << 30;
+/// The plain side keeps as many bytes (see [`Plain`]).
+const FILE_CAP_BYTES: u64 = 2 << 30;
 
 /// `n` encoded pages of one key chain, with seeded random KV.
 fn pages(n: usize) -> Vec<(PageKey, Vec<u8>)> {
@@ -66,33 +71,58 @@ fn pages(n: usize) -> Vec<(PageKey, Vec<u8>)> {
         .collect()
 }
 
-/// The plain baseline: the same bytes written to, and read back from, one file.
+/// The plain baseline: the same bytes written to, and read back from, one file. Each write
+/// makes a new file, and the files of earlier writes are kept up to the store's cap
+/// ([`FILE_CAP_BYTES`]) — the oldest removed, untimed, before a write — so the plain side keeps
+/// as much written data on disk as the store does and meets the same write-back of dirty pages.
 struct Plain {
-    path: PathBuf,
+    dir: PathBuf,
     bytes: Vec<u8>,
+    written: RefCell<VecDeque<PathBuf>>,
+    next: Cell<u64>,
 }
 
 impl Plain {
     fn new(dir: &Path, pages: &[(PageKey, Vec<u8>)]) -> Self {
         Plain {
-            path: dir.join("plain"),
+            dir: dir.to_owned(),
             bytes: pages.iter().flat_map(|(_, b)| b.iter().copied()).collect(),
+            written: RefCell::new(VecDeque::new()),
+            next: Cell::new(0),
         }
     }
 
-    /// Removes the file, so that the next write makes a new one (as the store's puts do).
+    /// Removes the oldest files until the next write keeps at most the cap on disk.
     fn remove(&self) {
-        let _ = fs::remove_file(&self.path);
+        let mut written = self.written.borrow_mut();
+        let len = self.bytes.len() as u64;
+        while (written.len() as u64 + 1) * len > FILE_CAP_BYTES {
+            let Some(old) = written.pop_front() else {
+                break;
+            };
+            let _ = fs::remove_file(old);
+        }
     }
 
     fn write(&self) {
-        let mut f = File::create(&self.path).expect("creates the plain file");
+        let n = self.next.get();
+        self.next.set(n + 1);
+        let path = self.dir.join(format!("plain.{n}"));
+        let mut f = File::create(&path).expect("creates the plain file");
         f.write_all(black_box(&self.bytes))
             .expect("writes the plain file");
+        self.written.borrow_mut().push_back(path);
     }
 
+    /// Reads the file written last.
     fn read(&self) {
-        black_box(fs::read(&self.path).expect("reads the plain file"));
+        let path = self
+            .written
+            .borrow()
+            .back()
+            .cloned()
+            .expect("a plain file written");
+        black_box(fs::read(path).expect("reads the plain file"));
     }
 }
 

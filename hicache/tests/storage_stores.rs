@@ -180,6 +180,11 @@ async fn file_store_ignores_and_keeps_foreign_files() {
     fs::write(dir.0.join(&hex[..2]).join(&hex), b"old layout").unwrap();
     fs::create_dir_all(dir.0.join("0000000000000000-00000000-00000000.seg")).unwrap();
     fs::write(dir.0.join("Not A Segment.seg"), b"garbage").unwrap();
+    // An evicted segment a store renamed but did not delete before it stopped, and a
+    // foreign file with the same suffix.
+    let evicted = dir.0.join("0000000000000001-00000000-00000000.seg.evicted");
+    fs::write(&evicted, b"evicted").unwrap();
+    fs::write(dir.0.join("notes.evicted"), b"keep me").unwrap();
 
     let store = FileStore::open(dir.config()).await.unwrap();
     let s = store.stats();
@@ -191,6 +196,11 @@ async fn file_store_ignores_and_keeps_foreign_files() {
     assert_eq!(fs::read(dir.0.join("notes.txt")).unwrap(), b"keep me");
     assert!(dir.0.join(&hex[..2]).join(&hex).exists());
     assert!(dir.0.join("Not A Segment.seg").exists());
+    assert!(
+        !evicted.exists(),
+        "a leftover evicted segment is deleted at open"
+    );
+    assert!(dir.0.join("notes.evicted").exists());
 }
 
 /// Sets the modification time of the segment holding a page.

@@ -7,7 +7,8 @@
 //! or tombstone), a write stamp, the key, the payload length, an XXH3-64 of the payload and an
 //! XXH3-64 of the header's first 64 bytes — followed by the payload, exactly the bytes given
 //! to `put` ([`RECORD_HEADER_BYTES`]). Anything else in the directory is ignored (never
-//! counted, never deleted), including the one-file-per-page layout of earlier versions.
+//! counted, never deleted; but see evicted segments below), including the one-file-per-page
+//! layout of earlier versions.
 //!
 //! A batch `put` appends its pages to the store's current segment with one vectored write per
 //! segment it touches (a new segment is started when the next record would take the current
@@ -48,8 +49,10 @@
 //! cap, segments are by default at most a sixteenth of it, and after each batch the store deletes whole
 //! segments, least recently used first, until it is under the cap again: a segment's last use
 //! is the last `put` into it or `get` from it. The segment being appended to is never evicted,
-//! so the newest page always stays; a page larger than the cap is refused. Hot pages of an
-//! evicted segment are not copied forward: a hot page keeps its whole segment alive, and the
+//! so the newest page always stays; a page larger than the cap is refused. An evicted segment
+//! is renamed to `<name>.evicted` at once and deleted on tokio's blocking pool (freeing a large
+//! file takes a while); one left by a store that stopped first is deleted at the next open.
+//! Hot pages of an evicted segment are not copied forward: a hot page keeps its whole segment alive, and the
 //! storage tier backs up again any page the host tier holds and the store lacks. At open, the
 //! segments' modification times give the initial order (oldest first), and a store opened with
 //! a smaller cap than the directory holds evicts down to it.
@@ -165,6 +168,8 @@ const KIND_PAGE: u32 = 1;
 const KIND_TOMB: u32 = 2;
 const HEADER: usize = RECORD_HEADER_BYTES as usize;
 const SEGMENT_SUFFIX: &str = ".seg";
+/// Appended to the name of an evicted segment before it is deleted.
+const DOOMED_SUFFIX: &str = ".evicted";
 /// With a cap and no configured segment size, segments are at most this fraction of it (the
 /// eviction granularity).
 const SEGMENTS_PER_CAP: u64 = 16;
@@ -504,6 +509,29 @@ fn list_segments(dir: &Path) -> Result<Vec<String>, StoreError> {
     Ok(out)
 }
 
+/// Deletes evicted segments a store renamed but did not get to delete (it stopped first).
+fn remove_doomed(dir: &Path) -> Result<(), StoreError> {
+    let entries = fs::read_dir(dir).map_err(|e| io_err("cannot list", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_err("cannot list", dir, e))?;
+        let Ok(name) = entry.file_name().into_string() else {
+            continue;
+        };
+        if name
+            .strip_suffix(DOOMED_SUFFIX)
+            .is_some_and(is_segment_name)
+            && entry.file_type().is_ok_and(|t| t.is_file())
+        {
+            match fs::remove_file(entry.path()) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err("cannot remove", &entry.path(), e)),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What reading a segment from some offset found.
 struct Scanned {
     /// Whole records and their payloads' offsets, in file order.
@@ -728,6 +756,33 @@ impl Shared {
         Ok(())
     }
 
+    /// Deletes an evicted segment's file: renamed out of the segments' names at once (so no
+    /// store reads it again), then unlinked on tokio's blocking pool (freeing a large file
+    /// takes the file system a while) or, outside a runtime, here.
+    fn remove_segment_file(&self, name: &str) {
+        let path = self.segment_path(name);
+        let doomed = self.segment_path(&format!("{name}{DOOMED_SUFFIX}"));
+        match fs::rename(&path, &doomed) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "file store: cannot evict a segment");
+                return;
+            }
+        }
+        let unlink = move || {
+            if let Err(e) = fs::remove_file(&doomed)
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %doomed.display(), error = %e, "file store: cannot delete an evicted segment");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(unlink)),
+            Err(_) => unlink(),
+        }
+    }
+
     /// Evicts least recently used segments until the store is under its cap (called with the
     /// append lock held).
     fn enforce_cap_locked(&self) {
@@ -749,14 +804,7 @@ impl Shared {
                 return;
             };
             Counters::add(&self.counters.evicted_pages, removed.pages);
-            let path = self.segment_path(&removed.name);
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "file store: cannot evict a segment");
-                }
-            }
+            self.remove_segment_file(&removed.name);
             if !removed.carry.is_empty() {
                 let items: Vec<Item<'_>> = removed
                     .carry
@@ -1087,6 +1135,7 @@ impl FileStore {
                 )));
             }
         }
+        remove_doomed(&dir)?;
         let mut found = Vec::new();
         for name in list_segments(&dir)? {
             if let Some(sc) = scan_segment(&dir.join(&name), 0)? {
