@@ -369,7 +369,8 @@ fn real_traces_present_or_skipped() {
         (
             common::WEKA,
             TraceFormat::Weka,
-            "the soak (.ci/run --soak) only",
+            "backlog::an_agentic_backlog_holds_no_waiting_prompts (fails under CI=true \
+             without it) and the soak (.ci/run --soak)",
         ),
         (common::AZURE, TraceFormat::Azure, "nothing in CI"),
     ];

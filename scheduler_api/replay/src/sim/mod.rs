@@ -15,7 +15,7 @@ pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
     CpuBreakdown, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION, Report,
-    ReportFile, SwaReport, TierRatios, fmt_bytes, fmt_count, fmt_pool,
+    ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 

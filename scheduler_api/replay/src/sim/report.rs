@@ -234,10 +234,41 @@ pub struct Report {
     /// Resident memory of the process during the replay (`None` where the platform does not
     /// report it).
     pub memory: Option<MemoryUse>,
+    /// The most token storage the manager's requests held, read from
+    /// [`KvCacheManager::token_storage`](radixkv_scheduler_api::KvCacheManager::token_storage)
+    /// at the end of every step: the replay submits its requests lazily, so the waiting ones
+    /// hold at most the tokens of the one the scheduler tried last.
+    pub token_storage_peak: TokenStoragePeak,
     /// Device pool occupancy over time.
     pub occupancy: Vec<OccupancySample>,
     /// Manager counters at the end.
     pub counters: Counters,
+}
+
+/// Per field, the largest value of the manager's
+/// [`TokenStorage`](radixkv_scheduler_api::TokenStorage) at any step end of a replay (each
+/// field on its own: they need not come from the same step).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TokenStoragePeak {
+    /// Requests waiting.
+    pub waiting_requests: u64,
+    /// Waiting requests holding their prompt's tokens.
+    pub waiting_materialised: u64,
+    /// Bytes of token storage held by waiting requests.
+    pub waiting_bytes: u64,
+    /// Bytes of token storage held by running requests.
+    pub running_bytes: u64,
+}
+
+impl TokenStoragePeak {
+    /// Raises each field to `t`'s where it is larger.
+    pub(crate) fn observe(&mut self, t: &radixkv_scheduler_api::TokenStorage) {
+        let max = |a: &mut u64, b: usize| *a = (*a).max(b as u64);
+        max(&mut self.waiting_requests, t.waiting_requests);
+        max(&mut self.waiting_materialised, t.waiting_materialised);
+        max(&mut self.waiting_bytes, t.waiting_bytes);
+        max(&mut self.running_bytes, t.running_bytes);
+    }
 }
 
 impl Report {
@@ -659,6 +690,15 @@ impl fmt::Display for Report {
                 "NOT BALANCED"
             },
             self.invariant_checks
+        )?;
+        let ts = &self.token_storage_peak;
+        write!(
+            f,
+            "\ntoken storage    peak {} waiting ({} holding tokens, {:.1} MiB), {:.1} MiB running",
+            ts.waiting_requests,
+            ts.waiting_materialised,
+            ts.waiting_bytes as f64 / 1048576.0,
+            ts.running_bytes as f64 / 1048576.0
         )?;
         if let Some(m) = &self.memory {
             let mib = |kib: u64| kib as f64 / 1024.0;

@@ -357,7 +357,9 @@ impl Sim<'_> {
             while next < reqs.len() && reqs[next].arrival_us as f64 <= self.now_us {
                 let r = &reqs[next];
                 let room = r.output_len as usize;
-                let mut q = Request::new(r.prompt_tokens_with_room(room)).max_new_tokens(room);
+                // Lazy: the manager generates the tokens when it admits the request, so a
+                // backlog costs its segments, not its prompts.
+                let mut q = Request::lazy(r.prompt_source()).max_new_tokens(room);
                 // Conversations are sessions only when the configuration has them.
                 q.session = r.session.filter(|_| self.cfg.manager.sessions.is_some());
                 let t0 = Instant::now();
@@ -733,6 +735,7 @@ impl Sim<'_> {
     /// Records occupancy, halving the resolution whenever the series gets long.
     fn sample(&mut self, kv: &KvCacheManager) {
         self.report.steps += 1;
+        self.report.token_storage_peak.observe(&kv.token_storage());
         if !self.report.steps.is_multiple_of(self.sample_every) {
             return;
         }

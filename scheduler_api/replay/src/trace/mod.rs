@@ -16,12 +16,14 @@ mod weka;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
+use std::sync::Arc;
 
 use radixkv_radix::TokenId;
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
 use radixkv_scheduler_api::error::{ManagerError, Result};
+use radixkv_scheduler_api::{TokenSource, TokenSourceError};
 
 pub use synthetic::SyntheticChat;
 
@@ -128,11 +130,41 @@ impl TraceRequest {
         v
     }
 
+    /// The prompt as a lazy token source ([`radixkv_scheduler_api::Request::lazy`]): a copy
+    /// of its segments, so that a waiting request costs its segments, not its tokens, and
+    /// its tokens are generated when the manager admits it.
+    pub fn prompt_source(&self) -> Arc<dyn TokenSource> {
+        Arc::new(PromptSource {
+            segments: self.prompt.clone().into_boxed_slice(),
+            len: self.prompt_len as usize,
+        })
+    }
+
     /// The output tokens the simulated model generates.
     pub fn output_tokens(&self) -> Vec<TokenId> {
         let mut v = Vec::with_capacity(self.output_len as usize);
         block_tokens(self.output_id, self.output_len as usize, &mut v);
         v
+    }
+}
+
+/// A trace request's prompt as a [`TokenSource`] ([`TraceRequest::prompt_source`]).
+#[derive(Debug)]
+struct PromptSource {
+    segments: Box<[Segment]>,
+    len: usize,
+}
+
+impl TokenSource for PromptSource {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError> {
+        for s in &self.segments {
+            s.append_tokens(out);
+        }
+        Ok(())
     }
 }
 
