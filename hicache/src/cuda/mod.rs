@@ -83,6 +83,40 @@ fn driver_library_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// Every driver function the backend calls (through cudarc, which panics on a missing one).
+const REQUIRED_DRIVER_FUNCTIONS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemsetD8_v2",
+    "cuMemsetD8Async",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuLaunchHostFunc",
+    "cuGetErrorName",
+    "cuGetErrorString",
+];
+
 /// [`probe`] with the library check injected (tests drive the missing-library path on any
 /// machine).
 pub(crate) fn probe_with(library_present: impl FnOnce() -> bool) -> Result<CudaDriverInfo> {
@@ -91,20 +125,25 @@ pub(crate) fn probe_with(library_present: impl FnOnce() -> bool) -> Result<CudaD
             "the CUDA driver library (libcuda) is not installed or not on the library path".into(),
         ));
     }
-    // cudarc panics when a function is missing from the library (a stub or foreign
-    // `libcuda`): that is no usable driver either. Look the entry point up first, and keep any
-    // panic of the first call from unwinding into the caller.
+    // cudarc panics when a function is missing from the library (a stub, a foreign or a very
+    // old `libcuda`): that is no usable driver either. Look every function the backend calls
+    // up first, and keep any panic of the first call from unwinding into the caller.
     // SAFETY: the library is present (checked above), so `culib` loads it without panicking;
-    // looking a symbol up calls nothing.
-    let has_init = unsafe {
-        sys::culib()
-            .get::<*const std::ffi::c_void>(b"cuInit")
-            .is_ok()
-    };
-    if !has_init {
-        return Err(HiCacheError::NoDevice(
-            "the CUDA driver library lacks the driver API (cuInit)".into(),
-        ));
+    // looking symbols up calls nothing.
+    let missing: Vec<&str> = REQUIRED_DRIVER_FUNCTIONS
+        .iter()
+        .filter(|name| unsafe {
+            sys::culib()
+                .get::<*const std::ffi::c_void>(name.as_bytes())
+                .is_err()
+        })
+        .copied()
+        .collect();
+    if !missing.is_empty() {
+        return Err(HiCacheError::NoDevice(format!(
+            "the CUDA driver library lacks the driver API (missing: {})",
+            missing.join(", ")
+        )));
     }
     let init = std::panic::catch_unwind(result::init).map_err(|_| {
         HiCacheError::NoDevice("the CUDA driver library lacks the driver API (cuInit)".into())
