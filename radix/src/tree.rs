@@ -159,6 +159,8 @@ pub struct RadixTree {
     mamba: Option<Box<mamba::MambaComponent>>,
     /// The sliding-window KV component (SWA models only); `None` for a KV-only tree.
     swa: Option<Box<swa::SwaComponent>>,
+    /// A hinted match's path (see [`RadixTree::match_prefix_from`]), kept for its allocation.
+    path_scratch: Vec<u32>,
 }
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
@@ -258,6 +260,7 @@ impl RadixTree {
             policy_fault: None,
             mamba: None,
             swa: None,
+            path_scratch: Vec::new(),
         };
         t.root = t.alloc_node(Node {
             parent: NIL,
