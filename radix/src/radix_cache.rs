@@ -697,9 +697,21 @@ impl PrefixCache for RadixCache {
                 last_node: root,
             }
         } else {
-            let (m, kv_len) = self.match_tree(req.key.prefix(limit), &mut req.prefix_pages)?;
-            req.kv_match_len = kv_len;
-            m
+            let key = req.key.prefix(limit);
+            match req.load_anchor {
+                // A request matched again (it waited): its earlier match's deepest node lies
+                // on its key (which only grows), so only what lies past it is compared.
+                Some(hint) if !self.tree.swa_enabled() && !self.tree.mamba_enabled() => {
+                    req.kv_match_len = 0;
+                    self.tree
+                        .match_prefix_from(hint, key, &mut req.prefix_pages)
+                }
+                _ => {
+                    let (m, kv_len) = self.match_tree(key, &mut req.prefix_pages)?;
+                    req.kv_match_len = kv_len;
+                    m
+                }
+            }
         };
         req.prefix_len = m.device_len;
         req.host_hit_len = m.host_len;

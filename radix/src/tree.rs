@@ -164,6 +164,8 @@ pub struct RadixTree {
     swa: Option<Box<swa::SwaComponent>>,
     /// Events carry storage page keys ([`RadixTree::set_event_page_keys`]).
     event_keys: Option<Box<EventKeys>>,
+    /// A hinted match's path (see [`RadixTree::match_prefix_from`]), kept for its allocation.
+    path_scratch: Vec<u32>,
 }
 
 /// What page keys of events are chained from: the identity and each namespace's seed (cached,
@@ -286,6 +288,7 @@ impl RadixTree {
             mamba: None,
             swa: None,
             event_keys: None,
+            path_scratch: Vec::new(),
         };
         t.root = t.alloc_node(Node {
             parent: NIL,

@@ -947,14 +947,31 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 
     /// Pre-insert view of `key`, kept only when events are on (to report nodes an insert makes
     /// device-resident again).
-    fn pre_walk(&self, key: KeyRef<'_>) -> Option<TierWalk> {
+    /// `anchor`: a node on `key`'s path (see [`HiRadixCache::walk`]).
+    fn pre_walk(&self, key: KeyRef<'_>, anchor: Option<NodeId>) -> Option<TierWalk> {
         let t = self.inner.tree();
-        t.events_enabled().then(|| t.tier_walk(key))
+        t.events_enabled().then(|| self.walk(key, anchor))
+    }
+
+    /// [`RadixTree::tier_walk`] of `key`; with `anchor`, a node whose path from the root is a
+    /// prefix of `key` (the node a request locked), only the tokens past it are compared.
+    fn walk(&self, key: KeyRef<'_>, anchor: Option<NodeId>) -> TierWalk {
+        let t = self.inner.tree();
+        match anchor.map(|a| (a, t.depth_tokens(a))) {
+            Some((a, Ok(depth))) => t.tier_walk_from(a, depth, key),
+            _ => t.tier_walk(key),
+        }
     }
 
     /// After an insert of `key`: report re-adopted nodes, back up per policy, start writes.
-    fn after_insert(&mut self, key: KeyRef<'_>, pre: Option<TierWalk>) -> HiResult<()> {
-        let walk = self.inner.tree().tier_walk(key);
+    /// `anchor` as for [`HiRadixCache::walk`].
+    fn after_insert(
+        &mut self,
+        key: KeyRef<'_>,
+        pre: Option<TierWalk>,
+        anchor: Option<NodeId>,
+    ) -> HiResult<()> {
+        let walk = self.walk(key, anchor);
         if let Some(pre) = pre.filter(|p| p.host_len > 0) {
             let (lo, hi) = (pre.device_len, pre.device_len + pre.host_len);
             let (tree, _) = self.inner.parts_mut();
@@ -1059,9 +1076,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         pages: &[PageId],
         opts: InsertOptions,
     ) -> radixkv_radix::Result<InsertResult> {
-        let pre = self.pre_walk(key);
+        let pre = self.pre_walk(key, None);
         let r = self.inner.insert(key, pages, opts)?;
-        self.after_insert(key, pre)?;
+        self.after_insert(key, pre, None)?;
         Ok(r)
     }
 
@@ -1262,11 +1279,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
 
     fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
         let aligned = align_down(req.committed_len, self.page_size());
-        let pre = self.pre_walk(req.key.prefix(aligned));
+        // The request's lock ends on its key's path: the walks compare only what lies past it.
+        let before = req.lock.as_ref().map(LockReceipt::anchor);
+        let pre = self.pre_walk(req.key.prefix(aligned), before);
         self.inner.cache_unfinished_req(req)?;
         let key = req.key.prefix(req.cache_protected_len);
         if !key.is_empty() {
-            self.after_insert(key, pre)?;
+            let after = req.lock.as_ref().map(LockReceipt::anchor).or(before);
+            self.after_insert(key, pre, after)?;
         }
         Ok(())
     }
@@ -1278,15 +1298,18 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     ) -> radixkv_radix::Result<()> {
         let aligned = align_down(req.committed_len, self.page_size());
         let inserted = kind == FinishKind::Finished && req.row.is_some() && aligned > 0;
+        // The request's lock ends on its key's path (and keeps its id through the insert, which
+        // splits below it only): the walks compare only what lies past it.
+        let anchor = req.lock.as_ref().map(LockReceipt::anchor);
         let pre = if inserted {
-            self.pre_walk(req.key.prefix(aligned))
+            self.pre_walk(req.key.prefix(aligned), anchor)
         } else {
             None
         };
         self.inner.cache_finished_req(req, kind)?;
         if inserted && !self.inner.is_disabled() {
             // The request state is cleared but its key is kept.
-            self.after_insert(req.key.prefix(aligned), pre)?;
+            self.after_insert(req.key.prefix(aligned), pre, anchor)?;
         }
         Ok(())
     }

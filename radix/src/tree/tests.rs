@@ -369,3 +369,109 @@ fn insert_from_anchor_skips_the_cached_prefix() {
     // The anchor's ancestors were counted as reused.
     assert_eq!(t.meta(m.last_device).unwrap().hit_count, 1);
 }
+
+/// Two trees built by the same operations: one matches (and tier-walks) every key from the
+/// root, the other from a hint on the key's path (an earlier match of a prefix of it). The
+/// results, the splits and the access order (which the evictions read back) must agree.
+#[test]
+fn hinted_walks_equal_the_walks_from_the_root() {
+    let mut a = tree(2);
+    let mut b = tree(2);
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rnd = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let (mut next_page, mut next_host) = (0u32, 0u32);
+    let (mut hinted, mut host_hits) = (0, 0);
+    for _ in 0..3000 {
+        // A small alphabet, so that keys share prefixes and split each other's nodes.
+        let len = 2 * (1 + rnd(10) as usize);
+        let key: Vec<u32> = (0..len).map(|_| rnd(2) as u32).collect();
+        match rnd(5) {
+            0 => {
+                let mut pg: Vec<PageId> =
+                    (0..len as u32 / 2).map(|i| PageId(next_page + i)).collect();
+                next_page += len as u32 / 2;
+                let mut pg_b = pg.clone();
+                let (mut ra, mut rb) = (Vec::new(), Vec::new());
+                let o = InsertOptions::default();
+                let x = a.insert(KeyRef::new(&key), &mut pg, &mut ra, o).unwrap();
+                let y = b.insert(KeyRef::new(&key), &mut pg_b, &mut rb, o).unwrap();
+                assert_eq!((x, ra), (y, rb));
+            }
+            1 => {
+                let n = rnd(8) as usize;
+                let (mut oa, mut ob) = (Vec::new(), Vec::new());
+                assert_eq!(a.evict(n, &mut oa), b.evict(n, &mut ob));
+                assert_eq!(oa, ob, "the access order differs");
+            }
+            2 => {
+                // Back the key's path up, then demote its deepest node: host-only KV.
+                let walk = a.tier_walk(KeyRef::new(&key));
+                for &n in &walk.nodes {
+                    if a.host_pages(n).unwrap().is_none() && a.on_device(n).unwrap() {
+                        let k = a.device_pages(n).unwrap().len() as u32;
+                        let host: Vec<u32> = (next_host..next_host + k).collect();
+                        next_host += k;
+                        a.set_host_pages(n, host.clone()).unwrap();
+                        b.set_host_pages(n, host).unwrap();
+                    }
+                }
+                if let Some(&last) = walk.nodes.last() {
+                    let (mut oa, mut ob) = (Vec::new(), Vec::new());
+                    let x = a.evict_device(last, &mut oa);
+                    let y = b.evict_device(last, &mut ob);
+                    assert_eq!((x, oa), (y, ob));
+                }
+            }
+            _ => {
+                let k = 2 * rnd(len as u64 / 2 + 1) as usize;
+                let (mut oa, mut ob) = (Vec::new(), Vec::new());
+                let h = a.match_prefix(KeyRef::new(&key[..k]), &mut oa);
+                assert_eq!(h, b.match_prefix(KeyRef::new(&key[..k]), &mut ob));
+                let (mut oa, mut ob) = (Vec::new(), Vec::new());
+                let x = a.match_prefix(KeyRef::new(&key), &mut oa);
+                let y = b.match_prefix_from(h.last_node, KeyRef::new(&key), &mut ob);
+                assert_eq!((x, oa), (y, ob), "key {key:?} hint at {k}");
+                hinted += usize::from(h.last_node != b.root());
+                host_hits += usize::from(x.host_len > 0);
+                let depth = b.depth_tokens(h.last_node).unwrap();
+                assert_eq!(
+                    a.tier_walk(KeyRef::new(&key)),
+                    b.tier_walk_from(h.last_node, depth, KeyRef::new(&key))
+                );
+            }
+        }
+        a.check().unwrap();
+        b.check().unwrap();
+    }
+    assert!(
+        hinted > 100 && host_hits > 10,
+        "{hinted} hinted, {host_hits} host hits"
+    );
+
+    // Hints that cannot be on the key's path are ignored: a stale node, one deeper than the
+    // key, one whose last page differs from the key's at its depth.
+    let mut t = tree(2);
+    let (r, _) = ins(&mut t, &[1, 2, 3, 4, 5, 6], &mut pages(0..3));
+    let deep = r.last_node;
+    ins(&mut t, &[7, 8], &mut pages(3..4));
+    let (other, _) = matched(&mut t, &[7, 8]);
+    let mut out = Vec::new();
+    let m = t.match_prefix_from(deep, KeyRef::new(&[1, 2, 3, 4]), &mut out);
+    assert_eq!((m.device_len, out.len()), (4, 2), "deeper than the key");
+    out.clear();
+    let m = t.match_prefix_from(other.last_node, KeyRef::new(&[1, 2, 3, 4]), &mut out);
+    assert_eq!((m.device_len, out.len()), (4, 2), "another branch");
+    let mut freed = Vec::new();
+    t.evict(100, &mut freed);
+    ins(&mut t, &[1, 2, 3, 4], &mut pages(4..6));
+    assert!(!t.contains(deep));
+    out.clear();
+    let m = t.match_prefix_from(deep, KeyRef::new(&[1, 2, 3, 4, 5, 6]), &mut out);
+    assert_eq!((m.device_len, out.len()), (4, 2), "stale");
+    t.check().unwrap();
+}

@@ -303,12 +303,75 @@ impl RadixTree {
     /// touching access times or taking locks. `nodes` lists only nodes whose whole key is
     /// matched, so after an insert of `key` it is exactly the path that holds it.
     pub fn tier_walk(&self, key: KeyRef<'_>) -> TierWalk {
+        let mut walk = TierWalk::default();
+        self.tier_walk_down(key, self.root, 0, true, &mut walk);
+        walk
+    }
+
+    /// [`RadixTree::tier_walk`] of `key` for a caller that knows a node on its path: `anchor`
+    /// must end exactly at token `offset` of `key` (its path from the root is
+    /// `key[..offset]`, e.g. the node a request locked at its match). The path down to the
+    /// anchor is read through the parent links, without comparing its tokens again, so the
+    /// walk costs the anchor's depth in nodes plus the tokens of `key` past `offset`.
+    ///
+    /// An anchor that is stale, or does not end at `offset` (or `offset` past `key`'s whole
+    /// pages), is not an error: the walk then compares `key` from the root, as
+    /// [`RadixTree::tier_walk`] does.
+    pub fn tier_walk_from(&self, anchor: NodeId, offset: usize, key: KeyRef<'_>) -> TierWalk {
+        let p = self.page_size;
+        let whole = key.tokens.len() - key.tokens.len() % p;
+        let start = match self.resolve(anchor) {
+            Ok(i) if offset <= whole && offset.is_multiple_of(p) && self.depth_of(i) == offset => i,
+            _ => return self.tier_walk(key),
+        };
+        let mut walk = TierWalk::default();
+        // The anchor's path, root first.
+        let mut up = start;
+        while up != self.root {
+            walk.nodes.push(self.id_of(up));
+            up = self.nodes[up as usize].parent;
+        }
+        walk.nodes.reverse();
+        // Classify it exactly as the walk down would: device nodes first, then host copies.
+        let mut on_device = true;
+        let mut keep = walk.nodes.len();
+        for (k, id) in walk.nodes.iter().enumerate() {
+            let n = &self.nodes[id.idx as usize];
+            if on_device && n.on_device() {
+                walk.device_len += n.key.len();
+            } else if n.host.is_some() {
+                on_device = false;
+                walk.host_len += n.key.len();
+            } else {
+                keep = k;
+                break;
+            }
+        }
+        if let Some(top) = walk.nodes.first()
+            && self.nodes[top.idx as usize].namespace != *key.namespace
+        {
+            return self.tier_walk(key);
+        }
+        if keep < walk.nodes.len() {
+            walk.nodes.truncate(keep);
+        } else {
+            self.tier_walk_down(key, start, offset, on_device, &mut walk);
+        }
+        debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_from disagrees");
+        walk
+    }
+
+    /// The walk of [`RadixTree::tier_walk`] from `node`, which ends at token `pos` of `key`.
+    fn tier_walk_down(
+        &self,
+        key: KeyRef<'_>,
+        mut node: u32,
+        mut pos: usize,
+        mut on_device: bool,
+        walk: &mut TierWalk,
+    ) {
         let p = self.page_size;
         let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
-        let mut walk = TierWalk::default();
-        let mut node = self.root;
-        let mut pos = 0;
-        let mut on_device = true;
         while pos < tokens.len() {
             let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
                 break;
@@ -330,7 +393,6 @@ impl RadixTree {
             walk.nodes.push(self.id_of(child));
             node = child;
         }
-        walk
     }
 
     /// The namespace of `id`'s key (every node below a root child shares it).

@@ -2,6 +2,36 @@
 
 use super::*;
 
+/// Where a match walk stands: the node it reached, ending at token `pos`.
+struct MatchAt {
+    node: u32,
+    pos: usize,
+    device_len: usize,
+    last_device: u32,
+    on_device: bool,
+}
+
+impl MatchAt {
+    fn root(root: u32) -> Self {
+        MatchAt {
+            node: root,
+            pos: 0,
+            device_len: 0,
+            last_device: root,
+            on_device: true,
+        }
+    }
+
+    fn result(&self, tree: &RadixTree) -> TreeMatch {
+        TreeMatch {
+            device_len: self.device_len,
+            host_len: self.pos - self.device_len,
+            last_device: tree.id_of(self.last_device),
+            last_node: tree.id_of(self.node),
+        }
+    }
+}
+
 impl RadixTree {
     // ---------------------------------------------------------------------------------------
     // Match
@@ -11,41 +41,135 @@ impl RadixTree {
     /// times along the path and splits a node when the match ends inside it (so the returned
     /// anchors end exactly at the match). Takes no lock.
     pub fn match_prefix(&mut self, key: KeyRef<'_>, out: &mut Vec<PageId>) -> TreeMatch {
-        let p = self.page_size;
-        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
         let now = self.next_tick();
-        let mut node = self.root;
-        let mut last_device = self.root;
-        let mut pos = 0;
-        let mut device_len = 0;
-        let mut on_device = true;
-        while pos < tokens.len() {
-            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
-                break;
-            };
-            self.touch(child, now);
-            let n = &self.nodes[child as usize];
-            if on_device && n.on_device() {
-                out.extend_from_slice(&n.pages);
-                device_len += common;
-                last_device = child;
-            } else if n.host.is_some() {
-                on_device = false;
-            } else {
+        self.match_down(key, now, MatchAt::root(self.root), out)
+    }
+
+    /// [`RadixTree::match_prefix`] for a caller that knows a node on `key`'s path: `hint`
+    /// (e.g. the deepest node an earlier match of the same request reached, whose key has only
+    /// grown since) must have `key[..depth]` as its path from the root. The path down to it is
+    /// read through the parent links and only the tokens past it are compared, so a match
+    /// repeated while a request waits costs the hint's depth in nodes, not its tokens. The
+    /// result, the access times and the splits are those of [`RadixTree::match_prefix`].
+    ///
+    /// A hint that is stale, deeper than `key`'s whole pages, in another namespace or whose
+    /// last page differs from `key`'s at that depth is ignored (the walk starts at the root).
+    pub fn match_prefix_from(
+        &mut self,
+        hint: NodeId,
+        key: KeyRef<'_>,
+        out: &mut Vec<PageId>,
+    ) -> TreeMatch {
+        let p = self.page_size;
+        let whole = key.tokens.len() - key.tokens.len() % p;
+        let Ok(start) = self.resolve(hint) else {
+            return self.match_prefix(key, out);
+        };
+        let mut path = std::mem::take(&mut self.path_scratch);
+        path.clear();
+        let mut depth = 0;
+        let mut up = start;
+        while up != self.root {
+            path.push(up);
+            depth += self.nodes[up as usize].key.len();
+            up = self.nodes[up as usize].parent;
+        }
+        let usable = match path.last() {
+            Some(&top) if depth <= whole && depth >= p => {
+                let n = &self.nodes[start as usize];
+                self.nodes[top as usize].namespace == *key.namespace
+                    && n.key[n.key.len() - p..] == key.tokens[depth - p..depth]
+            }
+            _ => false,
+        };
+        if !usable {
+            self.path_scratch = path;
+            return self.match_prefix(key, out);
+        }
+        debug_assert!(
+            self.path_tokens(&path)
+                .eq(key.tokens[..depth].iter().copied()),
+            "match hint's path is not a prefix of the key"
+        );
+        let now = self.next_tick();
+        // The hint's path, root first, as the walk from the root would visit it.
+        let mut at = MatchAt::root(self.root);
+        let mut stopped = false;
+        for &child in path.iter().rev() {
+            let len = self.nodes[child as usize].key.len();
+            if !self.match_visit(child, len, now, &mut at, out) {
+                stopped = true;
                 break;
             }
-            pos += common;
-            node = child;
+            at.pos += len;
+            at.node = child;
+        }
+        self.path_scratch = path;
+        if stopped {
+            return at.result(self);
+        }
+        self.match_down(key, now, at, out)
+    }
+
+    /// The tokens of `path` (deepest first), root first.
+    fn path_tokens<'a>(&'a self, path: &'a [u32]) -> impl Iterator<Item = TokenId> + 'a {
+        path.iter()
+            .rev()
+            .flat_map(|&i| self.nodes[i as usize].key.iter().copied())
+    }
+
+    /// The walk of [`RadixTree::match_prefix`] from `at` down.
+    fn match_down(
+        &mut self,
+        key: KeyRef<'_>,
+        now: u64,
+        mut at: MatchAt,
+        out: &mut Vec<PageId>,
+    ) -> TreeMatch {
+        let p = self.page_size;
+        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
+        while at.pos < tokens.len() {
+            let Some((child, common)) = self.step_down(at.node, key.namespace, &tokens[at.pos..])
+            else {
+                break;
+            };
+            if !self.match_visit(child, common, now, &mut at, out) {
+                break;
+            }
+            let n = &self.nodes[child as usize];
+            at.pos += common;
+            at.node = child;
             if common < n.key.len() {
                 break;
             }
         }
-        TreeMatch {
-            device_len,
-            host_len: pos - device_len,
-            last_device: self.id_of(last_device),
-            last_node: self.id_of(node),
+        at.result(self)
+    }
+
+    /// A match reaches `child`, matching `len` tokens of it: touches it and takes its device
+    /// pages while the match is still on device. False when the match stops before it
+    /// (neither on device nor backed up).
+    #[inline]
+    fn match_visit(
+        &mut self,
+        child: u32,
+        len: usize,
+        now: u64,
+        at: &mut MatchAt,
+        out: &mut Vec<PageId>,
+    ) -> bool {
+        self.touch(child, now);
+        let n = &self.nodes[child as usize];
+        if at.on_device && n.on_device() {
+            out.extend_from_slice(&n.pages);
+            at.device_len += len;
+            at.last_device = child;
+        } else if n.host.is_some() {
+            at.on_device = false;
+        } else {
+            return false;
         }
+        true
     }
 
     /// One step of a walk: the child of `node` that starts with the first page of `rest`, and
