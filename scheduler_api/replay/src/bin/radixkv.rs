@@ -278,7 +278,7 @@ struct ManagerArgs {
     /// Enable streaming sessions holding at most this many tokens [default: no sessions]
     #[arg(long, value_name = "TOKENS")]
     session_tokens: Option<usize>,
-    /// Storage tier (L3) under the host tier (implies --cache hicache): file:DIR (page files
+    /// Storage tier (L3) under the host tier (implies --cache hicache): file:DIR (segment files
     /// in DIR, kept after the run: a second replay over DIR starts with a warm store),
     /// memory, or redis://HOST:PORT (a Redis server). Host KV is backed up to it; a request
     /// whose prefix is stored waits for its prefetch (stop policy wait_complete) and takes it
