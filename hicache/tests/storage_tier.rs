@@ -15,7 +15,7 @@ use radixkv_hicache::storage::{
 };
 use radixkv_hicache::{
     Consensus, HiCacheConfig, HiRadixCache, HostLayout, HostMemory, HostSim, HostSimConfig,
-    HostSize, KvGeometry, PrefetchStatus, PrefetchStop, StorageConfig, WritePolicy,
+    HostSize, KvGeometry, PrefetchStatus, PrefetchStop, StorageConfig, StreamKind, WritePolicy,
 };
 use radixkv_radix::{
     KeyRef, KeySeed, KvIdentity, Namespace, PageKey, PrefixCache, RadixConfig, RadixKey, RequestKv,
@@ -859,6 +859,119 @@ fn ranks_agree(round: u64) {
         assert_eq!(p.events, prints[0].events, "rank {r} events");
     }
     assert!(group.state.lock().unwrap().calls > 0);
+}
+
+/// One rank of [`ranks_agree_on_failed_backups`]: rank 0 fails the backup copy of prompt 1,
+/// rank 1 that of prompt 4, rank 2 none; each rank's copies run at their own pace. Returns what
+/// must be identical across ranks.
+fn run_failing_rank(
+    rank: u64,
+    group: Arc<Group>,
+    prompts: Arc<Vec<Vec<u32>>>,
+) -> (Fingerprint, u64) {
+    let s = Setup {
+        copy_delay: Duration::from_micros(rank * 300),
+        device_pages: 40,
+        host_pages: 512,
+        ..Default::default()
+    };
+    let consensus: Arc<dyn Consensus> = Arc::new(Rank(group));
+    let mut c = cached(&s, Arc::new(MemStore::new()), Some(consensus));
+    let mut served = Vec::new();
+    // Twice over the prompts: the second pass finds the device prefixes evicted (40 pages hold
+    // three prompts) and loads them back from the host, where the backups that failed on any
+    // rank must be missing on every rank.
+    for pass in 0..2 {
+        for (i, p) in prompts.iter().enumerate() {
+            if pass == 0 && rank < 2 && i as u64 == 1 + 3 * rank {
+                c.backend().fail_next_copies(StreamKind::Write, 1);
+            }
+            let r = serve(&mut c, p).expect("the device holds the request");
+            served.push((r.device_hit, r.host_hit));
+            c.step().unwrap();
+        }
+    }
+    c.flush().unwrap();
+    c.wait_storage().unwrap();
+    c.check_invariants().unwrap();
+    let tree = c.device_cache().tree();
+    let mut host_pages = Vec::new();
+    tree.for_each_host_page(|n, h| host_pages.push((format!("{n:?}"), h)));
+    host_pages.sort();
+    let mut device_pages = Vec::new();
+    tree.for_each_device_page(|p| device_pages.push(p.0));
+    device_pages.sort_unstable();
+    let walks = prompts
+        .iter()
+        .map(|p| {
+            let w = tree.tier_walk(KeyRef::new(p));
+            (w.device_len, w.host_len)
+        })
+        .collect();
+    let nodes = tree.node_count();
+    let st = c.stats();
+    let print = Fingerprint {
+        host_pages,
+        device_pages,
+        walks,
+        nodes,
+        events: c.take_events(),
+        stats: [
+            st.failed_transfers,
+            st.failed_writes,
+            st.writes_acked,
+            st.loads_acked,
+            st.loaded_tokens,
+            st.storage_backups,
+            st.backup_pages_written + st.backup_pages_skipped + st.backup_pages_failed,
+            0,
+            0,
+            0,
+        ],
+        served,
+    };
+    (print, st.failed_writes)
+}
+
+#[test]
+fn ranks_agree_on_failed_backups() {
+    const RANKS: usize = 3;
+    let group = Arc::new(Group {
+        n: RANKS,
+        state: Mutex::new(Round::default()),
+        cv: Condvar::new(),
+    });
+    let prompts: Arc<Vec<Vec<u32>>> = Arc::new(
+        (0..8)
+            .map(|i| {
+                let mut t = tokens(150 + i / 2, 24);
+                t.extend(tokens(170 + i, 28));
+                t
+            })
+            .collect(),
+    );
+    let handles: Vec<_> = (0..RANKS as u64)
+        .map(|r| {
+            let (g, p) = (group.clone(), prompts.clone());
+            std::thread::spawn(move || run_failing_rank(r, g, p))
+        })
+        .collect();
+    let prints: Vec<(Fingerprint, u64)> = within("the ranks finish", 60, move || {
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Both ranks' failures count on every rank: each backup that failed anywhere is undone
+    // everywhere.
+    assert_eq!(prints[0].1, 2, "{:?}", prints[0].0.stats);
+    assert!(prints[0].0.served.iter().any(|&(_, host)| host > 0));
+    for (r, (p, _)) in prints.iter().enumerate().skip(1) {
+        assert_eq!(p.stats, prints[0].0.stats, "rank {r} accounting");
+        assert_eq!(p.served, prints[0].0.served, "rank {r} served differently");
+        assert_eq!(p.walks, prints[0].0.walks, "rank {r} tree");
+        assert_eq!(p.host_pages, prints[0].0.host_pages, "rank {r} host pages");
+        assert_eq!(p.device_pages, prints[0].0.device_pages);
+        assert_eq!(p.nodes, prints[0].0.nodes);
+        assert_eq!(p.events, prints[0].0.events, "rank {r} events");
+    }
 }
 
 #[test]

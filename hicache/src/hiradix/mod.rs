@@ -807,7 +807,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.ctrl.fail_queued_writes();
         // A failed copy is handled by the acks (undone), so the wait's error adds nothing.
         let _ = self.ctrl.wait_writes();
-        let mut acks = self.ctrl.poll_acks();
+        // Only the backups: every rank has finished the same ones now, while which loads are
+        // complete depends on the rank's timing (the next step applies them, agreed).
+        let mut acks = self.ctrl.poll_acks_upto(usize::MAX, 0);
         self.apply_acks(&mut acks)
     }
 

@@ -17,14 +17,23 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// A failed backup also fails the backups still queued (refused submissions awaiting a
     /// retry): one of them may extend a failed chain, and undoing it must neither report a host
     /// removal for KV never reported stored nor free host pages a later copy would write.
+    ///
+    /// Ranks agree on failures ([`Consensus`](crate::Consensus)): a copy fails on one rank
+    /// only (its device), so when any rank's acks hold a failure, every rank waits for all
+    /// its started transfers, takes all their acks, and treats as failed every operation that
+    /// failed on any rank (a backup that succeeded here is undone like a failed one; a load
+    /// that succeeded here is repaired, which copies the same bytes again). Operation ids are
+    /// the same on every rank, which submit the same operations in the same order.
     pub(super) fn apply_acks(&mut self, acks: &mut Acks) -> Result<()> {
-        if !acks.failed_writes.is_empty() {
-            self.ctrl.fail_queued_writes();
-        }
-        if acks.has_failures() {
+        if self.consensus.max(u64::from(acks.has_failures())) == 1 {
             // The wait's error is the failure being handled here.
             let _ = self.ctrl.wait_all();
             acks.extend(self.ctrl.poll_acks());
+            self.agree_on_failures(acks);
+            if !acks.failed_writes.is_empty() {
+                self.ctrl.fail_queued_writes();
+                acks.extend(self.ctrl.poll_acks());
+            }
             tracing::error!(
                 writes = ?acks.failed_writes,
                 loads = ?acks.failed_loads,
@@ -81,6 +90,45 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             self.drop_failed_backups(&failed);
         }
         res
+    }
+
+    /// Makes `acks` fail every operation that failed on any rank: the union of the ranks'
+    /// failed ids, taken one id at a time, smallest first (one reduction per failed operation
+    /// plus one, the same number on every rank). Single-rank: one reduction, no change.
+    fn agree_on_failures(&mut self, acks: &mut Acks) {
+        let mut local: Vec<u64> = acks
+            .failed_writes
+            .iter()
+            .chain(&acks.failed_loads)
+            .copied()
+            .collect();
+        local.sort_unstable();
+        let mut union = HashSet::new();
+        let mut from = 0;
+        loop {
+            let mine = local
+                .iter()
+                .copied()
+                .find(|&id| id >= from)
+                .unwrap_or(u64::MAX);
+            let agreed = self.consensus.min(mine);
+            if agreed == u64::MAX {
+                break;
+            }
+            union.insert(agreed);
+            from = agreed + 1;
+        }
+        let moved = |ok: &mut Vec<u64>, failed: &mut Vec<u64>| {
+            ok.retain(|id| {
+                let keep = !union.contains(id);
+                if !keep {
+                    failed.push(*id);
+                }
+                keep
+            });
+        };
+        moved(&mut acks.writes, &mut acks.failed_writes);
+        moved(&mut acks.loads, &mut acks.failed_loads);
     }
 
     /// Waits for every started transfer and applies the acks, after reporting the backups
