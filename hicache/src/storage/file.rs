@@ -52,10 +52,12 @@
 //! so the newest page always stays; a page larger than the cap is refused. An evicted segment
 //! is renamed to `<name>.evicted` at once and deleted on tokio's blocking pool (freeing a large
 //! file takes a while); one left by a store that stopped first is deleted at the next open.
-//! Hot pages of an evicted segment are not copied forward: a hot page keeps its whole segment alive, and the
-//! storage tier backs up again any page the host tier holds and the store lacks. At open, the
-//! segments' modification times give the initial order (oldest first), and a store opened with
-//! a smaller cap than the directory holds evicts down to it.
+//! Pages of the victim that a `get` read since they were written get a second chance: up
+//! to half the victim's bytes of them are appended again (checked first) before it goes, and
+//! their copies must be read again to survive the next eviction (on the README's Mooncake
+//! replay, plain segment LRU reached 0.940 of the ideal hit ratio, this 0.973, a per-page LRU
+//! 0.980). At open, the segments' modification times give the initial order (oldest first),
+//! and a store opened with a smaller cap than the directory holds evicts down to it.
 //!
 //! # Sharing a directory
 //! Several stores (processes, servers) may share one directory. Each appends only to its own
@@ -258,6 +260,8 @@ struct Loc {
     len: u64,
     hash: u64,
     stamp: u64,
+    /// Read by a `get` since this record was written.
+    read: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -378,6 +382,7 @@ impl State {
                     len: r.len,
                     hash: r.hash,
                     stamp: r.stamp,
+                    read: false,
                 },
             );
             self.live_bytes += r.len;
@@ -783,46 +788,108 @@ impl Shared {
         }
     }
 
+    /// The pages `hot` of segment `name` that read back whole: (key, bytes, checksum). A page
+    /// that cannot be read is left out (it goes with its segment).
+    fn read_copies(&self, name: &str, hot: &[(PageKey, Loc)]) -> Vec<(PageKey, Vec<u8>, u64)> {
+        let mut out = Vec::with_capacity(hot.len());
+        if hot.is_empty() {
+            return out;
+        }
+        let Ok(mut file) = File::open(self.segment_path(name)) else {
+            return out;
+        };
+        for (key, loc) in hot {
+            let Ok(len) = usize::try_from(loc.len) else {
+                continue;
+            };
+            let mut buf = Vec::with_capacity(len);
+            let whole = file.seek(SeekFrom::Start(loc.off)).is_ok()
+                && (&file)
+                    .take(loc.len)
+                    .read_to_end(&mut buf)
+                    .is_ok_and(|n| n == len)
+                && xxh3_64(&buf) == loc.hash;
+            if whole {
+                out.push((*key, buf, loc.hash));
+            }
+        }
+        out
+    }
+
     /// Evicts least recently used segments until the store is under its cap (called with the
-    /// append lock held).
+    /// append lock held). The pages of a victim that were read since they were written, up to
+    /// half its bytes, are appended again (a second chance), the rest go with it.
     fn enforce_cap_locked(&self) {
         let Some(cap) = self.cap_bytes else {
             return;
         };
         loop {
-            let removed = {
-                let mut st = self.lock();
+            // The victim, and its pages read since they were written (up to half its bytes).
+            let (victim, name, hot) = {
+                let st = self.lock();
                 if st.held <= cap {
                     return;
                 }
                 let Some(victim) = st.victim() else {
                     return;
                 };
-                st.remove_segment(victim)
+                let Some(seg) = st.segs.get(&victim) else {
+                    return;
+                };
+                let mut budget = seg.held / 2;
+                let mut seen = HashSet::new();
+                let mut hot: Vec<(PageKey, Loc)> = Vec::new();
+                for key in &seg.keys {
+                    if let Some(loc) = st.pages.get(key)
+                        && loc.seg == victim
+                        && loc.read
+                        && loc.len <= budget
+                        && seen.insert(*key)
+                    {
+                        budget -= loc.len;
+                        hot.push((*key, *loc));
+                    }
+                }
+                (victim, seg.name.clone(), hot)
             };
+            let copies = self.read_copies(&name, &hot);
+            let removed = self.lock().remove_segment(victim);
             let Some(removed) = removed else {
                 return;
             };
-            Counters::add(&self.counters.evicted_pages, removed.pages);
+            Counters::add(
+                &self.counters.evicted_pages,
+                removed.pages.saturating_sub(copies.len() as u64),
+            );
             self.remove_segment_file(&removed.name);
-            if !removed.carry.is_empty() {
-                let items: Vec<Item<'_>> = removed
-                    .carry
-                    .iter()
-                    .map(|&(key, stamp)| {
-                        let r = Record {
-                            tomb: true,
-                            stamp,
-                            key,
-                            len: 0,
-                            hash: 0,
-                        };
-                        (r, &[][..])
-                    })
-                    .collect();
-                if let Err(e) = self.append_locked(&items) {
-                    tracing::warn!(error = %e, "file store: cannot carry tombstones forward");
-                }
+            let mut items: Vec<Item<'_>> = removed
+                .carry
+                .iter()
+                .map(|&(key, stamp)| {
+                    let r = Record {
+                        tomb: true,
+                        stamp,
+                        key,
+                        len: 0,
+                        hash: 0,
+                    };
+                    (r, &[][..])
+                })
+                .collect();
+            for (key, bytes, hash) in &copies {
+                let r = Record {
+                    tomb: false,
+                    stamp: next_stamp(),
+                    key: *key,
+                    len: bytes.len() as u64,
+                    hash: *hash,
+                };
+                items.push((r, bytes.as_slice()));
+            }
+            if !items.is_empty()
+                && let Err(e) = self.append_locked(&items)
+            {
+                tracing::warn!(error = %e, "file store: cannot carry records forward");
             }
         }
     }
@@ -986,10 +1053,19 @@ impl Shared {
                 st.remove_segment(seg);
             }
             let mut last = None;
-            for loc in locs.iter().flatten() {
-                if last != Some(loc.0.seg) {
-                    st.touch(loc.0.seg);
-                    last = Some(loc.0.seg);
+            for (key, (loc, got)) in keys.iter().zip(locs.iter().zip(&out)) {
+                let Some((loc, _)) = loc else {
+                    continue;
+                };
+                if got.is_some()
+                    && let Some(l) = st.pages.get_mut(key)
+                    && l.stamp == loc.stamp
+                {
+                    l.read = true;
+                }
+                if last != Some(loc.seg) {
+                    st.touch(loc.seg);
+                    last = Some(loc.seg);
                 }
             }
             for (key, loc) in &damaged {
