@@ -19,6 +19,12 @@
 //!   [`ManagerBuilder::storage_backend`]) keeps KV pages beyond the host pool and across
 //!   restarts; full-attention models only (Mamba or sliding-window layers:
 //!   [`ManagerError::NotImplemented`]).
+//! - **Prompts** are owned ([`Request::new`]: the manager keeps the tokens from arrival on) or
+//!   given by a [`TokenSource`] ([`Request::lazy`], or [`Request::shared`] over the engine's
+//!   `Arc<[TokenId]>`): a lazy request holds no tokens while it waits, [`KvCacheManager::admit`]
+//!   fills them, and only the lazy request tried last keeps them while it still waits, so the
+//!   memory of a queue is its sources'. [`KvCacheManager::token_storage`] says what waiting
+//!   and running requests hold ([`TokenStorage`]).
 //! - **Construction** happens in one place, [`factory::build_cache`], which turns the config into
 //!   a [`factory::ManagedCache`]: a `PrefixCache` plus step hooks, session lifecycle and tier
 //!   reports. Built: disabled, radix, radix + sessions (`radixkv-session`), HiCache over the

@@ -722,7 +722,7 @@ impl KvCacheManager {
             if !t.materialised {
                 // What `admit_materialised` refuses first, without the tokens: a request that
                 // can never fit is not filled.
-                let len = t.prompt_len + t.decoded.len();
+                let len = t.prompt_len.saturating_add(t.decoded.len());
                 let output_left = t
                     .max_new
                     .saturating_sub(t.decoded.len())

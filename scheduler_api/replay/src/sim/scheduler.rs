@@ -4,6 +4,8 @@
 //! simulated by the [`CostModel`]; wall-clock time is measured only around manager calls.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ahash::HashMap;
@@ -19,7 +21,9 @@ use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, SwaRepor
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
-use radixkv_scheduler_api::{Admission, KvCacheManager, ReqId, Request, WaitReason};
+use radixkv_scheduler_api::{
+    Admission, KvCacheManager, ReqId, Request, TokenSource, TokenSourceError, WaitReason,
+};
 
 /// Scheduler and simulation parameters.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -100,10 +104,39 @@ impl CpuClock {
 
     /// Charges `since..now` to `phase` and returns `now`, so that back-to-back manager calls of
     /// different phases share one clock read at their boundary.
+    /// Takes `ns` spent outside the manager (a prompt source's fill) out of `phase`.
+    fn discount(&mut self, phase: Phase, ns: u64) {
+        let d = &mut self.0[phase as usize];
+        *d = d.saturating_sub(Duration::from_nanos(ns));
+    }
+
     fn lap(&mut self, phase: Phase, since: Instant) -> Instant {
         let now = Instant::now();
         self.0[phase as usize] += now - since;
         now
+    }
+}
+
+/// A trace request's prompt source that clocks its fills: generating a prompt's tokens from
+/// its block ids stands in for the engine handing over a prompt buffer, and is not the
+/// manager's CPU, so the replay takes it out of the phase whose call filled it.
+#[derive(Debug)]
+struct TimedSource {
+    inner: Arc<dyn TokenSource>,
+    fill_ns: Arc<AtomicU64>,
+}
+
+impl TokenSource for TimedSource {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError> {
+        let t0 = Instant::now();
+        let r = self.inner.fill(out);
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.fill_ns.fetch_add(ns, Ordering::Relaxed);
+        r
     }
 }
 
@@ -185,6 +218,7 @@ pub(super) fn replay_with_ideal(
         running: Vec::new(),
         now_us: 0.0,
         cpu: CpuClock::default(),
+        fill_ns: Arc::default(),
         room_waits: 0,
         ttft_ms: Vec::with_capacity(trace.requests.len()),
         report: Report {
@@ -334,6 +368,8 @@ struct Sim<'a> {
     running: Vec<Job>,
     now_us: f64,
     cpu: CpuClock,
+    /// Nanoseconds the prompt sources spent filling tokens (see [`TimedSource`]).
+    fill_ns: Arc<AtomicU64>,
     /// Consecutive steps in which nothing ran because the head of the queue waited for
     /// write-back evictions in flight (their acks land at the end of the step).
     room_waits: u32,
@@ -359,12 +395,20 @@ impl Sim<'_> {
                 let room = r.output_len as usize;
                 // Lazy: the manager generates the tokens when it admits the request, so a
                 // backlog costs its segments, not its prompts.
-                let mut q = Request::lazy(r.prompt_source()).max_new_tokens(room);
+                let source = TimedSource {
+                    inner: r.prompt_source(),
+                    fill_ns: self.fill_ns.clone(),
+                };
+                let mut q = Request::lazy(Arc::new(source)).max_new_tokens(room);
                 // Conversations are sessions only when the configuration has them.
                 q.session = r.session.filter(|_| self.cfg.manager.sessions.is_some());
+                // A storage tier's prefetch fills the prompt at arrival: not manager CPU.
+                let filled = self.fill_ns.load(Ordering::Relaxed);
                 let t0 = Instant::now();
                 let id = kv.arrive(q)?;
                 self.cpu.add(Phase::Arrive, t0);
+                let ns = self.fill_ns.swap(filled, Ordering::Relaxed) - filled;
+                self.cpu.discount(Phase::Arrive, ns);
                 self.waiting.push_back(Job {
                     index: next,
                     id,
@@ -835,6 +879,9 @@ impl Sim<'_> {
         r.throughput_tok_s = r.output_tokens as f64 / r.sim_duration_s;
         r.throughput_req_s = r.requests as f64 / r.sim_duration_s;
         let per = |d: Duration| d.as_secs_f64() * 1e6 / (r.requests.max(1) as f64);
+        // Every other fill ran inside an admission.
+        let fills = self.fill_ns.load(Ordering::Relaxed);
+        self.cpu.discount(Phase::Admit, fills);
         r.cache_cpu_us_per_request = per(self.cpu.0.iter().sum());
         r.cache_cpu_breakdown = CpuBreakdown {
             arrive_us: per(self.cpu.0[Phase::Arrive as usize]),
