@@ -693,6 +693,41 @@ struct Fingerprint {
     served: Vec<(usize, usize)>,
 }
 
+/// What must be identical across ranks, read off a settled cache: its tree over `prompts`,
+/// its events, what it served and the given counters.
+fn fingerprint(
+    c: &mut HiRadixCache<HostSim>,
+    prompts: &[Vec<u32>],
+    served: Vec<(usize, usize)>,
+    stats: [u64; 10],
+) -> Fingerprint {
+    c.check_invariants().unwrap();
+    let tree = c.device_cache().tree();
+    let mut host_pages = Vec::new();
+    tree.for_each_host_page(|n, h| host_pages.push((format!("{n:?}"), h)));
+    host_pages.sort();
+    let mut device_pages = Vec::new();
+    tree.for_each_device_page(|p| device_pages.push(p.0));
+    device_pages.sort_unstable();
+    let walks = prompts
+        .iter()
+        .map(|p| {
+            let w = tree.tier_walk(KeyRef::new(p));
+            (w.device_len, w.host_len)
+        })
+        .collect();
+    let nodes = tree.node_count();
+    Fingerprint {
+        host_pages,
+        device_pages,
+        walks,
+        nodes,
+        events: c.take_events(),
+        stats,
+        served,
+    }
+}
+
 /// One rank of [`ranks_agree`]: `seed` picks the rank (`seed % 10`) and its timing draws.
 fn run_rank(seed: u64, group: Arc<Group>, prompts: Arc<Vec<Vec<u32>>>) -> Fingerprint {
     let rank = seed % 10;
@@ -768,30 +803,12 @@ fn run_rank(seed: u64, group: Arc<Group>, prompts: Arc<Vec<Vec<u32>>>) -> Finger
     }
     c.flush().unwrap();
     c.wait_storage().unwrap();
-    c.check_invariants().unwrap();
-    let tree = c.device_cache().tree();
-    let mut host_pages = Vec::new();
-    tree.for_each_host_page(|n, h| host_pages.push((format!("{n:?}"), h)));
-    host_pages.sort();
-    let mut device_pages = Vec::new();
-    tree.for_each_device_page(|p| device_pages.push(p.0));
-    device_pages.sort_unstable();
-    let walks = prompts
-        .iter()
-        .map(|p| {
-            let w = tree.tier_walk(KeyRef::new(p));
-            (w.device_len, w.host_len)
-        })
-        .collect();
-    let nodes = tree.node_count();
     let st = c.stats();
-    Fingerprint {
-        host_pages,
-        device_pages,
-        walks,
-        nodes,
-        events: c.take_events(),
-        stats: [
+    fingerprint(
+        &mut c,
+        &prompts,
+        served,
+        [
             st.storage_hit_tokens,
             st.prefetches_started,
             st.prefetches_revoked,
@@ -803,8 +820,7 @@ fn run_rank(seed: u64, group: Arc<Group>, prompts: Arc<Vec<Vec<u32>>>) -> Finger
             st.loads_acked,
             st.loaded_tokens,
         ],
-        served,
-    }
+    )
 }
 
 #[test]
@@ -893,44 +909,23 @@ fn run_failing_rank(
     }
     c.flush().unwrap();
     c.wait_storage().unwrap();
-    c.check_invariants().unwrap();
-    let tree = c.device_cache().tree();
-    let mut host_pages = Vec::new();
-    tree.for_each_host_page(|n, h| host_pages.push((format!("{n:?}"), h)));
-    host_pages.sort();
-    let mut device_pages = Vec::new();
-    tree.for_each_device_page(|p| device_pages.push(p.0));
-    device_pages.sort_unstable();
-    let walks = prompts
-        .iter()
-        .map(|p| {
-            let w = tree.tier_walk(KeyRef::new(p));
-            (w.device_len, w.host_len)
-        })
-        .collect();
-    let nodes = tree.node_count();
     let st = c.stats();
-    let print = Fingerprint {
-        host_pages,
-        device_pages,
-        walks,
-        nodes,
-        events: c.take_events(),
-        stats: [
-            st.failed_transfers,
-            st.failed_writes,
-            st.writes_acked,
-            st.loads_acked,
-            st.loaded_tokens,
-            st.storage_backups,
-            st.backup_pages_written + st.backup_pages_skipped + st.backup_pages_failed,
-            0,
-            0,
-            0,
-        ],
-        served,
-    };
-    (print, st.failed_writes)
+    let stats = [
+        st.failed_transfers,
+        st.failed_writes,
+        st.writes_acked,
+        st.loads_acked,
+        st.loaded_tokens,
+        st.storage_backups,
+        st.backup_pages_written + st.backup_pages_skipped + st.backup_pages_failed,
+        0,
+        0,
+        0,
+    ];
+    (
+        fingerprint(&mut c, &prompts, served, stats),
+        st.failed_writes,
+    )
 }
 
 #[test]

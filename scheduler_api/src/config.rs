@@ -409,8 +409,9 @@ fn default_worker_threads() -> usize {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum StorageBackendKind {
-    /// Files in a directory (`radixkv_hicache::storage::FileStore`): atomic writes, an index
-    /// rebuilt at open so a restarted server finds its pages, least recently used pages
+    /// Segment files in a directory (`radixkv_hicache::storage::FileStore`): pages appended
+    /// with checksummed records (a torn or damaged record is a miss, never wrong KV), an index
+    /// rebuilt at open so a restarted server finds its pages, least recently used segments
     /// evicted past the capacity.
     File {
         /// The store's directory (created if missing).
