@@ -899,8 +899,13 @@ fn run_failing_rank(
     // rank must be missing on every rank.
     for pass in 0..2 {
         for (i, p) in prompts.iter().enumerate() {
-            if pass == 0 && rank < 2 && i as u64 == 1 + 3 * rank {
-                c.backend().fail_next_copies(StreamKind::Write, 1);
+            if pass == 0 && (i == 1 || i == 4) {
+                // Every rank settles its copies first (a collective: all ranks flush here), so
+                // the fault hits this prompt's backup and not a slower rank's earlier one.
+                c.flush().unwrap();
+                if i as u64 == 1 + 3 * rank {
+                    c.backend().fail_next_copies(StreamKind::Write, 1);
+                }
             }
             let r = serve(&mut c, p).expect("the device holds the request");
             served.push((r.device_hit, r.host_hit));
