@@ -58,6 +58,56 @@ pub struct PageCopy {
     pub host: Arc<HostMemory>,
 }
 
+impl PageCopy {
+    /// A copy of `runs` over `layers` between the device and `host`, in `direction`.
+    pub fn new(
+        host: &Arc<HostMemory>,
+        direction: Direction,
+        layers: Range<usize>,
+        runs: &[PageRun],
+    ) -> Self {
+        PageCopy {
+            direction,
+            layers,
+            runs: runs.into(),
+            host: host.clone(),
+        }
+    }
+}
+
+/// The bytes of an extra pool of `slots` items of `item_bytes` (what every backend allocates
+/// for [`DeviceBackend::register_extra_pool`] and a [`SlotMemory`] holds).
+///
+/// # Errors
+/// [`HiCacheError::Config`] for an empty pool or a size that overflows.
+pub(crate) fn extra_pool_bytes(pool: PoolName, slots: u32, item_bytes: usize) -> Result<usize> {
+    (slots as usize)
+        .checked_mul(item_bytes)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            HiCacheError::Config(format!(
+                "extra pool {pool:?}: {slots} slots of {item_bytes} bytes is empty or too large"
+            ))
+        })
+}
+
+/// Whether a pool registered as `slots` × `item_bytes` may be registered again as `want_slots`
+/// × `want_bytes`: `Ok` for the same sizes (registration is idempotent), a
+/// [`HiCacheError::Config`] for others.
+pub(crate) fn same_extra_pool(
+    pool: PoolName,
+    (slots, item_bytes): (usize, usize),
+    (want_slots, want_bytes): (u32, usize),
+) -> Result<()> {
+    if slots == want_slots as usize && item_bytes == want_bytes {
+        Ok(())
+    } else {
+        Err(HiCacheError::Config(format!(
+            "extra pool {pool:?} is registered with other sizes"
+        )))
+    }
+}
+
 /// One submitted copy of extra-pool slots (Mamba state, SWA KV, ...): each run moves `pages`
 /// consecutive slots of `item_bytes` each between the device-side buffer of `pool` and `host`.
 /// An extra-pool item has no layers, so the copy is one contiguous span per run on both sides.
@@ -287,14 +337,7 @@ impl SlotMemory {
     /// [`HiCacheError::Config`] for zero sizes or a size that overflows;
     /// [`HiCacheError::AllocFailed`] when the allocator refuses the pool.
     pub fn new(pool: PoolName, slots: u32, item_bytes: usize) -> Result<Self> {
-        let n = (slots as usize)
-            .checked_mul(item_bytes)
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                HiCacheError::Config(format!(
-                    "extra pool {pool:?}: {slots} slots of {item_bytes} bytes is empty or too large"
-                ))
-            })?;
+        let n = extra_pool_bytes(pool, slots, item_bytes)?;
         Ok(SlotMemory {
             pool,
             slots: slots as usize,

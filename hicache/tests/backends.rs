@@ -34,20 +34,6 @@ fn geometry(page_size: usize) -> KvGeometry {
     KvGeometry::new(LAYERS, page_size, BYTES_PER_TOKEN).unwrap()
 }
 
-fn copy(
-    host: &Arc<HostMemory>,
-    direction: Direction,
-    layers: std::ops::Range<usize>,
-    runs: &[PageRun],
-) -> PageCopy {
-    PageCopy {
-        direction,
-        layers,
-        runs: runs.to_vec().into(),
-        host: host.clone(),
-    }
-}
-
 fn run(device: u32, host: u32, pages: u32) -> PageRun {
     PageRun {
         device,
@@ -86,7 +72,7 @@ fn check_merged_runs<B: DeviceBackend>(dev: &B, layout: HostLayout) {
     let out = [run(2, 5, 4), run(6, 9, 1), run(9, 0, 1), run(12, 11, 3)];
     dev.enqueue_copy(
         StreamKind::Write,
-        copy(&host, Direction::DeviceToHost, 0..LAYERS, &out),
+        PageCopy::new(&host, Direction::DeviceToHost, 0..LAYERS, &out),
     )
     .unwrap();
     let ev = dev.record_event(StreamKind::Write).unwrap();
@@ -127,7 +113,7 @@ fn check_merged_runs<B: DeviceBackend>(dev: &B, layout: HostLayout) {
     for l in 0..LAYERS {
         dev.enqueue_copy(
             StreamKind::Load,
-            copy(&host, Direction::HostToDevice, l..l + 1, &back),
+            PageCopy::new(&host, Direction::HostToDevice, l..l + 1, &back),
         )
         .unwrap();
         events.push(dev.record_event(StreamKind::Load).unwrap());
@@ -151,19 +137,19 @@ fn invalid_copies_are_refused_and_queue_nothing<F: Factory>() {
     let w = StreamKind::Write;
     let d2h = Direction::DeviceToHost;
     let e = dev
-        .enqueue_copy(w, copy(&host, d2h, 0..LAYERS, &[run(15, 0, 2)]))
+        .enqueue_copy(w, PageCopy::new(&host, d2h, 0..LAYERS, &[run(15, 0, 2)]))
         .unwrap_err();
     assert_eq!(e, HiCacheError::DevicePageOutOfRange(PageId(16)));
     let e = dev
-        .enqueue_copy(w, copy(&host, d2h, 0..LAYERS, &[run(0, 7, 2)]))
+        .enqueue_copy(w, PageCopy::new(&host, d2h, 0..LAYERS, &[run(0, 7, 2)]))
         .unwrap_err();
     assert_eq!(e, HiCacheError::HostPageOutOfRange(8));
     let e = dev
-        .enqueue_copy(w, copy(&host, d2h, 0..LAYERS + 1, &[run(0, 0, 1)]))
+        .enqueue_copy(w, PageCopy::new(&host, d2h, 0..LAYERS + 1, &[run(0, 0, 1)]))
         .unwrap_err();
     assert!(matches!(e, HiCacheError::LayerOutOfRange { .. }), "{e:?}");
     let e = dev
-        .enqueue_copy(w, copy(&host, d2h, 0..LAYERS, &[run(0, 0, 0)]))
+        .enqueue_copy(w, PageCopy::new(&host, d2h, 0..LAYERS, &[run(0, 0, 0)]))
         .unwrap_err();
     assert!(matches!(e, HiCacheError::DevicePageOutOfRange(_)), "{e:?}");
     let other = Arc::new(HostMemory::new(geometry(4), 8, HostLayout::LayerFirst).unwrap());
@@ -172,7 +158,7 @@ fn invalid_copies_are_refused_and_queue_nothing<F: Factory>() {
         Err(HiCacheError::Config(_))
     ));
     assert!(matches!(
-        dev.enqueue_copy(w, copy(&other, d2h, 0..LAYERS, &[run(0, 0, 1)])),
+        dev.enqueue_copy(w, PageCopy::new(&other, d2h, 0..LAYERS, &[run(0, 0, 1)])),
         Err(HiCacheError::Config(_))
     ));
     // Nothing was queued: the host buffer is still zero after an event.

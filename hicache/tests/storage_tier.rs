@@ -832,49 +832,60 @@ fn ranks_with_independent_timing_take_identical_decisions() {
 }
 
 fn ranks_agree(round: u64) {
-    const RANKS: usize = 3;
-    let group = Arc::new(Group {
-        n: RANKS,
-        state: Mutex::new(Round::default()),
-        cv: Condvar::new(),
-    });
-    let prompts: Arc<Vec<Vec<u32>>> = Arc::new(
-        (0..8)
-            .map(|i| {
-                // Shared prefixes: pairs of prompts share their first half.
-                let mut t = tokens(50 + i / 2, 24);
-                t.extend(tokens(70 + i, 28 + 4 * (i as usize % 3)));
-                t
-            })
-            .collect(),
-    );
-    let handles: Vec<_> = (0..RANKS as u64)
-        .map(|r| {
-            let (g, p) = (group.clone(), prompts.clone());
-            std::thread::spawn(move || run_rank(r + 10 * round, g, p))
+    let prompts = (0..8)
+        .map(|i| {
+            // Shared prefixes: pairs of prompts share their first half.
+            let mut t = tokens(50 + i / 2, 24);
+            t.extend(tokens(70 + i, 28 + 4 * (i as usize % 3)));
+            t
         })
         .collect();
-    let prints: Vec<Fingerprint> = within("the ranks finish", 60, move || {
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let (prints, group) = run_ranks(prompts, move |r, g, p| run_rank(r + 10 * round, g, p));
     assert!(
         prints[0].stats[0] > 0,
         "the scenario must load something from storage"
     );
     assert!(!prints[0].events.is_empty());
     for (r, p) in prints.iter().enumerate().skip(1) {
-        assert_eq!(p.served, prints[0].served, "rank {r} served differently");
-        assert_eq!(p.stats, prints[0].stats, "rank {r} accounting");
-        assert_eq!(p.walks, prints[0].walks, "rank {r} tree");
-        assert_eq!(p.host_pages, prints[0].host_pages, "rank {r} host pages");
-        assert_eq!(
-            p.device_pages, prints[0].device_pages,
-            "rank {r} device pages"
-        );
-        assert_eq!(p.nodes, prints[0].nodes);
-        assert_eq!(p.events, prints[0].events, "rank {r} events");
+        assert_identical(r, p, &prints[0]);
     }
     assert!(group.state.lock().unwrap().calls > 0);
+}
+
+/// Runs `rank` for ranks 0, 1 and 2 on threads over one [`Group`] and `prompts`; returns what
+/// each returned, in rank order, and the group.
+fn run_ranks<T: Send + 'static>(
+    prompts: Vec<Vec<u32>>,
+    rank: impl Fn(u64, Arc<Group>, Arc<Vec<Vec<u32>>>) -> T + Send + Sync + Copy + 'static,
+) -> (Vec<T>, Arc<Group>) {
+    const RANKS: usize = 3;
+    let group = Arc::new(Group {
+        n: RANKS,
+        state: Mutex::new(Round::default()),
+        cv: Condvar::new(),
+    });
+    let prompts = Arc::new(prompts);
+    let handles: Vec<_> = (0..RANKS as u64)
+        .map(|r| {
+            let (g, p) = (group.clone(), prompts.clone());
+            std::thread::spawn(move || rank(r, g, p))
+        })
+        .collect();
+    let out = within("the ranks finish", 60, move || {
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (out, group)
+}
+
+/// Rank `r`'s fingerprint equals rank 0's, part by part.
+fn assert_identical(r: usize, p: &Fingerprint, first: &Fingerprint) {
+    assert_eq!(p.served, first.served, "rank {r} served differently");
+    assert_eq!(p.stats, first.stats, "rank {r} accounting");
+    assert_eq!(p.walks, first.walks, "rank {r} tree");
+    assert_eq!(p.host_pages, first.host_pages, "rank {r} host pages");
+    assert_eq!(p.device_pages, first.device_pages, "rank {r} device pages");
+    assert_eq!(p.nodes, first.nodes);
+    assert_eq!(p.events, first.events, "rank {r} events");
 }
 
 /// One rank of [`ranks_agree_on_failed_backups`]: rank 0 fails the backup copy of prompt 1,
@@ -935,42 +946,20 @@ fn run_failing_rank(
 
 #[test]
 fn ranks_agree_on_failed_backups() {
-    const RANKS: usize = 3;
-    let group = Arc::new(Group {
-        n: RANKS,
-        state: Mutex::new(Round::default()),
-        cv: Condvar::new(),
-    });
-    let prompts: Arc<Vec<Vec<u32>>> = Arc::new(
-        (0..8)
-            .map(|i| {
-                let mut t = tokens(150 + i / 2, 24);
-                t.extend(tokens(170 + i, 28));
-                t
-            })
-            .collect(),
-    );
-    let handles: Vec<_> = (0..RANKS as u64)
-        .map(|r| {
-            let (g, p) = (group.clone(), prompts.clone());
-            std::thread::spawn(move || run_failing_rank(r, g, p))
+    let prompts = (0..8)
+        .map(|i| {
+            let mut t = tokens(150 + i / 2, 24);
+            t.extend(tokens(170 + i, 28));
+            t
         })
         .collect();
-    let prints: Vec<(Fingerprint, u64)> = within("the ranks finish", 60, move || {
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let (prints, _) = run_ranks(prompts, run_failing_rank);
     // Both ranks' failures count on every rank: each backup that failed anywhere is undone
     // everywhere.
     assert_eq!(prints[0].1, 2, "{:?}", prints[0].0.stats);
     assert!(prints[0].0.served.iter().any(|&(_, host)| host > 0));
     for (r, (p, _)) in prints.iter().enumerate().skip(1) {
-        assert_eq!(p.stats, prints[0].0.stats, "rank {r} accounting");
-        assert_eq!(p.served, prints[0].0.served, "rank {r} served differently");
-        assert_eq!(p.walks, prints[0].0.walks, "rank {r} tree");
-        assert_eq!(p.host_pages, prints[0].0.host_pages, "rank {r} host pages");
-        assert_eq!(p.device_pages, prints[0].0.device_pages);
-        assert_eq!(p.nodes, prints[0].0.nodes);
-        assert_eq!(p.events, prints[0].0.events, "rank {r} events");
+        assert_identical(r, p, &prints[0].0);
     }
 }
 

@@ -762,7 +762,7 @@ impl KvCacheManager {
         r
     }
 
-    /// [`Self::admit`] of a request whose tokens are materialised.
+    /// [`Self::admit`] of a waiting request whose tokens are materialised.
     fn admit_materialised(&mut self, id: ReqId) -> Result<Admission> {
         let page = self.cfg.model.page_size;
         let clip = self.cfg.reserve_clip_tokens;
@@ -770,9 +770,8 @@ impl KvCacheManager {
             .requests
             .get_mut(id.0)
             .ok_or(ManagerError::UnknownRequest(id.0))?;
-        if t.phase != Phase::Waiting {
-            return Err(t.lifecycle(id, "admit on a running request"));
-        }
+        // `admit` checked the phase; filling or dropping tokens does not change it.
+        debug_assert_eq!(t.phase, Phase::Waiting);
         let len = t.kv.key.len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);

@@ -904,22 +904,13 @@ impl DeviceBackend for CudaBackend {
     fn register_extra_pool(&self, pool: PoolName, slots: u32, item_bytes: usize) -> Result<()> {
         let mut pools = self.extra.write().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pools.iter().find(|p| p.pool == pool) {
-            return if p.slots == slots && p.item_bytes == item_bytes {
-                Ok(())
-            } else {
-                Err(HiCacheError::Config(format!(
-                    "extra pool {pool:?} is registered with other sizes"
-                )))
-            };
+            return crate::backend::same_extra_pool(
+                pool,
+                (p.slots as usize, p.item_bytes),
+                (slots, item_bytes),
+            );
         }
-        let bytes = (slots as usize)
-            .checked_mul(item_bytes)
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                HiCacheError::Config(format!(
-                    "extra pool {pool:?}: {slots} slots of {item_bytes} bytes is empty or too large"
-                ))
-            })?;
+        let bytes = crate::backend::extra_pool_bytes(pool, slots, item_bytes)?;
         self.bind()?;
         let base = alloc_zeroed(bytes, "CUDA extra pool")?;
         pools.push(ExtraPool {

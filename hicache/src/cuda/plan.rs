@@ -150,20 +150,6 @@ mod tests {
             .collect()
     }
 
-    fn copy(
-        host: &Arc<HostMemory>,
-        direction: Direction,
-        layers: std::ops::Range<usize>,
-        runs: &[PageRun],
-    ) -> PageCopy {
-        PageCopy {
-            direction,
-            layers,
-            runs: runs.to_vec().into(),
-            host: host.clone(),
-        }
-    }
-
     #[test]
     fn layer_first_runs_are_one_span_per_run_and_layer() {
         let g = KvGeometry::new(3, 4, 8).unwrap();
@@ -181,7 +167,7 @@ mod tests {
             },
         ];
         let mut out = Vec::new();
-        let c = copy(&host, Direction::HostToDevice, 0..3, &runs);
+        let c = PageCopy::new(&host, Direction::HostToDevice, 0..3, &runs);
         page_copy_spans(&g, &packed(&g, 16), &c, &mut out);
         assert_eq!(out.len(), 6, "{out:?}");
         assert_eq!(
@@ -194,7 +180,7 @@ mod tests {
         );
         // Page-first: one span per page and layer (the pages of a layer are strided).
         let host = Arc::new(HostMemory::new(g, 16, HostLayout::PageFirst).unwrap());
-        let c = copy(&host, Direction::HostToDevice, 0..3, &runs);
+        let c = PageCopy::new(&host, Direction::HostToDevice, 0..3, &runs);
         page_copy_spans(&g, &packed(&g, 16), &c, &mut out);
         assert_eq!(out.len(), 15);
         // Runs that continue each other on both sides merge into one span.
@@ -211,7 +197,7 @@ mod tests {
                 pages: 3,
             },
         ];
-        let c = copy(&host, Direction::DeviceToHost, 1..2, &joined);
+        let c = PageCopy::new(&host, Direction::DeviceToHost, 1..2, &joined);
         page_copy_spans(&g, &packed(&g, 16), &c, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].len, 5 * 32);
@@ -297,7 +283,7 @@ mod tests {
                     let mut dev = device.clone();
                     let mut h = vec![0u8; host_len];
                     let mut spans = Vec::new();
-                    let c = copy(&host, Direction::DeviceToHost, 0..3, &runs);
+                    let c = PageCopy::new(&host, Direction::DeviceToHost, 0..3, &runs);
                     page_copy_spans(&g, &regions, &c, &mut spans);
                     execute_on_memory(&spans, Direction::DeviceToHost, &mut dev, &mut h);
                     let page_of = |dev: &[u8], layer: usize, page: usize| -> Vec<u8> {
@@ -329,7 +315,7 @@ mod tests {
                         host: 1,
                         pages: 3,
                     }];
-                    let c = copy(&host, Direction::HostToDevice, 1..3, &back);
+                    let c = PageCopy::new(&host, Direction::HostToDevice, 1..3, &back);
                     let mut dev2 = vec![0u8; dev_len];
                     page_copy_spans(&g, &regions, &c, &mut spans);
                     execute_on_memory(&spans, Direction::HostToDevice, &mut dev2, &mut h);

@@ -275,13 +275,11 @@ impl DeviceBackend for HostSim {
     fn register_extra_pool(&self, pool: PoolName, slots: u32, item_bytes: usize) -> Result<()> {
         let mut pools = self.extra.write().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = pools.iter().find(|m| m.pool() == pool) {
-            return if m.slots() == slots as usize && m.item_bytes() == item_bytes {
-                Ok(())
-            } else {
-                Err(HiCacheError::Config(format!(
-                    "extra pool {pool:?} is registered with other sizes"
-                )))
-            };
+            return crate::backend::same_extra_pool(
+                pool,
+                (m.slots(), m.item_bytes()),
+                (slots, item_bytes),
+            );
         }
         pools.push(Arc::new(SlotMemory::new(pool, slots, item_bytes)?));
         Ok(())
