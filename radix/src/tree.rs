@@ -192,50 +192,79 @@ impl EventKeys {
 
 /// Recycled edge buffers: evicting a leaf and inserting a new one is the steady state of a
 /// full cache, and reusing their allocations takes malloc and free off both paths.
+///
+/// The pool is bounded in elements, not only in buffers, and a buffer is reused only for an
+/// edge that fills at least half of it: the tree's memory then stays within twice the tokens
+/// and pages it holds (a small edge taking a large buffer, or a pool of large buffers that no
+/// edge fits, would hold memory that follows the traffic's history, not the cache).
 #[derive(Debug, Default)]
 struct BufferPool {
-    tokens: Vec<Vec<TokenId>>,
-    pages: Vec<Vec<PageId>>,
+    tokens: Recycled<TokenId>,
+    pages: Recycled<PageId>,
 }
 
-impl BufferPool {
-    /// Buffers kept per kind, and the largest capacity worth keeping.
+#[derive(Debug)]
+struct Recycled<T> {
+    free: Vec<Vec<T>>,
+    /// Sum of the capacities in `free`.
+    elements: usize,
+}
+
+impl<T> Default for Recycled<T> {
+    fn default() -> Self {
+        Recycled {
+            free: Vec::new(),
+            elements: 0,
+        }
+    }
+}
+
+impl<T: Copy> Recycled<T> {
+    /// Buffers kept, the largest capacity worth keeping, and the most elements kept in all.
     const MAX_BUFFERS: usize = 4096;
     const MAX_CAPACITY: usize = 4096;
+    const MAX_ELEMENTS: usize = 1 << 18;
 
-    fn recycle(&mut self, mut key: Vec<TokenId>, mut pages: Vec<PageId>) {
-        if (1..=Self::MAX_CAPACITY).contains(&key.capacity())
-            && self.tokens.len() < Self::MAX_BUFFERS
+    fn put(&mut self, mut v: Vec<T>) {
+        let cap = v.capacity();
+        if (1..=Self::MAX_CAPACITY).contains(&cap)
+            && self.free.len() < Self::MAX_BUFFERS
+            && self.elements + cap <= Self::MAX_ELEMENTS
         {
-            key.clear();
-            self.tokens.push(key);
-        }
-        if (1..=Self::MAX_CAPACITY).contains(&pages.capacity())
-            && self.pages.len() < Self::MAX_BUFFERS
-        {
-            pages.clear();
-            self.pages.push(pages);
+            v.clear();
+            self.elements += cap;
+            self.free.push(v);
         }
     }
 
-    fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {
-        Self::take(&mut self.tokens, src)
-    }
-
-    fn pages(&mut self, src: &[PageId]) -> Vec<PageId> {
-        Self::take(&mut self.pages, src)
-    }
-
-    /// A buffer holding a copy of `src`. A recycled buffer too small for it stays in the pool:
-    /// growing it would reallocate, copying its whole old capacity for nothing (it is empty).
-    fn take<T: Copy>(pool: &mut Vec<Vec<T>>, src: &[T]) -> Vec<T> {
-        match pool.pop_if(|v| v.capacity() >= src.len()) {
+    /// A buffer holding a copy of `src`. A recycled buffer too small for it stays in the pool
+    /// (growing it would reallocate, copying its whole old capacity for nothing: it is empty),
+    /// and so does one more than twice its size.
+    fn take(&mut self, src: &[T]) -> Vec<T> {
+        let fits = |v: &mut Vec<T>| v.capacity() >= src.len() && v.capacity() <= 2 * src.len();
+        match self.free.pop_if(fits) {
             Some(mut v) => {
+                self.elements -= v.capacity();
                 v.extend_from_slice(src);
                 v
             }
             None => src.to_vec(),
         }
+    }
+}
+
+impl BufferPool {
+    fn recycle(&mut self, key: Vec<TokenId>, pages: Vec<PageId>) {
+        self.tokens.put(key);
+        self.pages.put(pages);
+    }
+
+    fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {
+        self.tokens.take(src)
+    }
+
+    fn pages(&mut self, src: &[PageId]) -> Vec<PageId> {
+        self.pages.take(src)
     }
 }
 

@@ -212,7 +212,12 @@ impl RadixTree {
         let pages_at = at / p;
         let c = &mut self.nodes[child as usize];
         let tail_key = c.key.split_off(at);
-        let head_key = std::mem::replace(&mut c.key, tail_key);
+        let mut head_key = std::mem::replace(&mut c.key, tail_key);
+        // The head keeps the edge's allocation: give back what the tail took from it, so a
+        // split prefix does not hold its old leaf's memory.
+        if head_key.capacity() > 2 * head_key.len() {
+            head_key.shrink_to_fit();
+        }
         let head_pages = if c.pages.is_empty() {
             Vec::new()
         } else {

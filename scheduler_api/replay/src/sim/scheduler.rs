@@ -261,8 +261,7 @@ fn chunk_flops(
 /// The infinite-cache ideal of every request, at pages of `page_size` tokens. First
 /// admissions happen in arrival order (the queue is FCFS and only already-admitted requests
 /// are pushed back to its front), so the ideal is computed in a pass of its own before the
-/// replay: its hash set is large, and building it between manager calls would only evict the
-/// manager's data from the CPU caches.
+/// replay, over the trace's blocks (no tokens are generated for it).
 ///
 /// The ideal is a property of the trace, not of the configuration: a turn of a conversation
 /// may also reuse its conversation's unaligned history (as a streaming session does), whether
@@ -275,20 +274,15 @@ pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
     trace
         .requests
         .iter()
-        .map(|r| {
-            let prompt = r.prompt_tokens();
-            let output = r.output_tokens();
-            let hit = match r.session {
-                Some(s) => {
-                    let hit = ideal.admit_turn(s, &prompt, &output);
-                    if left.over(s) {
-                        ideal.close_session(s);
-                    }
-                    hit
+        .map(|r| match r.session {
+            Some(s) => {
+                let hit = ideal.admit_turn(s, r);
+                if left.over(s) {
+                    ideal.close_session(s);
                 }
-                None => ideal.admit(&prompt, &output),
-            };
-            hit as u64
+                hit
+            }
+            None => ideal.admit(r),
         })
         .collect()
 }
