@@ -592,8 +592,12 @@ pub enum BackendKind {
     /// [`ManagerConfig::sim_geometry`].
     #[default]
     HostSim,
-    /// A CUDA device. **Not built**: radixkv has no CUDA backend yet, and building a manager
-    /// from this is [`ManagerError::NotImplemented`] unless the builder is handed a backend.
+    /// A CUDA device: `radixkv_hicache::cuda::CudaBackend` allocates the device pool in the
+    /// model's geometry (`model`: layers, KV bytes per token per layer, page size) on device
+    /// `device`. Needs the crate feature `cuda` (else [`ManagerError::Config`]) and a host tier
+    /// (else [`ManagerError::Backend`]); a machine without a driver or device gives
+    /// [`ManagerError::Tier`] with `HiCacheError::NoDevice`. A backend handed to the builder
+    /// takes its place.
     Cuda {
         /// Device ordinal.
         device: u32,

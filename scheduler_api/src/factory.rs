@@ -20,14 +20,15 @@
 //! **Device backends.** A host tier needs a [`DeviceBackend`] to copy KV between the device
 //! pool and the host pool. [`build_cache`] builds the one the config names
 //! ([`BackendKind`]): HostSim over the small simulated geometry
-//! ([`SimGeometry`](crate::config::SimGeometry)). An engine hands its own backend to
+//! ([`SimGeometry`](crate::config::SimGeometry)), or with the crate feature `cuda`
+//! `radixkv_hicache::cuda::CudaBackend` over a device pool it allocates in the model's
+//! geometry (`backend = { type = "cuda", device = N }`). An engine hands its own backend to
 //! [`build_cache_with_backend`] (or [`ManagerBuilder::device_backend`](crate::ManagerBuilder::device_backend));
 //! it takes the place of the one the config names, and its geometry must be the model's (see
 //! [`Tiered::with_backend`]). A backend with a device-only cache is refused
 //! ([`BackendMismatch::NoHostTier`]): nothing would ever use it.
 //!
-//! radixkv has no CUDA backend yet: `backend = cuda` without a backend of the engine's own is
-//! [`ManagerError::NotImplemented`]. A model with Mamba layers builds on the device-only caches
+//! A model with Mamba layers builds on the device-only caches
 //! (slots: the `pools.mamba_bytes` budget over the slot bytes, see [`ManagerConfig::pools`]),
 //! with or without sessions, and so does a model with sliding-window layers (SWA pages: the
 //! `pools.swa_bytes` budget over a page of SWA KV; the window from the geometry; a session
@@ -342,9 +343,9 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// # Errors
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
-/// under Mamba or sliding-window layers and for the CUDA backend (not built yet: hand your own backend to
-/// [`build_cache_with_backend`]);
-/// [`ManagerError::Tier`] when the simulated backend or the host pool cannot be allocated.
+/// under Mamba or sliding-window layers; [`ManagerError::Backend`] for `backend = cuda` without
+/// a host tier; [`ManagerError::Tier`] when the backend (HostSim, or CUDA: `NoDevice` without a
+/// driver or device) or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
     clock: SimClock,
@@ -451,11 +452,18 @@ fn build<B: DeviceBackend>(
                 mismatch: BackendMismatch::NoHostTier,
             });
         }
-        (None, _) if matches!(cfg.backend, BackendKind::Cuda { .. }) => {
-            return Err(ManagerError::NotImplemented {
-                what: "a built-in cuda backend (hand your own `DeviceBackend` to \
-                       `ManagerBuilder::device_backend` instead)",
+        (None, CacheKind::Disabled | CacheKind::Radix)
+            if matches!(cfg.backend, BackendKind::Cuda { .. }) =>
+        {
+            return Err(ManagerError::Backend {
+                backend: "cuda",
+                mismatch: BackendMismatch::NoHostTier,
             });
+        }
+        (None, CacheKind::HiCache(_)) => {
+            if let BackendKind::Cuda { device } = cfg.backend {
+                return built_in_cuda(cfg, clock, device, store);
+            }
         }
         _ => {}
     }
@@ -538,6 +546,56 @@ fn build<B: DeviceBackend>(
             clock,
         ),
     })
+}
+
+/// The host tier over a [`radixkv_hicache::cuda::CudaBackend`] on device `device` that
+/// allocates the device pool in the model's geometry (`cfg.model`: its layers, KV bytes per
+/// token per layer and page size; `cfg.device_pages()` pages), with the Mamba and
+/// sliding-window pools the cache registers. The engine reaches the pool through
+/// [`crate::KvCacheManager`]'s cache (`Tiered::hicache().backend()`), or builds the backend
+/// over its own memory and hands it to the builder instead.
+#[cfg(feature = "cuda")]
+fn built_in_cuda(
+    cfg: &ManagerConfig,
+    clock: SimClock,
+    device: u32,
+    store: Option<Arc<dyn StorageBackend>>,
+) -> Result<Box<dyn ManagedCache>> {
+    use radixkv_hicache::KvGeometry;
+    use radixkv_hicache::cuda::{CudaBackend, CudaConfig};
+    let m = &cfg.model;
+    let bytes = usize::try_from(m.kv_bytes_per_token_per_layer).map_err(|_| {
+        ManagerError::Config(
+            "the model's KV bytes per token per layer do not fit this machine".into(),
+        )
+    })?;
+    let geometry = KvGeometry::new(m.layers as usize, m.page_size, bytes)?;
+    let backend = CudaBackend::new(
+        geometry,
+        cfg.device_pages(),
+        CudaConfig {
+            ordinal: device as usize,
+            ..CudaConfig::default()
+        },
+    )?;
+    build(cfg, clock, Some(Arc::new(backend)), store)
+}
+
+/// Without the `cuda` feature the built-in CUDA backend is not compiled in: a typed error
+/// says how to get it, never a silent fallback to HostSim.
+#[cfg(not(feature = "cuda"))]
+fn built_in_cuda(
+    _cfg: &ManagerConfig,
+    _clock: SimClock,
+    _device: u32,
+    _store: Option<Arc<dyn StorageBackend>>,
+) -> Result<Box<dyn ManagedCache>> {
+    Err(ManagerError::Config(
+        "`backend = { type = \"cuda\" }` needs radixkv built with the `cuda` feature \
+         (radixkv-scheduler-api/cuda); this build has only host_sim (an engine may also hand \
+         its own DeviceBackend to ManagerBuilder::device_backend)"
+            .into(),
+    ))
 }
 
 /// `cache`, wrapped in a session layer reading `clock` when `sessions` is on.
@@ -623,16 +681,38 @@ mod tests {
     }
 
     #[test]
-    fn cuda_is_not_built_and_hybrid_models_build_on_every_cache() {
+    fn cuda_needs_its_feature_or_a_device_and_hybrid_models_build_on_every_cache() {
         let cuda = ManagerConfig {
             backend: BackendKind::Cuda { device: 0 },
+            cache: CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
             ..base()
         };
-        let e = build_cache(&cuda).err().unwrap();
-        assert!(matches!(e, ManagerError::NotImplemented { .. }), "{e:?}");
-        let e = e.to_string();
-        assert!(e.contains("cuda"), "{e}");
-        assert!(e.contains("device_backend"), "points at the builder: {e}");
+        match build_cache(&cuda) {
+            // Without the feature: a config error naming it, never HostSim instead.
+            Err(ManagerError::Config(e)) if !cfg!(feature = "cuda") => {
+                assert!(e.contains("cuda") && e.contains("feature"), "{e}");
+            }
+            // With it, on a machine without a driver or device: the backend's typed error.
+            Err(ManagerError::Tier(radixkv_hicache::HiCacheError::NoDevice(_)))
+                if cfg!(feature = "cuda") => {}
+            // With a device, the tier runs over it.
+            Ok(c) if cfg!(feature = "cuda") => assert_eq!(c.accounting().total, 4096),
+            Ok(_) => panic!("a cuda backend was built without the cuda feature"),
+            Err(e) => panic!("unexpected: {e:?}"),
+        }
+        // A cache without a host tier has nothing for a device backend to copy.
+        let radix = ManagerConfig {
+            backend: BackendKind::Cuda { device: 0 },
+            cache: CacheKind::Radix,
+            ..base()
+        };
+        assert!(matches!(
+            build_cache(&radix),
+            Err(ManagerError::Backend {
+                backend: "cuda",
+                mismatch: BackendMismatch::NoHostTier
+            })
+        ));
         // A sliding-window model builds on every cache kind, with sessions too, its SWA pool
         // sized from its budget. A Mamba model builds on every cache kind, with sessions too.
         let kinds = [

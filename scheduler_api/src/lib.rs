@@ -67,10 +67,10 @@
 //!   the tier ([`factory::Tiered`]) runs over it. That backend's pools must hold the model's
 //!   KV in the configured device pool (layers, bytes per token per layer, page size, pages),
 //!   and the cache must have a host tier; otherwise [`ManagerError::Backend`] says what does
-//!   not fit. The manager does not build a GPU backend from the config: `backend = cuda` in a
-//!   config without a backend handed to the builder is [`ManagerError::NotImplemented`]; an
-//!   engine builds `radixkv_hicache::cuda::CudaBackend` (hicache feature `cuda`) and hands it
-//!   over.
+//!   not fit. With the crate feature `cuda`, `backend = { type = "cuda", device = N }` makes
+//!   the manager build `radixkv_hicache::cuda::CudaBackend` itself, allocating the device pool
+//!   in the model's geometry (without the feature it is [`ManagerError::Config`]); an engine
+//!   that owns its KV memory wraps it (`CudaBackend::from_device_regions`) and hands it over.
 //! - **Modeled vs simulated bytes**: the built-in HostSim really copies bytes, so its pools use
 //!   a tiny [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost
 //!   model's transfer time) is *modeled*: pages × the model's page bytes. Over an engine's own

@@ -375,7 +375,7 @@ fn impossible_configs_are_rejected() {
 }
 
 #[test]
-fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
+fn hicache_and_sessions_run_and_cuda_needs_its_feature_and_a_host_tier() {
     for (extra, label) in [
         (
             ["--session-tokens", "4096"],
@@ -402,11 +402,21 @@ fn hicache_and_sessions_run_and_cuda_is_refused_as_not_built() {
     let dir = temp_dir();
     let f = dir.join("cuda.toml");
     std::fs::write(&f, "[backend]\ntype = \"cuda\"\ndevice = 0\n").unwrap();
+    // A device backend needs a host tier to copy to.
     let o = radixkv(&["demo", "--config", f.to_str().unwrap()]);
-    // radixkv builds no CUDA backend: the refusal says so and names the builder's way in.
-    fails_with(&o, "a built-in cuda backend");
-    fails_with(&o, "is not implemented yet");
-    fails_with(&o, "ManagerBuilder::device_backend");
+    fails_with(&o, "cuda");
+    fails_with(&o, "host tier");
+    // The tool built without the `cuda` feature says so, and never runs on HostSim instead.
+    if !cfg!(feature = "cuda") {
+        let o = radixkv(&[
+            "demo",
+            "--config",
+            f.to_str().unwrap(),
+            "--cache",
+            "hicache",
+        ]);
+        fails_with(&o, "`cuda` feature");
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
