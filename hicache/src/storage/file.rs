@@ -15,9 +15,10 @@
 //! record larger than that gets a segment of its own), with one vectored write per group of
 //! about 1 MiB of pages; each page's XXH3 is computed just before its group is written, so
 //! the write copies bytes the checksum has just brought into the CPU cache and a page is read
-//! from memory once. A `get` reads each page with one positioned read and checks its XXH3 before returning
-//! it. The store keeps an in-memory index, key → (segment, offset, length, checksum, stamp),
-//! rebuilt at open by reading every segment's record headers (not the payloads).
+//! from memory once. A `get` reads each page with one positioned read and checks its XXH3
+//! before returning it. The store keeps an in-memory index, key → (segment, offset, length,
+//! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
+//! payloads).
 //!
 //! # Writes, crashes and durability
 //! Records are never changed once written, and a store appends only to segments it created,
