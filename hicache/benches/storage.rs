@@ -14,7 +14,11 @@
 //! The file store appends them to its segment files and, once at its cap, evicts whole
 //! segments within the timed put; a delete does not discard a page's bytes (they stay dead in
 //! their segment), so the plain side too keeps its earlier files up to the same cap, and both
-//! meet the kernel's write-back of what they keep. Reads find
+//! meet the kernel's write-back of what they keep. Neither side's timing includes deleting
+//! files: the plain side removes its oldest files untimed before a write, and the file store
+//! deletes the segments it evicted in the background, which the bench waits for
+//! ([`FileStore::wait_for_removals`]), untimed, before every timed write on either side (so
+//! the deletions never overlap a timed operation). Reads find
 //! the files in the page cache on both sides. The files live in the system temporary
 //! directory, written without `fsync` on both sides (the file store's default
 //! [`FileSync::Never`]). The Redis group runs when
@@ -86,7 +90,11 @@ impl Plain {
     fn new(dir: &Path, pages: &[(PageKey, Vec<u8>)]) -> Self {
         Plain {
             dir: dir.to_owned(),
-            bytes: pages.iter().flat_map(|(_, b)| b.iter().copied()).collect(),
+            bytes: pages
+                .iter()
+                .map(|(_, b)| b.as_slice())
+                .collect::<Vec<_>>()
+                .concat(),
             written: RefCell::new(VecDeque::new()),
             next: Cell::new(0),
         }
@@ -210,11 +218,15 @@ fn ratio_line(store: &str, op: &str, batch: usize, bytes: u64, (s, p): (Duration
 }
 
 /// The criterion group `name`: plain write, `put`, plain read and `get` of each batch size.
+/// `settle` waits for the store's background work (the file store's deletion of evicted
+/// segments, which a put or the deletes that make room for one may start), untimed before
+/// every timed write on either side.
 fn group(
     c: &mut Criterion,
     name: &str,
     rt: &Runtime,
     store: &dyn StorageBackend,
+    settle: &dyn Fn(),
     all: &[(PageKey, Vec<u8>)],
 ) {
     let mut g = c.benchmark_group(name);
@@ -228,14 +240,21 @@ fn group(
         g.throughput(Throughput::Bytes(bytes_of(pages)));
         g.bench_function(BenchmarkId::new("plain_write", batch), |b| {
             b.iter_batched(
-                || plain.remove(),
+                || {
+                    settle();
+                    plain.remove()
+                },
                 |()| plain.write(),
                 BatchSize::PerIteration,
             )
         });
         g.bench_function(BenchmarkId::new("put", batch), |b| {
             b.iter_batched(
-                || fresh(rt, store, pages),
+                || {
+                    let batch = fresh(rt, store, pages);
+                    settle();
+                    batch
+                },
                 |batch| put(rt, store, batch),
                 BatchSize::PerIteration,
             )
@@ -251,8 +270,14 @@ fn group(
 }
 
 /// Prints each batch size's put and get throughput beside the plain file's, from interleaved
-/// rounds.
-fn summary(label: &str, rt: &Runtime, store: &dyn StorageBackend, all: &[(PageKey, Vec<u8>)]) {
+/// rounds (`settle` as in [`group`]).
+fn summary(
+    label: &str,
+    rt: &Runtime,
+    store: &dyn StorageBackend,
+    settle: &dyn Fn(),
+    all: &[(PageKey, Vec<u8>)],
+) {
     for batch in BATCHES {
         let pages = &all[..batch];
         let keys: Vec<PageKey> = pages.iter().map(|(k, _)| *k).collect();
@@ -260,9 +285,16 @@ fn summary(label: &str, rt: &Runtime, store: &dyn StorageBackend, all: &[(PageKe
         let plain = Plain::new(&dir.0, pages);
         let bytes = bytes_of(pages);
         let w = paired_medians(
-            || fresh(rt, store, pages),
+            || {
+                let batch = fresh(rt, store, pages);
+                settle();
+                batch
+            },
             |batch| put(rt, store, batch),
-            || plain.remove(),
+            || {
+                settle();
+                plain.remove()
+            },
             |()| plain.write(),
         );
         ratio_line(label, "put", batch, bytes, w);
@@ -307,10 +339,11 @@ fn main() {
                 .with_cap(FILE_CAP_BYTES),
         ))
         .expect("opens the file store");
-    group(&mut c, "storage_file", &rt, &file, &all);
+    let settle_file = || file.wait_for_removals();
+    group(&mut c, "storage_file", &rt, &file, &settle_file, &all);
     let redis = redis_store(&rt);
     match &redis {
-        Ok(store) => group(&mut c, "storage_redis", &rt, store.as_ref(), &all),
+        Ok(store) => group(&mut c, "storage_redis", &rt, store.as_ref(), &|| (), &all),
         Err(why) => println!("storage_redis: skipped ({why})"),
     }
 
@@ -319,9 +352,9 @@ fn main() {
          ({} KiB pages, medians of {ROUNDS} interleaved rounds):",
         all[0].1.len() >> 10
     );
-    summary("file", &rt, &file, &all);
+    summary("file", &rt, &file, &settle_file, &all);
     if let Ok(store) = &redis {
-        summary("redis", &rt, store.as_ref(), &all);
+        summary("redis", &rt, store.as_ref(), &|| (), &all);
         rt.block_on(store.delete(&keys))
             .expect("deletes the bench pages");
     }

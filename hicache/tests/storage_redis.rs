@@ -13,28 +13,15 @@
 //! once and `redis_tests_ran_or_skipped` says so (run it with `--nocapture` to read why); under
 //! `CI=true` it fails instead, so CI never skips them silently.
 
-use std::net::TcpListener;
-use std::process::Command;
-
+#[path = "common/redis_server.rs"]
+mod redis_server;
 #[cfg(feature = "redis")]
 #[path = "common/storage.rs"]
 mod storage_suite;
 
+use redis_server::have_redis_server;
+
 const URL_VAR: &str = "RADIXKV_REDIS_URL";
-
-fn have_redis_server() -> bool {
-    Command::new("redis-server")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// A port nothing listens on now.
-#[cfg_attr(not(feature = "redis"), allow(dead_code))]
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local address").port()
-}
 
 #[test]
 fn redis_tests_ran_or_skipped() {
@@ -80,8 +67,6 @@ fn redis_tests_ran_or_skipped() {
 
 #[cfg(feature = "redis")]
 mod with_redis {
-    use std::io::{Read, Write};
-    use std::net::TcpStream;
     use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -93,117 +78,9 @@ mod with_redis {
     use radixkv_hicache::{KvGeometry, PoolName};
     use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey};
 
+    use super::URL_VAR;
+    use super::redis_server::{Server, free_port, have_redis_server, spawn_redis, wait_ready};
     use super::storage_suite::{Suite, conformance};
-    use super::{URL_VAR, free_port, have_redis_server};
-
-    /// A `redis-server` this test started; killed (and reaped) on drop.
-    struct Server {
-        child: Option<Child>,
-        port: u16,
-    }
-
-    impl Server {
-        fn start() -> Server {
-            // Another test may take the port between the probe and the start: try others.
-            for _ in 0..5 {
-                let mut s = Server {
-                    child: None,
-                    port: free_port(),
-                };
-                if s.try_restart() {
-                    return s;
-                }
-            }
-            panic!("redis-server did not start on any of 5 free ports");
-        }
-
-        fn url(&self) -> String {
-            format!("redis://127.0.0.1:{}", self.port)
-        }
-
-        fn pid(&self) -> u32 {
-            self.child.as_ref().expect("server running").id()
-        }
-
-        /// Starts the server on its port again and waits until it answers `PING`.
-        fn restart(&mut self) {
-            assert!(
-                self.try_restart(),
-                "redis-server did not restart on port {}",
-                self.port
-            );
-        }
-
-        fn try_restart(&mut self) -> bool {
-            assert!(self.child.is_none(), "the server is already running");
-            let child = spawn_redis(self.port, &[]);
-            self.child = wait_ready(child, self.port);
-            self.child.is_some()
-        }
-
-        /// SIGKILL, then reap.
-        fn kill(&mut self) {
-            if let Some(mut c) = self.child.take() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-
-        fn signal(&self, sig: &str) {
-            let ok = Command::new("kill")
-                .args([sig, &self.pid().to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(ok, "kill {sig} failed");
-        }
-    }
-
-    impl Drop for Server {
-        fn drop(&mut self) {
-            self.kill();
-        }
-    }
-
-    /// A `redis-server` on 127.0.0.1:`port` without persistence, with `extra` arguments.
-    fn spawn_redis(port: u16, extra: &[&std::ffi::OsStr]) -> Child {
-        Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--protected-mode", "no", "--loglevel", "warning"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server")
-    }
-
-    /// `child` once it answers `PING` on `port`; `None` (reaped) if it exited first (the port
-    /// was taken) or never answered.
-    fn wait_ready(mut child: Child, port: u16) -> Option<Child> {
-        for _ in 0..400 {
-            if child.try_wait().ok().flatten().is_some() {
-                return None;
-            }
-            if ping(port) {
-                return Some(child);
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        None
-    }
-
-    /// Whether a server on `port` answers `PING` with `+PONG`.
-    fn ping(port: u16) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
 
     /// Where a read/write test's pages go: the URL's server under a prefix of its own, or a
     /// server of its own.
@@ -497,7 +374,7 @@ mod with_redis {
     #[test]
     fn nothing_listening_is_unavailable() {
         rt().block_on(async {
-            let url = format!("redis://127.0.0.1:{}", super::free_port());
+            let url = format!("redis://127.0.0.1:{}", free_port());
             let r = RedisStore::connect(RedisConfig::new(url)).await;
             assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
         });
@@ -595,7 +472,7 @@ mod with_redis {
     /// A port that is free, and whose cluster bus port (+10000) is free too.
     fn free_cluster_port() -> u16 {
         for _ in 0..1000 {
-            let p = super::free_port();
+            let p = free_port();
             if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
                 return p;
             }

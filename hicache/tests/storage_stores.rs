@@ -61,7 +61,7 @@ fn poll_once<F: Future>(f: F) -> Poll<F::Output> {
 #[tokio::test]
 async fn mem_store_conforms() {
     conformance(&MemStore::new(), &Suite::exact(1)).await;
-    conformance_cap(&MemStore::with_cap(4000), 4000, &Suite::exact(2)).await;
+    conformance_cap(&MemStore::with_cap(4000), 4000, 0, &Suite::exact(2)).await;
 }
 
 #[tokio::test]
@@ -76,7 +76,7 @@ async fn file_store_conforms_under_every_sync_policy() {
     }
     let dir = TempDir::new("conform-cap");
     let store = FileStore::open(dir.config().with_cap(4000)).await.unwrap();
-    conformance_cap(&store, 4000, &Suite::exact(20)).await;
+    conformance_cap(&store, 4000, RECORD_HEADER_BYTES, &Suite::exact(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,8 +216,10 @@ fn set_mtime(store: &FileStore, k: &PageKey, secs: u64) {
 #[tokio::test]
 async fn file_store_cap_holds_across_restarts_oldest_segments_first() {
     let dir = TempDir::new("cap-restart");
+    // Four records of 1000-byte pages: the cap counts their headers too.
+    let cap = 4 * (1000 + RECORD_HEADER_BYTES);
     {
-        let store = FileStore::open(dir.config().with_cap(4000)).await.unwrap();
+        let store = FileStore::open(dir.config().with_cap(cap)).await.unwrap();
         let pages: Vec<(PageKey, Vec<u8>)> = (0..4).map(|i| (key(i), pattern(i, 1000))).collect();
         assert_eq!(store.put(&pages).await.unwrap(), [true; 4]);
         // One page per segment (a segment is at most cap / 16 bytes). Make the age order
@@ -237,7 +239,7 @@ async fn file_store_cap_holds_across_restarts_oldest_segments_first() {
     assert_eq!(present, [false, true, false, true]);
     drop(store);
     // The survivors are still there at the old cap, and the cap keeps working.
-    let store = FileStore::open(dir.config().with_cap(4000)).await.unwrap();
+    let store = FileStore::open(dir.config().with_cap(cap)).await.unwrap();
     assert_eq!(store.stats().bytes, 2000);
     let more: Vec<(PageKey, Vec<u8>)> = (4..7).map(|i| (key(i), pattern(i, 1000))).collect();
     assert_eq!(store.put(&more).await.unwrap(), [true; 3]);
@@ -248,7 +250,7 @@ async fn file_store_cap_holds_across_restarts_oldest_segments_first() {
         .iter()
         .map(|p| p.metadata().unwrap().len())
         .sum();
-    assert_eq!(on_disk, 4000 + 4 * RECORD_HEADER_BYTES);
+    assert_eq!(on_disk, cap);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -495,11 +497,82 @@ async fn held(store: &FileStore, keys: &[PageKey]) -> Vec<bool> {
     out
 }
 
+/// Bytes of the files in `dir` whose names end in `suffix`.
+fn bytes_ending(dir: &std::path::Path, suffix: &str) -> u64 {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(suffix))
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
+}
+
+#[test]
+fn file_store_cap_counts_the_bytes_on_disk_and_deletes_evicted_files() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let dir = TempDir::new("on-disk");
+    // Tiny pages, where the record headers are a large share of the disk.
+    let (cap, segment) = (3000, 600);
+    let store = rt
+        .block_on(FileStore::open(
+            dir.config().with_cap(cap).with_segment_bytes(segment),
+        ))
+        .unwrap();
+    let backlog = 4 * segment;
+    for i in 0..200u64 {
+        let len = 20 + (i as usize * 7) % 90;
+        let batch: Vec<(PageKey, Vec<u8>)> = (0..1 + i % 3)
+            .map(|j| (key(1000 * j + i), pattern(i, len)))
+            .collect();
+        let n = batch.len();
+        assert_eq!(rt.block_on(store.put(&batch)).unwrap(), vec![true; n]);
+        if i % 5 == 0 {
+            rt.block_on(store.delete(&[key(i - i % 10)])).unwrap();
+        }
+        // The segments hold at most the cap, headers and tombstones included; evicted files
+        // waiting for deletion at most the backlog.
+        let segs = bytes_ending(&dir.0, ".seg");
+        assert!(segs <= cap, "{segs} bytes of segments after batch {i}");
+        assert!(store.removal_backlog_bytes() <= backlog);
+        assert!(bytes_ending(&dir.0, ".evicted") <= backlog);
+    }
+    assert!(store.stats().evicted_pages > 100);
+    store.wait_for_removals();
+    assert_eq!(store.removal_backlog_bytes(), 0);
+    assert_eq!(
+        bytes_ending(&dir.0, ".evicted"),
+        0,
+        "every evicted file deleted"
+    );
+    // A page that cannot fit beside its header is refused.
+    let big = (
+        key(9999),
+        pattern(9999, (cap - RECORD_HEADER_BYTES) as usize + 1),
+    );
+    assert_eq!(rt.block_on(store.put(&[big])).unwrap(), [false]);
+    drop(store);
+    drop(rt);
+    // Outside a runtime, the evicting thread deletes what it evicts: a smaller cap at open.
+    // (Less than the backlog goes, so only the inline deletion can leave nothing behind.)
+    let before = bytes_ending(&dir.0, ".seg");
+    assert!(before - cap / 3 < backlog);
+    let store =
+        FileStore::open_blocking(dir.config().with_cap(cap / 3).with_segment_bytes(segment))
+            .unwrap();
+    assert!(store.stats().evicted_pages > 0);
+    assert_eq!(store.removal_backlog_bytes(), 0);
+    assert_eq!(bytes_ending(&dir.0, ".evicted"), 0);
+    assert!(bytes_ending(&dir.0, ".seg") <= cap / 3);
+}
+
 #[tokio::test]
 async fn file_store_evicts_whole_segments_least_recently_used_first() {
     let dir = TempDir::new("evict");
-    // Segments of two 300-byte pages (2 × 372 bytes); a cap of eight pages.
-    let store = FileStore::open(dir.config().with_segment_bytes(800).with_cap(2400))
+    // Segments of two 300-byte pages (2 × 372 bytes); a cap of eight records.
+    let store = FileStore::open(dir.config().with_segment_bytes(800).with_cap(2976))
         .await
         .unwrap();
     let page = |i: u64| (key(i), pattern(i, 300));
@@ -536,7 +609,7 @@ async fn file_store_evicts_whole_segments_least_recently_used_first() {
     assert_eq!(store.get(&[key(1)]).await.unwrap(), [Some(pattern(1, 300))]);
     // The copy lies in a newer segment, and survives a restart.
     drop(store);
-    let store = FileStore::open(dir.config().with_segment_bytes(800).with_cap(2400))
+    let store = FileStore::open(dir.config().with_segment_bytes(800).with_cap(2976))
         .await
         .unwrap();
     assert_eq!(held(&store, &keys).await, want);
@@ -545,7 +618,9 @@ async fn file_store_evicts_whole_segments_least_recently_used_first() {
 #[tokio::test]
 async fn file_store_a_delete_outlives_the_eviction_of_its_tombstone() {
     let dir = TempDir::new("tombstone");
-    let config = dir.config().with_segment_bytes(800).with_cap(1200);
+    // Room for A, C and D below after C goes, with the tombstone written again (4 × 372 + 72
+    // bytes), not for all three.
+    let config = dir.config().with_segment_bytes(800).with_cap(1600);
     let page = |i: u64| (key(i), pattern(i, 300));
     {
         let store = FileStore::open(config.clone()).await.unwrap();

@@ -963,6 +963,134 @@ fn ranks_agree_on_failed_backups() {
     }
 }
 
+/// Serves `tokens` like [`serve`], but a load-back copy may fail: the forward pass waits for
+/// every layer (a failed one reports an error), then the cache steps — on every rank, failed
+/// here or not, as a collective — which agrees on the failures and repairs the load before
+/// the prefix's bytes are checked. Returns what it served and whether a layer failed here.
+fn serve_through_failed_loads(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> (Served, bool) {
+    let p = c.page_size();
+    let h = hashes(tokens, p);
+    let mut req = RequestKv::new(RadixKey::new(tokens.to_vec()));
+    let m = c.match_request(&mut req).unwrap();
+    c.begin_request(&mut req).unwrap();
+    let loaded = req.prefix_len - m.prefix_len;
+    let mut failed = false;
+    if let Some(step) = c.start_loading().unwrap() {
+        let counter = c.layer_counter().clone();
+        counter.set_consumer(step.producer);
+        for l in 0..LAYERS {
+            failed |= counter.wait_until(l).is_err();
+        }
+    }
+    c.step().unwrap();
+    check_pages(
+        &**c.backend(),
+        &req.prefix_pages,
+        &h[..req.prefix_pages.len()],
+    );
+    let rest = tokens.len() - req.prefix_len;
+    c.alloc_tokens(&mut req, rest)
+        .expect("the device holds the request");
+    let pages = c.pools().rows.pages(req.row.unwrap()).unwrap().to_vec();
+    let (first_new, whole) = (req.prefix_len / p, tokens.len() / p);
+    write_pages(
+        &**c.backend(),
+        &pages[first_new..whole],
+        &h[first_new..whole],
+    );
+    req.commit(rest).unwrap();
+    c.cache_finished_req(&mut req, radixkv_radix::FinishKind::Finished)
+        .unwrap();
+    let served = Served {
+        device_hit: m.prefix_len,
+        host_hit: m.host_hit_len,
+        loaded,
+    };
+    (served, failed)
+}
+
+/// One rank of [`ranks_agree_on_failed_loads`]: every prompt is served twice, and the second
+/// pass finds the device prefixes evicted and loads them back from the host. Rank 0 fails
+/// the load-back copy of prompt 2 in that pass, rank 1 that of prompt 5, rank 2 none; each
+/// rank's copy delay and pauses between requests are drawn from its own seed. Returns what
+/// must be identical across ranks and the failed loads this rank saw itself.
+fn run_failing_load_rank(
+    rank: u64,
+    group: Arc<Group>,
+    prompts: Arc<Vec<Vec<u32>>>,
+) -> (Fingerprint, u64) {
+    let mut draw = SplitMix64::seed_from_u64(0x10ad ^ (rank + 1).wrapping_mul(0x9e37_79b9));
+    let s = Setup {
+        copy_delay: Duration::from_micros(draw.next_u64() % 600),
+        device_pages: 40,
+        host_pages: 512,
+        ..Default::default()
+    };
+    let consensus: Arc<dyn Consensus> = Arc::new(Rank(group));
+    let mut c = cached(&s, Arc::new(MemStore::new()), Some(consensus));
+    let mut served = Vec::new();
+    let mut seen_here = 0;
+    for pass in 0..2 {
+        for (i, p) in prompts.iter().enumerate() {
+            let target = pass == 1 && (i == 2 || i == 5);
+            if target {
+                // Every rank settles its copies first (a collective), so the fault hits this
+                // prompt's load-back.
+                c.flush().unwrap();
+                if i as u64 == 2 + 3 * rank {
+                    c.backend().fail_next_copies(StreamKind::Load, 1);
+                }
+            }
+            let (r, failed) = serve_through_failed_loads(&mut c, p);
+            if target {
+                assert!(r.loaded > 0, "rank {rank}: prompt {i} loads from the host");
+            }
+            seen_here += u64::from(failed);
+            served.push((r.device_hit, r.host_hit));
+            std::thread::sleep(Duration::from_micros(draw.next_u64() % 300));
+            c.step().unwrap();
+        }
+    }
+    c.flush().unwrap();
+    c.wait_storage().unwrap();
+    let st = c.stats();
+    let stats = [
+        st.failed_transfers,
+        st.failed_loads,
+        st.repaired_loads,
+        st.demoted_failed_loads,
+        st.loads_acked,
+        st.loaded_tokens,
+        st.writes_acked,
+        st.failed_writes,
+        st.storage_backups,
+        st.backup_pages_written + st.backup_pages_skipped + st.backup_pages_failed,
+    ];
+    (fingerprint(&mut c, &prompts, served, stats), seen_here)
+}
+
+#[test]
+fn ranks_agree_on_failed_loads() {
+    let prompts = (0..8)
+        .map(|i| {
+            let mut t = tokens(250 + i / 2, 24);
+            t.extend(tokens(270 + i, 28));
+            t
+        })
+        .collect();
+    let (prints, _) = run_ranks(prompts, run_failing_load_rank);
+    // Each rank saw its own fault only (rank 2 none) ...
+    let seen: Vec<u64> = prints.iter().map(|(_, n)| *n).collect();
+    assert_eq!(seen, [1, 1, 0]);
+    // ... yet both count on every rank: each load that failed anywhere is repaired everywhere.
+    let st = &prints[0].0.stats;
+    assert_eq!((st[1], st[2], st[3]), (2, 2, 0), "{st:?}");
+    assert!(prints[0].0.served.iter().any(|&(_, host)| host > 0));
+    for (r, (p, _)) in prints.iter().enumerate().skip(1) {
+        assert_identical(r, p, &prints[0].0);
+    }
+}
+
 #[test]
 fn storage_settings_that_cannot_work_are_refused() {
     let g = KvGeometry::new(LAYERS, 4, BYTES_PER_TOKEN).unwrap();

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use radixkv_hicache::storage::{
-    FileStore, FileStoreConfig, MemStore, PageFormat, StorageBackend, StoreError, TierOptions,
+    FileStore, FileStoreConfig, MemStore, PageFormat, RECORD_HEADER_BYTES, StorageBackend,
+    StoreError, TierOptions,
 };
 use radixkv_hicache::{KvGeometry, StorageConfig};
 use radixkv_radix::KvIdentity;
@@ -88,7 +89,9 @@ pub(crate) fn open(
             None,
         ) => {
             let mut c = FileStoreConfig::new(dir.clone()).with_sync(*sync);
-            c.cap_bytes = cap(*capacity_tokens);
+            // The file store's cap counts its bytes on disk: each page's record header too.
+            c.cap_bytes = capacity_tokens
+                .map(|t| (t / g.page_size.max(1)) as u64 * (page_bytes + RECORD_HEADER_BYTES));
             keep = None;
             Arc::new(FileStore::open_blocking(c).map_err(|e| store_error("file", &e))?)
         }

@@ -8,97 +8,16 @@
 //! it skipped (run with `--nocapture`), and under `CI=true` it fails instead.
 
 mod common;
-
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+// The redis-server helper the hicache Redis tests use too.
+#[path = "../../hicache/tests/common/redis_server.rs"]
+mod redis_server;
 
 use common::{balanced, step};
 use radixkv_scheduler_api::{
     Admission, HostTier, KvCacheManager, PrefetchStopPolicy, Request, StorageBackendKind,
     StorageTier, WaitReason,
 };
-
-fn have_redis_server() -> bool {
-    Command::new("redis-server")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// A `redis-server` this test started on 127.0.0.1 (no persistence); killed and reaped on drop.
-struct Server {
-    child: Option<Child>,
-    port: u16,
-}
-
-impl Server {
-    fn start() -> Server {
-        for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free port")
-                .port();
-            let mut s = Server { child: None, port };
-            if s.try_start() {
-                return s;
-            }
-        }
-        panic!("redis-server did not start on any of 5 free ports");
-    }
-
-    fn try_start(&mut self) -> bool {
-        let mut child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--protected-mode", "no", "--loglevel", "warning"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        for _ in 0..400 {
-            if child.try_wait().ok().flatten().is_some() {
-                return false;
-            }
-            if ping(self.port) {
-                self.child = Some(child);
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-}
+use redis_server::{Server, have_redis_server};
 
 fn manager(url: &str) -> KvCacheManager {
     let backend = StorageBackendKind::Redis {
@@ -182,7 +101,7 @@ fn a_redis_server_killed_and_restarted_mid_stream_degrades_and_recovers() {
             server.kill();
         }
         if i == 16 {
-            assert!(server.try_start(), "redis-server restarts on its port");
+            server.restart();
         }
         serve(&mut kv, prompt(i));
     }

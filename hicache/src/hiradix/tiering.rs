@@ -150,34 +150,50 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         let mut backed = Vec::with_capacity(states.len());
         let mut state_locks = Vec::new();
-        for (&(n, _), &h) in states.iter().zip(&host_slots) {
-            tree.set_mamba_host_state(n, h)?;
-            backed.push((n, h));
-            if pin {
-                // The device slot must not be evicted and reused while the copy reads it.
-                state_locks.push(tree.inc_lock_ref_mamba(n)?);
-            }
-        }
-        let lock = match chain.last() {
-            Some(&last) if pin => Some(tree.inc_lock_ref(last)?),
-            _ => None,
-        };
-        let mut at = 0;
+        let mut lock = None;
         let mut swa_pins = Vec::new();
-        for (n, dev) in &windows {
-            // The controller allocates one host page per device page it was given.
-            let Some(h) = swa_host.get(at..at + dev.len()) else {
-                debug_assert!(false, "the controller allocated too few host SWA pages");
-                break;
-            };
-            tree.set_swa_host_pages(*n, h.to_vec())?;
-            at += dev.len();
-            if pin {
-                // The chain's lock covers the node's KV; the pin keeps its window pages from
-                // being tombstoned and reused while the copy reads them.
-                tree.pin_swa_pages(*n)?;
-                swa_pins.push((*n, dev.len()));
+        let mut swa_at = 0;
+        // The copy is queued: an internal error below must not leave the locks and pins taken
+        // so far behind (nothing would release them: the write is not recorded).
+        let recorded = (|| -> Result<()> {
+            for (&(n, _), &h) in states.iter().zip(&host_slots) {
+                tree.set_mamba_host_state(n, h)?;
+                backed.push((n, h));
+                if pin {
+                    // The device slot must not be evicted and reused while the copy reads it.
+                    state_locks.push(tree.inc_lock_ref_mamba(n)?);
+                }
             }
+            if let Some(&last) = chain.last()
+                && pin
+            {
+                lock = Some(tree.inc_lock_ref(last)?);
+            }
+            for (n, dev) in &windows {
+                // The controller allocates one host page per device page it was given.
+                let Some(h) = swa_host.get(swa_at..swa_at + dev.len()) else {
+                    debug_assert!(false, "the controller allocated too few host SWA pages");
+                    break;
+                };
+                tree.set_swa_host_pages(*n, h.to_vec())?;
+                swa_at += dev.len();
+                if pin {
+                    // The chain's lock covers the node's KV; the pin keeps its window pages
+                    // from being tombstoned and reused while the copy reads them.
+                    tree.pin_swa_pages(*n)?;
+                    swa_pins.push((*n, dev.len()));
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = recorded {
+            for l in state_locks.into_iter().chain(lock) {
+                let _ = tree.dec_lock_ref(l);
+            }
+            for (n, pages) in swa_pins {
+                let _ = tree.unpin_swa_pages(n, pages);
+            }
+            return Err(e);
         }
         let mut host = host;
         host.sort_unstable();
@@ -199,7 +215,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         );
         self.stats.backed_up_tokens += (need * p) as u64;
         self.stats.mamba_states_backed_up += states.len() as u64;
-        self.stats.swa_pages_backed_up += at as u64;
+        self.stats.swa_pages_backed_up += swa_at as u64;
         Ok(Some(id))
     }
 

@@ -10,12 +10,15 @@
 //! counted, never deleted; but see evicted segments below), including the one-file-per-page
 //! layout of earlier versions.
 //!
-//! A batch `put` appends its pages to the store's current segment with one vectored write per
-//! segment it touches (a new segment is started when the next record would take the current
-//! one past [`FileStoreConfig::segment_bytes`]; a record larger than that gets a segment of its
-//! own). A `get` reads each page with one positioned read and checks its XXH3 before returning
-//! it. The store keeps an in-memory index, key → (segment, offset, length, checksum, stamp),
-//! rebuilt at open by reading every segment's record headers (not the payloads).
+//! A batch `put` appends its pages to the store's current segment (a new segment is started
+//! when the next record would take the current one past [`FileStoreConfig::segment_bytes`]; a
+//! record larger than that gets a segment of its own), with one vectored write per group of
+//! about 1 MiB of pages; each page's XXH3 is computed just before its group is written, so
+//! the write copies bytes the checksum has just brought into the CPU cache and a page is read
+//! from memory once. A `get` reads each page with one positioned read and checks its XXH3
+//! before returning it. The store keeps an in-memory index, key → (segment, offset, length,
+//! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
+//! payloads).
 //!
 //! # Writes, crashes and durability
 //! Records are never changed once written, and a store appends only to segments it created,
@@ -43,15 +46,21 @@
 //! their segment is evicted.
 //!
 //! # Size cap and eviction
-//! The cap counts the payload bytes of every page record in the store's segments, live or dead
-//! (a replaced or deleted page counts until its segment goes); record headers (72 bytes a page)
-//! and tombstones are not counted, so the files exceed the cap by that much at most. With a
-//! cap, segments are by default at most a sixteenth of it, and after each batch the store deletes whole
-//! segments, least recently used first, until it is under the cap again: a segment's last use
-//! is the last `put` into it or `get` from it. The segment being appended to is never evicted,
-//! so the newest page always stays; a page larger than the cap is refused. An evicted segment
-//! is renamed to `<name>.evicted` at once and deleted on tokio's blocking pool (freeing a large
-//! file takes a while); one left by a store that stopped first is deleted at the next open.
+//! The cap counts the bytes of the store's segments on disk: every record, header and payload,
+//! live or dead (a replaced or deleted page counts until its segment goes), tombstones too. With
+//! a cap, segments are by default at most a sixteenth of it, and after each batch (put or
+//! delete) the store evicts whole segments, least recently used first, until it is under the
+//! cap again: a segment's last use is the last `put` into it or `get` from it. The segment
+//! being appended to is never evicted, so the newest page always stays; a page that does not
+//! fit in the cap beside its header is refused. An evicted segment leaves the index and the
+//! cap at once: it is renamed to `<name>.evicted` and queued for deletion, which a background
+//! job on tokio's blocking pool does one file at a time, off the path of the operation that
+//! evicted it (freeing a large file takes the file system a while; outside a runtime the
+//! evicting thread deletes it). The queue is bounded: an eviction that would leave more than
+//! four segments' bytes waiting for deletion waits for the deletions first, so the directory
+//! holds at most the cap plus four segments. [`FileStore::removal_backlog_bytes`] says how
+//! much waits, [`FileStore::wait_for_removals`] waits for it; a file left by a store that
+//! stopped first is deleted at the next open.
 //! Pages of the victim that a `get` read since they were written get a second chance: up
 //! to half the victim's bytes of them are appended again (checked first) before it goes, and
 //! their copies must be read again to survive the next eviction (on the README's Mooncake
@@ -79,14 +88,15 @@
 //! for the disk. The store therefore needs a tokio runtime; polled outside one, an operation
 //! fails with [`StoreError::Config`]. A future dropped before it completes (a deadline above)
 //! lets its job finish in the background; the job keeps the index right either way. Puts and
-//! deletes of one store append one batch at a time; gets read outside every lock.
+//! deletes of one store append one batch at a time (checksums included); gets read outside
+//! every lock.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, IoSlice, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use radixkv_radix::PageKey;
@@ -125,7 +135,8 @@ pub const RECORD_HEADER_BYTES: u64 = 72;
 pub struct FileStoreConfig {
     /// The store's directory, created (with its parents) if missing.
     pub dir: PathBuf,
-    /// Most bytes of pages the store keeps (`None`: no cap). Must not be 0.
+    /// Most bytes the store's segments take on disk, record headers and tombstones included
+    /// (`None`: no cap; see the module docs). Must not be 0.
     pub cap_bytes: Option<u64>,
     /// The durability policy.
     pub sync: FileSync,
@@ -175,6 +186,10 @@ const DOOMED_SUFFIX: &str = ".evicted";
 /// With a cap and no configured segment size, segments are at most this fraction of it (the
 /// eviction granularity).
 const SEGMENTS_PER_CAP: u64 = 16;
+/// Evicted segments wait for deletion in the background up to this many segments' bytes; an
+/// eviction beyond that waits for the deletions (so the directory holds at most the cap plus
+/// this much).
+const REAP_BACKLOG_SEGMENTS: u64 = 4;
 
 /// Numbers segment files within this process (several stores may share it).
 static SEGMENT_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -277,7 +292,8 @@ struct Segment {
     writer: Option<Arc<File>>,
     /// Bytes read (a segment of another store) or written (this store's) so far.
     end: u64,
-    /// Payload bytes of its page records, live or dead: what it counts against the cap.
+    /// Bytes of its whole records (headers and payloads, live or dead, tombstones too): what
+    /// it counts against the cap.
     held: u64,
     /// Last use (the store's clock).
     used: u64,
@@ -307,6 +323,8 @@ struct State {
 /// What a removed segment leaves to do.
 struct Removed {
     name: String,
+    /// Bytes of its file this store knows of.
+    bytes: u64,
     pages: u64,
     /// Its tombstones that an older segment still needs.
     carry: Vec<(PageKey, u64)>,
@@ -354,10 +372,9 @@ impl State {
         };
         s.keys.push(r.key);
         s.first_stamp = s.first_stamp.min(r.stamp);
-        if !r.tomb {
-            s.held += r.len;
-            self.held += r.len;
-        }
+        let bytes = RECORD_HEADER_BYTES + r.len;
+        s.held += bytes;
+        self.held += bytes;
         if self.tombs.get(&r.key).is_some_and(|t| t.stamp >= r.stamp)
             || self.pages.get(&r.key).is_some_and(|l| l.stamp >= r.stamp)
         {
@@ -405,6 +422,7 @@ impl State {
             .unwrap_or(u64::MAX);
         let mut out = Removed {
             name: seg.name,
+            bytes: seg.end,
             pages: 0,
             carry: Vec::new(),
         };
@@ -433,6 +451,121 @@ impl State {
     }
 }
 
+/// Deletes evicted segment files, one at a time, off the path of the operation that evicted
+/// them (freeing a large file takes the file system a while).
+#[derive(Debug, Default)]
+struct Reaper {
+    state: Mutex<ReaperState>,
+    /// Notified whenever a file is deleted and when the deleting job stops.
+    progress: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct ReaperState {
+    /// Files to delete, oldest first, with their sizes.
+    queue: VecDeque<(PathBuf, u64)>,
+    /// Bytes of the files queued or being deleted.
+    bytes: u64,
+    /// A job is deleting (it drains the queue before it stops).
+    running: bool,
+}
+
+/// The background job of a [`Reaper`]. If the runtime drops it without running it (a runtime
+/// shutting down), it hands the queue back: the next eviction or wait deletes it.
+struct ReapJob {
+    reaper: Arc<Reaper>,
+    finished: bool,
+}
+
+impl ReapJob {
+    fn run(mut self) {
+        self.reaper.drain();
+        self.finished = true;
+        drop(self);
+    }
+}
+
+impl Drop for ReapJob {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.reaper.lock().running = false;
+            self.reaper.progress.notify_all();
+        }
+    }
+}
+
+impl Reaper {
+    fn lock(&self) -> MutexGuard<'_, ReaperState> {
+        // Every update of the state is finished before anything that could panic runs.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `path` (`bytes` long) for deletion on tokio's blocking pool (here, outside a
+    /// runtime), then waits until at most `backlog` bytes are left to delete.
+    fn delete(self: &Arc<Self>, path: PathBuf, bytes: u64, backlog: u64) {
+        let background = {
+            let mut st = self.lock();
+            st.queue.push_back((path, bytes));
+            st.bytes += bytes;
+            if st.running {
+                true
+            } else if let Ok(h) = tokio::runtime::Handle::try_current() {
+                st.running = true;
+                let job = ReapJob {
+                    reaper: Arc::clone(self),
+                    finished: false,
+                };
+                drop(h.spawn_blocking(move || job.run()));
+                true
+            } else {
+                false
+            }
+        };
+        self.wait_until(if background { backlog } else { 0 });
+    }
+
+    /// Waits until at most `backlog` bytes are left to delete, deleting them here when no job
+    /// does.
+    fn wait_until(&self, backlog: u64) {
+        let mut st = self.lock();
+        while st.bytes > backlog {
+            if st.running {
+                st = self.progress.wait(st).unwrap_or_else(|p| p.into_inner());
+            } else {
+                st.running = true;
+                drop(st);
+                self.drain();
+                st = self.lock();
+            }
+        }
+    }
+
+    /// Deletes the queued files until none is left, then stops (`running` was set by the
+    /// caller).
+    fn drain(&self) {
+        loop {
+            let (path, bytes) = {
+                let mut st = self.lock();
+                match st.queue.pop_front() {
+                    Some(next) => next,
+                    None => {
+                        st.running = false;
+                        self.progress.notify_all();
+                        return;
+                    }
+                }
+            };
+            if let Err(e) = fs::remove_file(&path)
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "file store: cannot delete an evicted segment");
+            }
+            self.lock().bytes -= bytes;
+            self.progress.notify_all();
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Shared {
     dir: PathBuf,
@@ -446,6 +579,8 @@ struct Shared {
     scan: Mutex<()>,
     state: Mutex<State>,
     counters: Counters,
+    /// Deletes evicted segments.
+    reaper: Arc<Reaper>,
 }
 
 /// A store of pages in append-only segment files in a directory, with an optional size cap
@@ -612,6 +747,41 @@ fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Resu
 /// A record to append: its header and its payload (empty for a tombstone).
 type Item<'a> = (Record, &'a [u8]);
 
+/// Payload bytes checksummed and then written with one vectored write: a group is small
+/// enough to still be in the CPU cache when the write copies it.
+const WRITE_GROUP_BYTES: u64 = 1 << 20;
+
+/// Appends `items` to `file` (opened for appending), in groups of about [`WRITE_GROUP_BYTES`]
+/// of payload, one vectored write each; with `hash`, each page record's checksum is computed
+/// just before its group is written.
+fn write_groups(file: &File, items: &mut [Item<'_>], hash: bool) -> io::Result<()> {
+    let mut i = 0;
+    while i < items.len() {
+        let mut j = i;
+        let mut bytes = 0;
+        let mut headers = Vec::new();
+        while j < items.len() && (j == i || bytes + items[j].0.len <= WRITE_GROUP_BYTES) {
+            let (r, payload) = &mut items[j];
+            if hash && !r.tomb {
+                r.hash = xxh3_64(payload);
+            }
+            headers.push(r.encode());
+            bytes += r.len;
+            j += 1;
+        }
+        let mut slices = Vec::with_capacity(2 * (j - i));
+        for (h, (_, payload)) in headers.iter().zip(&items[i..j]) {
+            slices.push(IoSlice::new(h));
+            if !payload.is_empty() {
+                slices.push(IoSlice::new(payload));
+            }
+        }
+        write_all_vectored(file, &mut slices)?;
+        i = j;
+    }
+    Ok(())
+}
+
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every update of the index finishes before anything that could panic runs.
@@ -650,13 +820,16 @@ impl Shared {
         )))
     }
 
-    /// Appends `items` (called with the append lock held): each segment they go to gets one
-    /// vectored write, then the [`FileSync`] policy runs, then the records written join the
-    /// index. A failure leaves the records written before it in the index and cuts the failed
-    /// write off its segment.
-    fn append_locked(&self, items: &[Item<'_>]) -> Result<(), StoreError> {
+    /// Appends `items` (called with the append lock held): the records that go to one segment
+    /// are written with a vectored write per group of about [`WRITE_GROUP_BYTES`], then the
+    /// [`FileSync`] policy runs, then the records written join the index. With `hash`, each
+    /// page record's checksum is computed here, just before its group is written (so a page's
+    /// bytes are read from memory once: the write finds them in the CPU cache). A failure
+    /// leaves the records written before it in the index and cuts the failed segment's part
+    /// of the batch off again.
+    fn append_locked(&self, items: &mut [Item<'_>], hash: bool) -> Result<(), StoreError> {
         let mut written: Vec<(u32, usize, u64)> = Vec::with_capacity(items.len());
-        let result = self.write_items(items, &mut written);
+        let result = self.write_items(items, hash, &mut written);
         let mut st = self.lock();
         for &(seg, i, off) in &written {
             st.add_record(seg, &items[i].0, off);
@@ -673,7 +846,8 @@ impl Shared {
 
     fn write_items(
         &self,
-        items: &[Item<'_>],
+        items: &mut [Item<'_>],
+        hash: bool,
         written: &mut Vec<(u32, usize, u64)>,
     ) -> Result<(), StoreError> {
         let mut synced: Vec<(Arc<File>, String)> = Vec::new();
@@ -702,28 +876,19 @@ impl Shared {
                     (id, f, 0, name)
                 }
             };
-            // The records that go to this segment, and their headers.
+            // The records that go to this segment.
             let mut end = start;
             let mut j = i;
-            let mut headers = Vec::new();
             while j < items.len() {
                 let size = RECORD_HEADER_BYTES + items[j].0.len;
                 if end > 0 && end + size > self.segment_bytes {
                     break;
                 }
-                headers.push(items[j].0.encode());
                 end += size;
                 j += 1;
             }
-            let mut slices = Vec::with_capacity(2 * (j - i));
-            for (h, (_, payload)) in headers.iter().zip(&items[i..j]) {
-                slices.push(IoSlice::new(h));
-                if !payload.is_empty() {
-                    slices.push(IoSlice::new(payload));
-                }
-            }
             let path = self.segment_path(&name);
-            if let Err(e) = write_all_vectored(&file, &mut slices) {
+            if let Err(e) = write_groups(&file, &mut items[i..j], hash) {
                 if file.set_len(start).is_err() {
                     // Cannot cut the failed write off: append no more to this segment.
                     let mut st = self.lock();
@@ -762,9 +927,9 @@ impl Shared {
     }
 
     /// Deletes an evicted segment's file: renamed out of the segments' names at once (so no
-    /// store reads it again), then unlinked on tokio's blocking pool (freeing a large file
-    /// takes the file system a while) or, outside a runtime, here.
-    fn remove_segment_file(&self, name: &str) {
+    /// store reads it again), then handed to the reaper, which deletes it in the background.
+    /// Waits while more than [`REAP_BACKLOG_SEGMENTS`] segments' bytes are left to delete.
+    fn remove_segment_file(&self, name: &str, bytes: u64) {
         let path = self.segment_path(name);
         let doomed = self.segment_path(&format!("{name}{DOOMED_SUFFIX}"));
         match fs::rename(&path, &doomed) {
@@ -775,17 +940,8 @@ impl Shared {
                 return;
             }
         }
-        let unlink = move || {
-            if let Err(e) = fs::remove_file(&doomed)
-                && e.kind() != io::ErrorKind::NotFound
-            {
-                tracing::warn!(path = %doomed.display(), error = %e, "file store: cannot delete an evicted segment");
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => drop(h.spawn_blocking(unlink)),
-            Err(_) => unlink(),
-        }
+        let backlog = REAP_BACKLOG_SEGMENTS.saturating_mul(self.segment_bytes);
+        self.reaper.delete(doomed, bytes, backlog);
     }
 
     /// The pages `hot` of segment `name` that read back whole: (key, bytes, checksum). A page
@@ -843,10 +999,10 @@ impl Shared {
                     if let Some(loc) = st.pages.get(key)
                         && loc.seg == victim
                         && loc.read
-                        && loc.len <= budget
+                        && RECORD_HEADER_BYTES + loc.len <= budget
                         && seen.insert(*key)
                     {
-                        budget -= loc.len;
+                        budget -= RECORD_HEADER_BYTES + loc.len;
                         hot.push((*key, *loc));
                     }
                 }
@@ -861,7 +1017,7 @@ impl Shared {
                 &self.counters.evicted_pages,
                 removed.pages.saturating_sub(copies.len() as u64),
             );
-            self.remove_segment_file(&removed.name);
+            self.remove_segment_file(&removed.name, removed.bytes);
             let mut items: Vec<Item<'_>> = removed
                 .carry
                 .iter()
@@ -887,7 +1043,7 @@ impl Shared {
                 items.push((r, bytes.as_slice()));
             }
             if !items.is_empty()
-                && let Err(e) = self.append_locked(&items)
+                && let Err(e) = self.append_locked(&mut items, false)
             {
                 tracing::warn!(error = %e, "file store: cannot carry records forward");
             }
@@ -1090,11 +1246,14 @@ impl Shared {
 
     fn put(&self, pages: &[(PageKey, Vec<u8>)]) -> Result<Vec<bool>, StoreError> {
         let mut out = vec![false; pages.len()];
-        // Checksums outside every lock.
+        // Checksums are computed as the pages are written.
         let mut items: Vec<Item<'_>> = Vec::with_capacity(pages.len());
         for ((key, bytes), ok) in pages.iter().zip(out.iter_mut()) {
             let len = bytes.len() as u64;
-            if self.cap_bytes.is_some_and(|cap| len > cap) {
+            if self
+                .cap_bytes
+                .is_some_and(|cap| len.saturating_add(RECORD_HEADER_BYTES) > cap)
+            {
                 continue;
             }
             *ok = true;
@@ -1103,7 +1262,7 @@ impl Shared {
                 stamp: 0,
                 key: *key,
                 len,
-                hash: xxh3_64(bytes),
+                hash: 0,
             };
             items.push((r, bytes.as_slice()));
         }
@@ -1114,7 +1273,7 @@ impl Shared {
         for (r, _) in &mut items {
             r.stamp = next_stamp();
         }
-        self.append_locked(&items)?;
+        self.append_locked(&mut items, true)?;
         self.enforce_cap_locked();
         let bytes: u64 = items.iter().map(|(r, _)| r.len).sum();
         Counters::add(&self.counters.put_pages, items.len() as u64);
@@ -1135,7 +1294,7 @@ impl Shared {
         if present.is_empty() {
             return Ok(0);
         }
-        let items: Vec<Item<'_>> = present
+        let mut items: Vec<Item<'_>> = present
             .iter()
             .map(|&key| {
                 let r = Record {
@@ -1148,7 +1307,9 @@ impl Shared {
                 (r, &[][..])
             })
             .collect();
-        self.append_locked(&items)?;
+        self.append_locked(&mut items, false)?;
+        // Tombstones take disk too.
+        self.enforce_cap_locked();
         Ok(present.len())
     }
 }
@@ -1238,6 +1399,7 @@ impl FileStore {
             segment_bytes,
             append: Mutex::new(()),
             scan: Mutex::new(()),
+            reaper: Arc::default(),
             state: Mutex::new(st),
             counters: Counters::default(),
         };
@@ -1264,6 +1426,19 @@ impl FileStore {
     /// [`FileStoreConfig::segment_bytes`]).
     pub fn segment_bytes(&self) -> u64 {
         self.shared.segment_bytes
+    }
+
+    /// Bytes of evicted segment files still waiting for their deletion in the background
+    /// (they left the index and the cap when they were evicted; see the module docs).
+    pub fn removal_backlog_bytes(&self) -> u64 {
+        self.shared.reaper.lock().bytes
+    }
+
+    /// Blocks until every evicted segment file queued for deletion is deleted (deleting them
+    /// on this thread if no background job does): for tools, tests and benchmarks that want
+    /// the disk settled. Do not call it on a tokio worker thread: it waits for the disk.
+    pub fn wait_for_removals(&self) {
+        self.shared.reaper.wait_until(0);
     }
 
     /// Where the page this store's index holds under `key` lies: its segment file, the byte
