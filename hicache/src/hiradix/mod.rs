@@ -511,6 +511,10 @@ pub struct HiCacheStats {
     /// Host pages reserved for prefetches and returned without entering the tree (not
     /// arrived when the prefetch ended, past another rank's progress, or aborted).
     pub prefetch_pages_revoked: u64,
+    /// Prefetched pages that arrived but were dropped because a hybrid tree's components do
+    /// not allow a match to end past them: after the deepest stored Mamba state, or without
+    /// the stored window KV a full window needs (see the module docs, "Storage tier").
+    pub prefetch_pages_unusable: u64,
     /// Prefetches that met a stored page failing its checks (a miss there; the fetch stops).
     pub prefetch_pages_corrupt: u64,
     /// Storage backup jobs completed.
@@ -674,14 +678,22 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let storage = match cfg.storage {
             None => None,
             Some(s) => {
-                if mamba || swa || !cfg.extra_pools.is_empty() {
+                if !cfg.extra_pools.is_empty() {
                     return Err(HiCacheError::Config(
-                        "the storage tier stores KV pages only: it is not built for Mamba \
-                         states, sliding-window KV or extra pools yet"
+                        "the storage tier stores KV pages with the Mamba states and \
+                         sliding-window KV of the tree; it is not built for other extra pools"
                             .into(),
                     ));
                 }
-                let format = crate::storage::PageFormat::new(g, &s.identity, &[])?;
+                // Stored pages carry the tree's components as sections.
+                let mut sections = Vec::new();
+                if mamba && let Some(b) = cfg.mamba_state_bytes {
+                    sections.push((PoolName::Mamba, b));
+                }
+                if swa && let Some(b) = cfg.swa_page_bytes {
+                    sections.push((PoolName::Swa, b));
+                }
+                let format = crate::storage::PageFormat::new(g, &s.identity, &sections)?;
                 Some(Box::new(storage::StorageState::new(
                     s,
                     format,

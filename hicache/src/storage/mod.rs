@@ -43,4 +43,7 @@ pub use page::{
 };
 #[cfg(feature = "redis")]
 pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
-pub use tier::{Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, StorageTier, TierOptions};
+pub use tier::{
+    Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, SectionSource, SectionTarget,
+    StorageTier, TierOptions,
+};
