@@ -12,12 +12,17 @@
 //! # Jobs
 //! - **Backup** ([`StorageTier::backup`]): computes the page keys of a prefix, asks the store
 //!   how many of the pages to write it holds already (the longest stored prefix), reads the
-//!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches.
+//!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches; with
+//!   [`StorageTier::backup_with_sections`] the pages also carry extra-pool items read from
+//!   the host slots named ([`SectionSource`]).
 //! - **Query** ([`StorageTier::query`]): the longest stored prefix of a key chain, batch by
 //!   batch (stopping at the first short batch); it reports the keys found.
 //! - **Fetch** ([`StorageTier::fetch`]): gets pages into reserved host pages, in order. Each
 //!   page is decoded and checked first; a missing or corrupt page (or a failed batch) ends the
-//!   fetch there, so what was fetched is always a prefix of the chain. A damaged page
+//!   fetch there, so what was fetched is always a prefix of the chain. With
+//!   [`StorageTier::fetch_with_sections`] the sections the pages carry are written into the
+//!   host slots named ([`SectionTarget`]), under the gate with the page's KV, and the gate
+//!   records per page which it wrote ([`JobGate::sections_done`]). A damaged page
 //!   ([`PageError::is_damage`](super::PageError::is_damage)) is removed from the store
 //!   ([`StorageBackend::discard_damaged`]), so it costs one miss, not one per later lookup.
 //!
