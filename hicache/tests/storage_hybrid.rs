@@ -351,3 +351,45 @@ fn aborted_hybrid_prefetches_leak_nothing() {
     );
     no_leaks(&b);
 }
+
+/// The same round trip through a Redis server: the one `RADIXKV_REDIS_URL` names (`.ci/run`
+/// starts one), each store under a key prefix of its own, its pages expiring after ten
+/// minutes. Without the variable it returns at once (the sentinel of `tests/storage_redis.rs`
+/// reports Redis skips).
+#[cfg(feature = "redis")]
+#[test]
+fn redis_store_round_trip_with_components_is_byte_exact() {
+    use radixkv_hicache::storage::{RedisConfig, RedisStore};
+    let Some(url) = std::env::var("RADIXKV_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    else {
+        println!("skipped: RADIXKV_REDIS_URL is not set");
+        return;
+    };
+    // The client's connection runs on this runtime for the whole test.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        for (name, s) in setups() {
+            let s = Setup { layout, ..s };
+            let prefix = format!(
+                "radixkv-test-hybrid-{}-{nanos}-{name}-{layout:?}:",
+                std::process::id()
+            );
+            let cfg = RedisConfig::new(&url)
+                .with_key_prefix(prefix)
+                .with_ttl(std::time::Duration::from_secs(600));
+            let store: Arc<dyn StorageBackend> =
+                Arc::new(rt.block_on(RedisStore::connect(cfg)).expect("connect"));
+            round_trip(name, &s, &|| store.clone());
+        }
+    }
+}

@@ -208,6 +208,9 @@
 //!   window KV that reaches the host after its page was stored (a checkpoint at a later split)
 //!   is not added. The host slots a backup reads are cancelled like its pages when the tree
 //!   drops them.
+//! - **What a prefetch asks for.** As for KV-only trees, the pages past the tree's KV match
+//!   (device or host): a stored state or window inside KV the tree already holds (say KV on
+//!   device whose state was evicted) is not fetched.
 //! - **Prefetch.** The fetch reserves, beside the KV pages, one host Mamba slot (the fetch
 //!   writes each stored state into it, so it ends up holding the deepest one fetched; with no
 //!   slot to be had even after host eviction the prefetch is revoked: KV without a state is no
