@@ -393,3 +393,40 @@ fn redis_store_round_trip_with_components_is_byte_exact() {
         }
     }
 }
+
+/// A stored hit that extends a prefix the tree holds: the prefetch starts at the tree's match
+/// (a backed-up node with its own state and window), and the loaded part goes below it.
+#[test]
+fn a_stored_hit_extends_a_cached_prefix() {
+    for (name, s) in setups() {
+        let p = s.page_size;
+        let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+        let t = tokens(31, 6 * p);
+        let mut a = cached(&s, store.clone());
+        serve(&mut a, &t);
+        a.flush().unwrap();
+        a.wait_storage().unwrap();
+        // Another server computed the first half itself.
+        let mut b = cached(&s, store);
+        serve(&mut b, &t[..3 * p]);
+        b.flush().unwrap();
+        b.wait_storage().unwrap();
+        let mut longer = t.clone();
+        longer.push(5);
+        assert_eq!(
+            prefetch_all(&mut b, 1, &longer),
+            3 * p,
+            "{name}: {:?}",
+            b.stats()
+        );
+        no_leaks(&b);
+        let (m, loaded) = serve(&mut b, &longer);
+        assert_eq!(
+            (m.prefix_len, m.host_hit_len, loaded),
+            (3 * p, 3 * p, 3 * p),
+            "{name}"
+        );
+        b.flush().unwrap();
+        no_leaks(&b);
+    }
+}
