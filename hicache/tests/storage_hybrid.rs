@@ -430,3 +430,121 @@ fn a_stored_hit_extends_a_cached_prefix() {
         no_leaks(&b);
     }
 }
+
+/// Ranks of one model for [`two_ranks_agree_on_a_hybrid_hit_or_keep_nothing`]: every
+/// reduction waits for both ranks.
+#[derive(Debug, Default)]
+struct Pair {
+    state: std::sync::Mutex<(u64, usize, u64, u64)>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Debug)]
+struct PairRank(Arc<Pair>);
+
+impl PairRank {
+    fn reduce(&self, v: u64, f: fn(u64, u64) -> u64) -> u64 {
+        let g = &self.0;
+        let mut s = g.state.lock().unwrap();
+        // (generation, arrived, accumulator, result)
+        let generation = s.0;
+        s.2 = if s.1 == 0 { v } else { f(s.2, v) };
+        s.1 += 1;
+        if s.1 == 2 {
+            s.3 = s.2;
+            s.1 = 0;
+            s.0 += 1;
+            g.cv.notify_all();
+            return s.3;
+        }
+        while s.0 == generation {
+            s = g.cv.wait(s).unwrap();
+        }
+        s.3
+    }
+}
+
+impl radixkv_hicache::Consensus for PairRank {
+    fn min(&self, v: u64) -> u64 {
+        self.reduce(v, u64::min)
+    }
+    fn max(&self, v: u64) -> u64 {
+        self.reduce(v, u64::max)
+    }
+}
+
+/// Two ranks, each over its own store, prefetch the same prompt: where their stores put the
+/// state at the same page both keep the same hit; where one rank's store has it elsewhere
+/// (its deeper state found no host slot at backup), the ranks disagree on where the hit may
+/// end and both keep nothing, so their trees stay identical.
+#[test]
+fn two_ranks_agree_on_a_hybrid_hit_or_keep_nothing() {
+    let p = Setup::both().page_size;
+    let t = tokens(41, 6 * p);
+    for same in [true, false] {
+        let stores: Vec<Arc<dyn StorageBackend>> = (0..2)
+            .map(|rank| {
+                let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+                let short = !same && rank == 1;
+                let s = Setup {
+                    mamba: Some(MambaSetup {
+                        host_slots: short.then_some(1),
+                        ..Default::default()
+                    }),
+                    ..Setup::both()
+                };
+                let mut a = cached(&s, store.clone());
+                if short {
+                    serve(&mut a, &t[..3 * p]);
+                    a.flush().unwrap();
+                }
+                serve(&mut a, &t);
+                a.flush().unwrap();
+                a.wait_storage().unwrap();
+                store
+            })
+            .collect();
+        let pair = Arc::new(Pair::default());
+        let mut longer = t.clone();
+        longer.push(9);
+        let handles: Vec<_> = stores
+            .into_iter()
+            .map(|store| {
+                let pair = pair.clone();
+                let longer = longer.clone();
+                std::thread::spawn(move || {
+                    let mut b = build_with(&Setup::both(), |cfg| {
+                        let mut st = StorageConfig::new(store, identity());
+                        st.prefetch_threshold_tokens = 1;
+                        st.stop = radixkv_hicache::PrefetchStop::WaitComplete;
+                        cfg.storage = Some(st);
+                        cfg.consensus = Arc::new(PairRank(pair));
+                    });
+                    let hit = prefetch_all(&mut b, 1, &longer);
+                    no_leaks(&b);
+                    let tree = b.device_cache().tree();
+                    let shape = (
+                        hit,
+                        tree.host_page_count(),
+                        tree.mamba_host_states().unwrap().len(),
+                        tree.swa_host_page_count(),
+                        b.stats().prefetch_pages_unusable,
+                    );
+                    // Both ranks serve the prompt (the same calls, so the same reductions):
+                    // `serve` checks the bytes of whatever state and window the hit loads.
+                    serve(&mut b, &longer);
+                    b.flush().unwrap();
+                    no_leaks(&b);
+                    shape
+                })
+            })
+            .collect();
+        let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(got[0], got[1], "same={same}");
+        if same {
+            assert_eq!(got[0].0, 6 * p);
+        } else {
+            assert_eq!((got[0].0, got[0].1, got[0].4), (0, 0, 6));
+        }
+    }
+}
