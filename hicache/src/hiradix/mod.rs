@@ -224,8 +224,7 @@
 //!   reaches above the fetched pages, whose anchor side has live or host window KV for the
 //!   rest (or reaches the root); with both, the state's page, if its window is complete. Under
 //!   several ranks the end passes through the consensus hook (minimum and maximum): ranks
-//!   that disagree keep nothing, so no rank restores a state another does not have (no
-//!   several-rank test covers hybrid trees yet).
+//!   that disagree keep nothing, so no rank restores a state another does not have.
 //! - **Into the tree.** The kept pages enter as host-only nodes (with SWA, the window before
 //!   the end as a node of its own), the window pages restored as that node's host copy
 //!   ([`RadixTree::restore_swa_host_pages`](radixkv_radix::RadixTree::restore_swa_host_pages))
