@@ -1109,11 +1109,22 @@ fn storage_settings_that_cannot_work_are_refused() {
         HiRadixCache::new(cfg, backend).map(|_| ())
     };
     build(&|_| {}).unwrap();
-    // KV-only: Mamba states are not stored yet.
+    // Mamba states travel in the stored pages (tests/storage_hybrid.rs); extra pools the
+    // cache moves nothing in do not.
+    build(&|c| {
+        c.radix.mamba_slots = Some(4);
+        c.mamba_state_bytes = Some(8);
+    })
+    .unwrap();
     assert!(
         build(&|c| {
-            c.radix.mamba_slots = Some(4);
-            c.mamba_state_bytes = Some(8);
+            c.extra_pools = vec![radixkv_hicache::ExtraPoolSpec {
+                name: radixkv_hicache::PoolName::Indexer,
+                device_slots: 4,
+                host_slots: 4,
+                item_bytes: 8,
+                device_owner: radixkv_hicache::SlotOwner::Controller,
+            }];
         })
         .is_err()
     );

@@ -781,6 +781,7 @@ mod children;
 mod locks;
 pub(crate) mod mamba;
 pub(crate) mod mamba_tier;
+mod restore;
 pub(crate) mod swa;
 pub(crate) mod swa_tier;
 #[cfg(test)]

@@ -6,9 +6,8 @@
 //! or with Mamba layers as well, see [`crate::geometry`]) or not built at all (the CUDA
 //! backend):
 //! the factory, not the config, decides what can be built, and says what is missing. The
-//! storage tier (L3, [`StorageTier`]) is built for full-attention models; under Mamba or
-//! sliding-window layers [`ManagerConfig::validate`] refuses it with
-//! [`ManagerError::NotImplemented`].
+//! storage tier (L3, [`StorageTier`]) is built for every model: under Mamba or sliding-window
+//! layers its stored pages carry the Mamba states and window KV too.
 //!
 //! Two geometries: [`ModelGeometry`] is the real model's (the *modeled* bytes every report
 //! and the cost model use); [`SimGeometry`] is what the HostSim backend really allocates and
@@ -222,8 +221,8 @@ fn default_load_back_min_tokens() -> usize {
 /// [`WaitReason::Prefetching`](crate::WaitReason::Prefetching)). Mapped onto
 /// `radixkv_hicache::StorageConfig`.
 ///
-/// Refused ([`ManagerError::NotImplemented`]) for models with Mamba or sliding-window layers:
-/// the storage tier stores full-attention KV pages only.
+/// For models with Mamba or sliding-window layers the stored pages also carry the Mamba state
+/// that ends at them and their window KV (see `radixkv_hicache`'s storage tier docs).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StorageTier {
@@ -785,9 +784,8 @@ impl ManagerConfig {
     /// bytes, simulated pool bytes) representable without wrapping.
     ///
     /// # Errors
-    /// [`ManagerError::NotImplemented`] for a storage tier under a model with Mamba or
-    /// sliding-window layers; [`ManagerError::FeatureOff`] for a Redis store in a build
-    /// without the `redis` feature; [`ManagerError::Config`] with the first impossible value.
+    /// [`ManagerError::FeatureOff`] for a Redis store in a build without the `redis` feature;
+    /// [`ManagerError::Config`] with the first impossible value.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ManagerError::Config(m));
         self.model.validate()?;
@@ -815,13 +813,6 @@ impl ManagerConfig {
             h.validate(p)?;
             self.check_pool("host", h.host_tokens / p)?;
             if let Some(s) = &h.storage {
-                let n = self.model.layer_counts();
-                if n.mamba > 0 || n.sliding_window > 0 {
-                    return Err(ManagerError::NotImplemented {
-                        what: "the storage tier (L3) for models with Mamba or sliding-window \
-                               layers (it stores full-attention KV pages only)",
-                    });
-                }
                 s.validate(p, h.host_tokens)?;
             }
         }
@@ -1325,15 +1316,12 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        // Not built under Mamba or sliding-window layers: refused on every path, typed.
+        // Built under Mamba and sliding-window layers too (the stored pages carry the states
+        // and the window KV).
         for preset in ["jamba-like", "gemma-like"] {
             let text = format!("[model]\npreset = \"{preset}\"\n{toml}");
-            match ManagerConfig::from_toml_str(&text) {
-                Err(e @ ManagerError::NotImplemented { .. }) => {
-                    assert!(e.to_string().contains("storage tier"), "{e}")
-                }
-                other => panic!("{preset}: {other:?}"),
-            }
+            let c = ManagerConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{preset}: {e}"));
+            c.validate().unwrap();
         }
         let mut tier = HostTier::ratio(1 << 20, 4.0);
         tier.storage = Some(StorageTier::new(
@@ -1347,18 +1335,7 @@ mod tests {
             ..Default::default()
         };
         c.model = Preset::JambaLike.geometry();
-        for r in [
-            c.validate(),
-            crate::KvCacheManager::builder()
-                .config(c.clone())
-                .build()
-                .map(|_| ()),
-        ] {
-            assert!(
-                matches!(r, Err(ManagerError::NotImplemented { .. })),
-                "{r:?}"
-            );
-        }
+        c.validate().unwrap();
         // Without one, a host tier serializes without a storage key.
         let c = ManagerConfig {
             cache: CacheKind::HiCache(HostTier::ratio(1 << 20, 4.0)),

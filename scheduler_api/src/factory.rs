@@ -42,9 +42,9 @@
 //! it up), and both kinds in one model (one tree, both components moved with their KV in one
 //! operation), with sessions too (a session slot keeps its window KV and running state across
 //! turns; demotion hands both to the tree). A storage tier (L3) under the host tier
-//! (`[cache.storage]`) is built for full-attention models (under Mamba or sliding-window
-//! layers it is [`ManagerError::NotImplemented`]): the store the section names is opened here,
-//! or the engine's own is taken ([`build_cache_with_store`]).
+//! (`[cache.storage]`) is built for every model (under Mamba or sliding-window layers its
+//! stored pages carry the states and window KV too): the store the section names is opened
+//! here, or the engine's own is taken ([`build_cache_with_store`]).
 
 use std::sync::Arc;
 
@@ -342,8 +342,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 ///
 /// # Errors
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
-/// tables this machine cannot allocate; [`ManagerError::NotImplemented`] for a storage tier
-/// under Mamba or sliding-window layers; [`ManagerError::Backend`] for `backend = cuda` without
+/// tables this machine cannot allocate; [`ManagerError::Backend`] for `backend = cuda` without
 /// a host tier; [`ManagerError::Tier`] when the backend (HostSim, or CUDA: `NoDevice` without a
 /// driver or device) or the host pool cannot be allocated.
 pub fn build_cache_with_clock(

@@ -17,8 +17,8 @@
 //!   [`StorageTier`]: a file directory, process memory, Redis with the `redis` feature, or the
 //!   engine's own [`radixkv_hicache::storage::StorageBackend`] handed to
 //!   [`ManagerBuilder::storage_backend`]) keeps KV pages beyond the host pool and across
-//!   restarts; full-attention models only (Mamba or sliding-window layers:
-//!   [`ManagerError::NotImplemented`]).
+//!   restarts; for a model with Mamba or sliding-window layers the stored pages carry the
+//!   Mamba states and window KV too.
 //! - **Prompts** are owned ([`Request::new`]: the manager keeps the tokens from arrival on) or
 //!   given by a [`TokenSource`] ([`Request::lazy`], or [`Request::shared`] over the engine's
 //!   `Arc<[TokenId]>`): a lazy request holds no tokens while it waits, [`KvCacheManager::admit`]

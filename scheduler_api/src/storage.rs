@@ -8,7 +8,7 @@ use radixkv_hicache::storage::{
     FileStore, FileStoreConfig, MemStore, PageFormat, RECORD_HEADER_BYTES, StorageBackend,
     StoreError, TierOptions,
 };
-use radixkv_hicache::{KvGeometry, StorageConfig};
+use radixkv_hicache::{KvGeometry, PoolName, StorageConfig};
 use radixkv_radix::KvIdentity;
 
 use crate::config::{ModelGeometry, StorageBackendKind, StorageTier};
@@ -20,24 +20,33 @@ pub(crate) type Keepalive = Option<Box<dyn Send>>;
 
 /// The identity under which pages of `model_id` are keyed: the model's name, its modeled KV
 /// geometry and the layout of the bytes the store holds (the pools of `g`: the model's own
-/// with an engine's backend, HostSim's simulated ones otherwise).
-pub(crate) fn identity(model_id: &str, model: &ModelGeometry, g: &KvGeometry) -> KvIdentity {
-    KvIdentity::new(
-        model_id,
-        format!(
-            "model kv {} layers x {} B/token/layer; stored {} layers x {} B/token/layer, pages \
-             of {} tokens",
-            model.layers,
-            model.kv_bytes_per_token_per_layer,
-            g.layers,
-            g.bytes_per_token_layer,
-            g.page_size
-        ),
-    )
+/// with an engine's backend, HostSim's simulated ones otherwise), and for a hybrid model the
+/// extra-pool sections its stored pages carry (`sections`: pool and bytes of one item), so a
+/// store never mixes the pages of layouts that differ only there.
+pub(crate) fn identity(
+    model_id: &str,
+    model: &ModelGeometry,
+    g: &KvGeometry,
+    sections: &[(PoolName, usize)],
+) -> KvIdentity {
+    let mut layout = format!(
+        "model kv {} layers x {} B/token/layer; stored {} layers x {} B/token/layer, pages of \
+         {} tokens",
+        model.layers,
+        model.kv_bytes_per_token_per_layer,
+        g.layers,
+        g.bytes_per_token_layer,
+        g.page_size
+    );
+    for (pool, bytes) in sections {
+        layout.push_str(&format!("; {pool:?} sections of {bytes} B"));
+    }
+    KvIdentity::new(model_id, layout)
 }
 
-/// Opens the store `s` names for `model`'s KV in pools of geometry `g` (or takes the engine's `given` one) and
-/// maps the section onto the library's configuration.
+/// Opens the store `s` names for `model`'s KV in pools of geometry `g`, whose stored pages
+/// carry `sections` (a hybrid model's Mamba states and window KV), or takes the engine's
+/// `given` one, and maps the section onto the library's configuration.
 ///
 /// # Errors
 /// [`ManagerError::Config`] when the section and `given` disagree (an engine store without
@@ -48,10 +57,14 @@ pub(crate) fn open(
     s: &StorageTier,
     model: &ModelGeometry,
     g: &KvGeometry,
+    sections: &[(PoolName, usize)],
     given: Option<Arc<dyn StorageBackend>>,
 ) -> Result<(StorageConfig, Keepalive)> {
-    let identity = identity(&s.model_id, model, g);
-    let page_bytes = PageFormat::new(*g, &identity, &[])?.encoded_len(&[]) as u64;
+    let identity = identity(&s.model_id, model, g, sections);
+    // The capacity counts pages carrying every section (an upper bound on each page).
+    let format = PageFormat::new(*g, &identity, sections)?;
+    let pools: Vec<PoolName> = sections.iter().map(|&(p, _)| p).collect();
+    let page_bytes = format.encoded_len(&pools) as u64;
     let cap = |tokens: Option<usize>| tokens.map(|t| (t / g.page_size.max(1)) as u64 * page_bytes);
     let mut tier = TierOptions {
         batch_pages: s.batch_pages,

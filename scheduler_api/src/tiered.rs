@@ -181,15 +181,27 @@ impl<B: DeviceBackend> Tiered<B> {
         store: Option<Arc<dyn StorageBackend>>,
     ) -> Result<Self> {
         let page_size = radix.page_size;
+        // A hybrid model's stored pages carry its Mamba states and window KV.
+        let mut sections = Vec::new();
+        if radix.mamba_slots.is_some() {
+            sections.push((radixkv_hicache::PoolName::Mamba, state_bytes));
+        }
+        if radix.swa.is_some() {
+            sections.push((radixkv_hicache::PoolName::Swa, swa_page_bytes));
+        }
         let (storage, keepalive) = match &host.storage {
             Some(s) => {
                 let g = device.geometry();
                 if cfg.event_page_keys {
                     // The events' keys are the store's: the same identity seeds both chains.
-                    radix.event_page_keys =
-                        Some(crate::storage::identity(&s.model_id, &cfg.model, &g));
+                    radix.event_page_keys = Some(crate::storage::identity(
+                        &s.model_id,
+                        &cfg.model,
+                        &g,
+                        &sections,
+                    ));
                 }
-                let (c, k) = crate::storage::open(s, &cfg.model, &g, store)?;
+                let (c, k) = crate::storage::open(s, &cfg.model, &g, &sections, store)?;
                 (Some(c), k)
             }
             None if store.is_some() => {

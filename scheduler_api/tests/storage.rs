@@ -390,3 +390,81 @@ fn event_page_keys_need_events_and_a_storage_tier() {
     }
     assert!(build(true, true).is_ok());
 }
+
+/// A hybrid model (Mamba and sliding-window layers beside full attention; or one of them)
+/// with a storage tier: the stored pages carry the request-end state and the window KV, so a
+/// restarted manager's second pass over the same prompt gets them as a storage hit, with the
+/// state and the window loaded back with the KV.
+#[test]
+fn hybrid_models_with_a_storage_tier_hit_in_the_store_on_a_second_pass() {
+    use radixkv_scheduler_api::config::LayerPattern;
+    use radixkv_scheduler_api::{MambaPolicyKind, ModelGeometry};
+    for pattern in ["SMSASMSM", "AMMM", "SSSA"] {
+        let p = LayerPattern::parse(pattern).unwrap();
+        let mamba = pattern.contains('M');
+        let swa = pattern.contains('S');
+        let model = ModelGeometry {
+            layers: pattern.len() as u32,
+            layer_pattern: Some(p),
+            kv_bytes_per_token_per_layer: 1024,
+            page_size: PAGE,
+            sliding_window: swa.then_some(8),
+            mamba_conv_state_bytes: mamba.then_some(1024),
+            mamba_ssm_state_bytes: mamba.then_some(4096),
+            compute: None,
+        };
+        let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+        let build = || {
+            let mut b = KvCacheManager::builder()
+                .model(model.clone())
+                .device_tokens(1024)
+                .max_rows(8)
+                .host_tier(
+                    HostTier::ratio(1024, 4.0)
+                        .load_back_min_tokens(PAGE)
+                        .storage(Some(
+                            StorageTier::new(StorageBackendKind::Engine, "hybrid-test-model")
+                                .prefetch_threshold_tokens(PAGE)
+                                .stop(PrefetchStopPolicy::WaitComplete {}),
+                        )),
+                )
+                .storage_backend(store.clone());
+            if swa {
+                let page = model.checked_swa_bytes_per_token().unwrap() * PAGE as u64;
+                b = b.swa_bytes(64 * page);
+            }
+            if mamba {
+                let slot = model.checked_mamba_slot_bytes().unwrap();
+                b = b
+                    .mamba_bytes(8 * slot)
+                    .mamba_policy(MambaPolicyKind::Sglang);
+            }
+            b.build().unwrap()
+        };
+        let t = tokens(7, 64);
+        let mut a = build();
+        assert!(a.has_storage(), "{pattern}");
+        serve_and_store(&mut a, &t);
+        let m = a.metrics().counters;
+        assert_eq!(m.backup_pages_written, 16, "{pattern}: {m:?}");
+        drop(a);
+
+        // A restarted manager, device and host cold: the prompt's 64 tokens come from the
+        // store (the state after them and the window before them with them).
+        let mut b = build();
+        let mut longer = t.clone();
+        longer.extend(tokens(8, 8));
+        let r = b.arrive(Request::new(longer).max_new_tokens(1)).unwrap();
+        let (adm, _) = admit_after_prefetch(&mut b, r);
+        assert_eq!(
+            (adm.device_tokens, adm.host_tokens),
+            (0, 64),
+            "{pattern}: {:?}",
+            b.metrics().counters
+        );
+        let m = b.metrics().counters;
+        assert_eq!(m.hit_tokens_storage, 64, "{pattern}: {m:?}");
+        prefill_and_finish(&mut b, r, &adm);
+        nothing_leaked(&mut b);
+    }
+}

@@ -925,6 +925,21 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         self.host.alloc(n)
     }
 
+    /// Allocates `n` host slots of extra pool `name` outside any transfer (the storage tier
+    /// fetches stored components into them).
+    ///
+    /// # Errors
+    /// [`HiCacheError::UnknownPool`]; [`HiCacheError::ExtraPoolFull`] (nothing allocated).
+    pub fn alloc_extra_host(&mut self, name: PoolName, n: usize) -> Result<Vec<u32>> {
+        let i = self.extra_index(name)?;
+        let host = &mut self.extra[i].host;
+        host.alloc(n).ok_or(HiCacheError::ExtraPoolFull {
+            pool: name,
+            needed: n,
+            available: host.available(),
+        })
+    }
+
     /// True when a started transfer that is not complete yet is already known to have failed:
     /// a load whose finished layer reported a failed copy (the forward pass that waited for
     /// that layer got the error) or that was only partly submitted. `poll_acks` reports such a

@@ -117,6 +117,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let Ok(Some(h)) = tree.take_mamba_host_state(n) else {
             return false;
         };
+        // A storage backup may still read the state: stop it first.
+        self.cancel_backups_reading_extra(PoolName::Mamba, &[h]);
         let freed = if now {
             self.ctrl.free_extra(PoolName::Mamba, &[h], &[])
         } else {
@@ -146,10 +148,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             )));
         }
         let deferred = self.ctrl.deferred_extra_slots(PoolName::Mamba);
-        if states.len() + deferred != alloc.used() {
+        let prefetched = self.storage_reserved_extra(PoolName::Mamba);
+        if states.len() + deferred + prefetched != alloc.used() {
             return Err(InvariantViolation(format!(
-                "tree holds {} host Mamba states (+{deferred} awaiting loads) but {} host slots \
-                 are allocated",
+                "tree holds {} host Mamba states (+{deferred} awaiting loads, +{prefetched} \
+                 reserved by prefetches) but {} host slots are allocated",
                 states.len(),
                 alloc.used()
             )));

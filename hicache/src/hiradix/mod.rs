@@ -169,7 +169,8 @@
 //!
 //! # Storage tier
 //! With [`HiCacheConfig::storage`] a [`StorageTier`](crate::storage::StorageTier) engine sits
-//! under the host tier (KV-only trees: refused with Mamba states, window KV or extra pools).
+//! under the host tier (refused with [`HiCacheConfig::extra_pools`]; the tree's own Mamba and
+//! SWA components are stored, see "Storage tier: components" below).
 //! Nothing here blocks on the store: jobs run on a tokio runtime and their completions are
 //! applied by [`HiRadixCache::step`].
 //! - **Backup.** When a backup to the host is acknowledged, its host pages are queued for the
@@ -193,6 +194,45 @@
 //!   reserved pages. The request then matches again and takes the load-back path.
 //! - **Failures.** A store that is down, slow past the operation timeout or returns bad pages
 //!   turns into misses and failed backups, counted in [`HiCacheStats`]; requests recompute.
+//!
+//! # Storage tier: components
+//! With the Mamba and/or SWA component, a stored page is still one object under the page's key
+//! of the one chain; its header lists the sections it carries
+//! ([`PageFormat`](crate::storage::PageFormat)):
+//! - **What a page carries.** A backup reads, beside each page's KV, the host copies its
+//!   nodes hold at the ack: a node's Mamba state goes into the section of the node's *last*
+//!   page (a state is the checkpoint after the node's last token, so "a state ends here" is a
+//!   page carrying a Mamba section), and its window KV page by page into each page's SWA
+//!   section. A node without a host state or window copy (a host tombstone, or one left out
+//!   for lack of host slots) stores its pages without. A page is written once: a state or
+//!   window KV that reaches the host after its page was stored (a checkpoint at a later split)
+//!   is not added. The host slots a backup reads are cancelled like its pages when the tree
+//!   drops them.
+//! - **What a prefetch asks for.** As for KV-only trees, the pages past the tree's KV match
+//!   (device or host): a stored state or window inside KV the tree already holds (say KV on
+//!   device whose state was evicted) is not fetched.
+//! - **Prefetch.** The fetch reserves, beside the KV pages, one host Mamba slot (the fetch
+//!   writes each stored state into it, so it ends up holding the deepest one fetched; with no
+//!   slot to be had even after host eviction the prefetch is revoked: KV without a state is no
+//!   hit) and host SWA pages for as many of the hit's last pages as the pool gives (at least a
+//!   window's worth is host-evicted for). The gate records which page brought which section.
+//! - **Where the hit ends.** When the prefetch ends, the hit is cut where the tree's rules
+//!   allow a match to end ([`HiCacheStats::prefetch_pages_unusable`] counts the pages cut):
+//!   with Mamba, exactly at the deepest fetched page that carried a state (one past the kept
+//!   pages is never used); with SWA, at the deepest page whose window (the
+//!   `ceil(window / page)` pages before it) all carried window KV, or, where the window
+//!   reaches above the fetched pages, whose anchor side has live or host window KV for the
+//!   rest (or reaches the root); with both, the state's page, if its window is complete. Under
+//!   several ranks the end passes through the consensus hook (minimum and maximum): ranks
+//!   that disagree keep nothing, so no rank restores a state another does not have.
+//! - **Into the tree.** The kept pages enter as host-only nodes (with SWA, the window before
+//!   the end as a node of its own), the window pages restored as that node's host copy
+//!   ([`RadixTree::restore_swa_host_pages`](radixkv_radix::RadixTree::restore_swa_host_pages))
+//!   and the state as the host state of the node ending at the hit
+//!   ([`RadixTree::restore_mamba_host_state`](radixkv_radix::RadixTree::restore_mamba_host_state));
+//!   unused reserved slots are freed. From there the host tier's rules apply unchanged: the
+//!   tiered match validates the components and `begin_request` loads KV, window pages and
+//!   state in one operation (atomic allocation, rollback, repair).
 //!
 //! # Several ranks
 //! [`HiCacheConfig::consensus`] reduces every asynchronous outcome across ranks before the
@@ -387,8 +427,8 @@ pub struct HiCacheConfig {
     /// happens then).
     pub max_pending_ops: usize,
     /// The storage tier (L3) under the host tier (`None`: none). See the module docs,
-    /// "Storage tier". Refused together with Mamba slots, sliding-window layers or extra pools
-    /// (stored pages carry the KV only so far).
+    /// "Storage tier". With Mamba slots or sliding-window layers the stored pages carry the
+    /// states and window KV too; refused together with `extra_pools` (which it cannot store).
     pub storage: Option<StorageConfig>,
     /// How the ranks of one model agree on asynchronous outcomes (default [`SingleRank`]);
     /// see [`Consensus`].
@@ -511,6 +551,10 @@ pub struct HiCacheStats {
     /// Host pages reserved for prefetches and returned without entering the tree (not
     /// arrived when the prefetch ended, past another rank's progress, or aborted).
     pub prefetch_pages_revoked: u64,
+    /// Prefetched pages that arrived but were dropped because a hybrid tree's components do
+    /// not allow a match to end past them: after the deepest stored Mamba state, or without
+    /// the stored window KV a full window needs (see the module docs, "Storage tier").
+    pub prefetch_pages_unusable: u64,
     /// Prefetches that met a stored page failing its checks (a miss there; the fetch stops).
     pub prefetch_pages_corrupt: u64,
     /// Storage backup jobs completed.
@@ -674,14 +718,22 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let storage = match cfg.storage {
             None => None,
             Some(s) => {
-                if mamba || swa || !cfg.extra_pools.is_empty() {
+                if !cfg.extra_pools.is_empty() {
                     return Err(HiCacheError::Config(
-                        "the storage tier stores KV pages only: it is not built for Mamba \
-                         states, sliding-window KV or extra pools yet"
+                        "the storage tier stores KV pages with the Mamba states and \
+                         sliding-window KV of the tree; it is not built for other extra pools"
                             .into(),
                     ));
                 }
-                let format = crate::storage::PageFormat::new(g, &s.identity, &[])?;
+                // Stored pages carry the tree's components as sections.
+                let mut sections = Vec::new();
+                if mamba && let Some(b) = cfg.mamba_state_bytes {
+                    sections.push((PoolName::Mamba, b));
+                }
+                if swa && let Some(b) = cfg.swa_page_bytes {
+                    sections.push((PoolName::Swa, b));
+                }
+                let format = crate::storage::PageFormat::new(g, &s.identity, &sections)?;
                 Some(Box::new(storage::StorageState::new(
                     s,
                     format,

@@ -11,8 +11,12 @@ use radixkv_radix::{KeyRef, KvIdentity, Namespace, NodeId, PrefixCache, TokenId,
 
 use super::{HiRadixCache, PendingWrite};
 use crate::backend::DeviceBackend;
+use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
-use crate::storage::{Completion, JobGate, JobId, StorageBackend, StorageTier, TierOptions};
+use crate::storage::{
+    Completion, JobGate, JobId, SectionSource, SectionTarget, StorageBackend, StorageTier,
+    TierOptions,
+};
 
 /// Default [`StorageConfig::prefetch_threshold_tokens`].
 pub const DEFAULT_PREFETCH_THRESHOLD_TOKENS: usize = 256;
@@ -140,17 +144,44 @@ struct BackupJob {
     node: NodeId,
     /// The host pages read, sorted.
     pages: Vec<u32>,
+    /// The host extra-pool slots read (Mamba states, window pages), sorted.
+    extra: Vec<(PoolName, u32)>,
 }
 
 #[derive(Debug)]
 enum Phase {
     /// Asking the store for the longest stored prefix.
     Query(JobId),
-    /// Fetching the hit into reserved host pages.
-    Fetch { gate: JobGate, host: Vec<u32> },
+    /// Fetching the hit into reserved host pages (and, for a tree with components, reserved
+    /// host extra-pool slots).
+    Fetch {
+        gate: JobGate,
+        host: Vec<u32>,
+        extra: Reserved,
+    },
     /// Ended before any page was reserved (a hit below the threshold, no host room, or a
     /// termination during the query); reported by the next check.
     Ended,
+}
+
+/// The host extra-pool slots a hybrid tree's fetch writes the stored components into.
+#[derive(Debug, Default)]
+struct Reserved {
+    /// The one host Mamba slot (the deepest stored state fetched ends up there) and its bit
+    /// in the gate's section masks.
+    mamba: Option<(u32, u8)>,
+    /// Host SWA pages for the fetched pages `first..` (the tail of the hit), and their bit.
+    swa: Option<(usize, Vec<u32>, u8)>,
+}
+
+impl Reserved {
+    fn count(&self, pool: PoolName) -> usize {
+        match pool {
+            PoolName::Mamba => usize::from(self.mamba.is_some()),
+            PoolName::Swa => self.swa.as_ref().map_or(0, |(_, v, _)| v.len()),
+            _ => 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -254,6 +285,17 @@ impl StorageState {
             })
             .sum()
     }
+
+    /// Host slots of extra pool `pool` reserved by prefetches (allocated, not in the tree).
+    pub(super) fn reserved_extra(&self, pool: PoolName) -> usize {
+        self.prefetches
+            .values()
+            .map(|p| match &p.phase {
+                Phase::Fetch { extra, .. } => extra.count(pool),
+                _ => 0,
+            })
+            .sum()
+    }
 }
 
 impl<B: DeviceBackend> HiRadixCache<B> {
@@ -280,6 +322,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.storage.as_ref().map_or(0, |s| s.reserved_host_pages())
     }
 
+    /// Host slots of extra pool `pool` held by prefetches (see the component audits).
+    pub(super) fn storage_reserved_extra(&self, pool: PoolName) -> usize {
+        self.storage.as_ref().map_or(0, |s| s.reserved_extra(pool))
+    }
+
     /// Queues the storage backup of an acknowledged host copy: per path of the backup's nodes
     /// (including the parts split off them since), one job that writes the pages the store
     /// lacks. The deepest node of each job is protected from host eviction until its
@@ -299,6 +346,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         ends.sort_unstable_by(|a, b| b.cmp(a));
         let mut seen = std::collections::HashSet::new();
         let host_mem = self.ctrl.host().memory().clone();
+        let mamba_mem = if self.mamba {
+            self.ctrl.extra_memory(PoolName::Mamba).ok().cloned()
+        } else {
+            None
+        };
+        let swa_mem = if self.swa {
+            self.ctrl.extra_memory(PoolName::Swa).ok().cloned()
+        } else {
+            None
+        };
         for (_, end) in ends {
             let mut nodes = Vec::new();
             let mut n = end;
@@ -343,10 +400,47 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let Ok(ns) = tree.namespace(end) else {
                 continue;
             };
-            match st
-                .tier
-                .backup(ns, tokens, first / p, host_mem.clone(), pages.clone())
-            {
+            // The components the path's host copies hold: a node's state goes with the last
+            // page of its key (the state after that page's last token), its window KV page by
+            // page.
+            let mut sections = Vec::new();
+            let mut base = 0;
+            for &x in &nodes {
+                let len = tree.host_pages(x).ok().flatten().map_or(0, <[u32]>::len);
+                if let Some(mem) = &mamba_mem
+                    && len > 0
+                    && let Ok(Some(h)) = tree.mamba_host_state(x)
+                {
+                    sections.push(SectionSource {
+                        page: base + len - 1,
+                        memory: mem.clone(),
+                        slot: h,
+                    });
+                }
+                if let Some(mem) = &swa_mem
+                    && let Ok(Some(hs)) = tree.swa_host_pages(x)
+                {
+                    for (j, &h) in hs.iter().enumerate().take(len) {
+                        sections.push(SectionSource {
+                            page: base + j,
+                            memory: mem.clone(),
+                            slot: h,
+                        });
+                    }
+                }
+                base += len;
+            }
+            let mut extra: Vec<(PoolName, u32)> =
+                sections.iter().map(|x| (x.memory.pool(), x.slot)).collect();
+            extra.sort_unstable();
+            match st.tier.backup_with_sections(
+                ns,
+                tokens,
+                first / p,
+                host_mem.clone(),
+                pages.clone(),
+                sections,
+            ) {
                 Ok((job, gate)) => {
                     let mut pages = pages;
                     pages.sort_unstable();
@@ -356,6 +450,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                         gate,
                         node: end,
                         pages,
+                        extra,
                     });
                 }
                 Err(e) => {
@@ -373,6 +468,22 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         };
         for b in &st.backups {
             if pages.iter().any(|p| b.pages.binary_search(p).is_ok()) {
+                b.gate.cancel();
+            }
+        }
+    }
+
+    /// Stops the storage backups reading any of the host `slots` of extra pool `pool` (a host
+    /// state or window page being dropped): once this returns no task reads them.
+    pub(super) fn cancel_backups_reading_extra(&mut self, pool: PoolName, slots: &[u32]) {
+        let Some(st) = self.storage.as_mut() else {
+            return;
+        };
+        for b in &st.backups {
+            if slots
+                .iter()
+                .any(|&h| b.extra.binary_search(&(pool, h)).is_ok())
+            {
                 b.gate.cancel();
             }
         }
@@ -510,18 +621,123 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             return Ok(());
         }
         keys.truncate(n);
-        let host = self.ctrl.alloc_host(n)?;
+        let Some(extra) = self.reserve_components(n) else {
+            // A Mamba tree without a host slot for the state: the KV alone is no hit.
+            let Some(st) = self.storage.as_mut() else {
+                return Ok(());
+            };
+            if let Some(pf) = st.prefetches.get_mut(&rid) {
+                pf.phase = Phase::Ended;
+                pf.reserved = 0;
+                let anchor = pf.anchor;
+                st.unprotect(anchor);
+            }
+            self.stats.prefetches_revoked += 1;
+            return Ok(());
+        };
+        let host = match self.ctrl.alloc_host(n) {
+            Ok(h) => h,
+            Err(e) => {
+                self.free_reserved(&extra);
+                return Err(e);
+            }
+        };
         let mem = self.ctrl.host().memory().clone();
+        let mut targets = Vec::new();
+        if let Some((slot, _)) = extra.mamba
+            && let Ok(memory) = self.ctrl.extra_memory(PoolName::Mamba)
+        {
+            targets.push(SectionTarget::Latest {
+                memory: memory.clone(),
+                slot,
+            });
+        }
+        if let Some((first, slots, _)) = &extra.swa
+            && let Ok(memory) = self.ctrl.extra_memory(PoolName::Swa)
+        {
+            targets.push(SectionTarget::PerPage {
+                memory: memory.clone(),
+                first: *first,
+                slots: slots.clone(),
+            });
+        }
         let Some(st) = self.storage.as_mut() else {
+            self.free_reserved(&extra);
             return self.ctrl.free_host(&host);
         };
-        let (_, gate) = st.tier.fetch(keys, mem, host.clone())?;
+        let (_, gate) = match st
+            .tier
+            .fetch_with_sections(keys, mem, host.clone(), targets)
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.free_reserved(&extra);
+                self.ctrl.free_host(&host)?;
+                return Err(e);
+            }
+        };
         st.occupied += n;
         if let Some(pf) = st.prefetches.get_mut(&rid) {
             pf.reserved = n;
-            pf.phase = Phase::Fetch { gate, host };
+            pf.phase = Phase::Fetch { gate, host, extra };
         }
         Ok(())
+    }
+
+    /// Reserves the host extra-pool slots a fetch of `n` pages writes the stored components
+    /// into: one host Mamba slot (`None` when none can be freed: a Mamba tree's hit needs its
+    /// state), and host SWA pages for as many of the last pages as can be had (host-evicting
+    /// for at least one window's worth first).
+    fn reserve_components(&mut self, n: usize) -> Option<Reserved> {
+        let mut r = Reserved::default();
+        let mut bit = 0u8;
+        if self.mamba {
+            if self.mamba_host_free() == 0 {
+                self.evict_host_leaves(0, 1);
+            }
+            let slot = self.alloc_extra_host(PoolName::Mamba, 1)?;
+            r.mamba = Some((slot[0], bit));
+            bit += 1;
+        }
+        if self.swa {
+            let need = self.window_pages().min(n);
+            let free = self.swa_host_free();
+            if free < need {
+                self.evict_host_leaves_for(0, 0, need - free);
+            }
+            let k = self.swa_host_free().min(n);
+            if k > 0
+                && let Some(slots) = self.alloc_extra_host(PoolName::Swa, k)
+            {
+                r.swa = Some((n - k, slots, bit));
+            }
+        }
+        Some(r)
+    }
+
+    /// Host slots of an extra pool outside any transfer (a fetch writes into them).
+    fn alloc_extra_host(&mut self, pool: PoolName, n: usize) -> Option<Vec<u32>> {
+        self.ctrl.alloc_extra_host(pool, n).ok()
+    }
+
+    /// Frees reserved host extra-pool slots (none of them in the tree).
+    fn free_reserved(&mut self, r: &Reserved) {
+        if let Some((slot, _)) = r.mamba
+            && let Err(e) = self.ctrl.free_extra(PoolName::Mamba, &[slot], &[])
+        {
+            debug_assert!(false, "a reserved host Mamba slot was not allocated: {e}");
+        }
+        if let Some((_, slots, _)) = &r.swa
+            && let Err(e) = self.ctrl.free_extra(PoolName::Swa, slots, &[])
+        {
+            debug_assert!(false, "reserved host SWA pages were not allocated: {e}");
+        }
+    }
+
+    /// Pages of the SWA window (0 without the SWA component).
+    fn window_pages(&self) -> usize {
+        let p = self.page_size();
+        self.inner.tree().swa_window().map_or(0, |w| w.div_ceil(p))
     }
 
     /// Starts a prefetch for request `rid` (an id the caller chooses, unique among its
@@ -598,7 +814,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let (can_end, short, timed_out) = match &pf.phase {
             Phase::Ended => (true, false, false),
             Phase::Query(_) => (st.stop == PrefetchStop::BestEffort, false, false),
-            Phase::Fetch { gate, host } => {
+            Phase::Fetch { gate, host, .. } => {
                 let g = gate.state();
                 let complete = g.done >= host.len();
                 let late = st
@@ -680,7 +896,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if pf.anchor != self.inner.tree().root() {
             st.unprotect(pf.anchor);
         }
-        let (gate, host) = match pf.phase {
+        let (gate, host, extra) = match pf.phase {
             Phase::Query(job) => {
                 // Its completion is ignored when it arrives.
                 st.queries.retain(|&(j, _)| j != job);
@@ -688,7 +904,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 return Ok(0);
             }
             Phase::Ended => return Ok(0),
-            Phase::Fetch { gate, host } => (gate, host),
+            Phase::Fetch { gate, host, extra } => (gate, host, extra),
         };
         // After this the fetch writes nothing more: every page of `host` may be freed.
         let local = gate.cancel().min(host.len());
@@ -697,29 +913,183 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         } else {
             0
         };
+        // With components, the hit ends where the tree's rules allow a match to end, which
+        // every rank must find alike.
+        let (end, swa_from) = if keep && (self.mamba || self.swa) {
+            let sections = gate.sections_done();
+            let mine = self.component_end(pf.anchor, &extra, agreed, &sections);
+            let lo = self.consensus.min(mine as u64) as usize;
+            let hi = self.consensus.max(mine as u64) as usize;
+            let end = if lo == hi { lo.min(agreed) } else { 0 };
+            (end, end.saturating_sub(self.window_pages()))
+        } else {
+            (agreed, agreed)
+        };
+        self.stats.prefetch_pages_unusable += (agreed - end) as u64;
         let mut unused = Vec::new();
-        if agreed > 0 {
-            let end = pf.offset + agreed * p;
-            let key = KeyRef::with_namespace(&pf.tokens[..end], &pf.namespace);
-            let (tree, _) = self.inner.parts_mut();
-            match tree.insert_host_only(pf.anchor, pf.offset, key, &host[..agreed], &mut unused) {
-                Ok(r) => {
-                    if r.added_len > 0
-                        && let Ok(m) = tree.meta(r.last_node)
+        let mut used_mamba = false;
+        let mut used_swa: Vec<u32> = Vec::new();
+        let mut reached = 0;
+        // Host pages `..accounted` are in the tree or in `unused`.
+        let mut accounted = 0;
+        if end > 0 {
+            // Without the SWA component one node; with it, the window before the end gets a
+            // node of its own that holds the stored window KV.
+            let parts = if self.swa && swa_from > 0 {
+                vec![(0, swa_from, false), (swa_from, end, true)]
+            } else {
+                vec![(0, end, self.swa)]
+            };
+            let mut node = pf.anchor;
+            for (a, b, with_swa) in parts {
+                accounted = b;
+                let key = KeyRef::with_namespace(&pf.tokens[..pf.offset + b * p], &pf.namespace);
+                let (tree, _) = self.inner.parts_mut();
+                let r = match tree.insert_host_only(
+                    node,
+                    pf.offset + a * p,
+                    key,
+                    &host[a..b],
+                    &mut unused,
+                ) {
+                    Ok(r) => r,
+                    // The anchor lost its host copy or went (a failed backup above it).
+                    Err(_) => {
+                        unused.extend_from_slice(&host[a..b]);
+                        break;
+                    }
+                };
+                if r.added_len > 0
+                    && let Ok(m) = tree.meta(r.last_node)
+                {
+                    self.host_leaves.push(r.last_node, m);
+                }
+                if tree.depth_tokens(r.last_node).ok() != Some(pf.offset + b * p) {
+                    // Stopped at device-only KV: `insert_host_only` took the rest of `a..b`.
+                    break;
+                }
+                if with_swa
+                    && r.added_len > 0
+                    && let Some((first, slots, _)) = &extra.swa
+                {
+                    let from = b - r.added_len / p;
+                    let pages: Option<Vec<u32>> = (from..b)
+                        .map(|i| i.checked_sub(*first).and_then(|j| slots.get(j).copied()))
+                        .collect();
+                    if let Some(pages) = pages
+                        && tree
+                            .restore_swa_host_pages(r.last_node, pages.clone())
+                            .is_ok()
                     {
-                        self.host_leaves.push(r.last_node, m);
+                        used_swa = pages;
                     }
                 }
-                // The anchor lost its host copy or went (a failed backup above it).
-                Err(_) => unused.extend_from_slice(&host[..agreed]),
+                node = r.last_node;
+                reached = b;
+            }
+            if reached == end
+                && let Some((slot, _)) = extra.mamba
+            {
+                let (tree, _) = self.inner.parts_mut();
+                used_mamba = tree.restore_mamba_host_state(node, slot).is_ok();
             }
         }
-        unused.extend_from_slice(&host[agreed..]);
-        self.stats.prefetch_pages_loaded += agreed as u64;
+        unused.extend_from_slice(&host[accounted..]);
+        // The reserved component slots the tree did not take.
+        let mut rest = Reserved::default();
+        if let Some(m) = extra.mamba.filter(|_| !used_mamba) {
+            rest.mamba = Some(m);
+        }
+        if let Some((first, slots, bit)) = extra.swa {
+            used_swa.sort_unstable();
+            let left: Vec<u32> = slots
+                .into_iter()
+                .filter(|h| used_swa.binary_search(h).is_err())
+                .collect();
+            if !left.is_empty() {
+                rest.swa = Some((first, left, bit));
+            }
+        }
+        self.free_reserved(&rest);
+        self.stats.prefetch_pages_loaded += end as u64;
         self.stats.prefetch_pages_revoked += (host.len() - agreed) as u64;
-        self.stats.storage_hit_tokens += (agreed * p) as u64;
+        self.stats.storage_hit_tokens += (end * p) as u64;
         self.ctrl.free_host(&unused)?;
-        Ok(agreed * p)
+        Ok(end * p)
+    }
+
+    /// Where this rank's fetch lets a hybrid tree's hit end (pages from the prefetch's
+    /// offset; 0: nowhere), within the `agreed` pages: with the Mamba component, exactly at
+    /// the deepest fetched page that carried a state (the reserved slot holds that state
+    /// only, so a deeper state fetched past `agreed` leaves none); with the SWA component,
+    /// where the window before the end is covered by fetched window pages (the last
+    /// [`HiRadixCache::window_pages`] pages, or all of them down to the anchor when the
+    /// anchor's own window KV, live or on the host, covers the rest).
+    fn component_end(
+        &self,
+        anchor: NodeId,
+        extra: &Reserved,
+        agreed: usize,
+        sections: &[u8],
+    ) -> usize {
+        let has = |bit: u8, i: usize| sections.get(i).is_some_and(|m| m & (1 << bit) != 0);
+        let wp = self.window_pages();
+        let window_ok = |e: usize| -> bool {
+            let Some((_, _, bit)) = extra.swa else {
+                return false;
+            };
+            let s = e.saturating_sub(wp);
+            if e == 0 || !(s..e).all(|i| has(bit, i)) {
+                return false;
+            }
+            if e - s >= wp {
+                return true;
+            }
+            // The window reaches past the fetched pages: the anchor's side must cover it.
+            let p = self.page_size();
+            let (covered, to_root) = self.window_above(anchor);
+            let w = self.inner.tree().swa_window().unwrap_or(0);
+            to_root || covered + e * p >= w
+        };
+        if self.mamba {
+            let Some((_, bit)) = extra.mamba else {
+                return 0;
+            };
+            let Some(last) = (0..sections.len()).rev().find(|&i| has(bit, i)) else {
+                return 0;
+            };
+            let e = last + 1;
+            if e > agreed || (self.swa && !window_ok(e)) {
+                return 0;
+            }
+            return e;
+        }
+        (1..=agreed).rev().find(|&e| window_ok(e)).unwrap_or(0)
+    }
+
+    /// Tokens of window KV (live on device or on the host) right above the end of `node`, and
+    /// whether that run goes up to the root.
+    fn window_above(&self, node: NodeId) -> (usize, bool) {
+        let tree = self.inner.tree();
+        let w = tree.swa_window().unwrap_or(0);
+        let mut covered = 0;
+        let mut n = node;
+        while n != tree.root() {
+            let live = tree.swa_pages(n).is_ok_and(|x| x.is_some())
+                || tree.swa_host_pages(n).is_ok_and(|x| x.is_some());
+            if !live {
+                return (covered, false);
+            }
+            covered += tree.node_key(n).map_or(0, <[u32]>::len);
+            if covered >= w {
+                return (covered, false);
+            }
+            match tree.parent(n) {
+                Ok(Some(parent)) => n = parent,
+                _ => return (covered, false),
+            }
+        }
+        (covered, true)
     }
 
     /// Waits until every storage job has completed and applies them (as a step would),

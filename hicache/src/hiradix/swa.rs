@@ -174,6 +174,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let Ok(Some(h)) = tree.take_swa_host_pages(n) else {
             return 0;
         };
+        // A storage backup may still read the pages: stop it first.
+        self.cancel_backups_reading_extra(PoolName::Swa, &h);
         let count = h.len();
         let freed = if now {
             self.ctrl.free_extra(PoolName::Swa, &h, &[])
@@ -220,10 +222,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             count += pages.len();
         }
         let deferred = self.ctrl.deferred_extra_slots(PoolName::Swa);
-        if count + deferred != alloc.used() {
+        let prefetched = self.storage_reserved_extra(PoolName::Swa);
+        if count + deferred + prefetched != alloc.used() {
             return Err(InvariantViolation(format!(
-                "tree holds {count} host SWA pages (+{deferred} awaiting loads) but {} host \
-                 pages are allocated",
+                "tree holds {count} host SWA pages (+{deferred} awaiting loads, +{prefetched} \
+                 reserved by prefetches) but {} host pages are allocated",
                 alloc.used()
             )));
         }

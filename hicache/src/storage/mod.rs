@@ -6,7 +6,10 @@
 //!   share a key and a crafted prompt cannot alias another prompt's page.
 //! - **Pages.** A stored page is a header (magic, version, geometry, identity, key, lengths,
 //!   checksum) and a payload (the page's KV of every layer, page-major, then the extra pools'
-//!   sections): [`PageFormat`]. A page that fails any check is a [`PageError`], which the tier
+//!   sections): [`PageFormat`]. Under a hybrid tree a page's sections are the Mamba state
+//!   that ends at the page (the state after its last token) and its window KV, where the host
+//!   copy had them ([`SectionSource`], [`SectionTarget`]; see `HiRadixCache`'s module docs,
+//!   "Storage tier: components"). A page that fails any check is a [`PageError`], which the tier
 //!   counts as a miss: it never becomes KV. A damaged page ([`PageError::is_damage`]: bad
 //!   magic, lengths, key or checksum) is also removed from the store
 //!   ([`StorageBackend::discard_damaged`], counted in [`StoreStats::damaged_pages`]), so it
@@ -43,4 +46,7 @@ pub use page::{
 };
 #[cfg(feature = "redis")]
 pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};
-pub use tier::{Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, StorageTier, TierOptions};
+pub use tier::{
+    Completion, GateState, JobGate, JobId, SEED_CACHE_LIMIT, SectionSource, SectionTarget,
+    StorageTier, TierOptions,
+};

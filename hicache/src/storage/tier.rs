@@ -12,12 +12,17 @@
 //! # Jobs
 //! - **Backup** ([`StorageTier::backup`]): computes the page keys of a prefix, asks the store
 //!   how many of the pages to write it holds already (the longest stored prefix), reads the
-//!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches.
+//!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches; with
+//!   [`StorageTier::backup_with_sections`] the pages also carry extra-pool items read from
+//!   the host slots named ([`SectionSource`]).
 //! - **Query** ([`StorageTier::query`]): the longest stored prefix of a key chain, batch by
 //!   batch (stopping at the first short batch); it reports the keys found.
 //! - **Fetch** ([`StorageTier::fetch`]): gets pages into reserved host pages, in order. Each
 //!   page is decoded and checked first; a missing or corrupt page (or a failed batch) ends the
-//!   fetch there, so what was fetched is always a prefix of the chain. A damaged page
+//!   fetch there, so what was fetched is always a prefix of the chain. With
+//!   [`StorageTier::fetch_with_sections`] the sections the pages carry are written into the
+//!   host slots named ([`SectionTarget`]), under the gate with the page's KV, and the gate
+//!   records per page which it wrote ([`JobGate::sections_done`]). A damaged page
 //!   ([`PageError::is_damage`](super::PageError::is_damage)) is removed from the store
 //!   ([`StorageBackend::discard_damaged`]), so it costs one miss, not one per later lookup.
 //!
@@ -40,12 +45,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use radixkv_radix::{KeySeed, KvIdentity, Namespace, PageKey, TokenId};
+use smallvec::SmallVec;
 use tokio::runtime::{Handle, Runtime};
 use tokio::sync::Semaphore;
 
 use super::backend::{StorageBackend, StoreError};
 use super::page::PageFormat;
-use crate::backend::HostMemory;
+use crate::backend::{HostMemory, SlotMemory};
+use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
 
 /// Namespaces whose key seed a [`StorageTier`] keeps.
@@ -146,14 +153,24 @@ pub struct GateState {
     pub finished: bool,
 }
 
+/// What a gate guards: the progress, and for a fetch with [`SectionTarget`]s, which
+/// sections each page done wrote.
+#[derive(Debug, Default)]
+struct GateInner {
+    state: GateState,
+    /// Per page done: bit `i` set when the page carried the section of target `i` and the
+    /// fetch wrote it.
+    sections: Vec<u8>,
+}
+
 /// The lock a job holds while it touches one host page, with its progress; the scheduler's
 /// handle to stop it (see the module docs).
 #[derive(Clone, Debug, Default)]
-pub struct JobGate(Arc<Mutex<GateState>>);
+pub struct JobGate(Arc<Mutex<GateInner>>);
 
 impl JobGate {
-    fn lock(&self) -> MutexGuard<'_, GateState> {
-        // The state is three plain fields, each written whole: a panic cannot leave it torn.
+    fn lock(&self) -> MutexGuard<'_, GateInner> {
+        // The fields are plain values, each written whole: a panic cannot leave them torn.
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -162,13 +179,77 @@ impl JobGate {
     /// page copy in progress.
     pub fn cancel(&self) -> usize {
         let mut g = self.lock();
-        g.cancelled = true;
-        g.done
+        g.state.cancelled = true;
+        g.state.done
     }
 
     /// The job's progress now.
     pub fn state(&self) -> GateState {
-        *self.lock()
+        self.lock().state
+    }
+
+    /// For a fetch: per page done (from the first), a bit mask of the [`SectionTarget`]s
+    /// (bit `i` for the `i`-th target given to [`StorageTier::fetch_with_sections`]) whose
+    /// section the page carried and the fetch wrote. Empty for other jobs. Read it after
+    /// [`JobGate::cancel`] to know what the pages the cancel returned brought.
+    pub fn sections_done(&self) -> Vec<u8> {
+        self.lock().sections.clone()
+    }
+}
+
+/// An extra-pool item a backed-up page carries in its stored form
+/// ([`StorageTier::backup_with_sections`]): the item in `slot` of `memory` (the host side of
+/// the pool [`SlotMemory::pool`] names) goes into the section of the `page`-th page backed up.
+#[derive(Clone, Debug)]
+pub struct SectionSource {
+    /// The page, as an index into the backup's `pages`.
+    pub page: usize,
+    /// The host side of the extra pool.
+    pub memory: Arc<SlotMemory>,
+    /// The slot holding the item.
+    pub slot: u32,
+}
+
+/// Where a fetch writes the extra-pool sections of the pages it gets
+/// ([`StorageTier::fetch_with_sections`]). A section whose pool has no target is checked
+/// with its page and ignored.
+#[derive(Clone, Debug)]
+pub enum SectionTarget {
+    /// Every page carrying the section writes it into the one `slot`: the slot ends up holding
+    /// the section of the deepest such page fetched (Mamba states: only the deepest counts).
+    Latest {
+        /// The host side of the extra pool.
+        memory: Arc<SlotMemory>,
+        /// The slot.
+        slot: u32,
+    },
+    /// The section of the page `first + j` goes into `slots[j]`; pages before `first` have no
+    /// target (sliding-window KV: only the window before the end counts).
+    PerPage {
+        /// The host side of the extra pool.
+        memory: Arc<SlotMemory>,
+        /// The first page (an index into the fetch's keys) with a target.
+        first: usize,
+        /// One slot per page from `first` on.
+        slots: Vec<u32>,
+    },
+}
+
+impl SectionTarget {
+    fn memory(&self) -> &Arc<SlotMemory> {
+        match self {
+            SectionTarget::Latest { memory, .. } | SectionTarget::PerPage { memory, .. } => memory,
+        }
+    }
+
+    /// The slot page `i`'s section goes to, if any.
+    fn slot_for(&self, i: usize) -> Option<u32> {
+        match self {
+            SectionTarget::Latest { slot, .. } => Some(*slot),
+            SectionTarget::PerPage { first, slots, .. } => {
+                i.checked_sub(*first).and_then(|j| slots.get(j).copied())
+            }
+        }
     }
 }
 
@@ -382,6 +463,26 @@ impl StorageTier {
         host: Arc<HostMemory>,
         pages: Vec<u32>,
     ) -> Result<(JobId, JobGate)> {
+        self.backup_with_sections(namespace, tokens, first_page, host, pages, Vec::new())
+    }
+
+    /// [`StorageTier::backup`], where the pages listed in `sections` also carry those
+    /// extra-pool items (each read from host memory under the gate, like the page's KV). The
+    /// slots must stay allocated like the pages.
+    ///
+    /// # Errors
+    /// [`HiCacheError::BufferSize`] when `pages` does not cover the pages to back up or a
+    /// section names a page past them; [`HiCacheError::Config`] for a section of a pool the
+    /// format does not carry, or a page given two sections of one pool.
+    pub fn backup_with_sections(
+        &mut self,
+        namespace: &Namespace,
+        tokens: Vec<TokenId>,
+        first_page: usize,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+        mut sections: Vec<SectionSource>,
+    ) -> Result<(JobId, JobGate)> {
         let p = self.format.geometry().page_size;
         let total = tokens.len() / p;
         if first_page > total || pages.len() != total - first_page {
@@ -389,6 +490,31 @@ impl StorageTier {
                 got: pages.len(),
                 expected: total.saturating_sub(first_page),
             });
+        }
+        sections.sort_by_key(|s| s.page);
+        for (i, s) in sections.iter().enumerate() {
+            if s.page >= pages.len() {
+                return Err(HiCacheError::BufferSize {
+                    got: s.page + 1,
+                    expected: pages.len(),
+                });
+            }
+            let pool = s.memory.pool();
+            if self.format.section_bytes(pool) != Some(s.memory.item_bytes()) {
+                return Err(HiCacheError::Config(format!(
+                    "stored pages carry no {pool:?} section of {} bytes",
+                    s.memory.item_bytes()
+                )));
+            }
+            if sections[..i]
+                .iter()
+                .any(|o| o.page == s.page && o.memory.pool() == pool)
+            {
+                return Err(HiCacheError::Config(format!(
+                    "page {} is given two {pool:?} sections",
+                    s.page
+                )));
+            }
         }
         let seed = self.seed(namespace);
         let (job, mut reply) = self.job();
@@ -417,14 +543,18 @@ impl StorageTier {
             let g = format.geometry();
             let layer_bytes = g.page_bytes_per_layer();
             let mut kv = vec![0u8; format.kv_bytes()];
+            let mut items: Vec<Vec<u8>> = Vec::new();
             let mut at = present;
             'batches: while at < keys.len() {
                 let end = (at + opts.batch_pages).min(keys.len());
                 let mut batch = Vec::with_capacity(end - at);
                 for i in at..end {
+                    let start = sections.partition_point(|s| s.page < i);
+                    let mine = &sections[start..sections.partition_point(|s| s.page <= i)];
+                    items.resize_with(mine.len(), Vec::new);
                     {
                         let mut st = task_gate.lock();
-                        if st.cancelled {
+                        if st.state.cancelled {
                             break 'batches;
                         }
                         for l in 0..g.layers {
@@ -433,10 +563,21 @@ impl StorageTier {
                                 break 'batches;
                             }
                         }
-                        st.done += 1;
+                        for (s, buf) in mine.iter().zip(items.iter_mut()) {
+                            buf.resize(s.memory.item_bytes(), 0);
+                            if s.memory.read_slot(s.slot, buf).is_err() {
+                                break 'batches;
+                            }
+                        }
+                        st.state.done += 1;
                     }
+                    let parts: SmallVec<[(PoolName, &[u8]); 2]> = mine
+                        .iter()
+                        .zip(&items)
+                        .map(|(s, b)| (s.memory.pool(), b.as_slice()))
+                        .collect();
                     let mut bytes = Vec::new();
-                    if format.encode(&keys[i], &kv, &[], &mut bytes).is_err() {
+                    if format.encode(&keys[i], &kv, &parts, &mut bytes).is_err() {
                         break 'batches;
                     }
                     batch.push((keys[i], bytes));
@@ -447,7 +588,7 @@ impl StorageTier {
                 }
                 at = end;
             }
-            task_gate.lock().finished = true;
+            task_gate.lock().state.finished = true;
             reply.send(Completion::Backup {
                 job,
                 written,
@@ -504,11 +645,47 @@ impl StorageTier {
         host: Arc<HostMemory>,
         pages: Vec<u32>,
     ) -> Result<(JobId, JobGate)> {
+        self.fetch_with_sections(keys, host, pages, Vec::new())
+    }
+
+    /// [`StorageTier::fetch`], writing the extra-pool sections the pages carry into `targets`
+    /// (at most 8; a pool named once), under the gate with the page's KV: the gate's
+    /// [`JobGate::sections_done`] tells which page wrote which. A page may carry any subset of
+    /// the format's sections; a section without a target is ignored. The slots must stay
+    /// allocated like the pages.
+    ///
+    /// # Errors
+    /// [`HiCacheError::BufferSize`] when `pages` and `keys` differ in length;
+    /// [`HiCacheError::Config`] for more than 8 targets, a pool named twice or a pool the
+    /// format does not carry (with that item size).
+    pub fn fetch_with_sections(
+        &mut self,
+        keys: Vec<PageKey>,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+        targets: Vec<SectionTarget>,
+    ) -> Result<(JobId, JobGate)> {
         if keys.len() != pages.len() {
             return Err(HiCacheError::BufferSize {
                 got: pages.len(),
                 expected: keys.len(),
             });
+        }
+        if targets.len() > 8 {
+            return Err(HiCacheError::Config(
+                "a fetch takes at most 8 section targets".into(),
+            ));
+        }
+        for (i, t) in targets.iter().enumerate() {
+            let pool = t.memory().pool();
+            if self.format.section_bytes(pool) != Some(t.memory().item_bytes())
+                || targets[..i].iter().any(|o| o.memory().pool() == pool)
+            {
+                return Err(HiCacheError::Config(format!(
+                    "a fetch target for {pool:?} that the page format does not carry, or \
+                     named twice"
+                )));
+            }
         }
         let (job, mut reply) = self.job();
         reply.msg = Some(Completion::Fetch {
@@ -550,11 +727,7 @@ impl StorageTier {
                         break 'batches;
                     };
                     let page = match format.decode(&keys[i], bytes) {
-                        Ok(d) if d.sections.is_empty() => d,
-                        Ok(_) => {
-                            corrupt = true;
-                            break 'batches;
-                        }
+                        Ok(d) => d,
                         Err(e) => {
                             corrupt = true;
                             damaged = e.is_damage().then_some(keys[i]);
@@ -562,7 +735,7 @@ impl StorageTier {
                         }
                     };
                     let mut st = task_gate.lock();
-                    if st.cancelled {
+                    if st.state.cancelled {
                         break 'batches;
                     }
                     for l in 0..g.layers {
@@ -572,7 +745,23 @@ impl StorageTier {
                             break 'batches;
                         }
                     }
-                    st.done += 1;
+                    let mut wrote = 0u8;
+                    for (t, target) in targets.iter().enumerate() {
+                        let pool = target.memory().pool();
+                        let (Some(slot), Some(&(_, data))) = (
+                            target.slot_for(i),
+                            page.sections.iter().find(|(p, _)| *p == pool),
+                        ) else {
+                            continue;
+                        };
+                        if target.memory().write_slot(slot, data).is_err() {
+                            failed = true;
+                            break 'batches;
+                        }
+                        wrote |= 1 << t;
+                    }
+                    st.sections.push(wrote);
+                    st.state.done += 1;
                     loaded += 1;
                 }
             }
@@ -581,7 +770,7 @@ impl StorageTier {
                 // the page to fail its checks again.
                 let _ = timed(opts.op_timeout, store.discard_damaged(&[key])).await;
             }
-            task_gate.lock().finished = true;
+            task_gate.lock().state.finished = true;
             reply.send(Completion::Fetch {
                 job,
                 loaded,

@@ -133,6 +133,11 @@ impl Setup {
 }
 
 pub fn build(s: &Setup) -> HiRadixCache<HostSim> {
+    build_with(s, |_| {})
+}
+
+/// [`build`] with `f` applied to the configuration last (e.g. to add a storage tier).
+pub fn build_with(s: &Setup, f: impl FnOnce(&mut HiCacheConfig)) -> HiRadixCache<HostSim> {
     let g = KvGeometry::new(LAYERS, s.page_size, BYTES_PER_TOKEN).unwrap();
     let sim = HostSimConfig {
         gated: s.gated,
@@ -141,34 +146,32 @@ pub fn build(s: &Setup) -> HiRadixCache<HostSim> {
     let backend = Arc::new(HostSim::new(g, s.device_pages, sim).unwrap());
     let m = s.mamba.as_ref();
     let w = s.swa.as_ref();
-    HiRadixCache::new(
-        HiCacheConfig {
-            radix: RadixConfig {
-                page_size: s.page_size,
-                total_pages: s.device_pages,
-                max_rows: 8,
-                events: true,
-                mamba_slots: m.map(|m| m.slots),
-                mamba_policy: m.map_or(MambaPolicy::Sglang, |m| m.policy),
-                swa: w.map(|w| SwaConfig {
-                    window: w.window_pages * s.page_size,
-                    pages: w.pages,
-                }),
-                ..Default::default()
-            },
-            host_size: HostSize::Ratio(4.0),
-            host_layout: s.layout,
-            write_policy: s.policy,
-            load_back_min_tokens: 1,
-            mamba_state_bytes: m.map(|_| STATE_BYTES),
-            mamba_host_slots: m.and_then(|m| m.host_slots),
-            swa_page_bytes: w.map(|_| SWA_BYTES),
-            swa_host_pages: w.and_then(|w| w.host_pages),
+    let mut cfg = HiCacheConfig {
+        radix: RadixConfig {
+            page_size: s.page_size,
+            total_pages: s.device_pages,
+            max_rows: 8,
+            events: true,
+            mamba_slots: m.map(|m| m.slots),
+            mamba_policy: m.map_or(MambaPolicy::Sglang, |m| m.policy),
+            swa: w.map(|w| SwaConfig {
+                window: w.window_pages * s.page_size,
+                pages: w.pages,
+            }),
             ..Default::default()
         },
-        backend,
-    )
-    .unwrap()
+        host_size: HostSize::Ratio(4.0),
+        host_layout: s.layout,
+        write_policy: s.policy,
+        load_back_min_tokens: 1,
+        mamba_state_bytes: m.map(|_| STATE_BYTES),
+        mamba_host_slots: m.and_then(|m| m.host_slots),
+        swa_page_bytes: w.map(|_| SWA_BYTES),
+        swa_host_pages: w.and_then(|w| w.host_pages),
+        ..Default::default()
+    };
+    f(&mut cfg);
+    HiRadixCache::new(cfg, backend).unwrap()
 }
 
 pub fn read_state<B: DeviceBackend>(c: &HiRadixCache<B>, slot: u32) -> Vec<u8> {
