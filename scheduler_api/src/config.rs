@@ -593,7 +593,7 @@ pub enum BackendKind {
     HostSim,
     /// A CUDA device: `radixkv_hicache::cuda::CudaBackend` allocates the device pool in the
     /// model's geometry (`model`: layers, KV bytes per token per layer, page size) on device
-    /// `device`. Needs the crate feature `cuda` (else [`ManagerError::Config`]) and a host tier
+    /// `device`. Needs the crate feature `cuda` (else [`ManagerError::FeatureOff`]) and a host tier
     /// (else [`ManagerError::Backend`]); a machine without a driver or device gives
     /// [`ManagerError::Tier`] with `HiCacheError::NoDevice`. A backend handed to the builder
     /// takes its place.

@@ -343,7 +343,7 @@ pub fn build_cache(cfg: &ManagerConfig) -> Result<Box<dyn ManagedCache>> {
 /// # Errors
 /// [`ManagerError::Config`] for an impossible configuration, including a device pool whose
 /// tables this machine cannot allocate; [`ManagerError::Backend`] for `backend = cuda` without
-/// a host tier; [`ManagerError::Tier`] when the backend (HostSim, or CUDA: `NoDevice` without a
+/// a host tier, [`ManagerError::FeatureOff`] for it in a build without the `cuda` feature; [`ManagerError::Tier`] when the backend (HostSim, or CUDA: `NoDevice` without a
 /// driver or device) or the host pool cannot be allocated.
 pub fn build_cache_with_clock(
     cfg: &ManagerConfig,
@@ -580,8 +580,8 @@ fn built_in_cuda(
     build(cfg, clock, Some(Arc::new(backend)), store)
 }
 
-/// Without the `cuda` feature the built-in CUDA backend is not compiled in: a typed error
-/// says how to get it, never a silent fallback to HostSim.
+/// Without the `cuda` feature the built-in CUDA backend is not compiled in:
+/// [`ManagerError::FeatureOff`] says so, never a silent fallback to HostSim.
 #[cfg(not(feature = "cuda"))]
 fn built_in_cuda(
     _cfg: &ManagerConfig,
@@ -589,12 +589,11 @@ fn built_in_cuda(
     _device: u32,
     _store: Option<Arc<dyn StorageBackend>>,
 ) -> Result<Box<dyn ManagedCache>> {
-    Err(ManagerError::Config(
-        "`backend = { type = \"cuda\" }` needs radixkv built with the `cuda` feature \
-         (radixkv-scheduler-api/cuda); this build has only host_sim (an engine may also hand \
-         its own DeviceBackend to ManagerBuilder::device_backend)"
-            .into(),
-    ))
+    Err(ManagerError::FeatureOff {
+        what: "the built-in CUDA backend (`backend = { type = \"cuda\" }`; an engine may \
+               instead hand its own DeviceBackend to ManagerBuilder::device_backend)",
+        feature: "cuda",
+    })
 }
 
 /// `cache`, wrapped in a session layer reading `clock` when `sessions` is on.
@@ -687,9 +686,9 @@ mod tests {
             ..base()
         };
         match build_cache(&cuda) {
-            // Without the feature: a config error naming it, never HostSim instead.
-            Err(ManagerError::Config(e)) if !cfg!(feature = "cuda") => {
-                assert!(e.contains("cuda") && e.contains("feature"), "{e}");
+            // Without the feature: an error naming it, never HostSim instead.
+            Err(ManagerError::FeatureOff { feature, .. }) if !cfg!(feature = "cuda") => {
+                assert_eq!(feature, "cuda");
             }
             // With it, on a machine without a driver or device: the backend's typed error.
             Err(ManagerError::Tier(radixkv_hicache::HiCacheError::NoDevice(_)))

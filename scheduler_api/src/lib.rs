@@ -69,7 +69,7 @@
 //!   and the cache must have a host tier; otherwise [`ManagerError::Backend`] says what does
 //!   not fit. With the crate feature `cuda`, `backend = { type = "cuda", device = N }` makes
 //!   the manager build `radixkv_hicache::cuda::CudaBackend` itself, allocating the device pool
-//!   in the model's geometry (without the feature it is [`ManagerError::Config`]); an engine
+//!   in the model's geometry (without the feature it is [`ManagerError::FeatureOff`]); an engine
 //!   that owns its KV memory wraps it (`CudaBackend::from_device_regions`) and hands it over.
 //! - **Modeled vs simulated bytes**: the built-in HostSim really copies bytes, so its pools use
 //!   a tiny [`config::SimGeometry`]; every reported byte (step loads, transfers, the cost

@@ -214,8 +214,9 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// As [`build_cache_with_clock`](crate::factory::build_cache_with_clock):
-    /// [`ManagerError::Config`], [`ManagerError::NotImplemented`], [`ManagerError::Tier`], and
-    /// for a storage tier [`ManagerError::Storage`] or [`ManagerError::FeatureOff`].
+    /// [`ManagerError::Config`], [`ManagerError::Backend`], [`ManagerError::Tier`],
+    /// [`ManagerError::FeatureOff`] (CUDA or Redis in a build without them), and for a storage
+    /// tier [`ManagerError::Storage`].
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         Self::build(cfg, None, None)
     }

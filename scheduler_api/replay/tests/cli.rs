@@ -415,7 +415,7 @@ fn hicache_and_sessions_run_and_cuda_needs_its_feature_and_a_host_tier() {
             "--cache",
             "hicache",
         ]);
-        fails_with(&o, "`cuda` feature");
+        fails_with(&o, "`cuda` cargo feature");
     }
     std::fs::remove_dir_all(dir).ok();
 }
