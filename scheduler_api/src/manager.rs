@@ -164,6 +164,9 @@ pub struct KvCacheManager {
     /// The loads of the step that is open (between `begin_step` and `end_step`), which an
     /// admission made meanwhile joins.
     open_step: Option<Arc<StepLoadSet>>,
+    /// The last ended step's load set, emptied, for the next `begin_step` (a step that loads
+    /// nothing then costs no allocation).
+    spare_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
     /// The sliding window in tokens when the cache has the SWA component (read once).
@@ -256,6 +259,7 @@ impl KvCacheManager {
             use_seq: 0,
             step_error: None,
             open_step: None,
+            spare_step: None,
             ended_step: 0,
             swa_window,
             has_storage,
@@ -1465,7 +1469,7 @@ impl KvCacheManager {
     /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        let set = Arc::new(StepLoadSet::default());
+        let set = self.spare_step.take().unwrap_or_default();
         self.start_loads(&set);
         self.open_step = Some(set.clone());
         StepHandle {
@@ -1551,6 +1555,14 @@ impl KvCacheManager {
         self.buffer_cache_events();
         if self.check_every_step {
             self.check_invariants()?;
+        }
+        // The handle is gone with this call: its set is kept for the next step when nothing
+        // else holds it (an open step's clone was dropped above).
+        drop(_g);
+        let StepHandle { mut loads, .. } = step;
+        if let Some(set) = Arc::get_mut(&mut loads) {
+            set.reset();
+            self.spare_step = Some(loads);
         }
         if let Some(e) = step_error {
             return Err(e);

@@ -447,11 +447,27 @@ pub(crate) struct StepLoadSet {
 impl StepLoadSet {
     /// Adds a started load (or the failing wait of loads that could not be started).
     pub(crate) fn add(&self, pages: u64, bytes: u64, wait: Option<Arc<dyn LayerWait>>) {
-        self.pages.fetch_add(pages, Ordering::Relaxed);
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        // Most steps load nothing: no atomic read-modify-write for them.
+        if pages > 0 {
+            self.pages.fetch_add(pages, Ordering::Relaxed);
+        }
+        if bytes > 0 {
+            self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
         if let Some(w) = wait {
             self.locked_waits().push(w);
         }
+    }
+
+    /// Empties a set nobody else holds, for the next step (`Arc::get_mut` proves that no
+    /// handle or admission can still see it).
+    pub(crate) fn reset(&mut self) {
+        *self.pages.get_mut() = 0;
+        *self.bytes.get_mut() = 0;
+        self.waits
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Modeled bytes added so far.
