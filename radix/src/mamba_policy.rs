@@ -208,6 +208,11 @@ pub struct MarconiParams {
     /// Hit-driven admission judges a checkpoint only while no slot is free (one admitted
     /// into a free slot evicts no other state).
     pub judge_when_full: bool,
+    /// Mamba-aware KV eviction: under KV pressure, evict *dead-end* KV first — device leaves
+    /// that carry no Mamba state, whose tokens no match can use (a match is usable only up
+    /// to the deepest state) — in the KV eviction policy's order, and only then leaves that
+    /// end at a live state. See [`crate::RadixTree::dead_end_leaves`].
+    pub dead_end_kv_first: bool,
 }
 
 impl Default for MarconiParams {
@@ -228,6 +233,7 @@ impl Default for MarconiParams {
             chunk_end: true,
             match_end: false,
             judge_when_full: true,
+            dead_end_kv_first: true,
         }
     }
 }
