@@ -154,6 +154,7 @@ mod manager;
 pub mod metrics;
 mod request;
 mod sessions;
+pub mod split;
 mod storage;
 mod table;
 mod tiered;
