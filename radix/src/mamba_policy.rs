@@ -76,6 +76,10 @@
 //!   into a free slot evicts nothing.
 //! - *Batched eviction*: when a request needs a slot and none is free, the
 //!   `max(1, slots / 64)` lowest-utility states are evicted in one scan of the candidates.
+//! - *Mamba-aware KV eviction* ([`MarconiParams::dead_end_kv_first`], on by default): under
+//!   KV pressure, device leaves that carry no state (KV past the last state on its path,
+//!   which no match can use) are evicted before leaves that end at a live state, each group
+//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)).
 //!
 //! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
 //! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads

@@ -790,17 +790,20 @@ impl ManagerConfig {
         Ok(c)
     }
 
-    /// [`ManagerConfig::apply_total_bytes`], refusing a document that also gave
-    /// `device_tokens` (the split sets it).
+    /// [`ManagerConfig::apply_total_bytes`] for a document without `device_tokens`; one that
+    /// gives it too must give the split's (as `radixkv config` prints it), else it is refused.
     fn apply_total_bytes_unless_given(&mut self, device_tokens_given: bool) -> Result<()> {
-        if device_tokens_given {
-            return Err(ManagerError::Config(
-                "device_tokens and pools.total_bytes are both given: the split of the total \
-                 sets the KV pool (leave device_tokens out)"
-                    .into(),
-            ));
+        if !device_tokens_given {
+            return self.apply_total_bytes().map(|_| ());
         }
-        self.apply_total_bytes().map(|_| ())
+        match self.hybrid_split()? {
+            Some(s) if s.kv_tokens != self.device_tokens => Err(ManagerError::Config(format!(
+                "device_tokens = {} and pools.total_bytes are both given, and the split of the \
+                 total sets a KV pool of {} tokens (leave device_tokens out)",
+                self.device_tokens, s.kv_tokens
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The split of [`PoolBudgets::total_bytes`] by the effective Mamba policy's rule
@@ -1034,12 +1037,13 @@ impl ManagerConfig {
     /// The device pools this configuration derives: the full-attention KV pool of
     /// [`ManagerConfig::device_pages`] pages, and for a hybrid model the SWA KV pool and the
     /// Mamba slot pool from their budgets ([`PoolBudgets`]; a budget left out is the
-    /// full-attention pool's bytes). Counts come from checked arithmetic.
+    /// full-attention pool's bytes; under `pools.total_bytes` the Mamba budget is the split's,
+    /// [`ManagerConfig::hybrid_split`]). Counts come from checked arithmetic.
     ///
     /// # Errors
     /// [`ManagerError::Config`] for an invalid geometry, a budget for a pool the model does not
     /// have, a budget that fits no page or fewer than 2 Mamba slots, or a count that overflows
-    /// or that a pool cannot address.
+    /// or that a pool cannot address; the errors of [`ManagerConfig::hybrid_split`].
     pub fn pools(&self) -> Result<Pools> {
         self.model.validate()?;
         let m = &self.model;
@@ -1933,6 +1937,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(j.device_tokens, c.device_tokens);
+        // The configuration as printed (device_tokens with the total) reads back.
+        let back = ManagerConfig::from_toml_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
         // Refused, typed: a zero total, one too small for the running batch, and knobs that
         // do not belong.
         let e = ManagerConfig::from_toml_str(&format!("{jamba}[pools]\ntotal_bytes = 0\n"));
@@ -1967,7 +1974,7 @@ mod tests {
                     "device_tokens = 4096\n",
                     &format!("total_bytes = {total}\n"),
                 ),
-                "both given",
+                "both given, and the split",
             ),
             (
                 format!("{jamba}[pools]\ntotal_bytes = {total}\nmamba_bytes = {total}\n"),
