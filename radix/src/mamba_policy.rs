@@ -76,6 +76,10 @@
 //!   into a free slot evicts nothing.
 //! - *Batched eviction*: when a request needs a slot and none is free, the
 //!   `max(1, slots / 64)` lowest-utility states are evicted in one scan of the candidates.
+//! - *Mamba-aware KV eviction* ([`MarconiParams::dead_end_kv_first`], on by default): under
+//!   KV pressure, device leaves that carry no state (KV past the last state on its path,
+//!   which no match can use) are evicted before leaves that end at a live state, each group
+//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)).
 //!
 //! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
 //! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads
@@ -98,7 +102,9 @@
 //! README ("Hybrid models: the Mamba component"). On Mooncake and the weka agentic trace
 //! at the default pools both policies reach nearly the KV match (the KV pool, not the state
 //! policy, bounds the hit there), and the default is at or above the baseline on every run;
-//! with a 16× smaller Mamba pool it is 1.00–1.11× the baseline. What each change brought
+//! with a 16× smaller Mamba pool it is 1.00–1.11× the baseline. At equal *total* bytes, each
+//! policy splitting them by its own rule (the scheduler API's `split` module), the default's
+//! larger KV pool lifts Mooncake to 1.17× and weka to 1.02× the baseline (the README's table). What each change brought
 //! there (each switched off alone from a setting with the KV-match-end checkpoint on and a
 //! 0.5 hit threshold): chunk-end states are what the traces reward (without them Marconi
 //! stays at 0.043 of the baseline's 0.051 on Mooncake and 0.838 of 0.903 on weka),
@@ -208,6 +214,11 @@ pub struct MarconiParams {
     /// Hit-driven admission judges a checkpoint only while no slot is free (one admitted
     /// into a free slot evicts no other state).
     pub judge_when_full: bool,
+    /// Mamba-aware KV eviction: under KV pressure, evict *dead-end* KV first — device leaves
+    /// that carry no Mamba state, whose tokens no match can use (a match is usable only up
+    /// to the deepest state) — in the KV eviction policy's order, and only then leaves that
+    /// end at a live state. See [`crate::RadixTree::dead_end_leaves`].
+    pub dead_end_kv_first: bool,
 }
 
 impl Default for MarconiParams {
@@ -228,6 +239,7 @@ impl Default for MarconiParams {
             chunk_end: true,
             match_end: false,
             judge_when_full: true,
+            dead_end_kv_first: true,
         }
     }
 }

@@ -667,6 +667,9 @@ impl RadixTree {
             }
             _ => {}
         }
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.set_leaf(idx, should);
+        }
     }
 
     #[inline]

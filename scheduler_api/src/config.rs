@@ -33,7 +33,11 @@ pub const EXAMPLE_TOML: &str = include_str!("../config.example.toml");
 /// Byte budgets of the device pools a hybrid model adds to the full-attention KV pool (whose
 /// size is `device_tokens`). Pages and slots are derived from them
 /// ([`ManagerConfig::pools`]); a budget for a pool the model does not have is refused.
-#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+///
+/// For a model with Mamba layers (and no sliding-window layers) `total_bytes` instead gives
+/// the KV pool and the Mamba pool one budget, which the Mamba policy's own rule splits
+/// ([`crate::split`]; [`ManagerConfig::apply_total_bytes`] sets `device_tokens` from it).
+#[derive(Clone, Debug, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolBudgets {
     /// Bytes of the sliding-window KV pool (default: the full-attention pool's bytes).
@@ -43,12 +47,35 @@ pub struct PoolBudgets {
     /// two slots' worth (a hit holds the cached state and the request's copy of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mamba_bytes: Option<u64>,
+    /// Total device bytes of the full-attention KV pool and the Mamba state pool together,
+    /// split by the Mamba policy's rule ([`crate::split`]): the SGLang-style baseline by
+    /// `mamba_full_memory_ratio`, the Marconi-style default by `running_requests`. The KV
+    /// pool's `device_tokens` and the Mamba pool then follow from it, so neither
+    /// `device_tokens` nor `mamba_bytes` may be given with it. Models with Mamba layers and
+    /// no sliding-window layers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<u64>,
+    /// The SGLang-style split's state bytes over KV bytes (SGLang's
+    /// `--mamba-full-memory-ratio`; default
+    /// [`SGLANG_MAMBA_FULL_MEMORY_RATIO`](crate::split::SGLANG_MAMBA_FULL_MEMORY_RATIO),
+    /// 0.9). Needs `total_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mamba_full_memory_ratio: Option<f64>,
+    /// The running requests the Marconi-style split provisions
+    /// [`MARCONI_SLOTS_PER_REQUEST`](crate::split::MARCONI_SLOTS_PER_REQUEST) state slots
+    /// each for (default: `max_rows`). Needs `total_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_requests: Option<usize>,
 }
 
 impl PoolBudgets {
     /// True when no budget is given (every pool takes its default).
     pub fn is_unset(&self) -> bool {
-        self.swa_bytes.is_none() && self.mamba_bytes.is_none()
+        self.swa_bytes.is_none()
+            && self.mamba_bytes.is_none()
+            && self.total_bytes.is_none()
+            && self.mamba_full_memory_ratio.is_none()
+            && self.running_requests.is_none()
     }
 }
 
@@ -739,8 +766,13 @@ impl ManagerConfig {
     /// # Errors
     /// [`ManagerError::Config`] naming the bad field.
     pub fn from_toml_str(s: &str) -> Result<Self> {
-        let c: ManagerConfig =
+        let mut c: ManagerConfig =
             toml::from_str(s).map_err(|e| ManagerError::Config(format!("TOML config: {e}")))?;
+        if c.pools.total_bytes.is_some() {
+            let table: toml::Table =
+                toml::from_str(s).map_err(|e| ManagerError::Config(format!("TOML config: {e}")))?;
+            c.apply_total_bytes_unless_given(table.contains_key("device_tokens"))?;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -750,10 +782,129 @@ impl ManagerConfig {
     /// # Errors
     /// [`ManagerError::Config`] naming the bad field.
     pub fn from_json_str(s: &str) -> Result<Self> {
-        let c: ManagerConfig = serde_json::from_str(s)
+        let mut c: ManagerConfig = serde_json::from_str(s)
             .map_err(|e| ManagerError::Config(format!("JSON config: {e}")))?;
+        if c.pools.total_bytes.is_some() {
+            let doc: serde_json::Value = serde_json::from_str(s)
+                .map_err(|e| ManagerError::Config(format!("JSON config: {e}")))?;
+            c.apply_total_bytes_unless_given(doc.get("device_tokens").is_some())?;
+        }
         c.validate()?;
         Ok(c)
+    }
+
+    /// [`ManagerConfig::apply_total_bytes`] for a document without `device_tokens`; one that
+    /// gives it too must give the split's (as `radixkv config` prints it), else it is refused.
+    fn apply_total_bytes_unless_given(&mut self, device_tokens_given: bool) -> Result<()> {
+        if !device_tokens_given {
+            return self.apply_total_bytes().map(|_| ());
+        }
+        match self.hybrid_split()? {
+            Some(s) if s.kv_tokens != self.device_tokens => Err(ManagerError::Config(format!(
+                "device_tokens = {} and pools.total_bytes are both given, and the split of the \
+                 total sets a KV pool of {} tokens (leave device_tokens out)",
+                self.device_tokens, s.kv_tokens
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The split of [`PoolBudgets::total_bytes`] by the effective Mamba policy's rule
+    /// (`None` without a total; see [`crate::split`]): [`SplitRule::Sglang`] with
+    /// `mamba_full_memory_ratio` for the baseline, [`SplitRule::Marconi`] with
+    /// `running_requests` (default `max_rows`) for the default.
+    ///
+    /// [`SplitRule::Sglang`]: crate::split::SplitRule::Sglang
+    /// [`SplitRule::Marconi`]: crate::split::SplitRule::Marconi
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] for an invalid geometry, a model without Mamba layers, a
+    /// Mamba budget given as well, or a split knob without a total (or for the other policy);
+    /// [`ManagerError::NotImplemented`] for a model with sliding-window layers;
+    /// [`ManagerError::Split`] for a total the rule cannot split.
+    pub fn hybrid_split(&self) -> Result<Option<crate::split::HybridSplit>> {
+        use crate::split::{MARCONI_SLOTS_PER_REQUEST, SGLANG_MAMBA_FULL_MEMORY_RATIO, SplitRule};
+        let bad = |m: &str| Err(ManagerError::Config(m.into()));
+        let b = &self.pools;
+        let Some(total) = b.total_bytes else {
+            if b.mamba_full_memory_ratio.is_some() || b.running_requests.is_some() {
+                return bad(
+                    "pools.mamba_full_memory_ratio and pools.running_requests split \
+                     pools.total_bytes, which is not given",
+                );
+            }
+            return Ok(None);
+        };
+        self.model.validate()?;
+        let n = self.model.layer_counts();
+        if n.mamba == 0 {
+            return bad("pools.total_bytes is set but the model has no Mamba layer");
+        }
+        if n.sliding_window > 0 {
+            return Err(ManagerError::NotImplemented {
+                what: "pools.total_bytes for a model with sliding-window layers (give \
+                       device_tokens and the per-pool budgets)",
+            });
+        }
+        if b.mamba_bytes.is_some() {
+            return bad(
+                "pools.mamba_bytes and pools.total_bytes are both given: the split of the \
+                 total sets the Mamba pool",
+            );
+        }
+        let rule = match self.mamba_policy_kind().unwrap_or_default() {
+            MambaPolicyKind::Sglang => {
+                if b.running_requests.is_some() {
+                    return bad(
+                        "pools.running_requests sizes the Marconi split; the sglang policy \
+                         splits by pools.mamba_full_memory_ratio",
+                    );
+                }
+                SplitRule::Sglang {
+                    mamba_full_memory_ratio: b
+                        .mamba_full_memory_ratio
+                        .unwrap_or(SGLANG_MAMBA_FULL_MEMORY_RATIO),
+                }
+            }
+            MambaPolicyKind::Marconi => {
+                if b.mamba_full_memory_ratio.is_some() {
+                    return bad(
+                        "pools.mamba_full_memory_ratio is the sglang policy's split; the \
+                         marconi split is sized by pools.running_requests",
+                    );
+                }
+                SplitRule::Marconi {
+                    running_requests: b.running_requests.unwrap_or(self.max_rows),
+                    slots_per_request: MARCONI_SLOTS_PER_REQUEST,
+                }
+            }
+        };
+        let slot = self.model.checked_mamba_slot_bytes().ok_or_else(|| {
+            ManagerError::Config("a Mamba slot overflows a 64-bit byte count".into())
+        })?;
+        Ok(Some(crate::split::split_total(
+            total,
+            self.model.page_bytes(),
+            self.model.page_size,
+            slot,
+            rule,
+        )?))
+    }
+
+    /// Sets `device_tokens` from the split of [`PoolBudgets::total_bytes`] (see
+    /// [`ManagerConfig::hybrid_split`]) and returns the split; without a total, changes
+    /// nothing. Call it after the model, the Mamba policy and the split knobs are final:
+    /// [`ManagerConfig::validate`] refuses a total whose split disagrees with
+    /// `device_tokens`. The TOML and JSON readers call it.
+    ///
+    /// # Errors
+    /// As [`ManagerConfig::hybrid_split`].
+    pub fn apply_total_bytes(&mut self) -> Result<Option<crate::split::HybridSplit>> {
+        let split = self.hybrid_split()?;
+        if let Some(s) = split {
+            self.device_tokens = s.kv_tokens;
+        }
+        Ok(split)
     }
 
     /// Reads a `.toml` or `.json` file (by extension; anything else is read as TOML).
@@ -816,6 +967,15 @@ impl ManagerConfig {
                 s.validate(p, h.host_tokens)?;
             }
         }
+        if let Some(s) = self.hybrid_split()?
+            && s.kv_tokens != self.device_tokens
+        {
+            return bad(format!(
+                "device_tokens = {} but pools.total_bytes splits to a KV pool of {} tokens \
+                 (leave device_tokens out, or call ManagerConfig::apply_total_bytes)",
+                self.device_tokens, s.kv_tokens
+            ));
+        }
         self.pools()?;
         if let (Some(p), None) = (self.mamba_policy, self.mamba_policy_kind()) {
             return bad(format!(
@@ -872,12 +1032,13 @@ impl ManagerConfig {
     /// The device pools this configuration derives: the full-attention KV pool of
     /// [`ManagerConfig::device_pages`] pages, and for a hybrid model the SWA KV pool and the
     /// Mamba slot pool from their budgets ([`PoolBudgets`]; a budget left out is the
-    /// full-attention pool's bytes). Counts come from checked arithmetic.
+    /// full-attention pool's bytes; under `pools.total_bytes` the Mamba budget is the split's,
+    /// [`ManagerConfig::hybrid_split`]). Counts come from checked arithmetic.
     ///
     /// # Errors
     /// [`ManagerError::Config`] for an invalid geometry, a budget for a pool the model does not
     /// have, a budget that fits no page or fewer than 2 Mamba slots, or a count that overflows
-    /// or that a pool cannot address.
+    /// or that a pool cannot address; the errors of [`ManagerConfig::hybrid_split`].
     pub fn pools(&self) -> Result<Pools> {
         self.model.validate()?;
         let m = &self.model;
@@ -904,7 +1065,10 @@ impl ManagerConfig {
             n.sliding_window > 0,
             "sliding-window",
         )?;
-        let mamba_budget = budget(self.pools.mamba_bytes, "mamba_bytes", n.mamba > 0, "Mamba")?;
+        let mamba_budget = match self.hybrid_split()? {
+            Some(s) => s.mamba_bytes,
+            None => budget(self.pools.mamba_bytes, "mamba_bytes", n.mamba > 0, "Mamba")?,
+        };
         let swa = if n.sliding_window > 0 {
             let per_token = m.checked_swa_bytes_per_token().ok_or_else(|| {
                 ManagerError::Config("SWA bytes per token overflow a 64-bit byte count".into())
@@ -1699,5 +1863,144 @@ mod tests {
             Some(WritePolicy::WriteBack)
         );
         assert_eq!(WritePolicy::from_name("sometimes"), None);
+    }
+
+    #[test]
+    fn a_total_budget_is_split_by_each_policys_rule() {
+        use crate::split::SplitError;
+        let jamba = "[model]\npreset = \"jamba-like\"\n";
+        // Top-level keys come before the tables.
+        let doc = |top: &str, pools: &str| format!("{top}{jamba}[pools]\n{pools}");
+        let slot = Preset::JambaLike
+            .geometry()
+            .checked_mamba_slot_bytes()
+            .unwrap();
+        let total = 32u64 << 30;
+        // The baseline: SGLang's 0.9 ratio.
+        let c = ManagerConfig::from_toml_str(&doc(
+            "mamba_policy = \"sglang\"\n",
+            &format!("total_bytes = {total}\n"),
+        ))
+        .unwrap();
+        let p = c.pools().unwrap();
+        let slots = p.mamba.unwrap().slots as u64;
+        assert_eq!(slots, ((total as f64 * 0.9 / 1.9) / slot as f64) as u64);
+        assert_eq!(
+            c.device_tokens,
+            c.hybrid_split().unwrap().unwrap().kv_tokens
+        );
+        assert!(p.full.bytes + slots * slot <= total);
+        assert!(total - p.full.bytes - slots * slot < c.model.page_bytes());
+        // The default (Marconi): 4 slots per running request (max_rows, or the knob).
+        let c = ManagerConfig::from_toml_str(&doc(
+            "max_rows = 100\n",
+            &format!("total_bytes = {total}\n"),
+        ))
+        .unwrap();
+        assert_eq!(c.pools().unwrap().mamba.unwrap().slots, 400);
+        let c = ManagerConfig::from_toml_str(&format!(
+            "{jamba}[pools]\ntotal_bytes = {total}\nrunning_requests = 256\n"
+        ))
+        .unwrap();
+        assert_eq!(c.pools().unwrap().mamba.unwrap().slots, 1024);
+        let kv = c.pools().unwrap().full.bytes;
+        assert_eq!(
+            kv,
+            (total - 1024 * slot) / c.model.page_bytes() * c.model.page_bytes()
+        );
+        // A JSON document splits the same way.
+        let j = ManagerConfig::from_json_str(
+            &serde_json::to_string(&serde_json::json!({
+                "model": {"preset": "jamba-like"},
+                "pools": {"total_bytes": total, "running_requests": 256}
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(j.device_tokens, c.device_tokens);
+        // The configuration as printed (device_tokens with the total) reads back.
+        let back = ManagerConfig::from_toml_str(&toml::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        // Refused, typed: a zero total, one too small for the running batch, and knobs that
+        // do not belong.
+        let e = ManagerConfig::from_toml_str(&format!("{jamba}[pools]\ntotal_bytes = 0\n"));
+        assert!(
+            matches!(e, Err(ManagerError::Split(SplitError::ZeroTotal))),
+            "{e:?}"
+        );
+        let e =
+            ManagerConfig::from_toml_str(&format!("{jamba}[pools]\ntotal_bytes = 1073741824\n"));
+        assert!(
+            matches!(
+                e,
+                Err(ManagerError::Split(SplitError::TooSmall {
+                    slots: 2048,
+                    ..
+                }))
+            ),
+            "512 rows × 4 slots do not fit 1 GiB: {e:?}"
+        );
+        let e = ManagerConfig::from_toml_str(&format!(
+            "{jamba}[pools]\ntotal_bytes = {}\nrunning_requests = {}\n",
+            i64::MAX,
+            i64::MAX
+        ));
+        assert!(
+            matches!(e, Err(ManagerError::Split(SplitError::Overflow { .. }))),
+            "{e:?}"
+        );
+        for (text, says) in [
+            (
+                doc(
+                    "device_tokens = 4096\n",
+                    &format!("total_bytes = {total}\n"),
+                ),
+                "both given, and the split",
+            ),
+            (
+                format!("{jamba}[pools]\ntotal_bytes = {total}\nmamba_bytes = {total}\n"),
+                "both given",
+            ),
+            (
+                format!("[pools]\ntotal_bytes = {total}\n"),
+                "no Mamba layer",
+            ),
+            (
+                format!("{jamba}[pools]\nrunning_requests = 8\n"),
+                "which is not given",
+            ),
+            (
+                format!("{jamba}[pools]\ntotal_bytes = {total}\nmamba_full_memory_ratio = 0.5\n"),
+                "the sglang policy's split",
+            ),
+            (
+                doc(
+                    "mamba_policy = \"sglang\"\n",
+                    &format!("total_bytes = {total}\nrunning_requests = 8\n"),
+                ),
+                "sizes the Marconi split",
+            ),
+        ] {
+            match ManagerConfig::from_toml_str(&text) {
+                Err(ManagerError::Config(m)) => assert!(m.contains(says), "{text}: {m}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        let gemma = format!("[model]\npreset = \"gemma-like\"\n[pools]\ntotal_bytes = {total}\n");
+        assert!(matches!(
+            ManagerConfig::from_toml_str(&gemma),
+            Err(ManagerError::Config(_))
+        ));
+        // A configuration built in code whose device_tokens disagrees with the split is
+        // refused until the split is applied.
+        let mut c = ManagerConfig {
+            model: Preset::JambaLike.geometry(),
+            ..Default::default()
+        };
+        c.pools.total_bytes = Some(total);
+        assert!(matches!(c.validate(), Err(ManagerError::Config(m)) if m.contains("splits to")));
+        let s = c.apply_total_bytes().unwrap().unwrap();
+        assert_eq!(s.mamba_slots, 4 * 512);
+        c.validate().unwrap();
     }
 }

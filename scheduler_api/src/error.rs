@@ -14,6 +14,10 @@ pub enum ManagerError {
     /// An impossible or malformed configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A total device budget (`pools.total_bytes`) the Mamba policy's split rule cannot
+    /// divide (see [`crate::split`]).
+    #[error("invalid configuration: {0}")]
+    Split(#[from] crate::split::SplitError),
     /// A cache kind whose crate is not wired into the factory yet. Every combination a
     /// configuration can express is wired in this build, so the factory does not return it
     /// now; it stays for callers that match on it.

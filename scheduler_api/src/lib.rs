@@ -41,7 +41,9 @@
 //!   KV, and a demoted session's next turn loads its KV, window and state back from the host).
 //! - **Mamba state slots** (models with `M` layers): the slot pool holds
 //!   `pools.mamba_bytes / slot bytes` slots, at least 2 (a budget for fewer is a
-//!   [`ManagerError::Config`]: a hit holds the cached state and the request's copy). Every running request holds one slot of its own
+//!   [`ManagerError::Config`]: a hit holds the cached state and the request's copy); or
+//!   `pools.total_bytes` gives the KV and the state pool one budget, split by the Mamba
+//!   policy's own rule ([`split`]). Every running request holds one slot of its own
 //!   ([`Admitted::mamba_slot`]); a hit is usable only up to the deepest cached state, and the
 //!   engine copies that state into the request's slot before its first forward
 //!   ([`Admitted::mamba_cow`]). Where a slot can be spared, a request also gets a tracking
@@ -154,6 +156,7 @@ mod manager;
 pub mod metrics;
 mod request;
 mod sessions;
+pub mod split;
 mod storage;
 mod table;
 mod tiered;

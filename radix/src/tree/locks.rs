@@ -119,6 +119,9 @@ impl RadixTree {
         match self.resolve(id) {
             Ok(idx) if self.nodes[idx as usize].leaf.is_some() => {
                 self.nodes[idx as usize].leaf = None;
+                if let Some(m) = self.mamba.as_deref_mut() {
+                    m.set_leaf(idx, false);
+                }
                 Ok(Some(id))
             }
             _ => {
@@ -167,6 +170,7 @@ impl RadixTree {
         }
         // The cascade: a state cannot be resumed without the KV before it.
         if let Some(m) = self.mamba.as_deref_mut() {
+            m.set_leaf(idx, false);
             m.drop_state(idx);
         }
         // And window KV is useless without the full KV of the same tokens.
@@ -195,8 +199,15 @@ impl RadixTree {
     /// Evicts leaves in policy order until at least `tokens` device tokens were released or
     /// nothing evictable is left. Released pages are appended to `out`. Returns the tokens
     /// released.
+    ///
+    /// With Mamba-aware KV eviction on ([`crate::MarconiParams::dead_end_kv_first`]), leaves
+    /// that carry no Mamba state ([`RadixTree::dead_end_leaves`]) go first, in the policy's
+    /// order; leaves ending at a live state only once none is left.
     pub fn evict(&mut self, tokens: usize, out: &mut Vec<PageId>) -> usize {
         let mut done = 0;
+        if self.mamba.as_deref().is_some_and(|m| m.dead_leaves > 0) {
+            done = self.evict_dead_ends(tokens, out);
+        }
         while done < tokens {
             let Some(victim) = self.pop_victim() else {
                 break;
@@ -217,6 +228,39 @@ impl RadixTree {
                     break;
                 }
             }
+        }
+        done
+    }
+
+    /// The dead-end pass of [`RadixTree::evict`]: pops victims in policy order, evicts those
+    /// without a state and sets the others aside (returned to the policy afterwards), until
+    /// `tokens` are released or no dead-end leaf is left.
+    fn evict_dead_ends(&mut self, tokens: usize, out: &mut Vec<PageId>) -> usize {
+        let mut done = 0;
+        let mut kept: Vec<u32> = Vec::new();
+        while done < tokens && self.mamba.as_deref().is_some_and(|m| m.dead_leaves > 0) {
+            let Some(victim) = self.pop_victim() else {
+                break;
+            };
+            let Ok(idx) = self.resolve(victim) else {
+                debug_assert!(false, "pop_victim returned a stale node");
+                break;
+            };
+            let m = self.mamba.as_deref().map(|m| m.get(idx));
+            if m.is_some_and(|e| e.slot != NIL || e.host != NIL) {
+                kept.push(idx);
+                continue;
+            }
+            match self.evict_device(victim, out) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    debug_assert!(false, "policy returned a non-evictable node: {e}");
+                    break;
+                }
+            }
+        }
+        for idx in kept {
+            self.update_leaf(idx);
         }
         done
     }

@@ -40,6 +40,12 @@ pub(super) struct MambaNode {
     pub(super) generation: u32,
     /// Why the state was stored ([`CheckpointKind`] as its index).
     pub(super) kind: u8,
+    /// The node is in the tree's evictable-leaf set (mirrored only while dead-end tracking is
+    /// on, see [`MambaComponent::dead_end_first`]).
+    pub(super) leaf: bool,
+    /// Counted in [`MambaComponent::dead_leaves`]: an evictable leaf with neither a device
+    /// state nor a host copy of one.
+    pub(super) dead: bool,
 }
 
 pub(super) const NO_STATE: MambaNode = MambaNode {
@@ -49,6 +55,8 @@ pub(super) const NO_STATE: MambaNode = MambaNode {
     tick: 0,
     generation: 0,
     kind: 0,
+    leaf: false,
+    dead: false,
 };
 
 /// The Mamba component of a [`RadixTree`] (see the module docs).
@@ -63,6 +71,12 @@ pub(crate) struct MambaComponent {
     clock: u64,
     /// Utility eviction ([`MambaPolicy::Marconi`]); `None`: least recently used first.
     utility: Option<MarconiParams>,
+    /// Mamba-aware KV eviction ([`MarconiParams::dead_end_kv_first`]): the component mirrors
+    /// which nodes are evictable leaves and counts the dead-end ones, so that
+    /// [`RadixTree::evict`] can evict those first. Off: nothing is mirrored (no cost).
+    pub(super) dead_end_first: bool,
+    /// Evictable leaves with no state on device or host (while `dead_end_first`).
+    pub(super) dead_leaves: usize,
     stats: MambaStats,
 }
 
@@ -75,6 +89,8 @@ impl MambaComponent {
             protected: 0,
             clock: 0,
             utility: None,
+            dead_end_first: false,
+            dead_leaves: 0,
             stats: MambaStats::default(),
         })
     }
@@ -99,6 +115,39 @@ impl MambaComponent {
     /// True when node `idx` carries a state.
     pub(super) fn has_state(&self, idx: u32) -> bool {
         self.get(idx).slot != NIL
+    }
+
+    /// Brings node `idx`'s dead-end flag and the count in line with its mirrored leaf flag and
+    /// its states (while dead-end tracking is on).
+    #[inline]
+    pub(super) fn sync_dead(&mut self, idx: u32) {
+        if !self.dead_end_first {
+            return;
+        }
+        let e = self.entry(idx);
+        let dead = e.leaf && e.slot == NIL && e.host == NIL;
+        if e.dead != dead {
+            e.dead = dead;
+            if dead {
+                self.dead_leaves += 1;
+            } else {
+                self.dead_leaves -= 1;
+            }
+        }
+    }
+
+    /// Records whether node `idx` is in the tree's evictable-leaf set (while dead-end
+    /// tracking is on).
+    #[inline]
+    pub(super) fn set_leaf(&mut self, idx: u32, leaf: bool) {
+        if !self.dead_end_first {
+            return;
+        }
+        let e = self.entry(idx);
+        if e.leaf != leaf {
+            e.leaf = leaf;
+            self.sync_dead(idx);
+        }
     }
 
     /// Drops node `idx`'s state if it has one and it is unlocked (the cascade of a component
@@ -146,8 +195,11 @@ impl MambaComponent {
             host: e.host,
             generation: e.generation,
             kind: e.kind,
+            leaf: e.leaf,
+            dead: e.dead,
             ..NO_STATE
         };
+        self.sync_dead(idx);
         true
     }
 
@@ -160,6 +212,7 @@ impl MambaComponent {
         self.nodes.clear();
         self.lru.clear();
         self.protected = 0;
+        self.dead_leaves = 0;
     }
 }
 
@@ -231,8 +284,43 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`]; [`CacheError::PolicyParam`] (nothing changes then).
     pub fn set_mamba_policy(&mut self, policy: &MambaPolicy) -> Result<()> {
         policy.validate()?;
-        self.mamba_mut()?.utility = policy.marconi().copied();
+        let m = self.mamba_mut()?;
+        m.utility = policy.marconi().copied();
+        let track = policy.marconi().is_some_and(|p| p.dead_end_kv_first);
+        if track != m.dead_end_first {
+            m.dead_end_first = track;
+            // Mirror the leaf set from scratch (O(nodes); a policy is set once, normally on
+            // an empty tree).
+            m.dead_leaves = 0;
+            for e in &mut m.nodes {
+                e.leaf = false;
+                e.dead = false;
+            }
+            let leaves: Vec<u32> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.leaf.is_some())
+                .map(|(k, _)| k as u32)
+                .collect();
+            if let Some(m) = self.mamba.as_deref_mut() {
+                for idx in leaves {
+                    m.set_leaf(idx, true);
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Evictable device leaves that carry no Mamba state (on device or host): *dead-end* KV,
+    /// whose tokens no match can use, since a match is usable only up to the deepest node
+    /// with a state. Under [`MarconiParams::dead_end_kv_first`] (the Marconi default)
+    /// [`RadixTree::evict`] evicts these first; `None` while that is off or without the
+    /// component.
+    pub fn dead_end_leaves(&self) -> Option<usize> {
+        self.mamba
+            .as_deref()
+            .filter(|m| m.dead_end_first)
+            .map(|m| m.dead_leaves)
     }
 
     /// The Mamba state counters per checkpoint kind.
@@ -649,6 +737,7 @@ impl RadixTree {
         let now = m.tick();
         m.entry(idx).tick = now;
         m.lru.insert((now, idx));
+        m.sync_dead(idx);
         Ok(MambaInsert::Stored)
     }
 
@@ -827,6 +916,32 @@ impl RadixTree {
             m.lru.len(),
             m.protected
         );
+        if m.dead_end_first {
+            let mut dead = 0usize;
+            for (k, n) in self.nodes.iter() {
+                let k = k as u32;
+                let e = m.get(k);
+                ensure_inv!(
+                    e.leaf == n.leaf.is_some(),
+                    "node {k}: Mamba leaf mirror {} but evictable leaf {}",
+                    e.leaf,
+                    n.leaf.is_some()
+                );
+                let expect = e.leaf && e.slot == NIL && e.host == NIL;
+                ensure_inv!(
+                    e.dead == expect,
+                    "node {k}: dead-end flag {} but expected {expect}",
+                    e.dead
+                );
+                dead += usize::from(expect);
+            }
+            let flagged = m.nodes.iter().filter(|e| e.dead).count();
+            ensure_inv!(
+                dead == m.dead_leaves && flagged == dead,
+                "dead-end leaves: counter {}, live nodes {dead}, flags {flagged}",
+                m.dead_leaves
+            );
+        }
         Ok(())
     }
 }

@@ -81,7 +81,9 @@ impl RadixTree {
             return Ok(None);
         }
         let e = m.entry(idx);
-        Ok(Some(std::mem::replace(&mut e.host, NIL)))
+        let host = std::mem::replace(&mut e.host, NIL);
+        m.sync_dead(idx);
+        Ok(Some(host))
     }
 
     /// Load-back of a state: the request-held `slot` (into which the owner loads the host
@@ -122,6 +124,7 @@ impl RadixTree {
         e.tick = now;
         debug_assert_eq!(e.lock, 0);
         m.lru.insert((now, idx));
+        m.sync_dead(idx);
         Ok(())
     }
 

@@ -79,6 +79,7 @@ enum Cmd {
     Config {
         /// Print the commented example configuration (every key, its default and valid values).
         #[arg(long, conflicts_with_all = ["config", "model", "mamba_bytes", "swa_bytes", "mamba_policy", "device_tokens", "page_size",
+            "total_bytes", "mamba_full_memory_ratio", "split_running",
             "policy", "cache", "host_tokens", "write_policy", "host_policy", "session_tokens",
             "storage", "storage_tokens"])]
         example: bool,
@@ -244,6 +245,21 @@ struct ManagerArgs {
     /// [default: the full-attention pool's bytes]
     #[arg(long, value_name = "BYTES")]
     mamba_bytes: Option<u64>,
+    /// Total device bytes of the KV pool and the Mamba state pool together, split by the
+    /// Mamba policy's rule (models with Mamba layers and no sliding-window layers; `[pools]
+    /// total_bytes`; replaces --device-tokens and --mamba-bytes): sglang by
+    /// --mamba-full-memory-ratio, marconi with 4 state slots per running request
+    /// (--split-running, else --max-running in demo and replay, else max_rows)
+    #[arg(long, value_name = "BYTES", conflicts_with_all = ["device_tokens", "mamba_bytes"])]
+    total_bytes: Option<u64>,
+    /// The sglang split's state bytes over KV bytes (`[pools] mamba_full_memory_ratio`)
+    /// [default: 0.9, SGLang's]
+    #[arg(long, value_name = "R", requires = "total_bytes")]
+    mamba_full_memory_ratio: Option<f64>,
+    /// Running requests the marconi split provisions state slots for (`[pools]
+    /// running_requests`) [default: --max-running in demo and replay, else max_rows]
+    #[arg(long, value_name = "N", requires = "total_bytes")]
+    split_running: Option<usize>,
     /// Bytes of the sliding-window KV pool (models with sliding-window layers; `[pools]
     /// swa_bytes`) [default: the full-attention pool's bytes]
     #[arg(long, value_name = "BYTES")]
@@ -494,7 +510,7 @@ fn run(cli: Cli) -> Result<()> {
             if example {
                 print!("{}", radixkv_scheduler_api::config::EXAMPLE_TOML);
             } else {
-                let m = manager_config(&manager)?;
+                let m = manager_config(&manager, None)?;
                 let text =
                     toml::to_string(&m).map_err(|e| ManagerError::Config(format!("TOML: {e}")))?;
                 print!("{text}");
@@ -696,7 +712,8 @@ fn demo(d: &DemoArgs) -> Result<Workload> {
 const DEFAULT_AGENTIC_LOAD: f64 = 0.7;
 
 fn sim_config(run: &RunArgs) -> Result<SimConfig> {
-    let m = manager_config(&run.manager)?;
+    let running = run.max_running.unwrap_or(SimConfig::default().max_running);
+    let m = manager_config(&run.manager, Some(running))?;
     let mut cfg = SimConfig {
         manager: m,
         ..Default::default()
@@ -757,8 +774,9 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
 }
 
 /// The manager configuration the flags describe: the `--config` file (or the defaults), then
-/// each flag given over it, validated.
-fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
+/// each flag given over it, validated. `running` is the scheduler's running batch (demo and
+/// replay): the Marconi split of a total budget provisions it unless the split names its own.
+fn manager_config(run: &ManagerArgs, running: Option<usize>) -> Result<ManagerConfig> {
     let mut m = match &run.config {
         Some(p) => ManagerConfig::from_file(p)?,
         None => ManagerConfig::default(),
@@ -786,6 +804,31 @@ fn manager_config(run: &ManagerArgs) -> Result<ManagerConfig> {
     }
     if let Some(p) = run.policy {
         m.eviction = Eviction(p);
+    }
+    if let Some(b) = run.total_bytes {
+        m.pools.total_bytes = Some(b);
+    }
+    if let Some(r) = run.mamba_full_memory_ratio {
+        m.pools.mamba_full_memory_ratio = Some(r);
+    }
+    if let Some(n) = run.split_running {
+        m.pools.running_requests = Some(n);
+    }
+    if m.pools.total_bytes.is_some() {
+        if run.device_tokens.is_some() {
+            return Err(ManagerError::Config(
+                "--device-tokens and a total budget (pools.total_bytes) are both given: the \
+                 split of the total sets the KV pool"
+                    .into(),
+            ));
+        }
+        if m.pools.running_requests.is_none()
+            && m.mamba_policy_kind() == Some(MambaPolicyKind::Marconi)
+        {
+            m.pools.running_requests = running;
+        }
+        // Before the host tier is sized from the device pool.
+        m.apply_total_bytes()?;
     }
     match run.cache {
         None => {}

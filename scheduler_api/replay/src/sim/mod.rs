@@ -54,15 +54,25 @@ pub fn compare_configs(base: &ManagerConfig) -> Vec<ManagerConfig> {
         });
     }
     // A model with Mamba layers: the base radix row under the other Mamba policy too, at the
-    // same pool bytes.
+    // same pool bytes, or under a total budget (`pools.total_bytes`) at the same total split
+    // by that policy's own rule (the other rule's knob dropped; a split that fails leaves a
+    // configuration that `compare` reports as skipped, with the reason).
     if let Some(kind) = base.mamba_policy_kind() {
         for other in MambaPolicyKind::ALL.into_iter().filter(|&p| p != kind) {
-            out.push(ManagerConfig {
+            let mut c = ManagerConfig {
                 cache: CacheKind::Radix,
                 sessions: None,
                 mamba_policy: Some(other),
                 ..base.clone()
-            });
+            };
+            if c.pools.total_bytes.is_some() {
+                match other {
+                    MambaPolicyKind::Sglang => c.pools.running_requests = None,
+                    MambaPolicyKind::Marconi => c.pools.mamba_full_memory_ratio = None,
+                }
+                let _ = c.apply_total_bytes();
+            }
+            out.push(c);
         }
     }
     out.push(ManagerConfig {
