@@ -54,29 +54,6 @@ fn no_leaks(c: &HiRadixCache<HostSim>) {
     }
 }
 
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let dir = std::env::temp_dir().join(format!(
-            "radixkv-hybrid-{name}-{}-{nanos}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn setups() -> [(&'static str, Setup); 3] {
     [
         ("mamba", Setup::mamba()),

@@ -1216,30 +1216,6 @@ fn prefetches_respect_threshold_cap_and_duplicates() {
     c.check_invariants().unwrap();
 }
 
-/// A fresh directory for one test, removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let dir = std::env::temp_dir().join(format!(
-            "radixkv-tier-{name}-{}-{nanos}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn file_store_round_trip_survives_a_restart() {
     use radixkv_hicache::storage::{FileStore, FileStoreConfig};

@@ -275,6 +275,17 @@ impl StorageState {
         }
     }
 
+    /// Ends prefetch `rid` before it fetches anything: it holds no reservation and no longer
+    /// protects its anchor (the caller counts the revocation).
+    fn end_prefetch(&mut self, rid: u64) {
+        if let Some(pf) = self.prefetches.get_mut(&rid) {
+            pf.phase = Phase::Ended;
+            pf.reserved = 0;
+            let anchor = pf.anchor;
+            self.unprotect(anchor);
+        }
+    }
+
     /// Host pages reserved by prefetches (allocated, not in the tree).
     pub(super) fn reserved_host_pages(&self) -> usize {
         self.prefetches
@@ -611,12 +622,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         };
         st.occupied -= reserved.min(st.occupied);
         if n * p < threshold || n == 0 {
-            if let Some(pf) = st.prefetches.get_mut(&rid) {
-                pf.phase = Phase::Ended;
-                pf.reserved = 0;
-                let anchor = pf.anchor;
-                st.unprotect(anchor);
-            }
+            st.end_prefetch(rid);
             self.stats.prefetches_revoked += 1;
             return Ok(());
         }
@@ -626,12 +632,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let Some(st) = self.storage.as_mut() else {
                 return Ok(());
             };
-            if let Some(pf) = st.prefetches.get_mut(&rid) {
-                pf.phase = Phase::Ended;
-                pf.reserved = 0;
-                let anchor = pf.anchor;
-                st.unprotect(anchor);
-            }
+            st.end_prefetch(rid);
             self.stats.prefetches_revoked += 1;
             return Ok(());
         };

@@ -16,6 +16,29 @@ use rand_xoshiro::rand_core::{Rng, SeedableRng};
 pub mod backends;
 pub mod hybrid;
 
+/// A fresh directory for one test (its name, the process and the time make it unique),
+/// removed when dropped.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir =
+            std::env::temp_dir().join(format!("radixkv-{name}-{}-{nanos}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub const LAYERS: usize = 3;
 pub const BYTES_PER_TOKEN: usize = 8;
 
