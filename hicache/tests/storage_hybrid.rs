@@ -31,16 +31,6 @@ fn cached(s: &Setup, store: Arc<dyn StorageBackend>) -> HiRadixCache<HostSim> {
     })
 }
 
-/// Prefetches `tokens` as request `rid`, waits and ends it; the storage hit in tokens.
-fn prefetch_all(c: &mut HiRadixCache<HostSim>, rid: u64, tokens: &[u32]) -> usize {
-    assert!(c.prefetch(rid, KeyRef::new(tokens)), "prefetch not started");
-    c.wait_storage().unwrap();
-    match c.check_prefetch(rid).unwrap() {
-        PrefetchStatus::Done { tokens } => tokens,
-        other => panic!("a waited-for prefetch is {other:?}"),
-    }
-}
-
 /// The audits, and no host page, host state or host window page outside the tree.
 fn no_leaks(c: &HiRadixCache<HostSim>) {
     c.check_invariants().unwrap();

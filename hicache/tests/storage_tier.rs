@@ -218,17 +218,6 @@ fn no_leaks(c: &HiRadixCache<HostSim>) {
     assert_eq!(used, tree_pages, "host pages outside the tree");
 }
 
-/// Prefetches `tokens` for request `rid`, waits for the store and ends the prefetch; returns
-/// the storage hit in tokens.
-fn prefetch_all(c: &mut HiRadixCache<HostSim>, rid: u64, tokens: &[u32]) -> usize {
-    assert!(c.prefetch(rid, KeyRef::new(tokens)), "prefetch not started");
-    c.wait_storage().unwrap();
-    match c.check_prefetch(rid).unwrap() {
-        PrefetchStatus::Done { tokens } => tokens,
-        other => panic!("a waited-for prefetch is {other:?}"),
-    }
-}
-
 #[test]
 fn round_trip_through_the_store_is_byte_exact() {
     for page_size in [1, 16] {

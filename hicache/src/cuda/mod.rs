@@ -371,7 +371,7 @@ impl CudaBackend {
     /// memory is short (nothing stays allocated); [`HiCacheError::Driver`] for other failures.
     pub fn new(geometry: KvGeometry, pages: usize, cfg: CudaConfig) -> Result<Self> {
         check_pages(&geometry, pages)?;
-        let (ctx, load, write, sync) = open(&cfg)?;
+        let streams = open(&cfg)?;
         let layer_bytes = geometry.page_bytes_per_layer() * pages;
         let pbl = geometry.page_bytes_per_layer();
         let mut owned = Vec::with_capacity(geometry.layers);
@@ -396,7 +396,7 @@ impl CudaBackend {
             }
         }
         Ok(Self::assemble(
-            ctx, load, write, sync, geometry, pages, regions, owned, cfg,
+            streams, geometry, pages, regions, owned, cfg,
         ))
     }
 
@@ -425,12 +425,9 @@ impl CudaBackend {
     ) -> Result<Self> {
         check_pages(&geometry, pages)?;
         check_regions(&geometry, pages, &regions)?;
-        let (ctx, load, write, sync) = open(&cfg)?;
+        let streams = open(&cfg)?;
         Ok(Self::assemble(
-            ctx,
-            load,
-            write,
-            sync,
+            streams,
             geometry,
             pages,
             regions,
@@ -439,12 +436,13 @@ impl CudaBackend {
         ))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn assemble(
-        ctx: Arc<CudaContext>,
-        load: Arc<CudaStream>,
-        write: Arc<CudaStream>,
-        sync: Arc<CudaStream>,
+        Streams {
+            ctx,
+            load,
+            write,
+            sync,
+        }: Streams,
         geometry: KvGeometry,
         pages: usize,
         regions: Vec<Vec<DeviceRegion>>,
@@ -805,12 +803,13 @@ pub(crate) fn check_regions(
     Ok(())
 }
 
-type Streams = (
-    Arc<CudaContext>,
-    Arc<CudaStream>,
-    Arc<CudaStream>,
-    Arc<CudaStream>,
-);
+/// The context and the three streams a backend runs on.
+struct Streams {
+    ctx: Arc<CudaContext>,
+    load: Arc<CudaStream>,
+    write: Arc<CudaStream>,
+    sync: Arc<CudaStream>,
+}
 
 /// Finds the driver and the device, and creates the context and the three streams.
 fn open(cfg: &CudaConfig) -> Result<Streams> {
@@ -824,7 +823,12 @@ fn open(cfg: &CudaConfig) -> Result<Streams> {
     let ctx = CudaContext::new(cfg.ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
     let stream = || ctx.new_stream().map_err(|e| driver("cuStreamCreate", e));
     let (load, write, sync) = (stream()?, stream()?, stream()?);
-    Ok((ctx, load, write, sync))
+    Ok(Streams {
+        ctx,
+        load,
+        write,
+        sync,
+    })
 }
 
 impl Drop for CudaBackend {

@@ -39,6 +39,20 @@ impl Drop for TempDir {
     }
 }
 
+/// Prefetches `tokens` for request `rid` from the storage tier, waits for the store and ends
+/// the prefetch; returns the storage hit in tokens.
+pub fn prefetch_all<B: DeviceBackend>(c: &mut HiRadixCache<B>, rid: u64, tokens: &[u32]) -> usize {
+    assert!(
+        c.prefetch(rid, radixkv_radix::KeyRef::new(tokens)),
+        "prefetch not started"
+    );
+    c.wait_storage().unwrap();
+    match c.check_prefetch(rid).unwrap() {
+        radixkv_hicache::PrefetchStatus::Done { tokens } => tokens,
+        other => panic!("a waited-for prefetch is {other:?}"),
+    }
+}
+
 pub const LAYERS: usize = 3;
 pub const BYTES_PER_TOKEN: usize = 8;
 
