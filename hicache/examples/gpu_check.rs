@@ -1,7 +1,9 @@
 //! GPU check of the CUDA backend: a byte-exact self-check of merged page-run copies (both host
-//! layouts, page sizes 1 and 16, both directions), then host→device and device→host bandwidth
-//! of merged page-run copies against one large memcpy of the same bytes, per layout and run
-//! length, with the ratio.
+//! layouts, page sizes 1 and 16, both directions) with every copy method the machine has
+//! (one memcpy per span, the driver's batched call, the NVRTC gather/scatter kernel, and the
+//! default `auto`), then host→device and device→host bandwidth of merged page-run copies
+//! against one large memcpy of the same bytes, per method, layout and run length, with the
+//! ratio.
 //!
 //! ```text
 //! cargo run --release -p radixkv-hicache --features cuda --example gpu_check
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use radixkv_hicache::cuda::cudarc::driver::{result, sys};
-use radixkv_hicache::cuda::{CudaBackend, CudaConfig, probe};
+use radixkv_hicache::cuda::{CopyMethod, CudaBackend, CudaConfig, probe};
 use radixkv_hicache::{
     CopyEvent, DeviceBackend, Direction, HiCacheError, HostLayout, HostMemory, KvGeometry,
     PageCopy, PageRun, StreamKind,
@@ -40,7 +42,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    match self_check().and_then(|()| bandwidth()) {
+    let methods = match usable_methods() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("gpu_check: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match self_check(&methods).and_then(|()| bandwidth(&methods)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gpu_check FAILED: {e}");
@@ -63,9 +72,35 @@ fn page(g: &KvGeometry, seed: u64, p: usize, l: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The copy methods this machine has (a method it lacks is said once and left out).
+fn usable_methods() -> Res<Vec<CopyMethod>> {
+    let g = KvGeometry::new(1, 1, 16)?;
+    let mut out = Vec::new();
+    for method in [
+        CopyMethod::Memcpy,
+        CopyMethod::Batched,
+        CopyMethod::Kernel,
+        CopyMethod::Auto,
+    ] {
+        match CudaBackend::new(g, 1, config(method)) {
+            Ok(_) => out.push(method),
+            Err(e @ HiCacheError::CopyMethodUnavailable { .. }) => println!("{e}; not checked"),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(out)
+}
+
+fn config(method: CopyMethod) -> CudaConfig {
+    CudaConfig {
+        copy_method: method,
+        ..Default::default()
+    }
+}
+
 /// Device → host with merged and single-page runs, then back into other device pages layer
-/// by layer; every byte compared.
-fn self_check() -> Res<()> {
+/// by layer; every byte compared; with every method.
+fn self_check(methods: &[CopyMethod]) -> Res<()> {
     let runs = [
         PageRun {
             device: 2,
@@ -88,10 +123,13 @@ fn self_check() -> Res<()> {
             pages: 3,
         },
     ];
-    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+    for (&method, layout) in methods
+        .iter()
+        .flat_map(|m| [HostLayout::LayerFirst, HostLayout::PageFirst].map(|l| (m, l)))
+    {
         for page_size in [1, 16] {
             let g = KvGeometry::new(4, page_size, 256)?;
-            let dev = CudaBackend::new(g, 32, CudaConfig::default())?;
+            let dev = CudaBackend::new(g, 32, config(method))?;
             let host = Arc::new(HostMemory::new(g, 16, layout)?);
             dev.register_host(&host)?;
             for p in 0..16 {
@@ -141,7 +179,8 @@ fn self_check() -> Res<()> {
                         host.read_page(l, r.host + i, &mut buf)?;
                         if buf != want {
                             return Err(format!(
-                                "{layout:?} page size {page_size}: host page {} layer {l} differs",
+                                "{} {layout:?} page size {page_size}: host page {} layer {l} differs",
+                                method.name(),
                                 r.host + i
                             )
                             .into());
@@ -149,7 +188,8 @@ fn self_check() -> Res<()> {
                         dev.read_device_page(l, PageId(r.device + 16 + i), &mut buf)?;
                         if buf != want {
                             return Err(format!(
-                                "{layout:?} page size {page_size}: device page {} layer {l} differs",
+                                "{} {layout:?} page size {page_size}: device page {} layer {l} differs",
+                                method.name(),
                                 r.device + 16 + i
                             )
                             .into());
@@ -157,9 +197,14 @@ fn self_check() -> Res<()> {
                     }
                 }
             }
+            let c = dev.copy_counts();
             println!(
-                "self-check {layout:?} page size {page_size}: byte-exact (pinned host buffers: {})",
-                dev.host_buffers().1
+                "self-check {:>7} {layout:?} page size {page_size}: byte-exact (pinned host buffers: {}; copies by memcpy / batched / kernel: {} / {} / {})",
+                method.name(),
+                dev.host_buffers().1,
+                c.memcpy,
+                c.batched,
+                c.kernel
             );
         }
     }
@@ -261,11 +306,10 @@ fn page_runs(dev: &CudaBackend, host: &Arc<HostMemory>, run: u32, dir: Direction
     Ok(median(times))
 }
 
-fn bandwidth() -> Res<()> {
+fn bandwidth(methods: &[CopyMethod]) -> Res<()> {
     // 8 layers × 512 pages × 16 tokens × 4 KiB per token and layer: 256 MiB each way.
     let g = KvGeometry::new(8, 16, 4096)?;
     let pages = 512;
-    let dev = CudaBackend::new(g, pages, CudaConfig::default())?;
     let bytes = g.pool_bytes(pages)?;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(
@@ -274,25 +318,34 @@ fn bandwidth() -> Res<()> {
         g.layers,
         g.page_bytes_per_layer() >> 10
     );
+    let reference = CudaBackend::new(g, pages, CudaConfig::default())?;
     for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
-        let base = gbs(single_memcpy(&dev, bytes, dir)?);
+        let base = gbs(single_memcpy(&reference, bytes, dir)?);
         println!("{dir:?}: one memcpy of the same bytes {base:.1} GB/s");
-        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
-            let host = Arc::new(HostMemory::new(g, pages, layout)?);
-            dev.register_host(&host)?;
-            for run in [1u32, 4, 16, 64] {
-                let got = gbs(page_runs(&dev, &host, run, dir)?);
-                println!(
-                    "  {dir:?} {layout:?} runs of {run:>2} pages: {got:6.1} GB/s = {:.2}x the single memcpy",
-                    got / base
-                );
+        for &method in methods {
+            let dev = CudaBackend::new(g, pages, config(method))?;
+            for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+                let host = Arc::new(HostMemory::new(g, pages, layout)?);
+                dev.register_host(&host)?;
+                for run in [1u32, 4, 16, 64] {
+                    let got = gbs(page_runs(&dev, &host, run, dir)?);
+                    println!(
+                        "  {dir:?} {:>7} {layout:?} runs of {run:>2} pages: {got:6.1} GB/s = {:.2}x the single memcpy",
+                        method.name(),
+                        got / base
+                    );
+                }
             }
+            let c = dev.copy_counts();
+            println!(
+                "  {dir:?} {:>7}: copies by memcpy / batched / kernel: {} / {} / {}; pinning refused {}",
+                method.name(),
+                c.memcpy,
+                c.batched,
+                c.kernel,
+                dev.pin_failures()
+            );
         }
     }
-    let (buffers, pinned) = dev.host_buffers();
-    println!(
-        "host buffers: {buffers}, pinned {pinned}, pinning refused {}",
-        dev.pin_failures()
-    );
     Ok(())
 }

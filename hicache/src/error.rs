@@ -97,6 +97,15 @@ pub enum HiCacheError {
     /// functions when the library is missing, so it is an error, never a panic.
     #[error("no CUDA device: {0}")]
     NoDevice(String),
+    /// The copy method a CUDA backend was configured with cannot run here (the driver lacks
+    /// the batched call, NVRTC is missing, the kernel did not compile); nothing was set up.
+    #[error("CUDA copy method {method} is not available: {why}")]
+    CopyMethodUnavailable {
+        /// The method's name (`batched`, `kernel`).
+        method: &'static str,
+        /// Why.
+        why: String,
+    },
     /// A CUDA driver call failed while setting a backend up or tearing one down (copies that
     /// fail report [`HiCacheError::Transfer`] instead).
     #[error("CUDA driver call {call} failed: {error}")]

@@ -238,13 +238,25 @@ fn cuda_tests_ran_or_were_skipped() {
     let made = CudaBackend::new(geometry(2), 4, CudaConfig::default());
     match probe() {
         Ok(info) => {
+            use radixkv_hicache::cuda::CopyMethod;
             let b = made.expect("the driver sees a device, so the backend opens");
             eprintln!(
                 "CUDA: driver version {}, {} device(s): the cuda::* tests ran on the GPU \
-                 ({} host buffers pinned so far)",
+                 ({} host buffers pinned so far); batched copy call: {}, copy kernel: {} \
+                 (cuda_batched::* / cuda_kernel::* skip where absent)",
                 info.driver_version,
                 info.devices,
-                b.host_buffers().1
+                b.host_buffers().1,
+                if b.has_method(CopyMethod::Batched) {
+                    "yes"
+                } else {
+                    "no"
+                },
+                if b.has_method(CopyMethod::Kernel) {
+                    "yes"
+                } else {
+                    "no"
+                },
             );
         }
         Err(e) => {
@@ -257,6 +269,47 @@ fn cuda_tests_ran_or_were_skipped() {
             eprintln!("CUDA GPU TESTS SKIPPED: {e}. The cuda::* tests returned without running.");
         }
     }
+}
+
+/// CUDA only: under `CopyMethod::Auto`, a page-first copy of single pages (many short spans)
+/// does not go as one memcpy per span when the kernel or the batched call is there, and a
+/// copy whose spans reach `memcpy_min_span` does.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_auto_sends_short_spans_to_the_kernel_or_the_batched_call() {
+    use radixkv_hicache::cuda::{CopyMethod, CudaBackend, CudaConfig, probe};
+    if probe().is_err() {
+        return; // the sentinel reports the skip
+    }
+    let g = geometry(1);
+    let copy = |dev: &CudaBackend| {
+        let host = Arc::new(HostMemory::new(g, PAGES, HostLayout::PageFirst).unwrap());
+        let runs: Vec<PageRun> = (0..8).map(|i| run(2 * i, 15 - 2 * i, 1)).collect();
+        dev.enqueue_copy(
+            StreamKind::Write,
+            PageCopy::new(&host, Direction::DeviceToHost, 0..LAYERS, &runs),
+        )
+        .unwrap();
+        dev.record_event(StreamKind::Write).unwrap().wait().unwrap();
+    };
+    let dev = CudaBackend::new(g, PAGES, CudaConfig::default()).unwrap();
+    copy(&dev);
+    let c = dev.copy_counts();
+    if dev.has_method(CopyMethod::Kernel) {
+        assert_eq!((c.kernel, c.memcpy, c.batched), (1, 0, 0), "{c:?}");
+    } else if dev.has_method(CopyMethod::Batched) {
+        assert_eq!((c.batched, c.memcpy, c.kernel), (1, 0, 0), "{c:?}");
+    } else {
+        eprintln!("neither the copy kernel nor the batched call is available: memcpys only");
+        assert_eq!(c.memcpy, 1, "{c:?}");
+    }
+    let cfg = CudaConfig {
+        memcpy_min_span: 1,
+        ..Default::default()
+    };
+    let dev = CudaBackend::new(g, PAGES, cfg).unwrap();
+    copy(&dev);
+    assert_eq!(dev.copy_counts().memcpy, 1, "{:?}", dev.copy_counts());
 }
 
 /// CUDA only: host buffers left pageable (as when the driver refuses to pin them) copy the

@@ -17,9 +17,20 @@
 //! - **Streams.** A load stream and a write stream, both non-blocking and separate from the
 //!   engine's compute stream, and a third one for the synchronous page and slot accessors.
 //! - **Copies.** Each copy is planned into contiguous spans (adjacent pages of a run merge
-//!   when both sides are contiguous: layer-first host layouts give one memcpy per run and
-//!   layer; page-first ones one per page and layer) and submitted as asynchronous memcpys.
-//!   The driver's batched copy call and a gather kernel are not used (not built yet).
+//!   when both sides are contiguous: layer-first host layouts give one span per run and
+//!   layer; page-first ones one per page and layer) and submitted by one of three methods
+//!   ([`CopyMethod`], [`CudaConfig::copy_method`]): one asynchronous memcpy per span; one
+//!   `cuMemcpyBatchAsync` for the whole copy (used only when the driver reports CUDA 12.8 or
+//!   later and exports the call, checked when the backend opens); or a small gather/scatter
+//!   kernel, compiled with NVRTC when the backend opens (`libnvrtc` is loaded at run time
+//!   like the driver; without it the kernel is simply not available), that copies up to 160
+//!   spans per launch between device memory and the pinned host buffer's device mapping.
+//!   The default, [`CopyMethod::Auto`], sends copies of few or long spans (at least
+//!   [`CudaConfig::memcpy_min_span`] bytes on average) as memcpys and copies of many short
+//!   spans (single pages, page-first layouts) to the kernel, else to the batched call;
+//!   [`CudaBackend::copy_counts`] says what it picked. The `gpu_check` example measures
+//!   every method against one large memcpy; the default threshold has not been tuned on a
+//!   GPU yet.
 //! - **Events.** [`CudaCopyEvent`] wraps a CUDA event recorded on the stream.
 //!   `is_complete` queries it (write completion is checked at step boundaries, no polling
 //!   thread); the engine's compute stream can wait on a layer's load on the device with
@@ -37,15 +48,17 @@
 //! event fails). Not here: HostSim's refusals, dead-worker hooks and copy gate (the tests that
 //! need them run on HostSim only).
 
+mod method;
 mod plan;
 
 pub use cudarc;
+pub use method::{AUTO_MIN_SPANS, CopyMethod, DEFAULT_MEMCPY_MIN_SPAN};
 pub use plan::DeviceRegion;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, result, sys};
 use radixkv_radix::PageId;
 
 use crate::backend::{
@@ -56,6 +69,7 @@ use crate::controller::PoolName;
 use crate::error::{HiCacheError, Result};
 use crate::geometry::KvGeometry;
 use crate::hostsim::POISON_BYTE;
+use method::{Have, Route};
 use plan::Span;
 
 /// What [`probe`] found.
@@ -112,6 +126,11 @@ const REQUIRED_DRIVER_FUNCTIONS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
+    "cuMemHostGetDevicePointer_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
     "cuLaunchHostFunc",
     "cuGetErrorName",
     "cuGetErrorString",
@@ -193,6 +212,11 @@ pub struct CudaConfig {
     /// Page-lock host buffers (default true). False leaves them pageable (slower copies that
     /// the driver stages; for comparisons).
     pub pin_host: bool,
+    /// How copies are submitted (default [`CopyMethod::Auto`]).
+    pub copy_method: CopyMethod,
+    /// Under [`CopyMethod::Auto`], copies whose spans average at least this many bytes go as
+    /// one memcpy per span (default [`DEFAULT_MEMCPY_MIN_SPAN`]).
+    pub memcpy_min_span: usize,
 }
 
 impl Default for CudaConfig {
@@ -200,8 +224,21 @@ impl Default for CudaConfig {
         CudaConfig {
             ordinal: 0,
             pin_host: true,
+            copy_method: CopyMethod::Auto,
+            memcpy_min_span: DEFAULT_MEMCPY_MIN_SPAN,
         }
     }
+}
+
+/// Copies a [`CudaBackend`] submitted, per route ([`CudaBackend::copy_counts`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct CopyCounts {
+    /// Copies submitted as one memcpy per span.
+    pub memcpy: u64,
+    /// Copies submitted as one batched call.
+    pub batched: u64,
+    /// Copies submitted as kernel launches.
+    pub kernel: u64,
 }
 
 /// A completion event of a [`CudaBackend`] stream: a CUDA event recorded after the copies
@@ -303,7 +340,16 @@ enum Keep {
 struct HostBuffer {
     ptr: usize,
     pinned: bool,
+    /// The buffer's address in the device's address space (pinned buffers only).
+    mapped: Option<u64>,
     _keep: Keep,
+}
+
+/// A registered host buffer's start, on the host and (when pinned) as the device sees it.
+#[derive(Copy, Clone, Debug)]
+struct HostAddr {
+    host: u64,
+    mapped: Option<u64>,
 }
 
 /// The CUDA device backend. See the module docs.
@@ -326,6 +372,12 @@ pub struct CudaBackend {
     failed: [Mutex<Option<String>>; 2],
     /// Per stream: copies still to fail (fault injection).
     faults: [AtomicU32; 2],
+    /// The methods besides memcpys this backend can use.
+    have: Have,
+    /// The gather/scatter kernel, when it compiled.
+    kernel: Option<CudaFunction>,
+    /// Copies submitted per [`Route`].
+    routed: [AtomicU64; 3],
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -334,6 +386,8 @@ impl std::fmt::Debug for CudaBackend {
             .field("ordinal", &self.cfg.ordinal)
             .field("geometry", &self.geometry)
             .field("pages", &self.pages)
+            .field("copy_method", &self.cfg.copy_method)
+            .field("have", &self.have)
             .finish()
     }
 }
@@ -442,6 +496,8 @@ impl CudaBackend {
             load,
             write,
             sync,
+            have,
+            kernel,
         }: Streams,
         geometry: KvGeometry,
         pages: usize,
@@ -464,6 +520,9 @@ impl CudaBackend {
             cfg,
             failed: [Mutex::new(None), Mutex::new(None)],
             faults: [AtomicU32::new(0), AtomicU32::new(0)],
+            have,
+            kernel,
+            routed: Default::default(),
         }
     }
 
@@ -527,7 +586,7 @@ impl CudaBackend {
         &self,
         kind: StreamKind,
         dir: Direction,
-        host: u64,
+        host: HostAddr,
         spans: &[Span],
         what: &str,
     ) -> Result<()> {
@@ -537,7 +596,7 @@ impl CudaBackend {
         if !fault {
             return self.submit(kind, dir, host, spans);
         }
-        self.poison(kind, dir, host, spans)?;
+        self.poison(kind, dir, host.host, spans)?;
         lock(&self.failed[stream_index(kind)])
             .get_or_insert_with(|| format!("injected fault in {what} copy"));
         Ok(())
@@ -579,6 +638,29 @@ impl CudaBackend {
         }
     }
 
+    /// Copies submitted so far, per route (under [`CopyMethod::Auto`] this shows what the
+    /// backend picked).
+    pub fn copy_counts(&self) -> CopyCounts {
+        let n = |r: Route| self.routed[r.index()].load(Ordering::Relaxed);
+        CopyCounts {
+            memcpy: n(Route::Memcpy),
+            batched: n(Route::Batched),
+            kernel: n(Route::Kernel),
+        }
+    }
+
+    /// Whether this backend can submit copies with `method` here: always for
+    /// [`CopyMethod::Auto`] and [`CopyMethod::Memcpy`]; for [`CopyMethod::Batched`] when the
+    /// driver has the batched call (CUDA 12.8 and later); for [`CopyMethod::Kernel`] when
+    /// the kernel compiled and loaded (only tried under `Auto` and `Kernel`).
+    pub fn has_method(&self, method: CopyMethod) -> bool {
+        match method {
+            CopyMethod::Auto | CopyMethod::Memcpy => true,
+            CopyMethod::Batched => self.have.batched,
+            CopyMethod::Kernel => self.have.kernel,
+        }
+    }
+
     /// Host buffers the driver refused to page-lock (they are used pageable).
     pub fn pin_failures(&self) -> u64 {
         self.pin_failures.load(Ordering::Relaxed)
@@ -611,21 +693,45 @@ impl CudaBackend {
     }
 
     /// Registers (page-locks) a host buffer once; returns its start.
-    fn host_buffer(&self, ptr: *mut u8, len: usize, keep: impl FnOnce() -> Keep) -> Result<u64> {
+    fn host_buffer(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        keep: impl FnOnce() -> Keep,
+    ) -> Result<HostAddr> {
         let mut hosts = lock(&self.hosts);
-        if hosts.iter().any(|h| h.ptr == ptr as usize) {
-            return Ok(ptr as u64);
+        if let Some(h) = hosts.iter().find(|h| h.ptr == ptr as usize) {
+            return Ok(HostAddr {
+                host: ptr as u64,
+                mapped: h.mapped,
+            });
         }
         let mut pinned = false;
+        let mut mapped = None;
         if self.cfg.pin_host {
             self.bind()?;
             // SAFETY: `ptr..ptr + len` is one live heap allocation, kept alive by `keep` until
             // it is unregistered in `drop`.
             let r = unsafe {
-                sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+                sys::cuMemHostRegister_v2(
+                    ptr.cast(),
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                )
             };
             match r {
-                sys::CUresult::CUDA_SUCCESS => pinned = true,
+                sys::CUresult::CUDA_SUCCESS => {
+                    pinned = true;
+                    let mut dev: sys::CUdeviceptr = 0;
+                    // SAFETY: `ptr` was registered with the device-map flag just above.
+                    match unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr.cast(), 0) } {
+                        sys::CUresult::CUDA_SUCCESS => mapped = Some(dev),
+                        e => tracing::warn!(
+                            error = %describe(DriverError(e)),
+                            "a pinned host buffer has no device mapping; the copy kernel will not use it"
+                        ),
+                    }
+                }
                 e => {
                     self.pin_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
@@ -639,20 +745,65 @@ impl CudaBackend {
         hosts.push(HostBuffer {
             ptr: ptr as usize,
             pinned,
+            mapped,
             _keep: keep(),
         });
-        Ok(ptr as u64)
+        Ok(HostAddr {
+            host: ptr as u64,
+            mapped,
+        })
     }
 
-    fn kv_host(&self, host: &Arc<HostMemory>) -> Result<u64> {
+    fn kv_host(&self, host: &Arc<HostMemory>) -> Result<HostAddr> {
         self.host_buffer(host.dma_ptr(), host.len_bytes(), || Keep::Kv(host.clone()))
     }
 
-    /// Queues `spans` as asynchronous memcpys on `kind`'s stream. A failure after the first
-    /// memcpy was queued fails the stream's next event.
-    fn submit(&self, kind: StreamKind, dir: Direction, host: u64, spans: &[Span]) -> Result<()> {
+    /// Queues `spans` on `kind`'s stream by the route [`CudaConfig::copy_method`] picks. A
+    /// failure after part of the copy may have been queued fails the stream's next event.
+    fn submit(
+        &self,
+        kind: StreamKind,
+        dir: Direction,
+        host: HostAddr,
+        spans: &[Span],
+    ) -> Result<()> {
         self.bind()?;
+        let route = method::choose(
+            self.cfg.copy_method,
+            spans,
+            self.have,
+            host.mapped.is_some(),
+            self.cfg.memcpy_min_span,
+        );
         let stream = self.stream(kind).cu_stream();
+        let r = match (route, &self.kernel, host.mapped) {
+            (Route::Batched, ..) => self.submit_batched(stream, dir, host.host, spans),
+            (Route::Kernel, Some(f), Some(mapped)) => {
+                Self::submit_kernel(f, stream, dir, mapped, spans)
+            }
+            _ => Self::submit_memcpys(stream, dir, host.host, spans),
+        };
+        match r {
+            Ok(()) => {
+                self.routed[route.index()].fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err((queued_some, err)) => {
+                if queued_some {
+                    lock(&self.failed[stream_index(kind)]).get_or_insert_with(|| err.to_string());
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// One asynchronous memcpy per span. On failure: whether earlier spans were queued.
+    fn submit_memcpys(
+        stream: sys::CUstream,
+        dir: Direction,
+        host: u64,
+        spans: &[Span],
+    ) -> std::result::Result<(), (bool, HiCacheError)> {
         for (i, s) in spans.iter().enumerate() {
             let h = (host + s.host as u64) as *mut u8;
             // SAFETY: the spans were planned from validated runs inside the device regions
@@ -667,15 +818,99 @@ impl CudaBackend {
                     }
                 }
             };
-            if let Err(e) = r.result() {
-                let err = transfer("cuMemcpyAsync", e);
-                if i > 0 {
-                    lock(&self.failed[stream_index(kind)]).get_or_insert_with(|| err.to_string());
-                }
-                return Err(err);
-            }
+            r.result()
+                .map_err(|e| (i > 0, transfer("cuMemcpyAsync", e)))?;
         }
         Ok(())
+    }
+
+    /// One `cuMemcpyBatchAsync` for all spans (the driver reads the arrays during the call).
+    fn submit_batched(
+        &self,
+        stream: sys::CUstream,
+        dir: Direction,
+        host: u64,
+        spans: &[Span],
+    ) -> std::result::Result<(), (bool, HiCacheError)> {
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let (mut dsts, mut srcs, mut sizes) = (Vec::new(), Vec::new(), Vec::new());
+        method::batch_arrays(dir, host, spans, &mut dsts, &mut srcs, &mut sizes);
+        let device = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.cfg.ordinal as i32,
+        };
+        let on_host = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        };
+        let (src_loc, dst_loc) = match dir {
+            Direction::HostToDevice => (on_host, device),
+            Direction::DeviceToHost => (device, on_host),
+        };
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_loc,
+            dstLocHint: dst_loc,
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        };
+        let mut attr_at = [0usize];
+        let mut fail_at = usize::MAX;
+        // SAFETY: the driver has the call (checked when the backend opened); the arrays hold
+        // `spans.len()` entries and are read during the call; the addresses are planned spans
+        // inside the device regions and the registered host buffer (see `submit_memcpys`).
+        let r = unsafe {
+            sys::cuMemcpyBatchAsync(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                spans.len(),
+                &mut attrs,
+                attr_at.as_mut_ptr(),
+                1,
+                &mut fail_at,
+                stream,
+            )
+        };
+        // The driver may have queued the copies before the one that failed: fail the event.
+        r.result()
+            .map_err(|e| (true, transfer("cuMemcpyBatchAsync", e)))
+    }
+
+    /// The gather/scatter kernel, [`method::KERNEL_SPANS`] spans per launch; `mapped` is the
+    /// host buffer's device address.
+    fn submit_kernel(
+        f: &CudaFunction,
+        stream: sys::CUstream,
+        dir: Direction,
+        mapped: u64,
+        spans: &[Span],
+    ) -> std::result::Result<(), (bool, HiCacheError)> {
+        method::kernel_launches(dir, mapped, spans, |i, l| {
+            let mut param: *mut std::ffi::c_void =
+                (&l.batch as *const method::KernelBatch).cast_mut().cast();
+            // SAFETY: the function takes one parameter, the `KernelBatch` struct by value,
+            // which the driver copies during the call; the spans lie inside the device
+            // regions and the registered, mapped host buffer (see `submit_memcpys`).
+            let r = unsafe {
+                sys::cuLaunchKernel(
+                    f.cu_function(),
+                    l.batch.n as u32,
+                    l.rows,
+                    1,
+                    method::KERNEL_THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    &mut param,
+                    std::ptr::null_mut(),
+                )
+            };
+            r.result()
+                .map_err(|e| (i > 0, transfer("cuLaunchKernel", e)))
+        })
     }
 
     fn extra_pool<T>(&self, pool: PoolName, f: impl FnOnce(&ExtraPool) -> Result<T>) -> Result<T> {
@@ -803,15 +1038,21 @@ pub(crate) fn check_regions(
     Ok(())
 }
 
-/// The context and the three streams a backend runs on.
+/// The context and the three streams a backend runs on, and the copy methods it has.
 struct Streams {
     ctx: Arc<CudaContext>,
     load: Arc<CudaStream>,
     write: Arc<CudaStream>,
     sync: Arc<CudaStream>,
+    have: Have,
+    kernel: Option<CudaFunction>,
 }
 
-/// Finds the driver and the device, and creates the context and the three streams.
+/// The first driver version with `cuMemcpyBatchAsync` (CUDA 12.8).
+const BATCHED_MIN_DRIVER: i32 = 12080;
+
+/// Finds the driver and the device, creates the context and the three streams, and sets up
+/// the copy methods `cfg` may use.
 fn open(cfg: &CudaConfig) -> Result<Streams> {
     let info = probe()?;
     if cfg.ordinal >= info.devices {
@@ -823,12 +1064,99 @@ fn open(cfg: &CudaConfig) -> Result<Streams> {
     let ctx = CudaContext::new(cfg.ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
     let stream = || ctx.new_stream().map_err(|e| driver("cuStreamCreate", e));
     let (load, write, sync) = (stream()?, stream()?, stream()?);
+    let unavailable = |method: CopyMethod, why: String| HiCacheError::CopyMethodUnavailable {
+        method: method.name(),
+        why,
+    };
+    let batched = batched_call(info.driver_version);
+    if cfg.copy_method == CopyMethod::Batched
+        && let Err(why) = &batched
+    {
+        return Err(unavailable(CopyMethod::Batched, why.clone()));
+    }
+    let kernel = match cfg.copy_method {
+        CopyMethod::Auto | CopyMethod::Kernel => copy_kernel(&ctx),
+        _ => Err("not asked for".into()),
+    };
+    if cfg.copy_method == CopyMethod::Kernel {
+        if let Err(why) = &kernel {
+            return Err(unavailable(CopyMethod::Kernel, why.clone()));
+        }
+        if !cfg.pin_host {
+            return Err(unavailable(
+                CopyMethod::Kernel,
+                "the kernel reads pinned host buffers, and pin_host is false".into(),
+            ));
+        }
+    }
+    if cfg.copy_method == CopyMethod::Auto
+        && let Err(why) = &kernel
+    {
+        tracing::info!(%why, "the CUDA copy kernel is not available; short-span copies use the batched call or memcpys");
+    }
     Ok(Streams {
         ctx,
         load,
         write,
         sync,
+        have: Have {
+            batched: batched.is_ok(),
+            kernel: kernel.is_ok(),
+        },
+        kernel: kernel.ok(),
     })
+}
+
+/// Whether the driver has `cuMemcpyBatchAsync`: its version says CUDA 12.8 or later and the
+/// library exports the call (cudarc would panic on a missing one).
+fn batched_call(driver_version: i32) -> std::result::Result<(), String> {
+    if driver_version < BATCHED_MIN_DRIVER {
+        return Err(format!(
+            "the driver supports CUDA {}.{}; the batched call needs 12.8",
+            driver_version / 1000,
+            driver_version % 1000 / 10
+        ));
+    }
+    // SAFETY: the library is loaded (the probe found it); looking a symbol up calls nothing.
+    let found = unsafe {
+        sys::culib()
+            .get::<*const std::ffi::c_void>(b"cuMemcpyBatchAsync")
+            .is_ok()
+    };
+    if found {
+        Ok(())
+    } else {
+        Err("the driver library does not export cuMemcpyBatchAsync".into())
+    }
+}
+
+/// Compiles the gather/scatter kernel with NVRTC and loads it into `ctx`.
+fn copy_kernel(ctx: &Arc<CudaContext>) -> std::result::Result<CudaFunction, String> {
+    use cudarc::nvrtc;
+    // SAFETY: loads and unloads the NVRTC library by its usual names; calls none of it.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err("NVRTC (libnvrtc) is not installed or not on the library path".into());
+    }
+    // cudarc panics when an NVRTC function is missing from the library: keep that from
+    // unwinding into the caller.
+    let ptx = std::panic::catch_unwind(|| {
+        nvrtc::compile_ptx_with_opts(
+            method::KERNEL_SRC,
+            nvrtc::CompileOptions {
+                name: Some("radixkv_copy_spans.cu".into()),
+                arch: Some(method::KERNEL_ARCH),
+                ..Default::default()
+            },
+        )
+    })
+    .map_err(|_| "the NVRTC library lacks a function cudarc calls".to_string())?
+    .map_err(|e| format!("NVRTC could not compile the copy kernel: {e}"))?;
+    let module = ctx
+        .load_module(ptx)
+        .map_err(|e| format!("could not load the copy kernel: {}", describe(e)))?;
+    module
+        .load_function(method::KERNEL_NAME)
+        .map_err(|e| format!("the copy kernel has no entry point: {}", describe(e)))
 }
 
 impl Drop for CudaBackend {

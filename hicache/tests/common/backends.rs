@@ -49,34 +49,71 @@ impl Factory for HostSimFactory {
     }
 }
 
-/// The CUDA backend on device 0. Without a driver or device the tests skip (the sentinel
-/// test in `backends.rs` says so once), unless `RADIXKV_REQUIRE_GPU` is set: then a missing
-/// GPU fails them.
+/// The CUDA backend on device 0 with copy method `method`. Without a driver or device the
+/// tests skip (the sentinel test in `backends.rs` says so once), unless `RADIXKV_REQUIRE_GPU`
+/// is set: then a missing GPU fails them. A forced method this machine cannot use (an old
+/// driver, no NVRTC) skips with a message.
 #[cfg(feature = "cuda")]
-pub struct CudaFactory;
-
-#[cfg(feature = "cuda")]
-impl Factory for CudaFactory {
-    type B = radixkv_hicache::cuda::CudaBackend;
-    const NAME: &'static str = "cuda";
-    fn make(g: KvGeometry, pages: usize) -> Option<Arc<Self::B>> {
-        use radixkv_hicache::HiCacheError;
-        use radixkv_hicache::cuda::{CudaBackend, CudaConfig};
-        match CudaBackend::new(g, pages, CudaConfig::default()) {
-            Ok(b) => Some(Arc::new(b)),
-            Err(HiCacheError::NoDevice(why))
-                if std::env::var_os("RADIXKV_REQUIRE_GPU").is_none() =>
-            {
-                eprintln!("skipped on CUDA: {why}");
-                None
-            }
-            Err(e) => panic!("CUDA backend: {e}"),
+fn make_cuda(
+    g: KvGeometry,
+    pages: usize,
+    method: radixkv_hicache::cuda::CopyMethod,
+) -> Option<Arc<radixkv_hicache::cuda::CudaBackend>> {
+    use radixkv_hicache::HiCacheError;
+    use radixkv_hicache::cuda::{CudaBackend, CudaConfig};
+    let cfg = CudaConfig {
+        copy_method: method,
+        ..Default::default()
+    };
+    match CudaBackend::new(g, pages, cfg) {
+        Ok(b) => Some(Arc::new(b)),
+        Err(HiCacheError::NoDevice(why)) if std::env::var_os("RADIXKV_REQUIRE_GPU").is_none() => {
+            eprintln!("skipped on CUDA: {why}");
+            None
         }
+        Err(e @ HiCacheError::CopyMethodUnavailable { .. }) => {
+            eprintln!("skipped on CUDA ({}): {e}", method.name());
+            None
+        }
+        Err(e) => panic!("CUDA backend ({}): {e}", method.name()),
     }
 }
 
+/// Factories of the CUDA backend, one per copy method.
+macro_rules! cuda_factories {
+    ($($(#[$doc:meta])* $name:ident => $method:ident),* $(,)?) => {
+        $(
+            $(#[$doc])*
+            #[cfg(feature = "cuda")]
+            pub struct $name;
+
+            #[cfg(feature = "cuda")]
+            impl Factory for $name {
+                type B = radixkv_hicache::cuda::CudaBackend;
+                const NAME: &'static str = "cuda";
+                fn make(g: KvGeometry, pages: usize) -> Option<Arc<Self::B>> {
+                    make_cuda(g, pages, radixkv_hicache::cuda::CopyMethod::$method)
+                }
+            }
+        )*
+    };
+}
+
+cuda_factories! {
+    /// The default configuration: the backend picks a method per copy.
+    CudaFactory => Auto,
+    /// One memcpy per span, always.
+    CudaMemcpyFactory => Memcpy,
+    /// The driver's batched copy call (skips on drivers older than CUDA 12.8).
+    CudaBatchedFactory => Batched,
+    /// The NVRTC gather/scatter kernel (skips without NVRTC).
+    CudaKernelFactory => Kernel,
+}
+
 /// `for_each_backend! { name => generic_fn(args), ... }` defines `hostsim::name` and (with the
-/// `cuda` feature) `cuda::name` tests that call `generic_fn::<Factory>(args)`.
+/// `cuda` feature) `cuda::name`, `cuda_memcpy::name`, `cuda_batched::name` and
+/// `cuda_kernel::name` tests (the CUDA backend with each copy method) that call
+/// `generic_fn::<Factory>(args)`.
 #[allow(unused_macros)]
 macro_rules! for_each_backend {
     ($($name:ident => $f:ident ( $($arg:expr),* $(,)? )),* $(,)?) => {
@@ -98,6 +135,39 @@ macro_rules! for_each_backend {
                 #[test]
                 fn $name() {
                     super::$f::<crate::common::backends::CudaFactory>($($arg),*)
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_memcpy {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    super::$f::<crate::common::backends::CudaMemcpyFactory>($($arg),*)
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_batched {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    super::$f::<crate::common::backends::CudaBatchedFactory>($($arg),*)
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_kernel {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    super::$f::<crate::common::backends::CudaKernelFactory>($($arg),*)
                 }
             )*
         }
