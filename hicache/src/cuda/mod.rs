@@ -1132,6 +1132,17 @@ fn batched_call(driver_version: i32) -> std::result::Result<(), String> {
 
 /// Compiles the gather/scatter kernel with NVRTC and loads it into `ctx`.
 fn copy_kernel(ctx: &Arc<CudaContext>) -> std::result::Result<CudaFunction, String> {
+    let ptx = compile_copy_kernel()?;
+    let module = ctx
+        .load_module(ptx)
+        .map_err(|e| format!("could not load the copy kernel: {}", describe(e)))?;
+    module
+        .load_function(method::KERNEL_NAME)
+        .map_err(|e| format!("the copy kernel has no entry point: {}", describe(e)))
+}
+
+/// Compiles the gather/scatter kernel to PTX with NVRTC (no GPU needed).
+pub(crate) fn compile_copy_kernel() -> std::result::Result<cudarc::nvrtc::Ptx, String> {
     use cudarc::nvrtc;
     // SAFETY: loads and unloads the NVRTC library by its usual names; calls none of it.
     if !unsafe { nvrtc::sys::is_culib_present() } {
@@ -1139,7 +1150,7 @@ fn copy_kernel(ctx: &Arc<CudaContext>) -> std::result::Result<CudaFunction, Stri
     }
     // cudarc panics when an NVRTC function is missing from the library: keep that from
     // unwinding into the caller.
-    let ptx = std::panic::catch_unwind(|| {
+    std::panic::catch_unwind(|| {
         nvrtc::compile_ptx_with_opts(
             method::KERNEL_SRC,
             nvrtc::CompileOptions {
@@ -1150,13 +1161,7 @@ fn copy_kernel(ctx: &Arc<CudaContext>) -> std::result::Result<CudaFunction, Stri
         )
     })
     .map_err(|_| "the NVRTC library lacks a function cudarc calls".to_string())?
-    .map_err(|e| format!("NVRTC could not compile the copy kernel: {e}"))?;
-    let module = ctx
-        .load_module(ptx)
-        .map_err(|e| format!("could not load the copy kernel: {}", describe(e)))?;
-    module
-        .load_function(method::KERNEL_NAME)
-        .map_err(|e| format!("the copy kernel has no entry point: {}", describe(e)))
+    .map_err(|e| format!("NVRTC could not compile the copy kernel: {e}"))
 }
 
 impl Drop for CudaBackend {
@@ -1332,6 +1337,40 @@ impl DeviceBackend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel's source compiles (NVRTC runs on the CPU: no GPU needed). CI installs NVRTC
+    /// for this; elsewhere the test says that it skipped.
+    #[test]
+    fn the_copy_kernel_compiles_with_nvrtc() {
+        // SAFETY: only loads and unloads the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(
+                std::env::var_os("RADIXKV_REQUIRE_NVRTC").is_none(),
+                "RADIXKV_REQUIRE_NVRTC is set but libnvrtc is not on the library path"
+            );
+            eprintln!("NVRTC KERNEL COMPILE CHECK SKIPPED: libnvrtc is not on the library path");
+            return;
+        }
+        let ptx = compile_copy_kernel().unwrap().to_src();
+        assert!(
+            ptx.contains(&format!(".entry {}(", method::KERNEL_NAME)),
+            "no entry point in:\n{ptx}"
+        );
+        assert!(ptx.contains(".target sm_70"), "{ptx}");
+        // One parameter of exactly the Rust struct's size.
+        let size = std::mem::size_of::<method::KernelBatch>();
+        assert!(
+            ptx.contains(&format!("[{size}]")),
+            "the kernel's parameter is not {size} bytes:\n{ptx}"
+        );
+        eprintln!(
+            "NVRTC compiled the copy kernel ({} bytes of PTX)",
+            ptx.len()
+        );
+        if std::env::var_os("RADIXKV_PRINT_PTX").is_some() {
+            eprintln!("{ptx}");
+        }
+    }
 
     #[test]
     fn a_missing_driver_library_is_a_typed_error_not_a_panic() {
