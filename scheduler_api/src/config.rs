@@ -627,7 +627,30 @@ pub enum BackendKind {
     Cuda {
         /// Device ordinal.
         device: u32,
+        /// How copies are submitted (`copy_method = "auto"`, the default; `"memcpy"`,
+        /// `"batched"`, `"kernel"`): `radixkv_hicache::cuda::CopyMethod`. A method the
+        /// machine lacks is refused when the manager is built (`ManagerError::Tier` with
+        /// `HiCacheError::CopyMethodUnavailable`).
+        #[serde(default)]
+        copy_method: CudaCopyMethod,
     },
+}
+
+/// The copy method of the built-in CUDA backend, by name (`radixkv_hicache::cuda::CopyMethod`
+/// without needing the `cuda` feature to parse a configuration).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaCopyMethod {
+    /// Per copy: memcpys for few or long spans, the kernel or the batched call for many short
+    /// ones.
+    #[default]
+    Auto,
+    /// One memcpy per span.
+    Memcpy,
+    /// The driver's batched copy call (CUDA 12.8 and later).
+    Batched,
+    /// The NVRTC gather/scatter kernel.
+    Kernel,
 }
 
 /// An eviction policy by name, (de)serialized as its short name (`"lru"`, `"sieve"`, ...).

@@ -460,8 +460,12 @@ fn build<B: DeviceBackend>(
             });
         }
         (None, CacheKind::HiCache(_)) => {
-            if let BackendKind::Cuda { device } = cfg.backend {
-                return built_in_cuda(cfg, clock, device, store);
+            if let BackendKind::Cuda {
+                device,
+                copy_method,
+            } = cfg.backend
+            {
+                return built_in_cuda(cfg, clock, device, copy_method, store);
             }
         }
         _ => {}
@@ -558,10 +562,12 @@ fn built_in_cuda(
     cfg: &ManagerConfig,
     clock: SimClock,
     device: u32,
+    copy_method: crate::config::CudaCopyMethod,
     store: Option<Arc<dyn StorageBackend>>,
 ) -> Result<Box<dyn ManagedCache>> {
+    use crate::config::CudaCopyMethod as M;
     use radixkv_hicache::KvGeometry;
-    use radixkv_hicache::cuda::{CudaBackend, CudaConfig};
+    use radixkv_hicache::cuda::{CopyMethod, CudaBackend, CudaConfig};
     let m = &cfg.model;
     let bytes = usize::try_from(m.kv_bytes_per_token_per_layer).map_err(|_| {
         ManagerError::Config(
@@ -574,6 +580,12 @@ fn built_in_cuda(
         cfg.device_pages(),
         CudaConfig {
             ordinal: device as usize,
+            copy_method: match copy_method {
+                M::Auto => CopyMethod::Auto,
+                M::Memcpy => CopyMethod::Memcpy,
+                M::Batched => CopyMethod::Batched,
+                M::Kernel => CopyMethod::Kernel,
+            },
             ..CudaConfig::default()
         },
     )?;
@@ -587,6 +599,7 @@ fn built_in_cuda(
     _cfg: &ManagerConfig,
     _clock: SimClock,
     _device: u32,
+    _copy_method: crate::config::CudaCopyMethod,
     _store: Option<Arc<dyn StorageBackend>>,
 ) -> Result<Box<dyn ManagedCache>> {
     Err(ManagerError::FeatureOff {
@@ -681,7 +694,10 @@ mod tests {
     #[test]
     fn cuda_needs_its_feature_or_a_device_and_hybrid_models_build_on_every_cache() {
         let cuda = ManagerConfig {
-            backend: BackendKind::Cuda { device: 0 },
+            backend: BackendKind::Cuda {
+                device: 0,
+                copy_method: Default::default(),
+            },
             cache: CacheKind::HiCache(HostTier::ratio(4096, 2.0)),
             ..base()
         };
@@ -700,7 +716,10 @@ mod tests {
         }
         // A cache without a host tier has nothing for a device backend to copy.
         let radix = ManagerConfig {
-            backend: BackendKind::Cuda { device: 0 },
+            backend: BackendKind::Cuda {
+                device: 0,
+                copy_method: Default::default(),
+            },
             cache: CacheKind::Radix,
             ..base()
         };

@@ -12,7 +12,7 @@ use radixkv_hicache::{
     SimEvent, SlotCopy, StreamKind,
 };
 use radixkv_radix::PageId;
-use radixkv_scheduler_api::config::BackendKind;
+use radixkv_scheduler_api::config::{BackendKind, CudaCopyMethod};
 use radixkv_scheduler_api::{
     BackendMismatch, CacheKind, HostTier, KvCacheManager, ManagerConfig, ManagerError,
     ModelGeometry, Request, SessionBudget, WritePolicy,
@@ -241,7 +241,23 @@ fn the_config_names_the_built_in_backend_as_before() {
     );
     assert_eq!(
         parse("[backend]\ntype = \"cuda\"\ndevice = 1\n"),
-        BackendKind::Cuda { device: 1 }
+        BackendKind::Cuda {
+            device: 1,
+            copy_method: CudaCopyMethod::Auto
+        }
+    );
+    assert_eq!(
+        parse("[backend]\ntype = \"cuda\"\ndevice = 0\ncopy_method = \"kernel\"\n"),
+        BackendKind::Cuda {
+            device: 0,
+            copy_method: CudaCopyMethod::Kernel
+        }
+    );
+    assert!(
+        ManagerConfig::from_toml_str(
+            "[backend]\ntype = \"cuda\"\ndevice = 0\ncopy_method = \"dma\"\n"
+        )
+        .is_err()
     );
     assert!(ManagerConfig::from_toml_str("[backend]\ntype = \"rocm\"\n").is_err());
 }
@@ -260,7 +276,10 @@ fn the_engines_backend_serves_sessions_and_takes_the_place_of_cuda() {
             max_held_tokens: DEVICE_TOKENS / 2,
             ..Default::default()
         }),
-        backend: BackendKind::Cuda { device: 0 },
+        backend: BackendKind::Cuda {
+            device: 0,
+            copy_method: Default::default(),
+        },
         ..Default::default()
     };
     if !cfg!(feature = "cuda") {
