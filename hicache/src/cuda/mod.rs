@@ -1370,6 +1370,36 @@ mod tests {
         if std::env::var_os("RADIXKV_PRINT_PTX").is_some() {
             eprintln!("{ptx}");
         }
+        // With NVIDIA's PTX assembler at hand (`RADIXKV_PTXAS`), the PTX must also assemble
+        // for Volta, Ampere and Hopper without spilling to local memory.
+        let Some(ptxas) = std::env::var_os("RADIXKV_PTXAS") else {
+            eprintln!("RADIXKV_PTXAS is not set: the PTX was not assembled for a device");
+            return;
+        };
+        let file = std::env::temp_dir().join(format!("radixkv-copy-{}.ptx", std::process::id()));
+        std::fs::write(&file, &ptx).unwrap();
+        for arch in ["sm_70", "sm_80", "sm_90"] {
+            let out = std::process::Command::new(&ptxas)
+                .arg(format!("-arch={arch}"))
+                .arg("-v")
+                .arg(&file)
+                .arg("-o")
+                .arg(file.with_extension(format!("{arch}.cubin")))
+                .output()
+                .unwrap();
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "ptxas {arch} failed:\n{log}");
+            assert!(
+                log.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                "the kernel uses local memory on {arch}:\n{log}"
+            );
+            eprintln!(
+                "ptxas {arch}: {}",
+                log.lines().find(|l| l.contains("registers")).unwrap_or("")
+            );
+            let _ = std::fs::remove_file(file.with_extension(format!("{arch}.cubin")));
+        }
+        let _ = std::fs::remove_file(&file);
     }
 
     #[test]
