@@ -515,3 +515,46 @@ fn two_ranks_agree_on_a_hybrid_hit_or_keep_nothing() {
         }
     }
 }
+
+/// A state that reaches the host after its page was stored (a checkpoint at a later split:
+/// here a request ending inside a stored path) is still added to the store: the page is
+/// written again with the state's section, so a new cache over the store hits up to it.
+#[test]
+fn a_state_that_reaches_the_host_late_is_added_to_the_store() {
+    let s = Setup::mamba();
+    let p = s.page_size;
+    let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+    let t = tokens(11, 6 * p);
+    let mut a = cached(&s, store.clone());
+    serve(&mut a, &t);
+    a.flush().unwrap();
+    a.wait_storage().unwrap();
+    assert_eq!(a.stats().backup_pages_written, 6, "{:?}", a.stats());
+    // Ends at 3 pages, inside the stored path: the split's upper node gets the state.
+    serve(&mut a, &t[..3 * p]);
+    a.flush().unwrap();
+    a.wait_storage().unwrap();
+    let st = a.stats();
+    // The checkpoints the shorter request left inside the stored path (at its end, and the
+    // baseline's one at the last whole page of its input), backed up without KV.
+    let late = st.mamba_states_backed_up - 1;
+    assert!(late >= 1, "{st:?}");
+    assert_eq!(
+        (st.backup_pages_written, st.backup_pages_skipped),
+        (6 + late, 0),
+        "each late state's page is written again: {st:?}"
+    );
+    no_leaks(&a);
+
+    let mut b = cached(&s, store.clone());
+    let mut diverging = t[..3 * p].to_vec();
+    diverging.extend(tokens(12, 2 * p));
+    let hit = prefetch_all(&mut b, 1, &diverging);
+    assert_eq!(hit, 3 * p, "{:?}", b.stats());
+    // `serve` checks that the state the request copies is the one after 3 pages.
+    let (m, loaded) = serve(&mut b, &diverging);
+    assert_eq!((m.host_hit_len, loaded), (3 * p, 3 * p));
+    b.flush().unwrap();
+    b.wait_storage().unwrap();
+    no_leaks(&b);
+}

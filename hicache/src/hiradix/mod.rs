@@ -204,10 +204,13 @@
 //!   page (a state is the checkpoint after the node's last token, so "a state ends here" is a
 //!   page carrying a Mamba section), and its window KV page by page into each page's SWA
 //!   section. A node without a host state or window copy (a host tombstone, or one left out
-//!   for lack of host slots) stores its pages without. A page is written once: a state or
-//!   window KV that reaches the host after its page was stored (a checkpoint at a later split)
-//!   is not added. The host slots a backup reads are cancelled like its pages when the tree
-//!   drops them.
+//!   for lack of host slots) stores its pages without. A Mamba state that reaches the host
+//!   after its node's pages (a checkpoint at a later split, backed up without KV) has the
+//!   node's last page written again with the state's section
+//!   ([`StorageTier::rewrite_with_sections`](crate::storage::StorageTier::rewrite_with_sections));
+//!   window KV that reaches the host after its page was stored is not added (a page's
+//!   window is written once). The host slots a backup reads are cancelled like its pages
+//!   when the tree drops them.
 //! - **What a prefetch asks for.** As for KV-only trees, the pages past the tree's KV match
 //!   (device or host): a stored state or window inside KV the tree already holds (say KV on
 //!   device whose state was evicted) is not fetched.

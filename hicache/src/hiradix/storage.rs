@@ -469,6 +469,61 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 }
             }
         }
+        // States that reached the host after their node's pages (a checkpoint at a later
+        // split, backed up without its KV): the node's last page is written again, with the
+        // state's section, so that the store gains the checkpoint.
+        let Some(mem) = &mamba_mem else {
+            return;
+        };
+        for &(n, h) in &w.states {
+            if seen.contains(&n) || !matches!(tree.mamba_host_state(n), Ok(Some(x)) if x == h) {
+                continue;
+            }
+            let Some(&last) = tree.host_pages(n).ok().flatten().and_then(<[u32]>::last) else {
+                continue;
+            };
+            let (Ok(depth), Ok(ns)) = (tree.depth_tokens(n), tree.namespace(n)) else {
+                continue;
+            };
+            if depth == 0 || depth % p != 0 {
+                continue;
+            }
+            let mut segs = Vec::new();
+            let mut m = n;
+            while m != tree.root() {
+                segs.push(tree.node_key(m).unwrap_or(&[]));
+                match tree.parent(m) {
+                    Ok(Some(parent)) => m = parent,
+                    _ => break,
+                }
+            }
+            let tokens: Vec<TokenId> = segs.iter().rev().flat_map(|s| s.iter().copied()).collect();
+            let section = SectionSource {
+                page: 0,
+                memory: mem.clone(),
+                slot: h,
+            };
+            match st.tier.rewrite_with_sections(
+                ns,
+                tokens,
+                depth / p - 1,
+                host_mem.clone(),
+                vec![last],
+                vec![section],
+            ) {
+                Ok((job, gate)) => {
+                    st.protect(n);
+                    st.backups.push_back(BackupJob {
+                        job,
+                        gate,
+                        node: n,
+                        pages: vec![last],
+                        extra: vec![(PoolName::Mamba, h)],
+                    });
+                }
+                Err(e) => debug_assert!(false, "a late state's page does not fit its key: {e}"),
+            }
+        }
     }
 
     /// Stops the storage backups reading any of `pages` (their host copies are being dropped):

@@ -279,6 +279,15 @@ impl Drop for Reply {
 /// How many of `keys`, from the first, the store holds, asked in batches of
 /// `opts.batch_pages` (each under the operation timeout) until the first gap; and whether a
 /// batch failed (the count then stops before it).
+/// What one backup job writes (the arguments of [`StorageTier::backup_with_sections`]).
+struct BackupSpec {
+    tokens: Vec<TokenId>,
+    first_page: usize,
+    host: Arc<HostMemory>,
+    pages: Vec<u32>,
+    sections: Vec<SectionSource>,
+}
+
 async fn stored_prefix(
     store: &dyn StorageBackend,
     keys: &[PageKey],
@@ -481,8 +490,58 @@ impl StorageTier {
         first_page: usize,
         host: Arc<HostMemory>,
         pages: Vec<u32>,
-        mut sections: Vec<SectionSource>,
+        sections: Vec<SectionSource>,
     ) -> Result<(JobId, JobGate)> {
+        let spec = BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            sections,
+        };
+        self.spawn_backup(namespace, spec, false)
+    }
+
+    /// [`StorageTier::backup_with_sections`] that writes every page, stored or not: for a
+    /// component that reaches the host after its page was stored (a Mamba checkpoint taken
+    /// at a later split), so that the stored page gains the section. The completion counts
+    /// no page as skipped.
+    ///
+    /// # Errors
+    /// As [`StorageTier::backup_with_sections`].
+    pub fn rewrite_with_sections(
+        &mut self,
+        namespace: &Namespace,
+        tokens: Vec<TokenId>,
+        first_page: usize,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+        sections: Vec<SectionSource>,
+    ) -> Result<(JobId, JobGate)> {
+        let spec = BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            sections,
+        };
+        self.spawn_backup(namespace, spec, true)
+    }
+
+    /// Queues a backup job; with `rewrite` it writes every page, stored or not.
+    fn spawn_backup(
+        &mut self,
+        namespace: &Namespace,
+        spec: BackupSpec,
+        rewrite: bool,
+    ) -> Result<(JobId, JobGate)> {
+        let BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            mut sections,
+        } = spec;
         let p = self.format.geometry().page_size;
         let total = tokens.len() / p;
         if first_page > total || pages.len() != total - first_page {
@@ -538,7 +597,11 @@ impl StorageTier {
             seed.extend_chain(None, &tokens, p, &mut keys);
             let keys = &keys[first_page..];
             // On a failed lookup, writing everything is the safe answer; the puts will tell.
-            let (present, _) = stored_prefix(&*store, keys, &opts).await;
+            let present = if rewrite {
+                0
+            } else {
+                stored_prefix(&*store, keys, &opts).await.0
+            };
             let mut written = 0;
             let g = format.geometry();
             let layer_bytes = g.page_bytes_per_layer();
