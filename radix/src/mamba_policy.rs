@@ -79,7 +79,11 @@
 //! - *Mamba-aware KV eviction* ([`MarconiParams::dead_end_kv_first`], on by default): under
 //!   KV pressure, device leaves that carry no state (KV past the last state on its path,
 //!   which no match can use) are evicted before leaves that end at a live state, each group
-//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)).
+//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)). The
+//!   policy keeps the two groups as [`LeafClass`](crate::LeafClass)es and a leaf changes
+//!   class when its state appears or goes, so a victim costs what it costs without the
+//!   preference (`O(1)` or `O(log n)`) and the policy's own record of a leaf (SIEVE's
+//!   visited bit and queue place) is kept.
 //!
 //! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
 //! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads
