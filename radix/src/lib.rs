@@ -177,7 +177,7 @@ pub use mamba_policy::{
     MarconiParams,
 };
 pub use page_key::{KeySeed, KvIdentity, PageKey};
-pub use policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
+pub use policy::{EvictionPolicy, LeafClass, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};
 pub use slots::{SlotState, StateSlotPool};
 pub use tree::mamba::{MambaCow, MambaInsert, MambaMatch};

@@ -79,7 +79,11 @@
 //! - *Mamba-aware KV eviction* ([`MarconiParams::dead_end_kv_first`], on by default): under
 //!   KV pressure, device leaves that carry no state (KV past the last state on its path,
 //!   which no match can use) are evicted before leaves that end at a live state, each group
-//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)).
+//!   in the KV eviction policy's order ([`RadixTree::evict`](crate::RadixTree::evict)). The
+//!   policy keeps the two groups as [`LeafClass`](crate::LeafClass)es and a leaf changes
+//!   class when its state appears or goes, so a victim costs what it costs without the
+//!   preference (`O(1)` or `O(log n)`) and the policy's own record of a leaf (SIEVE's
+//!   visited bit and queue place) is kept.
 //!
 //! The engine's side of a handed-over tracking slot: [`RequestKv::mamba_track`] names a new
 //! slot after a `cache_unfinished_req` that handed the old one to the tree; the engine reads
@@ -130,9 +134,9 @@
 //! | workload | slots | ideal | sglang | sglang, no tracking | marconi (default) | marconi, no tracking | no hit-driven admission | + prompt end | alpha 0 |
 //! | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 //! | chat | 16 | 0.899 | 0.141 | 0.257 (1.82×, 1.78–1.96) | 0.257 (1.80×, 1.79–1.96) | 0.456 (3.24×, 3.23–3.44) | 0.257 (1.80×, 1.79–1.96) | 0.226 (1.57×, 1.55–1.73) | 0.238 (1.72×, 1.68–1.81) |
-//! | chat | 32 | 0.899 | 0.372 | 0.486 (1.32×, 1.31–1.34) | 0.546 (1.47×, 1.46–1.47) | 0.498 (1.35×, 1.34–1.35) | 0.546 (1.47×, 1.46–1.47) | 0.526 (1.41×, 1.41–1.43) | 0.491 (1.32×, 1.32–1.33) |
-//! | chat | 64 | 0.899 | 0.642 | 0.643 (1.00×, 1.00–1.00) | 0.740 (1.15×, 1.15–1.15) | 0.502 (0.78×, 0.77–0.79) | 0.740 (1.15×, 1.15–1.15) | 0.726 (1.12×, 1.11–1.13) | 0.703 (1.09×, 1.08–1.10) |
-//! | chat | 128 | 0.899 | 0.824 | 0.732 (0.89×, 0.88–0.89) | 0.839 (1.02×, 1.01–1.02) | 0.502 (0.61×, 0.61–0.61) | 0.839 (1.02×, 1.01–1.02) | 0.811 (0.99×, 0.98–1.00) | 0.837 (1.02×, 1.01–1.02) |
+//! | chat | 32 | 0.899 | 0.372 | 0.486 (1.32×, 1.31–1.34) | 0.546 (1.47×, 1.46–1.47) | 0.493 (1.34×, 1.33–1.35) | 0.546 (1.47×, 1.46–1.47) | 0.526 (1.41×, 1.41–1.43) | 0.491 (1.32×, 1.32–1.33) |
+//! | chat | 64 | 0.899 | 0.642 | 0.643 (1.00×, 1.00–1.00) | 0.740 (1.15×, 1.15–1.15) | 0.501 (0.78×, 0.77–0.78) | 0.740 (1.15×, 1.15–1.15) | 0.726 (1.12×, 1.11–1.13) | 0.703 (1.09×, 1.08–1.10) |
+//! | chat | 128 | 0.899 | 0.824 | 0.732 (0.89×, 0.88–0.89) | 0.832 (1.01×, 1.00–1.01) | 0.502 (0.61×, 0.61–0.61) | 0.832 (1.01×, 1.00–1.01) | 0.800 (0.97×, 0.96–0.99) | 0.837 (1.02×, 1.01–1.02) |
 //! | agentic | 16 | 0.952 | 0.510 | 0.708 (1.37×, 1.27–1.43) | 0.772 (1.51×, 1.40–1.53) | 0.748 (1.45×, 1.31–1.52) | 0.772 (1.51×, 1.40–1.53) | 0.718 (1.41×, 1.29–1.43) | 0.697 (1.36×, 1.25–1.41) |
 //! | agentic | 32 | 0.952 | 0.804 | 0.818 (1.02×, 1.02–1.06) | 0.878 (1.09×, 1.07–1.14) | 0.753 (0.94×, 0.91–0.98) | 0.878 (1.09×, 1.07–1.14) | 0.856 (1.06×, 1.06–1.12) | 0.840 (1.04×, 1.04–1.08) |
 //! | agentic | 64 | 0.952 | 0.910 | 0.886 (0.97×, 0.97–0.98) | 0.925 (1.02×, 1.01–1.02) | 0.753 (0.82×, 0.82–0.83) | 0.925 (1.02×, 1.01–1.02) | 0.918 (1.01×, 1.00–1.01) | 0.919 (1.01×, 1.00–1.01) |

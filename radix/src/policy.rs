@@ -4,6 +4,12 @@
 //! policy structure and tells it when a leaf enters, leaves or is touched. Evicting `k` leaves
 //! costs `O(k log n)` for the ordered policies and amortised `O(k)` for SIEVE; nothing ever
 //! collects or heapifies all leaves.
+//!
+//! Every built-in policy also keeps two [`LeafClass`]es: each class has the policy's own
+//! order, and no leaf of the later class is popped while the first holds one. A hybrid tree
+//! with Mamba-aware KV eviction ([`crate::MarconiParams::dead_end_kv_first`]) puts KV that
+//! ends at a Mamba state in the later class, so dead-end KV goes first at the same cost per
+//! eviction; a KV-only tree never leaves the first class.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
@@ -28,6 +34,31 @@ pub struct NodeMeta {
 /// to `remove`/`touch`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub struct LeafToken(pub u64, pub u64);
+
+/// Which of two eviction classes a leaf is in. Every leaf of class [`LeafClass::First`] is
+/// popped before any leaf of class [`LeafClass::Later`]; inside a class the policy's own order
+/// holds. A tree whose leaves are all of one class sees the policy's plain order.
+///
+/// The tree puts a leaf in `Later` only under Mamba-aware KV eviction
+/// ([`crate::MarconiParams::dead_end_kv_first`]): a leaf whose node carries a Mamba state (on
+/// device or host) is `Later`, a dead-end leaf (no state, so no match can use its tokens) is
+/// `First`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum LeafClass {
+    /// Evicted first (every leaf of a KV-only tree).
+    #[default]
+    First,
+    /// Evicted only once no `First` leaf is left.
+    Later,
+}
+
+impl LeafClass {
+    /// `First` as 0, `Later` as 1.
+    #[inline]
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// An ordering of evictable leaves.
 ///
@@ -62,6 +93,34 @@ pub trait EvictionPolicy: Debug + Send {
     }
     /// Forgets every leaf.
     fn clear(&mut self);
+    /// True when the policy keeps [`LeafClass`]es ([`EvictionPolicy::insert_in`],
+    /// [`EvictionPolicy::set_class`], [`EvictionPolicy::class_len`]). Every built-in policy
+    /// does; a tree refuses Mamba-aware KV eviction with a policy that does not (see
+    /// [`crate::RadixTree::set_mamba_policy`]). Default: false.
+    fn supports_classes(&self) -> bool {
+        false
+    }
+    /// A node became an evictable leaf of class `class`. A policy with classes pops it only
+    /// once no leaf of an earlier class is held. Default (a policy without classes, which the
+    /// tree only ever asks for `First`): [`EvictionPolicy::insert`].
+    fn insert_in(&mut self, node: NodeId, meta: &NodeMeta, class: LeafClass) -> LeafToken {
+        let _ = class;
+        self.insert(node, meta)
+    }
+    /// Moves a held leaf into `class` (nothing happens when it is there already), keeping
+    /// what the policy records about it (its place in its order, SIEVE's visited bit); returns
+    /// its new token. `O(1)` or `O(log n)` in the built-in policies. Default: nothing moves.
+    fn set_class(&mut self, node: NodeId, token: LeafToken, class: LeafClass) -> LeafToken {
+        let _ = (node, class);
+        token
+    }
+    /// Leaves held in `class`. Default (no classes): every leaf is `First`.
+    fn class_len(&self, class: LeafClass) -> usize {
+        match class {
+            LeafClass::First => self.len(),
+            LeafClass::Later => 0,
+        }
+    }
 }
 
 /// The built-in policies, selectable by configuration.
@@ -148,18 +207,22 @@ impl PolicyKind {
 }
 
 /// A policy defined by a sort key over [`NodeMeta`]; smaller keys are evicted first, ties by
-/// node index. Backed by a `BTreeSet`, so insert, remove and pop are `O(log n)`.
+/// node index. Backed by one `BTreeSet` per [`LeafClass`], so insert, remove, a class move and
+/// pop are `O(log n)`.
 pub struct OrderedPolicy {
     name: &'static str,
     key: fn(&NodeMeta) -> (u64, u64),
-    set: BTreeSet<(u64, u64, NodeId)>,
+    /// The leaves of each class (`LeafClass::index`). A leaf's token is its key, which says
+    /// where it is in its set; which set holds it is found by looking (the first set first,
+    /// where every leaf of a tree without classes is).
+    sets: [BTreeSet<(u64, u64, NodeId)>; 2],
 }
 
 impl Debug for OrderedPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OrderedPolicy")
             .field("name", &self.name)
-            .field("len", &self.set.len())
+            .field("len", &self.len())
             .finish()
     }
 }
@@ -170,7 +233,19 @@ impl OrderedPolicy {
         OrderedPolicy {
             name,
             key,
-            set: BTreeSet::new(),
+            sets: [BTreeSet::new(), BTreeSet::new()],
+        }
+    }
+
+    /// Removes the entry `e`; returns the class it was in (`None`: not held).
+    #[inline]
+    fn take(&mut self, e: &(u64, u64, NodeId)) -> Option<usize> {
+        if self.sets[0].remove(e) {
+            Some(0)
+        } else if self.sets[1].remove(e) {
+            Some(1)
+        } else {
+            None
         }
     }
 }
@@ -181,15 +256,12 @@ impl EvictionPolicy for OrderedPolicy {
     }
 
     fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
-        let (a, b) = (self.key)(meta);
-        let fresh = self.set.insert((a, b, node));
-        debug_assert!(fresh, "leaf {node:?} inserted twice");
-        LeafToken(a, b)
+        self.insert_in(node, meta, LeafClass::First)
     }
 
     fn remove(&mut self, node: NodeId, token: LeafToken) {
-        let had = self.set.remove(&(token.0, token.1, node));
-        debug_assert!(had, "leaf {node:?} removed but not held");
+        let had = self.take(&(token.0, token.1, node));
+        debug_assert!(had.is_some(), "leaf {node:?} removed but not held");
     }
 
     fn touch(&mut self, node: NodeId, token: LeafToken, meta: &NodeMeta) -> LeafToken {
@@ -197,25 +269,56 @@ impl EvictionPolicy for OrderedPolicy {
         if (a, b) == (token.0, token.1) {
             return token;
         }
-        self.set.remove(&(token.0, token.1, node));
-        self.set.insert((a, b, node));
+        let class = self.take(&(token.0, token.1, node)).unwrap_or(0);
+        self.sets[class].insert((a, b, node));
         LeafToken(a, b)
     }
 
     fn pop(&mut self) -> Option<NodeId> {
-        self.set.pop_first().map(|(_, _, n)| n)
+        self.sets[0]
+            .pop_first()
+            .or_else(|| self.sets[1].pop_first())
+            .map(|(_, _, n)| n)
     }
 
     fn peek(&self) -> Option<NodeId> {
-        self.set.first().map(|&(_, _, n)| n)
+        self.sets[0]
+            .first()
+            .or_else(|| self.sets[1].first())
+            .map(|&(_, _, n)| n)
     }
 
     fn len(&self) -> usize {
-        self.set.len()
+        self.sets[0].len() + self.sets[1].len()
     }
 
     fn clear(&mut self) {
-        self.set.clear();
+        self.sets[0].clear();
+        self.sets[1].clear();
+    }
+
+    fn supports_classes(&self) -> bool {
+        true
+    }
+
+    fn insert_in(&mut self, node: NodeId, meta: &NodeMeta, class: LeafClass) -> LeafToken {
+        let (a, b) = (self.key)(meta);
+        let fresh = self.sets[class.index()].insert((a, b, node));
+        debug_assert!(fresh, "leaf {node:?} inserted twice");
+        LeafToken(a, b)
+    }
+
+    fn set_class(&mut self, node: NodeId, token: LeafToken, class: LeafClass) -> LeafToken {
+        let e = (token.0, token.1, node);
+        let (to, from) = (class.index(), 1 - class.index());
+        if self.sets[from].remove(&e) {
+            self.sets[to].insert(e);
+        }
+        token
+    }
+
+    fn class_len(&self, class: LeafClass) -> usize {
+        self.sets[class.index()].len()
     }
 }
 
@@ -240,6 +343,8 @@ struct TickLists {
     /// `tick` of each head, kept beside `head` so that comparing heads touches no node.
     head_tick: Vec<u64>,
     tail: Vec<u32>,
+    /// Nodes in each list.
+    count: Vec<usize>,
     len: usize,
 }
 
@@ -254,6 +359,7 @@ impl TickLists {
             head: vec![NO; lists],
             head_tick: vec![u64::MAX; lists],
             tail: vec![NO; lists],
+            count: vec![0; lists],
             len: 0,
         }
     }
@@ -304,6 +410,7 @@ impl TickLists {
         } else {
             self.prev[n as usize] = p;
         }
+        self.count[c] -= 1;
         self.len -= 1;
     }
 
@@ -327,6 +434,7 @@ impl TickLists {
         } else {
             self.prev[n as usize] = i;
         }
+        self.count[c] += 1;
         self.len += 1;
     }
 
@@ -346,17 +454,29 @@ impl TickLists {
         }
     }
 
+    /// Moves node `i` (held) into list `c`, at the place of its tick there.
+    fn move_to(&mut self, i: u32, c: usize) {
+        if self.class[i as usize] as usize == c {
+            return;
+        }
+        self.unlink(i);
+        self.class[i as usize] = c as u8;
+        self.insert_sorted(i, self.tick[i as usize], c);
+    }
+
     fn clear(&mut self) {
         self.head.fill(NO);
         self.head_tick.fill(u64::MAX);
         self.tail.fill(NO);
+        self.count.fill(0);
         self.len = 0;
     }
 }
 
-/// LRU (or MRU) as one intrusive list ordered by `last_access`: insert, remove, touch and pop
-/// are `O(1)` and allocation-free in the common cases. A leaf that enters with an old tick (a
-/// parent whose last child was evicted) is placed exactly by a search from both ends at once.
+/// LRU (or MRU) as an intrusive list ordered by `last_access` (one per [`LeafClass`]): insert,
+/// remove, touch and pop are `O(1)` and allocation-free in the common cases. A leaf that enters
+/// with an old tick (a parent whose last child was evicted), or moves to the other class, is
+/// placed exactly by a search from both ends of its list at once.
 #[derive(Debug)]
 pub struct RecencyList {
     most_recent_first: bool,
@@ -368,16 +488,20 @@ impl RecencyList {
     pub fn new(most_recent_first: bool) -> Self {
         RecencyList {
             most_recent_first,
-            lists: TickLists::new(1),
+            lists: TickLists::new(2),
         }
     }
 
+    /// The next victim: the end of the first class's list, or of the later one's when the
+    /// first is empty.
+    #[inline]
     fn end(&self) -> u32 {
-        if self.most_recent_first {
-            self.lists.tail[0]
+        let ends = if self.most_recent_first {
+            &self.lists.tail
         } else {
-            self.lists.head[0]
-        }
+            &self.lists.head
+        };
+        if ends[0] != NO { ends[0] } else { ends[1] }
     }
 }
 
@@ -399,8 +523,10 @@ impl EvictionPolicy for RecencyList {
         if token.0 == meta.last_access {
             return token;
         }
+        // The token's second half is the leaf's class.
         self.lists.unlink(node.idx);
-        self.insert(node, meta)
+        self.lists.insert(node, meta.last_access, token.1 as usize);
+        LeafToken(meta.last_access, token.1)
     }
 
     fn pop(&mut self) -> Option<NodeId> {
@@ -424,6 +550,24 @@ impl EvictionPolicy for RecencyList {
     fn clear(&mut self) {
         self.lists.clear();
     }
+
+    fn supports_classes(&self) -> bool {
+        true
+    }
+
+    fn insert_in(&mut self, node: NodeId, meta: &NodeMeta, class: LeafClass) -> LeafToken {
+        self.lists.insert(node, meta.last_access, class.index());
+        LeafToken(meta.last_access, class.index() as u64)
+    }
+
+    fn set_class(&mut self, node: NodeId, token: LeafToken, class: LeafClass) -> LeafToken {
+        self.lists.move_to(node.idx, class.index());
+        LeafToken(token.0, class.index() as u64)
+    }
+
+    fn class_len(&self, class: LeafClass) -> usize {
+        self.lists.count[class.index()]
+    }
 }
 
 /// Reuse-credit LRU: recency order in which every past reuse of a leaf buys it extra time in
@@ -437,9 +581,9 @@ impl EvictionPolicy for RecencyList {
 /// are capped so that a once-hot prefix still ages out (unbounded frequency, as in LFU or
 /// SLRU's protected segment, fills a big tier with stale history).
 ///
-/// Leaves sit in one tick-ordered list per credit count, so insert, remove and touch are
-/// `O(1)` and a pop compares `MAX_CREDITS + 1` list heads. Until the first eviction `R` is 0
-/// and the order is plain LRU.
+/// Leaves sit in one tick-ordered list per credit count (per [`LeafClass`]), so insert,
+/// remove, touch and a class move are `O(1)` and a pop compares `MAX_CREDITS + 1` list heads.
+/// Until the first eviction `R` is 0 and the order is plain LRU.
 ///
 /// Why: on chat traffic most new prefixes are never reused (the conversation ends), while a
 /// prefix that was reused belongs to a conversation that already continued, and those continue
@@ -458,11 +602,13 @@ impl ReuseCreditPolicy {
     pub const ALPHA: f64 = 1.0;
     /// Weight of one victim in the running residence average.
     const RESIDENCE_WEIGHT: f64 = 1.0 / 256.0;
+    /// Lists per class (one per credit count); class `k`'s lists are `k * LISTS ..`.
+    const LISTS: usize = Self::MAX_CREDITS as usize + 1;
 
     /// An empty policy.
     pub fn new() -> Self {
         ReuseCreditPolicy {
-            lists: TickLists::new(Self::MAX_CREDITS as usize + 1),
+            lists: TickLists::new(2 * Self::LISTS),
             now: 0,
             residence: 0.0,
         }
@@ -477,15 +623,30 @@ impl ReuseCreditPolicy {
         meta.hit_count.min(Self::MAX_CREDITS) as usize
     }
 
-    /// The head with the smallest score, ties to the fewest credits.
+    /// Inserts into the list of `meta`'s credits among those starting at `base` (its class).
+    #[inline]
+    fn insert_at(&mut self, node: NodeId, meta: &NodeMeta, base: usize) -> LeafToken {
+        self.now = self.now.max(meta.last_access);
+        let c = base + Self::class(meta);
+        self.lists.insert(node, meta.last_access, c);
+        LeafToken(meta.last_access, c as u64)
+    }
+
+    /// The head with the smallest score, ties to the fewest credits; from the first class
+    /// while it holds a leaf.
     fn victim(&self) -> Option<(u32, f64)> {
+        self.victim_in(0).or_else(|| self.victim_in(Self::LISTS))
+    }
+
+    /// [`ReuseCreditPolicy::victim`] among the lists of one class (`base`: its first list).
+    #[inline]
+    fn victim_in(&self, base: usize) -> Option<(u32, f64)> {
         let credit = Self::ALPHA * self.residence;
         let mut best: Option<(u32, f64)> = None;
-        for (c, (&h, &t)) in self
-            .lists
-            .head
+        let lists = base..base + Self::LISTS;
+        for (c, (&h, &t)) in self.lists.head[lists.clone()]
             .iter()
-            .zip(&self.lists.head_tick)
+            .zip(&self.lists.head_tick[lists])
             .enumerate()
         {
             if h == NO {
@@ -512,10 +673,7 @@ impl EvictionPolicy for ReuseCreditPolicy {
     }
 
     fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
-        self.now = self.now.max(meta.last_access);
-        let c = Self::class(meta);
-        self.lists.insert(node, meta.last_access, c);
-        LeafToken(meta.last_access, c as u64)
+        self.insert_at(node, meta, 0)
     }
 
     fn remove(&mut self, node: NodeId, _token: LeafToken) {
@@ -523,11 +681,13 @@ impl EvictionPolicy for ReuseCreditPolicy {
     }
 
     fn touch(&mut self, node: NodeId, token: LeafToken, meta: &NodeMeta) -> LeafToken {
-        if token == LeafToken(meta.last_access, Self::class(meta) as u64) {
+        // The token's second half is the leaf's list: its class's base plus its credits.
+        let base = token.1 as usize / Self::LISTS * Self::LISTS;
+        if token == LeafToken(meta.last_access, (base + Self::class(meta)) as u64) {
             return token;
         }
         self.lists.unlink(node.idx);
-        self.insert(node, meta)
+        self.insert_at(node, meta, base)
     }
 
     fn pop(&mut self) -> Option<NodeId> {
@@ -549,6 +709,25 @@ impl EvictionPolicy for ReuseCreditPolicy {
     fn clear(&mut self) {
         self.lists.clear();
     }
+
+    fn supports_classes(&self) -> bool {
+        true
+    }
+
+    fn insert_in(&mut self, node: NodeId, meta: &NodeMeta, class: LeafClass) -> LeafToken {
+        self.insert_at(node, meta, class.index() * Self::LISTS)
+    }
+
+    fn set_class(&mut self, node: NodeId, token: LeafToken, class: LeafClass) -> LeafToken {
+        let list = class.index() * Self::LISTS + token.1 as usize % Self::LISTS;
+        self.lists.move_to(node.idx, list);
+        LeafToken(token.0, list as u64)
+    }
+
+    fn class_len(&self, class: LeafClass) -> usize {
+        let base = class.index() * Self::LISTS;
+        self.lists.count[base..base + Self::LISTS].iter().sum()
+    }
 }
 
 /// SIEVE (Zhang et al., NSDI'24) adapted to radix leaves.
@@ -559,12 +738,26 @@ impl EvictionPolicy for ReuseCreditPolicy {
 /// an unvisited one is evicted. A leaf that was reused before it became a leaf (a parent whose
 /// children were evicted, with reuse on record) starts visited. One-hit prefixes, the bulk of a
 /// scan, are evicted on the first pass, which is what makes it scan-resistant.
+///
+/// Each [`LeafClass`] is its own FIFO with its own hand; a leaf that moves to the other class
+/// keeps its sequence number and its visited bit.
 #[derive(Debug, Default)]
 pub struct SievePolicy {
-    queue: BTreeMap<u64, (NodeId, bool)>,
+    /// Per class: sequence number → (leaf, visited). A token is (sequence number, class).
+    queues: [BTreeMap<u64, (NodeId, bool)>; 2],
     next_seq: u64,
-    /// Sequence number the hand points at (the next candidate is the first key ≥ hand).
-    hand: u64,
+    /// Per class, the sequence number the hand points at (the next candidate is the first
+    /// key ≥ hand).
+    hands: [u64; 2],
+}
+
+impl SievePolicy {
+    fn insert_at(&mut self, node: NodeId, meta: &NodeMeta, class: usize) -> LeafToken {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queues[class].insert(seq, (node, meta.hit_count >= 1));
+        LeafToken(seq, class as u64)
+    }
 }
 
 impl EvictionPolicy for SievePolicy {
@@ -573,14 +766,11 @@ impl EvictionPolicy for SievePolicy {
     }
 
     fn insert(&mut self, node: NodeId, meta: &NodeMeta) -> LeafToken {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.queue.insert(seq, (node, meta.hit_count >= 1));
-        LeafToken(seq, 0)
+        self.insert_at(node, meta, 0)
     }
 
     fn remove(&mut self, node: NodeId, token: LeafToken) {
-        let had = self.queue.remove(&token.0);
+        let had = self.queues[token.1 as usize & 1].remove(&token.0);
         debug_assert!(
             matches!(had, Some((n, _)) if n == node),
             "sieve remove {node:?}"
@@ -588,19 +778,21 @@ impl EvictionPolicy for SievePolicy {
     }
 
     fn touch(&mut self, _node: NodeId, token: LeafToken, _meta: &NodeMeta) -> LeafToken {
-        if let Some(e) = self.queue.get_mut(&token.0) {
+        if let Some(e) = self.queues[token.1 as usize & 1].get_mut(&token.0) {
             e.1 = true;
         }
         token
     }
 
     fn pop(&mut self) -> Option<NodeId> {
-        if self.queue.is_empty() {
+        let c = usize::from(self.queues[0].is_empty());
+        let (queue, hand) = (&mut self.queues[c], &mut self.hands[c]);
+        if queue.is_empty() {
             return None;
         }
         // At most two sweeps: the first clears every visited bit it passes.
         loop {
-            let mut cursor = self.queue.range_mut(self.hand..);
+            let mut cursor = queue.range_mut(*hand..);
             let mut victim = None;
             for (&seq, entry) in &mut cursor {
                 if entry.1 {
@@ -612,22 +804,48 @@ impl EvictionPolicy for SievePolicy {
             }
             match victim {
                 Some(seq) => {
-                    let (node, _) = self.queue.remove(&seq).expect("victim present");
-                    self.hand = seq + 1;
+                    let (node, _) = queue.remove(&seq)?;
+                    *hand = seq + 1;
                     return Some(node);
                 }
-                None => self.hand = 0,
+                None => *hand = 0,
             }
         }
     }
 
     fn len(&self) -> usize {
-        self.queue.len()
+        self.queues[0].len() + self.queues[1].len()
     }
 
     fn clear(&mut self) {
-        self.queue.clear();
-        self.hand = 0;
+        self.queues[0].clear();
+        self.queues[1].clear();
+        self.hands = [0; 2];
+    }
+
+    fn supports_classes(&self) -> bool {
+        true
+    }
+
+    fn insert_in(&mut self, node: NodeId, meta: &NodeMeta, class: LeafClass) -> LeafToken {
+        self.insert_at(node, meta, class.index())
+    }
+
+    fn set_class(&mut self, node: NodeId, token: LeafToken, class: LeafClass) -> LeafToken {
+        let (from, to) = (token.1 as usize & 1, class.index());
+        if from == to {
+            return token;
+        }
+        // Same sequence number, same visited bit: only the queue changes.
+        if let Some(e) = self.queues[from].remove(&token.0) {
+            debug_assert_eq!(e.0, node, "sieve set_class {node:?}");
+            self.queues[to].insert(token.0, e);
+        }
+        LeafToken(token.0, to as u64)
+    }
+
+    fn class_len(&self, class: LeafClass) -> usize {
+        self.queues[class.index()].len()
     }
 }
 
@@ -812,6 +1030,156 @@ mod tests {
         p.insert(nid(2), &meta(3, 3, 4, 0));
         p.clear();
         assert!(p.is_empty() && p.pop().is_none());
+    }
+
+    /// Metas of twelve leaves; every third is `First`, the others `Later` (interleaved in
+    /// every order the policies use).
+    fn classed_leaves(kind: PolicyKind) -> Vec<(NodeMeta, LeafClass)> {
+        (0..12u64)
+            .map(|i| {
+                // Reuse credits are scaled by the residence the pops of the first class
+                // measure: no credits keeps the expected order that of each class alone.
+                let hits = if kind == PolicyKind::Reuse {
+                    0
+                } else {
+                    (i % 4) as u32
+                };
+                let m = meta((i * 7) % 12 + 1, (i * 5) % 12, hits, (i % 3) as i32 - 1);
+                let class = if i % 3 == 0 {
+                    LeafClass::First
+                } else {
+                    LeafClass::Later
+                };
+                (m, class)
+            })
+            .collect()
+    }
+
+    /// The order each class alone would be popped in (a fresh policy per class), the first
+    /// class's leaves before the later's.
+    fn expected_class_order(kind: PolicyKind, leaves: &[(NodeMeta, LeafClass)]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for class in [LeafClass::First, LeafClass::Later] {
+            let mut p = kind.build();
+            for (i, (m, c)) in leaves.iter().enumerate() {
+                if *c == class {
+                    p.insert(nid(i as u32), m);
+                }
+            }
+            out.extend(std::iter::from_fn(|| p.pop().map(|n| n.idx)));
+        }
+        out
+    }
+
+    #[test]
+    fn classes_pop_the_first_class_first_each_in_its_own_order() {
+        for kind in PolicyKind::ALL {
+            let leaves = classed_leaves(kind);
+            let mut p = kind.build();
+            assert!(p.supports_classes(), "{kind:?}");
+            for (i, (m, c)) in leaves.iter().enumerate() {
+                p.insert_in(nid(i as u32), m, *c);
+            }
+            assert_eq!(
+                (p.class_len(LeafClass::First), p.class_len(LeafClass::Later)),
+                (4, 8),
+                "{kind:?}"
+            );
+            let mut got = Vec::new();
+            loop {
+                let peeked = p.peek();
+                let Some(n) = p.pop() else { break };
+                assert!(
+                    peeked.is_none_or(|k| k == n),
+                    "{kind:?}: peek {peeked:?}, pop {n:?}"
+                );
+                got.push(n.idx);
+            }
+            assert_eq!(got, expected_class_order(kind, &leaves), "{kind:?}");
+            assert!(
+                p.is_empty() && p.class_len(LeafClass::Later) == 0,
+                "{kind:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn touch_keeps_a_leaf_in_its_class() {
+        for kind in PolicyKind::ALL {
+            let leaves = classed_leaves(kind);
+            let mut p = kind.build();
+            let tokens: Vec<LeafToken> = leaves
+                .iter()
+                .enumerate()
+                .map(|(i, (m, c))| p.insert_in(nid(i as u32), m, *c))
+                .collect();
+            // Every leaf is accessed again (newer, reused once more).
+            for (i, (m, _)) in leaves.iter().enumerate() {
+                let newer = meta(m.last_access + 100, m.created, m.hit_count + 1, m.priority);
+                p.touch(nid(i as u32), tokens[i], &newer);
+            }
+            assert_eq!(p.class_len(LeafClass::First), 4, "{kind:?}");
+            let first: Vec<u32> = (0..4).filter_map(|_| p.pop().map(|n| n.idx)).collect();
+            assert!(first.iter().all(|i| i % 3 == 0), "{kind:?}: {first:?}");
+            assert_eq!(p.class_len(LeafClass::Later), 8, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn set_class_moves_a_leaf_and_keeps_its_place() {
+        for kind in PolicyKind::ALL {
+            let leaves = classed_leaves(kind);
+            let mut p = kind.build();
+            // All enter the first class; the later ones move over, some back and forth.
+            let mut tokens: Vec<LeafToken> = leaves
+                .iter()
+                .enumerate()
+                .map(|(i, (m, _))| p.insert(nid(i as u32), m))
+                .collect();
+            for (i, (_, c)) in leaves.iter().enumerate() {
+                if *c == LeafClass::Later {
+                    tokens[i] = p.set_class(nid(i as u32), tokens[i], LeafClass::Later);
+                    if i % 2 == 0 {
+                        tokens[i] = p.set_class(nid(i as u32), tokens[i], LeafClass::First);
+                        tokens[i] = p.set_class(nid(i as u32), tokens[i], LeafClass::Later);
+                    }
+                }
+                // A move to the class it is in changes nothing.
+                let again = p.set_class(nid(i as u32), tokens[i], *c);
+                assert_eq!(again, tokens[i], "{kind:?}");
+            }
+            assert_eq!(p.class_len(LeafClass::Later), 8, "{kind:?}");
+            // Tokens stay valid: a removal through one takes exactly that leaf.
+            p.remove(nid(1), tokens[1]);
+            assert_eq!(p.len(), 11, "{kind:?}");
+            let got: Vec<u32> = std::iter::from_fn(|| p.pop().map(|n| n.idx)).collect();
+            let mut expect = expected_class_order(kind, &leaves);
+            expect.retain(|&i| i != 1);
+            assert_eq!(got, expect, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn sieve_visited_bit_survives_class_moves_and_first_class_pops() {
+        let mut p = PolicyKind::Sieve.build();
+        let m = meta(0, 0, 0, 0);
+        let hot = p.insert_in(nid(0), &m, LeafClass::Later);
+        p.insert_in(nid(1), &m, LeafClass::Later);
+        let dead = p.insert_in(nid(2), &m, LeafClass::First);
+        p.insert_in(nid(3), &m, LeafClass::First);
+        // Leaf 0 is reused, then moves to the first class and back (its state went and came).
+        let hot = p.touch(nid(0), hot, &m);
+        let hot = p.set_class(nid(0), hot, LeafClass::First);
+        let hot = p.set_class(nid(0), hot, LeafClass::Later);
+        // Leaf 2 moves to the later class: after leaf 1 in the FIFO, as it entered.
+        p.set_class(nid(2), dead, LeafClass::Later);
+        assert_eq!(p.pop(), Some(nid(3)), "the first class goes first");
+        // The later class: leaf 0 is visited (spared once), leaf 1 is not.
+        assert_eq!(p.pop(), Some(nid(1)));
+        assert_eq!(p.pop(), Some(nid(2)));
+        assert_eq!(p.pop(), Some(nid(0)));
+        assert_eq!(p.pop(), None);
+        let _ = hot;
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent, chain_hashes, namespace_seed};
 use crate::page_key::{KeySeed, KvIdentity, PageKey};
-use crate::policy::{EvictionPolicy, LeafToken, NodeMeta, PolicyKind};
+use crate::policy::{EvictionPolicy, LeafClass, LeafToken, NodeMeta, PolicyKind};
 use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId, TokenId};
 
 use children::{Children, NIL, Slot};
@@ -660,15 +660,25 @@ impl RadixTree {
         let id = self.id_of(idx);
         let n = &mut self.nodes[idx as usize];
         match (n.leaf, should) {
-            (None, true) => n.leaf = Some(self.policy.insert(id, &n.meta)),
+            (None, true) => {
+                // A KV-only tree (and one without dead-end tracking) has one class.
+                n.leaf = Some(match self.mamba.as_deref() {
+                    Some(m) if m.dead_end_first => {
+                        let class = if m.keeps_state(idx) {
+                            LeafClass::Later
+                        } else {
+                            LeafClass::First
+                        };
+                        self.policy.insert_in(id, &n.meta, class)
+                    }
+                    _ => self.policy.insert(id, &n.meta),
+                })
+            }
             (Some(tok), false) => {
                 self.policy.remove(id, tok);
                 n.leaf = None;
             }
             _ => {}
-        }
-        if let Some(m) = self.mamba.as_deref_mut() {
-            m.set_leaf(idx, should);
         }
     }
 

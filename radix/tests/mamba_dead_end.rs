@@ -4,7 +4,8 @@
 
 use proptest::prelude::*;
 use radixkv_radix::{
-    InsertOptions, KeyRef, MambaPolicy, MarconiParams, NodeId, PageId, PolicyKind, RadixTree,
+    CacheError, InsertOptions, KeyRef, LeafToken, MambaPolicy, MarconiParams, NodeId, PageId,
+    PolicyKind, RadixTree,
 };
 
 fn tree(dead_end_first: bool, slots: u32) -> RadixTree {
@@ -109,6 +110,149 @@ fn kv_past_the_last_state_goes_first_and_its_parent_state_stays() {
     assert_eq!(device_len(&mut t, &[9, 9, 9, 9]), 0);
     assert_eq!(device_len(&mut t, &[1, 2, 3, 4, 5, 6, 7, 8]), 4);
     assert_eq!(states(&t), 1);
+}
+
+fn tree_with(policy: PolicyKind) -> RadixTree {
+    let mut t = RadixTree::new(2, policy, false).unwrap();
+    t.enable_mamba(8).unwrap();
+    t.set_mamba_policy(&MambaPolicy::Marconi(MarconiParams::default()))
+        .unwrap();
+    t
+}
+
+/// Evicts one leaf (one page) at a time until nothing is left; the first token of each
+/// evicted page's path, in eviction order (each test leaf is one page under the root).
+fn eviction_order(t: &mut RadixTree, pages: &[(PageId, u32)]) -> Vec<u32> {
+    let mut order = Vec::new();
+    loop {
+        let mut out = Vec::new();
+        if t.evict(1, &mut out) == 0 {
+            break;
+        }
+        t.check().unwrap();
+        for p in out {
+            order.push(pages.iter().find(|(q, _)| *q == p).unwrap().1);
+        }
+    }
+    order
+}
+
+/// One-page leaves under the root, oldest first: `(first token, with a state)`. Returns each
+/// leaf's page with its first token, and the nodes.
+fn leaves(t: &mut RadixTree, spec: &[(u32, bool)]) -> (Vec<(PageId, u32)>, Vec<NodeId>) {
+    let (mut pages, mut nodes, mut next) = (Vec::new(), Vec::new(), 0);
+    for &(tok, state) in spec {
+        let node = insert(t, &[tok, tok], &mut next);
+        if state {
+            store_state(t, node);
+        }
+        pages.push((PageId(next), tok));
+        nodes.push(node);
+    }
+    t.check().unwrap();
+    (pages, nodes)
+}
+
+#[test]
+fn each_class_keeps_lru_order_and_a_leaf_changes_class_with_its_state() {
+    // Oldest to newest: 1 (state), 2 (dead), 3 (state), 4 (dead), 5 (state).
+    let spec = [(1, true), (2, false), (3, true), (4, false), (5, true)];
+    let mut t = tree_with(PolicyKind::Lru);
+    let (pages, _) = leaves(&mut t, &spec);
+    assert_eq!(t.dead_end_leaves(), Some(2));
+    assert_eq!(eviction_order(&mut t, &pages), [2, 4, 1, 3, 5]);
+
+    // The same leaves; then leaf 5 loses its state (a dead end now, though the newest) and
+    // leaf 4 gains one: each moves to the other class at its place in LRU order.
+    let mut t = tree_with(PolicyKind::Lru);
+    let (pages, nodes) = leaves(&mut t, &spec);
+    t.evict_mamba_state(nodes[4]).unwrap();
+    t.check().unwrap();
+    assert_eq!(t.dead_end_leaves(), Some(3));
+    store_state(&mut t, nodes[3]);
+    t.check().unwrap();
+    assert_eq!(t.dead_end_leaves(), Some(2));
+    assert_eq!(eviction_order(&mut t, &pages), [2, 5, 1, 3, 4]);
+}
+
+#[test]
+fn sieve_keeps_its_queue_and_visited_bits_across_dead_end_evictions() {
+    // 1 and 3 end at states, 2 is a dead end, 4 a later state leaf; 1 is hit (visited).
+    let mut t = tree_with(PolicyKind::Sieve);
+    let (pages, _) = leaves(&mut t, &[(1, true), (2, false), (3, true), (4, true)]);
+    t.match_prefix(KeyRef::new(&[1, 1]), &mut Vec::new());
+    // The dead end goes first. Then SIEVE over the state leaves in their FIFO order, as if
+    // the dead end had never been there: 1 is spared once (its visited bit survived the
+    // dead-end eviction), 3 goes, then 4, then 1 (its bit cleared by the first pass).
+    assert_eq!(eviction_order(&mut t, &pages), [2, 3, 4, 1]);
+
+    // Without the hit: plain FIFO after the dead end (the state leaves keep their places).
+    let mut t = tree_with(PolicyKind::Sieve);
+    let (pages, _) = leaves(&mut t, &[(1, true), (2, false), (3, true), (4, true)]);
+    assert_eq!(eviction_order(&mut t, &pages), [2, 1, 3, 4]);
+}
+
+#[test]
+fn a_policy_without_classes_is_refused_dead_end_tracking() {
+    #[derive(Debug, Default)]
+    struct Plain(Vec<NodeId>);
+    impl radixkv_radix::EvictionPolicy for Plain {
+        fn name(&self) -> &'static str {
+            "plain"
+        }
+        fn insert(&mut self, node: NodeId, _: &radixkv_radix::NodeMeta) -> LeafToken {
+            self.0.push(node);
+            LeafToken::default()
+        }
+        fn remove(&mut self, node: NodeId, _: LeafToken) {
+            self.0.retain(|&n| n != node);
+        }
+        fn pop(&mut self) -> Option<NodeId> {
+            (!self.0.is_empty()).then(|| self.0.remove(0))
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn clear(&mut self) {
+            self.0.clear();
+        }
+    }
+    let mut t = RadixTree::with_policy(2, Box::<Plain>::default(), false).unwrap();
+    t.enable_mamba(4).unwrap();
+    let err = t
+        .set_mamba_policy(&MambaPolicy::Marconi(MarconiParams::default()))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CacheError::PolicyParam {
+                param: "dead_end_kv_first",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(t.dead_end_leaves(), None, "nothing changed");
+    let off = MarconiParams {
+        dead_end_kv_first: false,
+        ..MarconiParams::default()
+    };
+    t.set_mamba_policy(&MambaPolicy::Marconi(off)).unwrap();
+    t.set_mamba_policy(&MambaPolicy::Sglang).unwrap();
+}
+
+#[test]
+fn turning_dead_end_tracking_on_sorts_the_leaves_already_held() {
+    let mut t = RadixTree::new(2, PolicyKind::Lru, false).unwrap();
+    t.enable_mamba(8).unwrap();
+    t.set_mamba_policy(&MambaPolicy::Sglang).unwrap();
+    let (pages, _) = leaves(&mut t, &[(1, true), (2, false), (3, true)]);
+    assert_eq!(t.dead_end_leaves(), None);
+    t.set_mamba_policy(&MambaPolicy::Marconi(MarconiParams::default()))
+        .unwrap();
+    t.check().unwrap();
+    assert_eq!(t.dead_end_leaves(), Some(1));
+    assert_eq!(eviction_order(&mut t, &pages), [2, 1, 3]);
 }
 
 #[derive(Clone, Debug)]

@@ -113,15 +113,16 @@ impl RadixTree {
     /// policy's contents have been rebuilt from the tree's leaf set by then, so the tree stays
     /// consistent and a later call may succeed.
     pub fn try_pop_victim(&mut self) -> Result<Option<NodeId>> {
+        if self.mamba.is_some() {
+            // Empty after every public call; a safety net for the class order.
+            self.apply_leaf_classes();
+        }
         let Some(id) = self.policy.pop() else {
             return Ok(None);
         };
         match self.resolve(id) {
             Ok(idx) if self.nodes[idx as usize].leaf.is_some() => {
                 self.nodes[idx as usize].leaf = None;
-                if let Some(m) = self.mamba.as_deref_mut() {
-                    m.set_leaf(idx, false);
-                }
                 Ok(Some(id))
             }
             _ => {
@@ -142,7 +143,7 @@ impl RadixTree {
 
     /// Refills the policy with exactly the tree's evictable leaves, after it lost track of
     /// them. `O(nodes)`; only a misbehaving policy gets here.
-    fn rebuild_policy(&mut self) {
+    pub(super) fn rebuild_policy(&mut self) {
         self.policy.clear();
         let all: Vec<u32> = self.nodes.iter().map(|(k, _)| k as u32).collect();
         for idx in all {
@@ -170,8 +171,7 @@ impl RadixTree {
         }
         // The cascade: a state cannot be resumed without the KV before it.
         if let Some(m) = self.mamba.as_deref_mut() {
-            m.set_leaf(idx, false);
-            m.drop_state(idx);
+            m.drop_state_with_kv(idx);
         }
         // And window KV is useless without the full KV of the same tokens.
         if let Some(w) = self.swa.as_deref_mut() {
@@ -202,12 +202,10 @@ impl RadixTree {
     ///
     /// With Mamba-aware KV eviction on ([`crate::MarconiParams::dead_end_kv_first`]), leaves
     /// that carry no Mamba state ([`RadixTree::dead_end_leaves`]) go first, in the policy's
-    /// order; leaves ending at a live state only once none is left.
+    /// order; leaves ending at a live state only once none is left (the policy keeps the two
+    /// as [`crate::LeafClass`]es, so this costs nothing extra per victim).
     pub fn evict(&mut self, tokens: usize, out: &mut Vec<PageId>) -> usize {
         let mut done = 0;
-        if self.mamba.as_deref().is_some_and(|m| m.dead_leaves > 0) {
-            done = self.evict_dead_ends(tokens, out);
-        }
         while done < tokens {
             let Some(victim) = self.pop_victim() else {
                 break;
@@ -228,39 +226,6 @@ impl RadixTree {
                     break;
                 }
             }
-        }
-        done
-    }
-
-    /// The dead-end pass of [`RadixTree::evict`]: pops victims in policy order, evicts those
-    /// without a state and sets the others aside (returned to the policy afterwards), until
-    /// `tokens` are released or no dead-end leaf is left.
-    fn evict_dead_ends(&mut self, tokens: usize, out: &mut Vec<PageId>) -> usize {
-        let mut done = 0;
-        let mut kept: Vec<u32> = Vec::new();
-        while done < tokens && self.mamba.as_deref().is_some_and(|m| m.dead_leaves > 0) {
-            let Some(victim) = self.pop_victim() else {
-                break;
-            };
-            let Ok(idx) = self.resolve(victim) else {
-                debug_assert!(false, "pop_victim returned a stale node");
-                break;
-            };
-            let m = self.mamba.as_deref().map(|m| m.get(idx));
-            if m.is_some_and(|e| e.slot != NIL || e.host != NIL) {
-                kept.push(idx);
-                continue;
-            }
-            match self.evict_device(victim, out) {
-                Ok(n) => done += n,
-                Err(e) => {
-                    debug_assert!(false, "policy returned a non-evictable node: {e}");
-                    break;
-                }
-            }
-        }
-        for idx in kept {
-            self.update_leaf(idx);
         }
         done
     }

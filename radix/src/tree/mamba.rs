@@ -40,12 +40,6 @@ pub(super) struct MambaNode {
     pub(super) generation: u32,
     /// Why the state was stored ([`CheckpointKind`] as its index).
     pub(super) kind: u8,
-    /// The node is in the tree's evictable-leaf set (mirrored only while dead-end tracking is
-    /// on, see [`MambaComponent::dead_end_first`]).
-    pub(super) leaf: bool,
-    /// Counted in [`MambaComponent::dead_leaves`]: an evictable leaf with neither a device
-    /// state nor a host copy of one.
-    pub(super) dead: bool,
 }
 
 pub(super) const NO_STATE: MambaNode = MambaNode {
@@ -55,8 +49,6 @@ pub(super) const NO_STATE: MambaNode = MambaNode {
     tick: 0,
     generation: 0,
     kind: 0,
-    leaf: false,
-    dead: false,
 };
 
 /// The Mamba component of a [`RadixTree`] (see the module docs).
@@ -71,12 +63,15 @@ pub(crate) struct MambaComponent {
     clock: u64,
     /// Utility eviction ([`MambaPolicy::Marconi`]); `None`: least recently used first.
     utility: Option<MarconiParams>,
-    /// Mamba-aware KV eviction ([`MarconiParams::dead_end_kv_first`]): the component mirrors
-    /// which nodes are evictable leaves and counts the dead-end ones, so that
-    /// [`RadixTree::evict`] can evict those first. Off: nothing is mirrored (no cost).
+    /// Mamba-aware KV eviction ([`MarconiParams::dead_end_kv_first`]): the tree's eviction
+    /// policy keeps the leaves whose node has a state (on device or host) in
+    /// [`LeafClass::Later`], the dead-end ones in [`LeafClass::First`]. Off: every leaf is
+    /// `First` and nothing is recorded (no cost).
     pub(super) dead_end_first: bool,
-    /// Evictable leaves with no state on device or host (while `dead_end_first`).
-    pub(super) dead_leaves: usize,
+    /// Nodes whose state (device or host) appeared or went since the tree last brought their
+    /// leaf class in line ([`RadixTree::apply_leaf_classes`]); only while `dead_end_first`.
+    /// Empty between the tree's public calls.
+    pub(super) moved: Vec<u32>,
     stats: MambaStats,
 }
 
@@ -90,7 +85,7 @@ impl MambaComponent {
             clock: 0,
             utility: None,
             dead_end_first: false,
-            dead_leaves: 0,
+            moved: Vec::new(),
             stats: MambaStats::default(),
         })
     }
@@ -117,36 +112,20 @@ impl MambaComponent {
         self.get(idx).slot != NIL
     }
 
-    /// Brings node `idx`'s dead-end flag and the count in line with its mirrored leaf flag and
-    /// its states (while dead-end tracking is on).
+    /// True when node `idx` has a state on device or a host copy of one (a leaf there is not
+    /// dead-end KV).
     #[inline]
-    pub(super) fn sync_dead(&mut self, idx: u32) {
-        if !self.dead_end_first {
-            return;
-        }
-        let e = self.entry(idx);
-        let dead = e.leaf && e.slot == NIL && e.host == NIL;
-        if e.dead != dead {
-            e.dead = dead;
-            if dead {
-                self.dead_leaves += 1;
-            } else {
-                self.dead_leaves -= 1;
-            }
-        }
+    pub(super) fn keeps_state(&self, idx: u32) -> bool {
+        let e = self.get(idx);
+        e.slot != NIL || e.host != NIL
     }
 
-    /// Records whether node `idx` is in the tree's evictable-leaf set (while dead-end
-    /// tracking is on).
+    /// Notes that node `idx`'s state (device or host) appeared or went, so that the tree moves
+    /// it to its leaf class if it is a leaf (while dead-end tracking is on).
     #[inline]
-    pub(super) fn set_leaf(&mut self, idx: u32, leaf: bool) {
-        if !self.dead_end_first {
-            return;
-        }
-        let e = self.entry(idx);
-        if e.leaf != leaf {
-            e.leaf = leaf;
-            self.sync_dead(idx);
+    pub(super) fn state_changed(&mut self, idx: u32) {
+        if self.dead_end_first {
+            self.moved.push(idx);
         }
     }
 
@@ -171,15 +150,26 @@ impl MambaComponent {
     /// Drops the state of node `idx` (which must be unlocked), freeing its slot. Returns
     /// whether there was one.
     pub(super) fn drop_state(&mut self, idx: u32) -> bool {
+        self.drop_state_counted(idx, true)
+    }
+
+    /// [`MambaComponent::drop_state`] for a node whose device KV goes with it (the cascade of
+    /// a KV eviction): it is no leaf any more, so no leaf class is to be moved.
+    pub(super) fn drop_state_with_kv(&mut self, idx: u32) -> bool {
+        self.drop_state_counted(idx, false)
+    }
+
+    fn drop_state_counted(&mut self, idx: u32, note: bool) -> bool {
         let kind = CheckpointKind::from_index(self.get(idx).kind);
-        let dropped = self.drop_state_uncounted(idx);
+        let dropped = self.drop_state_uncounted(idx, note);
         if dropped {
             self.stats.kind_mut(kind).evicted += 1;
         }
         dropped
     }
 
-    fn drop_state_uncounted(&mut self, idx: u32) -> bool {
+    /// Drops the state; `note`: record it for the leaf classes ([`MambaComponent::moved`]).
+    fn drop_state_uncounted(&mut self, idx: u32, note: bool) -> bool {
         let e = self.get(idx);
         if e.slot == NIL {
             return false;
@@ -195,11 +185,11 @@ impl MambaComponent {
             host: e.host,
             generation: e.generation,
             kind: e.kind,
-            leaf: e.leaf,
-            dead: e.dead,
             ..NO_STATE
         };
-        self.sync_dead(idx);
+        if note {
+            self.state_changed(idx);
+        }
         true
     }
 
@@ -207,12 +197,12 @@ impl MambaComponent {
     /// outstanding; the owner resets its host pool).
     pub(super) fn clear_tree_states(&mut self) {
         for i in 0..self.nodes.len() as u32 {
-            self.drop_state_uncounted(i);
+            self.drop_state_uncounted(i, false);
         }
         self.nodes.clear();
         self.lru.clear();
         self.protected = 0;
-        self.dead_leaves = 0;
+        self.moved.clear();
     }
 }
 
@@ -284,43 +274,72 @@ impl RadixTree {
     /// [`CacheError::ComponentDisabled`]; [`CacheError::PolicyParam`] (nothing changes then).
     pub fn set_mamba_policy(&mut self, policy: &MambaPolicy) -> Result<()> {
         policy.validate()?;
+        self.mamba_ref()?;
+        let track = policy.marconi().is_some_and(|p| p.dead_end_kv_first);
+        if track && !self.policy.supports_classes() {
+            return Err(CacheError::PolicyParam {
+                param: "dead_end_kv_first",
+                reason: "the tree's eviction policy keeps no leaf classes",
+            });
+        }
         let m = self.mamba_mut()?;
         m.utility = policy.marconi().copied();
-        let track = policy.marconi().is_some_and(|p| p.dead_end_kv_first);
         if track != m.dead_end_first {
             m.dead_end_first = track;
-            // Mirror the leaf set from scratch (O(nodes); a policy is set once, normally on
-            // an empty tree).
-            m.dead_leaves = 0;
-            for e in &mut m.nodes {
-                e.leaf = false;
-                e.dead = false;
-            }
-            let leaves: Vec<u32> = self
-                .nodes
-                .iter()
-                .filter(|(_, n)| n.leaf.is_some())
-                .map(|(k, _)| k as u32)
-                .collect();
-            if let Some(m) = self.mamba.as_deref_mut() {
-                for idx in leaves {
-                    m.set_leaf(idx, true);
-                }
-            }
+            m.moved.clear();
+            // Refill the policy with every leaf in its class (O(nodes); a policy is set once,
+            // normally on an empty tree).
+            self.rebuild_policy();
         }
         Ok(())
     }
 
     /// Evictable device leaves that carry no Mamba state (on device or host): *dead-end* KV,
     /// whose tokens no match can use, since a match is usable only up to the deepest node
-    /// with a state. Under [`MarconiParams::dead_end_kv_first`] (the Marconi default)
-    /// [`RadixTree::evict`] evicts these first; `None` while that is off or without the
-    /// component.
+    /// with a state. Under [`MarconiParams::dead_end_kv_first`] (the Marconi default) the
+    /// eviction policy keeps them in [`LeafClass::First`], so every eviction
+    /// ([`RadixTree::evict`], [`RadixTree::pop_victim`]) takes these first; `None` while that
+    /// is off or without the component.
     pub fn dead_end_leaves(&self) -> Option<usize> {
         self.mamba
             .as_deref()
             .filter(|m| m.dead_end_first)
-            .map(|m| m.dead_leaves)
+            .map(|_| self.policy.class_len(LeafClass::First))
+    }
+
+    /// The class a leaf at node `idx` belongs in (see [`MambaComponent::dead_end_first`]).
+    #[inline]
+    pub(super) fn leaf_class(&self, idx: u32) -> LeafClass {
+        match self.mamba.as_deref() {
+            Some(m) if m.dead_end_first && m.keeps_state(idx) => LeafClass::Later,
+            _ => LeafClass::First,
+        }
+    }
+
+    /// Moves every leaf whose state appeared or went since the last call into its class
+    /// ([`MambaComponent::moved`]): `O(1)` (LRU, MRU, reuse) or `O(log n)` per node in the
+    /// policy, which keeps what it records about the leaf. Called at the end of every tree
+    /// method that stores, drops or loads a state, and before a victim is popped.
+    pub(super) fn apply_leaf_classes(&mut self) {
+        let Some(m) = self.mamba.as_deref_mut() else {
+            return;
+        };
+        if m.moved.is_empty() {
+            return;
+        }
+        let mut moved = std::mem::take(&mut m.moved);
+        for &idx in &moved {
+            // A node that is no leaf (any more) is placed by `update_leaf` when it becomes one.
+            let Some(tok) = self.nodes.get(idx as usize).and_then(|n| n.leaf) else {
+                continue;
+            };
+            let (class, id) = (self.leaf_class(idx), self.id_of(idx));
+            self.nodes[idx as usize].leaf = Some(self.policy.set_class(id, tok, class));
+        }
+        moved.clear();
+        if let Some(m) = self.mamba.as_deref_mut() {
+            m.moved = moved;
+        }
     }
 
     /// The Mamba state counters per checkpoint kind.
@@ -605,6 +624,7 @@ impl RadixTree {
                 }
             }
         }
+        self.apply_leaf_classes();
     }
 
     /// The Mamba lock count of `idx` (0 without the component).
@@ -737,7 +757,8 @@ impl RadixTree {
         let now = m.tick();
         m.entry(idx).tick = now;
         m.lru.insert((now, idx));
-        m.sync_dead(idx);
+        m.state_changed(idx);
+        self.apply_leaf_classes();
         Ok(MambaInsert::Stored)
     }
 
@@ -749,17 +770,20 @@ impl RadixTree {
         let Some(m) = self.mamba.as_deref_mut() else {
             return 0;
         };
-        if let Some(params) = m.utility {
-            return self.evict_mamba_by_utility(n, &params);
-        }
-        let mut done = 0;
-        while done < n {
-            let Some(&(_, idx)) = m.lru.first() else {
-                break;
-            };
-            m.drop_state(idx);
-            done += 1;
-        }
+        let done = if let Some(params) = m.utility {
+            self.evict_mamba_by_utility(n, &params)
+        } else {
+            let mut done = 0;
+            while done < n {
+                let Some(&(_, idx)) = m.lru.first() else {
+                    break;
+                };
+                m.drop_state(idx);
+                done += 1;
+            }
+            done
+        };
+        self.apply_leaf_classes();
         done
     }
 
@@ -838,6 +862,7 @@ impl RadixTree {
             ));
         }
         m.drop_state(idx);
+        self.apply_leaf_classes();
         Ok(())
     }
 
@@ -917,29 +942,29 @@ impl RadixTree {
             m.protected
         );
         if m.dead_end_first {
-            let mut dead = 0usize;
-            for (k, n) in self.nodes.iter() {
-                let k = k as u32;
-                let e = m.get(k);
-                ensure_inv!(
-                    e.leaf == n.leaf.is_some(),
-                    "node {k}: Mamba leaf mirror {} but evictable leaf {}",
-                    e.leaf,
-                    n.leaf.is_some()
-                );
-                let expect = e.leaf && e.slot == NIL && e.host == NIL;
-                ensure_inv!(
-                    e.dead == expect,
-                    "node {k}: dead-end flag {} but expected {expect}",
-                    e.dead
-                );
-                dead += usize::from(expect);
-            }
-            let flagged = m.nodes.iter().filter(|e| e.dead).count();
             ensure_inv!(
-                dead == m.dead_leaves && flagged == dead,
-                "dead-end leaves: counter {}, live nodes {dead}, flags {flagged}",
-                m.dead_leaves
+                m.moved.is_empty(),
+                "{} state changes not applied to the leaf classes",
+                m.moved.len()
+            );
+            let (mut dead, mut live) = (0usize, 0usize);
+            for (k, n) in self.nodes.iter() {
+                if n.leaf.is_some() {
+                    if m.keeps_state(k as u32) {
+                        live += 1;
+                    } else {
+                        dead += 1;
+                    }
+                }
+            }
+            let (first, later) = (
+                self.policy.class_len(LeafClass::First),
+                self.policy.class_len(LeafClass::Later),
+            );
+            ensure_inv!(
+                (first, later) == (dead, live),
+                "leaf classes: the policy holds {first} dead-end and {later} state-carrying \
+                 leaves, the tree has {dead} and {live}"
             );
         }
         Ok(())

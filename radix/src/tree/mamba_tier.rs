@@ -82,7 +82,8 @@ impl RadixTree {
         }
         let e = m.entry(idx);
         let host = std::mem::replace(&mut e.host, NIL);
-        m.sync_dead(idx);
+        m.state_changed(idx);
+        self.apply_leaf_classes();
         Ok(Some(host))
     }
 
@@ -124,7 +125,8 @@ impl RadixTree {
         e.tick = now;
         debug_assert_eq!(e.lock, 0);
         m.lru.insert((now, idx));
-        m.sync_dead(idx);
+        m.state_changed(idx);
+        self.apply_leaf_classes();
         Ok(())
     }
 

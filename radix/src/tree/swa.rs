@@ -550,6 +550,7 @@ impl RadixTree {
                 m.drop_unlocked_state(idx);
             }
         }
+        self.apply_leaf_classes();
         done
     }
 
@@ -571,6 +572,7 @@ impl RadixTree {
         if let Some(m) = self.mamba.as_deref_mut() {
             m.drop_unlocked_state(idx);
         }
+        self.apply_leaf_classes();
         Ok(n)
     }
 
