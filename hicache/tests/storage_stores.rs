@@ -488,13 +488,13 @@ async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
     );
 }
 
-/// Pages of several hundred KiB (written 128 KiB at a time, each chunk checksummed as it goes,
-/// the header last; read back the same way) beside small ones: byte-exact before and after a
+/// Pages of up to a few MiB (over 512 KiB written 512 KiB at a time, each chunk checksummed as
+/// it goes, the header last; read back the same way) beside small ones: byte-exact before and after a
 /// restart, and a byte damaged in a late chunk of a large page is a counted miss.
 #[tokio::test]
 async fn file_store_large_pages_round_trip_and_damage_is_caught() {
     let dir = TempDir::new("large");
-    let lens = [300_001, 17, 131_072, 131_073, 1 << 20, 5, 777_777];
+    let lens = [300_001, 17, 524_288, 524_289, 2 << 20, 5, 1_777_777];
     let pages: Vec<(PageKey, Vec<u8>)> = lens
         .iter()
         .enumerate()
@@ -518,7 +518,7 @@ async fn file_store_large_pages_round_trip_and_damage_is_caught() {
     let store = FileStore::open(dir.config()).await.unwrap();
     assert_eq!(store.stats().pages, 7);
     assert_eq!(store.get(&keys).await.unwrap(), expect);
-    // One byte of the last chunk of the 1 MiB page flipped on disk.
+    // One byte of the last chunk of the 2 MiB page flipped on disk.
     let (path, off, len) = store.page_location(&key(4)).unwrap();
     let mut bytes = fs::read(&path).unwrap();
     bytes[(off + len) as usize - 3] ^= 0x01;

@@ -15,9 +15,9 @@
 //! record larger than that gets a segment of its own), with one vectored write per group of
 //! about 1 MiB of pages; each page's XXH3 is computed just before its group is written, so
 //! the write copies bytes the checksum has just brought into the CPU cache and a page is read
-//! from memory once. A page of more than 128 KiB is written on its own, 128 KiB at a time,
+//! from memory once. A page of more than 512 KiB is written on its own, 512 KiB at a time,
 //! each chunk fed to a streaming XXH3 just before its write; its header, which holds the
-//! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get` reads each page in chunks of 128 KiB and feeds each chunk to a
+//! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get` reads each page in chunks of 512 KiB and feeds each chunk to a
 //! streaming XXH3 right after its read (again from the CPU cache), and returns the page only
 //! if the checksum matches. The store keeps an in-memory index, key → (segment, offset, length,
 //! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
@@ -750,34 +750,25 @@ fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Resu
 }
 
 /// Bytes of a page read at a time by [`read_hashed`]: small enough to be still in the CPU's
-/// L2 cache when the checksum reads them right after the kernel copied them in.
-const READ_CHUNK_BYTES: usize = 128 << 10;
+/// cache (the L2 of the VM the README's bench ran on holds 512 KiB per core) when the checksum reads them right after
+/// the kernel copied them in.
+const READ_CHUNK_BYTES: usize = 512 << 10;
 
-/// Reads up to `len` bytes of `file` from its position, [`READ_CHUNK_BYTES`] at a time, and
-/// feeds each chunk to a streaming XXH3 right after its read (so a page is read from memory
-/// once, not once by the copy and again by the checksum): the bytes read (fewer than `len`
-/// only where the file ends first) and the XXH3-64 of exactly those bytes, equal to
-/// [`xxh3_64`] of them.
-fn read_hashed(mut file: &File, len: usize) -> io::Result<(Vec<u8>, u64)> {
+/// Reads up to `len` bytes of `file` from its position, [`READ_CHUNK_BYTES`] at a time (each
+/// chunk into the buffer's spare capacity, nothing zeroed first), and feeds each chunk to a
+/// streaming XXH3 right after its read, so a page is read from memory once rather than once
+/// by the copy and again by the checksum: the bytes read (fewer than `len` only where the file
+/// ends first) and the XXH3-64 of exactly those bytes, equal to [`xxh3_64`] of them.
+fn read_hashed(file: &File, len: usize) -> io::Result<(Vec<u8>, u64)> {
     let mut buf = Vec::with_capacity(len);
     let mut hasher = Xxh3::new();
     while buf.len() < len {
         let start = buf.len();
-        let end = start + (len - start).min(READ_CHUNK_BYTES);
-        // Zeroing a chunk that the read overwrites at once costs a pass over cached bytes.
-        buf.resize(end, 0);
-        let mut filled = start;
-        while filled < end {
-            match file.read(&mut buf[filled..end]) {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        hasher.update(&buf[start..filled]);
-        if filled < end {
-            buf.truncate(filled);
+        let want = (len - start).min(READ_CHUNK_BYTES);
+        // Into the buffer's spare capacity: no bytes are zeroed first.
+        let n = file.take(want as u64).read_to_end(&mut buf)?;
+        hasher.update(&buf[start..]);
+        if n < want {
             break;
         }
     }
@@ -792,9 +783,9 @@ type Item<'a> = (Record, &'a [u8]);
 const WRITE_GROUP_BYTES: u64 = 1 << 20;
 
 /// A page longer than this is checksummed and written chunk by chunk, this many bytes at a
-/// time ([`write_chunked`]): a whole page of a few MiB would be out of the CPU's L2 cache by
-/// the time its write copied it.
-const WRITE_CHUNK_BYTES: usize = 128 << 10;
+/// time ([`write_chunked`]): a whole page of a few MiB would be out of the CPU's cache by the
+/// time its write copied it.
+const WRITE_CHUNK_BYTES: usize = 512 << 10;
 
 /// Whether `write_groups` writes `item` with [`write_chunked`].
 fn goes_chunked(item: &Item<'_>, hash: bool) -> bool {
