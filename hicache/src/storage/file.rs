@@ -15,15 +15,19 @@
 //! record larger than that gets a segment of its own), with one vectored write per group of
 //! about 1 MiB of pages; each page's XXH3 is computed just before its group is written, so
 //! the write copies bytes the checksum has just brought into the CPU cache and a page is read
-//! from memory once. A `get` reads each page with one positioned read and checks its XXH3
-//! before returning it. The store keeps an in-memory index, key → (segment, offset, length,
+//! from memory once. A page of more than 512 KiB is written on its own, 512 KiB at a time,
+//! each chunk fed to a streaming XXH3 just before its write; its header, which holds the
+//! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get` reads each page in chunks of 512 KiB and feeds each chunk to a
+//! streaming XXH3 right after its read (again from the CPU cache), and returns the page only
+//! if the checksum matches. The store keeps an in-memory index, key → (segment, offset, length,
 //! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
 //! payloads).
 //!
 //! # Writes, crashes and durability
-//! Records are never changed once written, and a store appends only to segments it created,
+//! Records are never changed once written whole, and a store appends only to segments it created,
 //! one batch at a time. A process that dies mid-write leaves a torn tail: a header that does
-//! not check, or a record longer than the file. Reading a segment stops there, so a torn
+//! not check (a large page's header still zeros: it is written after its payload), or a
+//! record longer than the file. Reading a segment stops there, so a torn
 //! record is never indexed (the bytes stay until the segment is evicted; nobody appends to it
 //! again). A page whose bytes were damaged on disk after its header checked fails its XXH3 at
 //! `get`: a miss, counted in [`StoreStats::damaged_pages`] and dropped from the index —
@@ -100,7 +104,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use radixkv_radix::PageKey;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::backend::{Counters, StorageBackend, StoreError, StoreFuture, StoreStats};
 
@@ -288,7 +292,8 @@ struct Tomb {
 #[derive(Debug)]
 struct Segment {
     name: String,
-    /// The append handle of a segment this store created.
+    /// The handle this store writes a segment it created through (at the end it keeps in
+    /// `end`; the handle does not append).
     writer: Option<Arc<File>>,
     /// Bytes read (a segment of another store) or written (this store's) so far.
     end: u64,
@@ -731,7 +736,7 @@ fn scan_segment(path: &Path, from: u64) -> Result<Option<Scanned>, StoreError> {
     Ok(Some(out))
 }
 
-/// Writes all of `bufs` to `file` (opened for appending).
+/// Writes all of `bufs` to `file` at its position.
 fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !bufs.is_empty() {
         match file.write_vectored(bufs) {
@@ -744,6 +749,32 @@ fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Resu
     Ok(())
 }
 
+/// Bytes of a page read at a time by [`read_hashed`]: small enough to be still in the CPU's
+/// cache (the L2 of the VM the README's bench ran on holds 512 KiB per core) when the checksum reads them right after
+/// the kernel copied them in.
+const READ_CHUNK_BYTES: usize = 512 << 10;
+
+/// Reads up to `len` bytes of `file` from its position, [`READ_CHUNK_BYTES`] at a time (each
+/// chunk into the buffer's spare capacity, nothing zeroed first), and feeds each chunk to a
+/// streaming XXH3 right after its read, so a page is read from memory once rather than once
+/// by the copy and again by the checksum: the bytes read (fewer than `len` only where the file
+/// ends first) and the XXH3-64 of exactly those bytes, equal to [`xxh3_64`] of them.
+fn read_hashed(file: &File, len: usize) -> io::Result<(Vec<u8>, u64)> {
+    let mut buf = Vec::with_capacity(len);
+    let mut hasher = Xxh3::new();
+    while buf.len() < len {
+        let start = buf.len();
+        let want = (len - start).min(READ_CHUNK_BYTES);
+        // Into the buffer's spare capacity: no bytes are zeroed first.
+        let n = file.take(want as u64).read_to_end(&mut buf)?;
+        hasher.update(&buf[start..]);
+        if n < want {
+            break;
+        }
+    }
+    Ok((buf, hasher.digest()))
+}
+
 /// A record to append: its header and its payload (empty for a tombstone).
 type Item<'a> = (Record, &'a [u8]);
 
@@ -751,34 +782,89 @@ type Item<'a> = (Record, &'a [u8]);
 /// enough to still be in the CPU cache when the write copies it.
 const WRITE_GROUP_BYTES: u64 = 1 << 20;
 
-/// Appends `items` to `file` (opened for appending), in groups of about [`WRITE_GROUP_BYTES`]
-/// of payload, one vectored write each; with `hash`, each page record's checksum is computed
+/// A page longer than this is checksummed and written chunk by chunk, this many bytes at a
+/// time ([`write_chunked`]): a whole page of a few MiB would be out of the CPU's cache by the
+/// time its write copied it.
+const WRITE_CHUNK_BYTES: usize = 512 << 10;
+
+/// Whether `write_groups` writes `item` with [`write_chunked`].
+fn goes_chunked(item: &Item<'_>, hash: bool) -> bool {
+    hash && !item.0.tomb && item.1.len() > WRITE_CHUNK_BYTES
+}
+
+/// Writes `items` to `file` from byte `off` on (the segment's end: the store writes its
+/// segments through a handle that does not append, at the offsets it keeps). With `hash`, a
+/// page record's checksum is computed as it is written: a page of more than
+/// [`WRITE_CHUNK_BYTES`] by [`write_chunked`]; the other records in groups of about
+/// [`WRITE_GROUP_BYTES`] of payload, one vectored write each, each page's checksum computed
 /// just before its group is written.
-fn write_groups(file: &File, items: &mut [Item<'_>], hash: bool) -> io::Result<()> {
+fn write_groups(
+    mut file: &File,
+    mut off: u64,
+    items: &mut [Item<'_>],
+    hash: bool,
+) -> io::Result<()> {
+    file.seek(SeekFrom::Start(off))?;
     let mut i = 0;
     while i < items.len() {
+        if goes_chunked(&items[i], hash) {
+            let (r, payload) = &mut items[i];
+            write_chunked(file, off, r, payload)?;
+            off += RECORD_HEADER_BYTES + r.len;
+            i += 1;
+            continue;
+        }
         let mut j = i;
         let mut bytes = 0;
-        let mut headers = Vec::new();
-        while j < items.len() && (j == i || bytes + items[j].0.len <= WRITE_GROUP_BYTES) {
+        let mut encoded = Vec::new();
+        while j < items.len()
+            && !goes_chunked(&items[j], hash)
+            && (j == i || bytes + items[j].0.len <= WRITE_GROUP_BYTES)
+        {
             let (r, payload) = &mut items[j];
             if hash && !r.tomb {
                 r.hash = xxh3_64(payload);
             }
-            headers.push(r.encode());
+            encoded.push(r.encode());
             bytes += r.len;
             j += 1;
         }
         let mut slices = Vec::with_capacity(2 * (j - i));
-        for (h, (_, payload)) in headers.iter().zip(&items[i..j]) {
+        for (h, (_, payload)) in encoded.iter().zip(&items[i..j]) {
             slices.push(IoSlice::new(h));
             if !payload.is_empty() {
                 slices.push(IoSlice::new(payload));
             }
         }
         write_all_vectored(file, &mut slices)?;
+        off += bytes + (j - i) as u64 * RECORD_HEADER_BYTES;
         i = j;
     }
+    Ok(())
+}
+
+/// Writes page record `r` with `payload` to `file` at byte `off` (where the file's position
+/// is): zeros in the header's place, then the payload [`WRITE_CHUNK_BYTES`] at a time, each
+/// chunk fed to a streaming XXH3 just before its write (so the write copies bytes still in
+/// the CPU cache, and the page is read from memory once), then the header, with the checksum,
+/// into its place; the position is left at the record's end. Until the header is in, the
+/// record is a torn one (zeros are no header); the record written is the same as one written
+/// header first.
+fn write_chunked(mut file: &File, off: u64, r: &mut Record, payload: &[u8]) -> io::Result<()> {
+    let mut hasher = Xxh3::new();
+    let mut chunks = payload.chunks(WRITE_CHUNK_BYTES);
+    let first = chunks.next().unwrap_or_default();
+    hasher.update(first);
+    let place = [0u8; HEADER];
+    write_all_vectored(file, &mut [IoSlice::new(&place), IoSlice::new(first)])?;
+    for chunk in chunks {
+        hasher.update(chunk);
+        file.write_all(chunk)?;
+    }
+    r.hash = hasher.digest();
+    file.seek(SeekFrom::Start(off))?;
+    file.write_all(&r.encode())?;
+    file.seek(SeekFrom::Start(off + RECORD_HEADER_BYTES + r.len))?;
     Ok(())
 }
 
@@ -805,7 +891,7 @@ impl Shared {
             let path = self.segment_path(&name);
             match OpenOptions::new()
                 .read(true)
-                .append(true)
+                .write(true)
                 .create_new(true)
                 .open(&path)
             {
@@ -888,7 +974,7 @@ impl Shared {
                 j += 1;
             }
             let path = self.segment_path(&name);
-            if let Err(e) = write_groups(&file, &mut items[i..j], hash) {
+            if let Err(e) = write_groups(&file, start, &mut items[i..j], hash) {
                 if file.set_len(start).is_err() {
                     // Cannot cut the failed write off: append no more to this segment.
                     let mut st = self.lock();
@@ -958,14 +1044,13 @@ impl Shared {
             let Ok(len) = usize::try_from(loc.len) else {
                 continue;
             };
-            let mut buf = Vec::with_capacity(len);
-            let whole = file.seek(SeekFrom::Start(loc.off)).is_ok()
-                && (&file)
-                    .take(loc.len)
-                    .read_to_end(&mut buf)
-                    .is_ok_and(|n| n == len)
-                && xxh3_64(&buf) == loc.hash;
-            if whole {
+            if file.seek(SeekFrom::Start(loc.off)).is_err() {
+                continue;
+            }
+            if let Ok((buf, hash)) = read_hashed(&file, len)
+                && buf.len() == len
+                && hash == loc.hash
+            {
                 out.push((*key, buf, loc.hash));
             }
         }
@@ -1189,13 +1274,11 @@ impl Shared {
             }
             let len = usize::try_from(loc.len)
                 .map_err(|_| StoreError::Io(format!("a page of {} bytes", loc.len)))?;
-            let mut buf = Vec::with_capacity(len);
-            let n = (&*file)
-                .take(loc.len)
-                .read_to_end(&mut buf)
-                .map_err(|e| io_err("cannot read", &path, e))?;
-            *pos = loc.off + n as u64;
-            if n != len || xxh3_64(&buf) != loc.hash {
+            // Checksummed as it is read, chunk by chunk.
+            let (buf, hash) =
+                read_hashed(file, len).map_err(|e| io_err("cannot read", &path, e))?;
+            *pos = loc.off + buf.len() as u64;
+            if buf.len() != len || hash != loc.hash {
                 damaged.push((*key, *loc));
                 out.push(None);
             } else {
@@ -1561,6 +1644,152 @@ mod tests {
         assert!(!is_segment_name(".seg"));
         assert!(!is_segment_name("notes.seg.txt"));
         assert!(!is_segment_name("ABC.seg"));
+    }
+
+    /// [`read_hashed`]'s chunked XXH3 is the one-shot XXH3 of the same bytes (the checksum the
+    /// records store), for lengths around XXH3's internal block sizes and around the chunk
+    /// size, and a file that ends early gives its bytes and their checksum.
+    #[test]
+    fn chunked_read_hashes_like_one_shot() {
+        let dir =
+            std::env::temp_dir().join(format!("radixkv-file-read-hashed-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bytes");
+        let total = 3 * READ_CHUNK_BYTES + 2000;
+        // Bytes that differ everywhere (a linear congruential sequence).
+        let mut x = 0x9e37_79b9_u32;
+        let bytes: Vec<u8> = (0..total)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect();
+        fs::write(&path, &bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        let c = READ_CHUNK_BYTES;
+        let lens = [
+            0,
+            1,
+            16,
+            17,
+            128,
+            129,
+            240,
+            241,
+            1023,
+            1025,
+            c - 1,
+            c,
+            c + 1,
+            2 * c + 7,
+            3 * c + 999,
+        ];
+        for len in lens {
+            for start in [0usize, 1, 333] {
+                (&file).seek(SeekFrom::Start(start as u64)).unwrap();
+                let (got, hash) = read_hashed(&file, len).unwrap();
+                assert_eq!(got, &bytes[start..start + len], "len {len} from {start}");
+                assert_eq!(hash, xxh3_64(&bytes[start..start + len]), "len {len}");
+            }
+        }
+        // Past the end: the bytes that are there and their checksum.
+        for from in [total - 5, total - c - 3] {
+            (&file).seek(SeekFrom::Start(from as u64)).unwrap();
+            let (got, hash) = read_hashed(&file, 2 * c).unwrap();
+            assert_eq!(got, &bytes[from..]);
+            assert_eq!(hash, xxh3_64(&bytes[from..]));
+        }
+        drop(file);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Pages written chunk by chunk, header last, make the same bytes as records written
+    /// header first with checksums computed beforehand (the stored format), at any offset;
+    /// a large page whose header is still zeros (a crash before it went in) is a torn tail.
+    #[test]
+    fn chunked_writes_store_the_same_records() {
+        let dir =
+            std::env::temp_dir().join(format!("radixkv-file-write-chunked-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let c = WRITE_CHUNK_BYTES;
+        let payloads: Vec<Vec<u8>> = [100, c + 1, 7, 3 * c + 17, c, 2 * c - 1, 0]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (j * 31 + i * 7 + j / 977) as u8).collect())
+            .collect();
+        let records = |hash: bool| -> Vec<Item<'_>> {
+            let mut out: Vec<Item<'_>> = payloads
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let r = Record {
+                        tomb: false,
+                        stamp: 10 + i as u64,
+                        key: PageKey([i as u8; 32]),
+                        len: p.len() as u64,
+                        hash: if hash { 0 } else { xxh3_64(p) },
+                    };
+                    (r, p.as_slice())
+                })
+                .collect();
+            let tomb = Record {
+                tomb: true,
+                stamp: 99,
+                key: PageKey([200; 32]),
+                len: 0,
+                hash: 0,
+            };
+            out.insert(2, (tomb, &[]));
+            out
+        };
+        let write = |name: &str, hash: bool| -> (PathBuf, Vec<Record>) {
+            let path = dir.join(name);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .unwrap();
+            // Two batches, the second from the end of the first.
+            let mut items = records(hash);
+            let (a, b) = items.split_at_mut(3);
+            write_groups(&file, 0, a, hash).unwrap();
+            let end = file.metadata().unwrap().len();
+            write_groups(&file, end, b, hash).unwrap();
+            (path, items.iter().map(|(r, _)| *r).collect())
+        };
+        let (chunked, written) = write("chunked", true);
+        let (plain, _) = write("plain", false);
+        assert!(written.iter().filter(|r| !r.tomb).all(|r| r.hash != 0));
+        let bytes = fs::read(&chunked).unwrap();
+        assert!(
+            bytes == fs::read(&plain).unwrap(),
+            "the same bytes either way"
+        );
+        let scanned = scan_segment(&chunked, 0).unwrap().unwrap();
+        assert_eq!(scanned.end, bytes.len() as u64);
+        let found: Vec<Record> = scanned.records.iter().map(|(r, _)| *r).collect();
+        assert_eq!(found, written);
+        for (r, off) in &scanned.records {
+            let payload = &bytes[*off as usize..(off + r.len) as usize];
+            if !r.tomb {
+                assert_eq!(r.hash, xxh3_64(payload));
+                assert_eq!(payload, payloads[r.key.0[0] as usize].as_slice());
+            }
+        }
+        // A crash after a large page's payload, before its header: the records before it.
+        let (_, big_off) = scanned.records[4];
+        let header_at = (big_off - RECORD_HEADER_BYTES) as usize;
+        let mut torn = bytes.clone();
+        torn[header_at..big_off as usize].fill(0);
+        for cut in [torn.len(), big_off as usize + c / 2, header_at + 5] {
+            fs::write(&chunked, &torn[..cut]).unwrap();
+            let s = scan_segment(&chunked, 0).unwrap().unwrap();
+            assert_eq!(s.records.len(), 4, "cut at {cut}");
+            assert_eq!(s.end, header_at as u64);
+        }
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
