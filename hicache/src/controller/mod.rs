@@ -43,6 +43,7 @@ use crate::host_pool::{HostPool, SlotAllocator};
 use crate::layer_counter::{LayerDoneCounter, wait_all};
 
 mod ops;
+pub(crate) use ops::radix_sort_by_key;
 
 pub use ops::{
     Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer, SlotOwner,

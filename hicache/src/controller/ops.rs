@@ -141,7 +141,9 @@ impl Acks {
 /// runs of the pairs sorted by device page). `pairs` is left in an unspecified order.
 ///
 /// Loads and backups list mostly consecutive pages, so the pairs are coalesced in their own
-/// order first and only the runs, far fewer, are sorted and joined: O(pairs + runs log runs).
+/// order first and only the runs, far fewer, are sorted and joined: O(pairs + runs log runs),
+/// or O(pairs + runs) for the long lists of scattered pages that eviction's write-backs
+/// gather (a radix sort on the device page).
 pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
     let mut runs = Vec::new();
     coalesce(&mut runs, pairs.iter().map(|&(d, h)| (d, h, 1)));
@@ -151,7 +153,9 @@ pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
     if runs.is_sorted_by(apart) {
         return runs;
     }
-    runs.sort_unstable_by_key(|r| (r.device, r.host));
+    // Device pages are unique unless a page is listed twice, which the check below catches
+    // whatever the order of the runs that share it: the device page alone is the key.
+    radix_sort_by_key(&mut runs, |r| r.device);
     if !runs.is_sorted_by(apart) {
         // A device page listed twice: the runs of the pairs themselves, sorted.
         pairs.sort_unstable();
@@ -165,6 +169,46 @@ pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
         sorted.iter().map(|r| (r.device, r.host, r.pages)),
     );
     runs
+}
+
+/// Lengths from which on [`radix_sort_by_key`] sorts by radix rather than by comparison.
+const RADIX_SORT_FROM: usize = 64;
+
+/// Sorts `v` by a `u32` key: for lists of [`RADIX_SORT_FROM`] items or more, a stable
+/// least-significant-digit radix sort, a byte a pass over the bytes the largest key uses
+/// (two passes for keys under 65,536), O(items) where the comparison sort the shorter lists
+/// get is O(items log items). Eviction's write-backs gather long lists of scattered page
+/// ids: their runs to copy, and the host pages they are given. Items with equal keys keep an
+/// unspecified order.
+pub(crate) fn radix_sort_by_key<T: Copy>(v: &mut Vec<T>, key: impl Fn(&T) -> u32) {
+    if v.len() < RADIX_SORT_FROM {
+        v.sort_unstable_by_key(key);
+        return;
+    }
+    let max = v.iter().map(&key).max().unwrap_or(0);
+    let bytes = (u32::BITS - max.leading_zeros()).div_ceil(8);
+    // Every pass writes each slot of `to` once: its starting contents do not matter.
+    let mut to = v.clone();
+    for pass in 0..bytes {
+        let shift = pass * 8;
+        let digit = |x: &T| ((key(x) >> shift) & 0xff) as usize;
+        let mut start = [0usize; 256];
+        for x in v.iter() {
+            start[digit(x)] += 1;
+        }
+        let mut sum = 0;
+        for s in &mut start {
+            let n = *s;
+            *s = sum;
+            sum += n;
+        }
+        for x in v.iter() {
+            let d = digit(x);
+            to[start[d]] = *x;
+            start[d] += 1;
+        }
+        std::mem::swap(v, &mut to);
+    }
 }
 
 /// Appends `(device, host, pages)` pieces to `runs`, joining each to the last run when it
@@ -201,6 +245,39 @@ mod tests {
     }
 
     #[test]
+    fn radix_sort_equals_the_comparison_sort() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        // Lengths on both sides of the switch to the radix sort; keys of one to four bytes
+        // (the last case spans every u32).
+        for len in [0, 1, 2, 63, 64, 65, 300, 1000] {
+            for span in [1_u64, 200, 1 << 16, 1 << 20, 1 << 32] {
+                let mut v: Vec<u32> = (0..len).map(|_| rnd(span) as u32).collect();
+                if len > 2 {
+                    // The largest key of the span, so that its every byte is sorted on.
+                    v[len / 2] = (span - 1) as u32;
+                }
+                let mut want = v.clone();
+                want.sort_unstable();
+                radix_sort_by_key(&mut v, |&x| x);
+                assert_eq!(v, want, "len {len}, span {span}");
+            }
+        }
+        // Stable by the key: equal keys keep their order past the switch.
+        let v: Vec<(u32, u32)> = (0..500).map(|i| (rnd(7) as u32, i)).collect();
+        let mut sorted = v.clone();
+        radix_sort_by_key(&mut sorted, |p| p.0);
+        let mut want = v;
+        want.sort_by_key(|p| p.0);
+        assert_eq!(sorted, want);
+    }
+
+    #[test]
     fn merged_runs_equal_the_runs_of_the_sorted_pairs() {
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
         let mut rnd = move |n: u64| {
@@ -209,12 +286,19 @@ mod tests {
             seed ^= seed << 17;
             seed % n
         };
-        for case in 0..2000 {
+        for case in 0..3000 {
             // Shuffled stretches of consecutive pages, sometimes adjacent to each other, and
             // (rarely) a device page listed twice.
             let mut pairs = Vec::new();
-            for _ in 0..rnd(8) {
-                let (d, h, n) = (rnd(64) as u32, rnd(64) as u32, 1 + rnd(6) as u32);
+            // Some cases are long enough for the radix sort, over device pages of one to
+            // three bytes.
+            let (stretches, span) = match case % 3 {
+                0 => (rnd(8), 64),
+                1 => (64 + rnd(200), 1 << 16),
+                _ => (64 + rnd(200), 1 << 22),
+            };
+            for _ in 0..stretches {
+                let (d, h, n) = (rnd(span) as u32, rnd(span) as u32, 1 + rnd(6) as u32);
                 pairs.extend((0..n).map(|i| (d + i, h + i)));
             }
             if case % 5 != 0 {
@@ -225,6 +309,12 @@ mod tests {
                 if pairs.len() > 1 {
                     let (i, j) = (rnd(pairs.len() as u64), rnd(pairs.len() as u64));
                     pairs.swap(i as usize, j as usize);
+                }
+            }
+            if case % 7 == 1 {
+                // Wholly shuffled.
+                for i in (1..pairs.len()).rev() {
+                    pairs.swap(i, rnd(i as u64 + 1) as usize);
                 }
             }
             let want = reference(&pairs);

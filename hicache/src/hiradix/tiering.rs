@@ -7,7 +7,7 @@ use radixkv_radix::{LockReceipt, NodeId, PageId, PrefixCache, RequestKv};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite, WritePolicy};
 use crate::backend::{DeviceBackend, StreamKind};
-use crate::controller::OpId;
+use crate::controller::{OpId, radix_sort_by_key};
 use crate::controller::{PoolName, PoolTransfer};
 use crate::error::{HiCacheError, Result};
 
@@ -196,9 +196,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             return Err(e);
         }
         let mut host = host;
-        host.sort_unstable();
+        radix_sort_by_key(&mut host, |&h| h);
         let mut swa_host = swa_host;
-        swa_host.sort_unstable();
+        radix_sort_by_key(&mut swa_host, |&h| h);
         self.pending_writes.insert(
             id,
             PendingWrite {

@@ -54,6 +54,11 @@ enum Cmd {
     /// Run the built-in synthetic multi-turn chat workload (the default).
     Demo(DemoArgs),
     /// Replay a trace file.
+    ///
+    /// The report's manager CPU per request is the replay thread's CPU time inside the
+    /// manager's calls: the calls are timed with the monotonic clock and the time the thread
+    /// waited for a core, which its CPU clock gives once a step, is taken out ("thread clock";
+    /// where the platform has no thread CPU clock, wall-clock time: "wall clock").
     Replay {
         #[command(flatten)]
         input: TraceArgs,
@@ -1009,8 +1014,9 @@ fn compare_footer(reports: &[Report]) -> String {
     format!(
         "every row: {} requests; ideal (infinite cache) token hit ratio {ideal}; {throughput}\n\
          /ideal = hit / ideal; host, xfer: - without a host tier; xfer = modeled bytes loaded + \
-         written; cpu µs/r = cache-manager CPU per request{}\n",
+         written; cpu µs/r = cache-manager CPU per request ({} clock){}\n",
         fmt_count(first.requests),
+        first.cache_cpu_clock,
         if first.mamba.is_some() {
             "\nhit = usable hit (up to the deepest cached Mamba state); kv match = how far the KV \
              matched; saved = share of the prompts' prefill FLOPs the hits saved"

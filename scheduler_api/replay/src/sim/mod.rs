@@ -2,6 +2,7 @@
 //! report, and the comparison of several configurations on one trace.
 
 mod cost;
+mod cpu;
 mod ideal;
 mod load;
 mod memory;
@@ -14,8 +15,8 @@ pub use load::{Arrivals, LoadEstimate, LoadReport};
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
-    CpuBreakdown, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION, Report,
-    ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes, fmt_count, fmt_pool,
+    CpuBreakdown, CpuWaits, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION,
+    Report, ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes, fmt_count, fmt_pool,
 };
 pub use scheduler::{Progress, SimConfig, replay};
 

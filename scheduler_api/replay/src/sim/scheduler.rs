@@ -1,7 +1,8 @@
 //! The reference continuous-batching scheduler: FCFS admission under the manager's budget,
 //! chunked prefill under a per-step prefill token budget, one decode token per running
 //! request per step, retraction of the youngest request on decode out-of-memory. Time is
-//! simulated by the [`CostModel`]; wall-clock time is measured only around manager calls.
+//! simulated by the [`CostModel`]; the manager's CPU time is measured around its calls (see
+//! [`super::cpu`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -14,10 +15,13 @@ use radixkv_radix::{TokenId, pages_for};
 use serde::Serialize;
 
 use super::cost::CostModel;
+use super::cpu::{CpuClock, Phase};
 use super::ideal::IdealCache;
 use super::load::{self, Arrivals, LoadMeter, LoadReport};
 use super::memory::MemoryUse;
-use super::report::{CpuBreakdown, MambaReport, OccupancySample, Report, SwaReport, quantile};
+use super::report::{
+    CpuBreakdown, CpuWaits, MambaReport, OccupancySample, Report, SwaReport, quantile,
+};
 use crate::trace::Trace;
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
@@ -81,42 +85,6 @@ enum Role {
     Decode,
 }
 
-/// Where the manager's CPU time goes, by lifecycle phase.
-#[derive(Copy, Clone, Debug)]
-enum Phase {
-    Arrive,
-    Step,
-    Admit,
-    Extend,
-    Decode,
-    Complete,
-}
-
-/// Wall-clock time spent inside manager calls, per phase. Whole loops of calls are timed, not
-/// single calls, so the clock itself stays out of the figure.
-#[derive(Debug, Default)]
-struct CpuClock([Duration; 6]);
-
-impl CpuClock {
-    fn add(&mut self, phase: Phase, since: Instant) {
-        self.0[phase as usize] += since.elapsed();
-    }
-
-    /// Charges `since..now` to `phase` and returns `now`, so that back-to-back manager calls of
-    /// different phases share one clock read at their boundary.
-    /// Takes `ns` spent outside the manager (a prompt source's fill) out of `phase`.
-    fn discount(&mut self, phase: Phase, ns: u64) {
-        let d = &mut self.0[phase as usize];
-        *d = d.saturating_sub(Duration::from_nanos(ns));
-    }
-
-    fn lap(&mut self, phase: Phase, since: Instant) -> Instant {
-        let now = Instant::now();
-        self.0[phase as usize] += now - since;
-        now
-    }
-}
-
 /// A trace request's prompt source that clocks its fills: generating a prompt's tokens from
 /// its block ids stands in for the engine handing over a prompt buffer, and is not the
 /// manager's CPU, so the replay takes it out of the phase whose call filled it.
@@ -138,6 +106,17 @@ impl TokenSource for TimedSource {
         self.fill_ns.fetch_add(ns, Ordering::Relaxed);
         r
     }
+}
+
+/// What a step's forward does to the running requests (see `Sim::forward`).
+#[derive(Default)]
+struct Forward {
+    /// Requests whose prefill chunk it commits.
+    chunked: Vec<ReqId>,
+    /// Arrival times (µs) of the requests whose first token it emits.
+    first_tokens: Vec<f64>,
+    /// Requests it finishes, with their sessions.
+    done: Vec<(ReqId, Option<u64>)>,
 }
 
 /// Observes replay progress (a progress bar, or nothing).
@@ -217,7 +196,7 @@ pub(super) fn replay_with_ideal(
         waiting: VecDeque::new(),
         running: Vec::new(),
         now_us: 0.0,
-        cpu: CpuClock::default(),
+        cpu: CpuClock::new(),
         fill_ns: Arc::default(),
         room_waits: 0,
         ttft_ms: Vec::with_capacity(trace.requests.len()),
@@ -236,11 +215,14 @@ pub(super) fn replay_with_ideal(
     };
     sim.report.load = load;
     sim.run(&mut kv, progress)?;
-    // Nothing runs any more: let every transfer land and every session go.
+    // Nothing runs any more: let every transfer land and every session go (an interval of
+    // its own: the drain waits).
+    sim.cpu.tick();
     let t0 = Instant::now();
     kv.drain()?;
     kv.close_all_sessions()?;
     sim.cpu.add(Phase::Complete, t0);
+    sim.cpu.tick();
     if let Some(m) = &mut sim.memory {
         m.finish();
         m.check_growth(cfg.max_rss_growth_mib, &cfg.manager.label())?;
@@ -397,12 +379,10 @@ impl Sim<'_> {
                 // Conversations are sessions only when the configuration has them.
                 q.session = r.session.filter(|_| self.cfg.manager.sessions.is_some());
                 // A storage tier's prefetch fills the prompt at arrival: not manager CPU.
-                let filled = self.fill_ns.load(Ordering::Relaxed);
                 let t0 = Instant::now();
                 let id = kv.arrive(q)?;
                 self.cpu.add(Phase::Arrive, t0);
-                let ns = self.fill_ns.swap(filled, Ordering::Relaxed) - filled;
-                self.cpu.discount(Phase::Arrive, ns);
+                self.fills_out_of(Phase::Arrive);
                 self.waiting.push_back(Job {
                     index: next,
                     id,
@@ -489,6 +469,7 @@ impl Sim<'_> {
                 Admission::Ready(a) => a,
                 Admission::Wait(WaitReason::Prefetching) => {
                     self.cpu.add(Phase::Admit, t0);
+                    self.fills_out_of(Phase::Admit);
                     if let Some(job) = self.waiting.pop_front() {
                         prefetching.push(job);
                     }
@@ -497,11 +478,13 @@ impl Sim<'_> {
                 Admission::Wait(reason) => {
                     self.cpu.add(Phase::Admit, t0);
                     refused.get_or_insert((job.index, StallCause::Admission(reason)));
+                    self.fills_out_of(Phase::Admit);
                     break;
                 }
                 Admission::Never(_) => {
                     // Waiting would wait forever: drop it, as a server rejects it.
                     self.cpu.add(Phase::Admit, t0);
+                    self.fills_out_of(Phase::Admit);
                     if let Some(job) = self.waiting.pop_front() {
                         kv.abort(id)?;
                         self.report.never_fit += 1;
@@ -517,6 +500,7 @@ impl Sim<'_> {
             let t1 = self.cpu.lap(Phase::Admit, t0);
             let extended = (take > 0).then(|| out_of_memory(kv.extend(id, take)));
             self.cpu.add(Phase::Extend, t1);
+            self.fills_out_of(Phase::Admit);
             let Some(mut job) = self.waiting.pop_front() else {
                 break;
             };
@@ -620,13 +604,6 @@ impl Sim<'_> {
         }
         self.decode_batch = batch;
 
-        // The batch is formed: its loads start now, before the forward.
-        let t0 = Instant::now();
-        let step = kv.begin_step();
-        self.cpu.add(Phase::Step, t0);
-        let span = step.span().clone();
-        let _entered = span.enter();
-
         let tiered = matches!(self.cfg.manager.cache, CacheKind::HiCache(_));
         // Transfers never outlive a step (see the end of the step), so when nothing could run
         // no copy holds pages any more.
@@ -645,7 +622,24 @@ impl Sim<'_> {
         } else {
             0
         };
-        if idle && !(room_in_flight && self.room_waits == 1) {
+        let stuck = idle && !(room_in_flight && self.room_waits == 1);
+
+        // What the forward does (which chunks commit, who gets a token, who is done) is
+        // worked out before the step's manager calls, so that they run as one timed region
+        // from `begin_step` to `end_step` — unless nothing could run: the retraction below
+        // changes the batch, so it is worked out after it.
+        let mut forward = Forward::default();
+        if !stuck {
+            self.forward(&mut forward);
+        }
+
+        // The batch is formed: its loads start now, before the forward.
+        let t0 = Instant::now();
+        let step = kv.begin_step();
+        let load_bytes = step.load_bytes();
+        let span = step.span().clone();
+        let _entered = span.enter();
+        if stuck {
             // Nothing could run: free memory by retracting the youngest, or give up. (A step
             // that dropped a request made progress.) Every request fits the pool (checked
             // before the replay), so giving up is a stall, reported with the refusal behind it.
@@ -669,8 +663,29 @@ impl Sim<'_> {
                     cause,
                 });
             }
+            self.forward(&mut forward);
         }
+        // What the pool holds during the forward, for the load meter.
+        let a = kv.accounting();
 
+        // The forward is over: commit chunks, emit tokens, finish.
+        for &id in &forward.chunked {
+            kv.chunk_done(id)?;
+        }
+        for &(id, session) in &forward.done {
+            kv.finish(id)?;
+            self.turn_over(kv, session)?;
+        }
+        drop(_entered);
+        kv.end_step(step)?;
+        // A replay has no router to publish to, but drains the events every step as a real
+        // scheduler would, so they cost what they cost in production and never pile up.
+        drop(kv.take_events());
+        self.cpu.add(Phase::Complete, t0);
+        // The step's interval ends here, before the drain's wait.
+        self.cpu.tick();
+
+        // The forward's simulated time.
         let prefill_us = if model.compute.is_some() {
             self.cfg.cost.prefill_us_of_flops(prefill_flops)
         } else {
@@ -682,58 +697,26 @@ impl Sim<'_> {
             + self
                 .cfg
                 .cost
-                .step_us_of(prefill_us, decode_seqs, step.load_bytes());
-        let a = kv.accounting();
+                .step_us_of(prefill_us, decode_seqs, load_bytes);
         let busy = prefill_us + decode_seqs as f64 * self.cfg.cost.decode_us_per_seq;
         self.meter
             .step(self.now_us, dt, busy, a.protected + a.request_owned);
         self.now_us += dt;
         self.report.recomputed_tokens += prefill_tokens as u64;
+        for &arrival in &forward.first_tokens {
+            self.ttft_ms.push((self.now_us - arrival) / 1e3);
+        }
 
-        // The forward is over: commit chunks, emit tokens, finish. Bookkeeping first, then the
-        // manager calls in one timed batch.
-        let mut chunked = Vec::new();
-        let mut done = Vec::new();
-        for job in &mut self.running {
-            match std::mem::replace(&mut job.role, Role::Idle) {
-                Role::Idle => {}
-                Role::Prefill => {
-                    chunked.push(job.id);
-                    if job.prefill_left == 0 && job.generated == 0 {
-                        job.generated = 1;
-                        let arrival = self.trace.requests[job.index].arrival_us as f64;
-                        self.ttft_ms.push((self.now_us - arrival) / 1e3);
-                    }
-                }
-                Role::Decode => job.generated += 1,
-            }
-            let out_len = self.trace.requests[job.index].output_len;
-            if job.prefill_left == 0 && job.generated >= out_len {
-                done.push((job.id, self.trace.requests[job.index].session));
-                self.report.output_tokens += u64::from(out_len);
-            }
-        }
-        let t0 = Instant::now();
-        for &id in &chunked {
-            kv.chunk_done(id)?;
-        }
-        for &(id, session) in &done {
-            kv.finish(id)?;
-            self.turn_over(kv, session)?;
-        }
-        drop(_entered);
-        kv.end_step(step)?;
-        // A replay has no router to publish to, but drains the events every step as a real
-        // scheduler would, so they cost what they cost in production and never pile up.
-        drop(kv.take_events());
-        self.cpu.add(Phase::Complete, t0);
         if tiered {
             // Every copy of a step completes within it (the cost model charged its time), so
             // the replay waits for them here: acks then land at the same simulated instant
             // in every run, whatever the host threads' speed, and the replay is deterministic.
-            // Waiting is not manager CPU: the copies run on the backend's streams.
+            // Waiting is not manager CPU: the copies run on the backend's streams. Its own
+            // interval, so that its wait is never taken for a call's.
             kv.drain()?;
+            self.cpu.tick();
         }
+        let done = forward.done;
         let finished = done.len() as u64;
         if finished > 0 {
             self.last_finish_us = self.now_us;
@@ -749,6 +732,32 @@ impl Sim<'_> {
         Ok(finished + dropped)
     }
 
+    /// The forward's outcome for the running requests (their roles go back to idle): the
+    /// chunks it commits, the arrival times of the requests whose first token it emits, and
+    /// the requests it finishes.
+    fn forward(&mut self, out: &mut Forward) {
+        for job in &mut self.running {
+            match std::mem::replace(&mut job.role, Role::Idle) {
+                Role::Idle => {}
+                Role::Prefill => {
+                    out.chunked.push(job.id);
+                    if job.prefill_left == 0 && job.generated == 0 {
+                        job.generated = 1;
+                        let arrival = self.trace.requests[job.index].arrival_us as f64;
+                        out.first_tokens.push(arrival);
+                    }
+                }
+                Role::Decode => job.generated += 1,
+            }
+            let out_len = self.trace.requests[job.index].output_len;
+            if job.prefill_left == 0 && job.generated >= out_len {
+                out.done
+                    .push((job.id, self.trace.requests[job.index].session));
+                self.report.output_tokens += u64::from(out_len);
+            }
+        }
+    }
+
     /// A request of `session` is over (finished or dropped): the session closes after its
     /// last turn.
     fn turn_over(&mut self, kv: &mut KvCacheManager, session: Option<u64>) -> Result<()> {
@@ -758,6 +767,15 @@ impl Sim<'_> {
             kv.close_session(s)?;
         }
         Ok(())
+    }
+
+    /// Moves the prompt fills timed since the last call (inside the call of `phase` just
+    /// timed) out of `phase`: they are not the manager's CPU.
+    fn fills_out_of(&mut self, phase: Phase) {
+        let ns = self.fill_ns.swap(0, Ordering::Relaxed);
+        if ns > 0 {
+            self.cpu.fill(phase, ns);
+        }
     }
 
     fn retract(&mut self, kv: &mut KvCacheManager, victim: usize) -> Result<()> {
@@ -873,18 +891,20 @@ impl Sim<'_> {
         r.throughput_tok_s = r.output_tokens as f64 / r.sim_duration_s;
         r.throughput_req_s = r.requests as f64 / r.sim_duration_s;
         let per = |d: Duration| d.as_secs_f64() * 1e6 / (r.requests.max(1) as f64);
-        // Every other fill ran inside an admission.
-        let fills = self.fill_ns.load(Ordering::Relaxed);
-        self.cpu.discount(Phase::Admit, fills);
-        r.cache_cpu_us_per_request = per(self.cpu.0.iter().sum());
+        let c = &self.cpu;
+        r.cache_cpu_us_per_request = per(c.manager_total());
         r.cache_cpu_breakdown = CpuBreakdown {
-            arrive_us: per(self.cpu.0[Phase::Arrive as usize]),
-            admit_us: per(self.cpu.0[Phase::Admit as usize]),
-            extend_us: per(self.cpu.0[Phase::Extend as usize]),
-            decode_us: per(self.cpu.0[Phase::Decode as usize]),
-            complete_us: per(
-                self.cpu.0[Phase::Complete as usize] + self.cpu.0[Phase::Step as usize]
-            ),
+            arrive_us: per(c.total(Phase::Arrive)),
+            admit_us: per(c.total(Phase::Admit)),
+            extend_us: per(c.total(Phase::Extend)),
+            decode_us: per(c.total(Phase::Decode)),
+            complete_us: per(c.total(Phase::Complete)),
+        };
+        r.cache_cpu_clock = c.kind().to_string();
+        let (steps, waited) = c.waits();
+        r.cache_cpu_waits = CpuWaits {
+            regions: steps,
+            removed_s: waited.as_secs_f64(),
         };
         r.wall_s = started.elapsed().as_secs_f64();
         r.derive_ratios();
