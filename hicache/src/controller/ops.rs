@@ -244,15 +244,19 @@ mod tests {
         runs
     }
 
-    #[test]
-    fn radix_sort_equals_the_comparison_sort() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut rnd = move |n: u64| {
+    /// A xorshift64 generator from `seed`: each call draws a number below `n`.
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n: u64| {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
             seed % n
-        };
+        }
+    }
+
+    #[test]
+    fn radix_sort_equals_the_comparison_sort() {
+        let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15);
         // Lengths on both sides of the switch to the radix sort; keys of one to four bytes
         // (the last case spans every u32).
         for len in [0, 1, 2, 63, 64, 65, 300, 1000] {
@@ -279,13 +283,7 @@ mod tests {
 
     #[test]
     fn merged_runs_equal_the_runs_of_the_sorted_pairs() {
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut rnd = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
         for case in 0..3000 {
             // Shuffled stretches of consecutive pages, sometimes adjacent to each other, and
             // (rarely) a device page listed twice.

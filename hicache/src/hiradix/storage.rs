@@ -385,16 +385,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             };
             nodes.reverse();
             // The key from the root to the end of the path.
-            let mut segs = Vec::new();
-            let mut m = end;
-            while m != tree.root() {
-                segs.push(tree.node_key(m).unwrap_or(&[]));
-                match tree.parent(m) {
-                    Ok(Some(parent)) => m = parent,
-                    _ => break,
-                }
-            }
-            let tokens: Vec<TokenId> = segs.iter().rev().flat_map(|s| s.iter().copied()).collect();
+            let tokens = key_from_root(tree, end);
             let first =
                 tree.depth_tokens(top).unwrap_or(0) - tree.node_key(top).map_or(0, <[u32]>::len);
             let pages: Vec<u32> = nodes
@@ -488,16 +479,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             if depth == 0 || depth % p != 0 {
                 continue;
             }
-            let mut segs = Vec::new();
-            let mut m = n;
-            while m != tree.root() {
-                segs.push(tree.node_key(m).unwrap_or(&[]));
-                match tree.parent(m) {
-                    Ok(Some(parent)) => m = parent,
-                    _ => break,
-                }
-            }
-            let tokens: Vec<TokenId> = segs.iter().rev().flat_map(|s| s.iter().copied()).collect();
+            let tokens = key_from_root(tree, n);
             let section = SectionSource {
                 page: 0,
                 memory: mem.clone(),
@@ -1175,4 +1157,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
     }
+}
+
+/// The tokens of the key from the root to the end of `n`.
+fn key_from_root(tree: &radixkv_radix::RadixTree, n: NodeId) -> Vec<TokenId> {
+    let mut segs = Vec::new();
+    let mut m = n;
+    while m != tree.root() {
+        segs.push(tree.node_key(m).unwrap_or(&[]));
+        match tree.parent(m) {
+            Ok(Some(parent)) => m = parent,
+            _ => break,
+        }
+    }
+    segs.iter().rev().flat_map(|s| s.iter().copied()).collect()
 }
