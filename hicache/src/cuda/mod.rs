@@ -372,8 +372,8 @@ pub struct CudaBackend {
     failed: [Mutex<Option<String>>; 2],
     /// Per stream: copies still to fail (fault injection).
     faults: [AtomicU32; 2],
-    /// The methods besides memcpys this backend can use.
-    have: Have,
+    /// The driver has the batched copy call.
+    batched: bool,
     /// The gather/scatter kernel, when it compiled.
     kernel: Option<CudaFunction>,
     /// Copies submitted per [`Route`].
@@ -387,7 +387,7 @@ impl std::fmt::Debug for CudaBackend {
             .field("geometry", &self.geometry)
             .field("pages", &self.pages)
             .field("copy_method", &self.cfg.copy_method)
-            .field("have", &self.have)
+            .field("have", &self.have())
             .finish()
     }
 }
@@ -496,7 +496,7 @@ impl CudaBackend {
             load,
             write,
             sync,
-            have,
+            batched,
             kernel,
         }: Streams,
         geometry: KvGeometry,
@@ -520,7 +520,7 @@ impl CudaBackend {
             cfg,
             failed: [Mutex::new(None), Mutex::new(None)],
             faults: [AtomicU32::new(0), AtomicU32::new(0)],
-            have,
+            batched,
             kernel,
             routed: Default::default(),
         }
@@ -656,8 +656,16 @@ impl CudaBackend {
     pub fn has_method(&self, method: CopyMethod) -> bool {
         match method {
             CopyMethod::Auto | CopyMethod::Memcpy => true,
-            CopyMethod::Batched => self.have.batched,
-            CopyMethod::Kernel => self.have.kernel,
+            CopyMethod::Batched => self.batched,
+            CopyMethod::Kernel => self.kernel.is_some(),
+        }
+    }
+
+    /// The methods besides memcpys this backend has, for [`method::choose`].
+    fn have(&self) -> Have {
+        Have {
+            batched: self.batched,
+            kernel: self.kernel.is_some(),
         }
     }
 
@@ -771,7 +779,7 @@ impl CudaBackend {
         let route = method::choose(
             self.cfg.copy_method,
             spans,
-            self.have,
+            self.have(),
             host.mapped.is_some(),
             self.cfg.memcpy_min_span,
         );
@@ -1044,7 +1052,7 @@ struct Streams {
     load: Arc<CudaStream>,
     write: Arc<CudaStream>,
     sync: Arc<CudaStream>,
-    have: Have,
+    batched: bool,
     kernel: Option<CudaFunction>,
 }
 
@@ -1074,20 +1082,20 @@ fn open(cfg: &CudaConfig) -> Result<Streams> {
     {
         return Err(unavailable(CopyMethod::Batched, why.clone()));
     }
+    if cfg.copy_method == CopyMethod::Kernel && !cfg.pin_host {
+        return Err(unavailable(
+            CopyMethod::Kernel,
+            "the kernel reads pinned host buffers, and pin_host is false".into(),
+        ));
+    }
     let kernel = match cfg.copy_method {
         CopyMethod::Auto | CopyMethod::Kernel => copy_kernel(&ctx),
         _ => Err("not asked for".into()),
     };
-    if cfg.copy_method == CopyMethod::Kernel {
-        if let Err(why) = &kernel {
-            return Err(unavailable(CopyMethod::Kernel, why.clone()));
-        }
-        if !cfg.pin_host {
-            return Err(unavailable(
-                CopyMethod::Kernel,
-                "the kernel reads pinned host buffers, and pin_host is false".into(),
-            ));
-        }
+    if cfg.copy_method == CopyMethod::Kernel
+        && let Err(why) = &kernel
+    {
+        return Err(unavailable(CopyMethod::Kernel, why.clone()));
     }
     if cfg.copy_method == CopyMethod::Auto
         && let Err(why) = &kernel
@@ -1099,10 +1107,7 @@ fn open(cfg: &CudaConfig) -> Result<Streams> {
         load,
         write,
         sync,
-        have: Have {
-            batched: batched.is_ok(),
-            kernel: kernel.is_ok(),
-        },
+        batched: batched.is_ok(),
         kernel: kernel.ok(),
     })
 }
