@@ -2,6 +2,11 @@
 //! batches of 1, 32 and 128, against a plain sequential write and read of the same bytes to one
 //! file in the same run.
 //!
+//! The file store is opened as the storage tier opens it, without its own read check
+//! ([`FileStoreConfig::verify_reads`] off: the tier checks the page format's BLAKE3 of every
+//! page it loads); the summary also times gets through a second store over the same directory
+//! that checks each page's XXH3 (`get+check`).
+//!
 //! A page is a 16-token page of a Llama-3-8B-like model (32 layers, 8 KV heads of 128 dims,
 //! fp16 K and V: 4 KiB per token per layer), so 2 MiB of KV plus the 136-byte header: the
 //! objects the storage tier really moves. Criterion reports payload bytes/s (the encoded
@@ -122,6 +127,13 @@ impl Plain {
         self.written.borrow_mut().push_back(path);
     }
 
+    /// Writes a file if none is written yet (so a read bench can run on its own).
+    fn ensure_written(&self) {
+        if self.written.borrow().is_empty() {
+            self.write();
+        }
+    }
+
     /// Reads the file written last.
     fn read(&self) {
         let path = self
@@ -179,6 +191,14 @@ fn get(rt: &Runtime, store: &dyn StorageBackend, keys: &[PageKey]) {
     black_box(got);
 }
 
+/// Stores `pages` if the store lacks any of them (so a get bench can run on its own).
+fn ensure_stored(rt: &Runtime, store: &dyn StorageBackend, pages: &[(PageKey, Vec<u8>)]) {
+    let keys: Vec<PageKey> = pages.iter().map(|(k, _)| *k).collect();
+    if rt.block_on(store.exists_prefix(&keys)).expect("looks up") < keys.len() {
+        put(rt, store, fresh(rt, store, pages));
+    }
+}
+
 fn bytes_of(pages: &[(PageKey, Vec<u8>)]) -> u64 {
     pages.iter().map(|(_, b)| b.len() as u64).sum()
 }
@@ -210,7 +230,7 @@ fn paired_medians<A, B>(
 fn ratio_line(store: &str, op: &str, batch: usize, bytes: u64, (s, p): (Duration, Duration)) {
     let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     println!(
-        "  {store:5} {op:3} batch {batch:3}: {:6.2} GB/s  plain file {:6.2} GB/s  ratio {:.2}",
+        "  {store:5} {op:9} batch {batch:3}: {:6.2} GB/s  plain file {:6.2} GB/s  ratio {:.2}",
         gbps(s),
         gbps(p),
         p.as_secs_f64() / s.as_secs_f64()
@@ -260,9 +280,11 @@ fn group(
             )
         });
         g.bench_function(BenchmarkId::new("plain_read", batch), |b| {
+            plain.ensure_written();
             b.iter(|| plain.read())
         });
         g.bench_function(BenchmarkId::new("get", batch), |b| {
+            ensure_stored(rt, store, pages);
             b.iter(|| get(rt, store, &keys))
         });
     }
@@ -271,11 +293,14 @@ fn group(
 
 /// Prints each batch size's put and get throughput beside the plain file's, from interleaved
 /// rounds (`settle` as in [`group`]).
+/// `checked`, where given, opens another store over the same pages whose gets check what
+/// they read (the file store's [`FileStoreConfig::verify_reads`]); its gets are timed too.
 fn summary(
     label: &str,
     rt: &Runtime,
     store: &dyn StorageBackend,
     settle: &dyn Fn(),
+    checked: Option<&dyn Fn() -> FileStore>,
     all: &[(PageKey, Vec<u8>)],
 ) {
     for batch in BATCHES {
@@ -300,6 +325,16 @@ fn summary(
         ratio_line(label, "put", batch, bytes, w);
         let r = paired_medians(|| (), |()| get(rt, store, &keys), || (), |()| plain.read());
         ratio_line(label, "get", batch, bytes, r);
+        if let Some(open) = checked {
+            let checking = open();
+            let r = paired_medians(
+                || (),
+                |()| get(rt, &checking, &keys),
+                || (),
+                |()| plain.read(),
+            );
+            ratio_line(label, "get+check", batch, bytes, r);
+        }
     }
 }
 
@@ -332,13 +367,23 @@ fn main() {
     let all = pages(BATCHES[BATCHES.len() - 1]);
     let keys: Vec<PageKey> = all.iter().map(|(k, _)| *k).collect();
     let dir = TempDir::new("store");
+    // As the storage tier opens it: the tier checks every page it loads against the page
+    // format's checksum, so the store's gets check only lengths.
     let file = rt
         .block_on(FileStore::open(
             FileStoreConfig::new(&dir.0)
                 .with_sync(FileSync::Never)
-                .with_cap(FILE_CAP_BYTES),
+                .with_cap(FILE_CAP_BYTES)
+                .with_verify_reads(false),
         ))
         .expect("opens the file store");
+    // The same pages through a store that checks its reads (no cap: it never evicts).
+    let checking = || {
+        rt.block_on(FileStore::open(
+            FileStoreConfig::new(&dir.0).with_verify_reads(true),
+        ))
+        .expect("opens a second store over the directory")
+    };
     let settle_file = || file.wait_for_removals();
     group(&mut c, "storage_file", &rt, &file, &settle_file, &all);
     let redis = redis_store(&rt);
@@ -352,9 +397,9 @@ fn main() {
          ({} KiB pages, medians of {ROUNDS} interleaved rounds):",
         all[0].1.len() >> 10
     );
-    summary("file", &rt, &file, &settle_file, &all);
+    summary("file", &rt, &file, &settle_file, Some(&checking), &all);
     if let Ok(store) = &redis {
-        summary("redis", &rt, store.as_ref(), &|| (), &all);
+        summary("redis", &rt, store.as_ref(), &|| (), None, &all);
         rt.block_on(store.delete(&keys))
             .expect("deletes the bench pages");
     }

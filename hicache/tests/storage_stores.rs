@@ -488,6 +488,46 @@ async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
     );
 }
 
+/// Without `verify_reads` a get checks only the length: a page damaged on disk comes back as
+/// it reads (the reader's own check — the storage tier's — finds it), `discard_damaged` then
+/// drops and counts it, and the undamaged pages read back whole.
+#[tokio::test]
+async fn file_store_without_read_checks_leaves_damage_to_the_reader() {
+    let dir = TempDir::new("noverify");
+    let store = FileStore::open(dir.config().with_verify_reads(false))
+        .await
+        .unwrap();
+    let pages: Vec<(PageKey, Vec<u8>)> = (0..3).map(|i| (key(i), pattern(i, 500))).collect();
+    store.put(&pages).await.unwrap();
+    let (path, off, _) = store.page_location(&key(1)).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[off as usize + 250] ^= 0x10;
+    fs::write(&path, &bytes).unwrap();
+    let mut damaged = pages[1].1.clone();
+    damaged[250] ^= 0x10;
+    let got = store.get(&[key(0), key(1), key(2)]).await.unwrap();
+    assert_eq!(
+        got,
+        [
+            Some(pages[0].1.clone()),
+            Some(damaged),
+            Some(pages[2].1.clone())
+        ]
+    );
+    assert_eq!(store.stats().damaged_pages, 0);
+    assert_eq!(store.discard_damaged(&[key(1)]).await.unwrap(), 1);
+    let s = store.stats();
+    assert_eq!((s.damaged_pages, s.pages), (1, 2));
+    assert_eq!(store.get(&[key(1)]).await.unwrap(), [None]);
+    // The same store reopened checking its reads: the other pages are whole.
+    drop(store);
+    let store = FileStore::open(dir.config()).await.unwrap();
+    assert_eq!(
+        store.get(&[key(0), key(2)]).await.unwrap(),
+        [Some(pages[0].1.clone()), Some(pages[2].1.clone())]
+    );
+}
+
 /// Pages of up to a few MiB (over 512 KiB written 512 KiB at a time, each chunk checksummed as
 /// it goes, the header last; read back the same way) beside small ones: byte-exact before and after a
 /// restart, and a byte damaged in a late chunk of a large page is a counted miss.

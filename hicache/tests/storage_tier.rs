@@ -1301,6 +1301,69 @@ fn a_damaged_stored_page_is_one_counted_miss_and_is_removed() {
     assert_eq!(d.stats().prefetch_pages_corrupt, 0);
 }
 
+/// Damage on disk (a byte of a segment file flipped under the store) costs one counted miss
+/// whether the file store checks its reads or leaves that to the tier: with
+/// `verify_reads` the store's XXH3 turns the page into a miss, without it the tier's decode
+/// (the page format's BLAKE3) does and discards the page through the store. Either way no
+/// wrong KV is loaded and the page leaves the store.
+#[test]
+fn damage_on_disk_is_one_counted_miss_with_or_without_the_store_read_check() {
+    use radixkv_hicache::storage::{FileStore, FileStoreConfig};
+    for verify_reads in [true, false] {
+        let dir = TempDir::new("disk-damage");
+        let s = Setup {
+            page_size: 16,
+            device_pages: 64,
+            host_pages: 128,
+            ..Default::default()
+        };
+        let t = tokens(41, 200);
+        let open = || {
+            Arc::new(
+                FileStore::open_blocking(
+                    FileStoreConfig::new(&dir.0).with_verify_reads(verify_reads),
+                )
+                .unwrap(),
+            )
+        };
+        let mut keys = Vec::new();
+        KeySeed::new(&Namespace::DEFAULT, &identity()).extend_chain(None, &t, 16, &mut keys);
+        {
+            let mut a = cached(&s, open(), None);
+            serve_and_store(&mut a, &t);
+            assert_eq!(a.stats().backup_pages_written, 12);
+        }
+        // A new process finds page 5 damaged in its segment file.
+        let store = open();
+        let (path, off, len) = store.page_location(&keys[5]).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[(off + len / 2) as usize] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let mut b = cached(&s, store.clone(), None);
+        assert_eq!(
+            prefetch_all(&mut b, 1, &t),
+            5 * 16,
+            "verify_reads {verify_reads}"
+        );
+        // The tier counts a page it had to reject; the store's rejection is a plain miss.
+        assert_eq!(
+            b.stats().prefetch_pages_corrupt,
+            u64::from(!verify_reads),
+            "verify_reads {verify_reads}"
+        );
+        let st = store.stats();
+        assert_eq!(
+            (st.damaged_pages, st.pages),
+            (1, 11),
+            "verify_reads {verify_reads}"
+        );
+        let served = serve(&mut b, &t).unwrap();
+        assert_eq!(served.host_hit, 5 * 16);
+        b.flush().unwrap();
+        no_leaks(&b);
+    }
+}
+
 #[test]
 fn random_store_faults_never_serve_wrong_kv_or_leak() {
     use radixkv_hicache::storage::{FaultConfig, FaultStore};

@@ -101,7 +101,12 @@ pub(crate) fn open(
             },
             None,
         ) => {
-            let mut c = FileStoreConfig::new(dir.clone()).with_sync(*sync);
+            // The tier checks every page it loads against the page format's BLAKE3 and
+            // discards a damaged one through the store: the store's own read check would be
+            // a second pass over each page.
+            let mut c = FileStoreConfig::new(dir.clone())
+                .with_sync(*sync)
+                .with_verify_reads(false);
             // The file store's cap counts its bytes on disk: each page's record header too.
             c.cap_bytes = capacity_tokens
                 .map(|t| (t / g.page_size.max(1)) as u64 * (page_bytes + RECORD_HEADER_BYTES));

@@ -17,9 +17,12 @@
 //! the write copies bytes the checksum has just brought into the CPU cache and a page is read
 //! from memory once. A page of more than 512 KiB is written on its own, 512 KiB at a time,
 //! each chunk fed to a streaming XXH3 just before its write; its header, which holds the
-//! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get` reads each page in chunks of 512 KiB and feeds each chunk to a
-//! streaming XXH3 right after its read (again from the CPU cache), and returns the page only
-//! if the checksum matches. The store keeps an in-memory index, key → (segment, offset, length,
+//! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get`
+//! reads each page with one read and, by default, returns it only if its XXH3 matches the
+//! record's; a store whose reader checks the bytes itself (the storage tier checks every page
+//! it loads against the page format's BLAKE3) can skip that second pass
+//! ([`FileStoreConfig::verify_reads`]), and a get then checks only the page's length. The
+//! store keeps an in-memory index, key → (segment, offset, length,
 //! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
 //! payloads).
 //!
@@ -31,7 +34,9 @@
 //! record is never indexed (the bytes stay until the segment is evicted; nobody appends to it
 //! again). A page whose bytes were damaged on disk after its header checked fails its XXH3 at
 //! `get`: a miss, counted in [`StoreStats::damaged_pages`] and dropped from the index —
-//! never wrong bytes. A failed write is cut off again (the segment is truncated back to where
+//! never wrong bytes. (Without [`FileStoreConfig::verify_reads`] the damaged bytes are
+//! returned, and it is the reader's check that finds them: the storage tier then discards the
+//! page through [`StorageBackend::discard_damaged`], which counts it the same way.) A failed write is cut off again (the segment is truncated back to where
 //! the batch began).
 //!
 //! How much reaches the disk before `put` reports a page stored is the [`FileSync`] policy,
@@ -148,6 +153,14 @@ pub struct FileStoreConfig {
     /// `None`: [`DEFAULT_SEGMENT_BYTES`], or a sixteenth of the cap if that is smaller (so an
     /// eviction frees a sixteenth of the store at most). Must not be 0.
     pub segment_bytes: Option<u64>,
+    /// Whether a `get` checks each page's payload against the XXH3 its record holds (`true`,
+    /// the default) or only its length (`false`). Turn it off where the reader verifies the
+    /// bytes itself: the storage tier decodes every page it loads and checks the page
+    /// format's BLAKE3 over it, and hands a page that fails back through
+    /// [`StorageBackend::discard_damaged`], so a second checksum at the store only costs
+    /// a pass over the page (about a third of a one-page get). Without the check, a page
+    /// damaged on disk is returned as it reads.
+    pub verify_reads: bool,
 }
 
 impl FileStoreConfig {
@@ -158,6 +171,7 @@ impl FileStoreConfig {
             cap_bytes: None,
             sync: FileSync::default(),
             segment_bytes: None,
+            verify_reads: true,
         }
     }
 
@@ -176,6 +190,13 @@ impl FileStoreConfig {
     /// The same with segments of at most `segment_bytes` bytes, whatever the cap.
     pub fn with_segment_bytes(mut self, segment_bytes: u64) -> Self {
         self.segment_bytes = Some(segment_bytes);
+        self
+    }
+
+    /// The same with `get`s checking payload checksums (`true`) or leaving that to the
+    /// reader (`false`; see [`FileStoreConfig::verify_reads`]).
+    pub fn with_verify_reads(mut self, verify_reads: bool) -> Self {
+        self.verify_reads = verify_reads;
         self
     }
 }
@@ -578,6 +599,8 @@ struct Shared {
     sync: FileSync,
     /// The effective most bytes of a segment.
     segment_bytes: u64,
+    /// Whether gets check payload checksums.
+    verify_reads: bool,
     /// Held by a batch that appends (puts, deletes, evictions): one at a time.
     append: Mutex<()>,
     /// Held by a rescan of the directory.
@@ -749,15 +772,20 @@ fn write_all_vectored(mut file: &File, mut bufs: &mut [IoSlice<'_>]) -> io::Resu
     Ok(())
 }
 
-/// Reads up to `len` bytes of `file` from its position, in one read into the buffer's spare
-/// capacity (nothing zeroed first), and checksums them: the bytes read (fewer than `len` only
-/// where the file ends first) and their XXH3-64. (Reading 128 or 512 KiB at a time into a
+/// Reads up to `len` bytes of `file` from its position, in one read into a new buffer's
+/// spare capacity (nothing zeroed first): fewer than `len` only where the file ends first.
+fn read_up_to(file: &File, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(len);
+    file.take(len as u64).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// [`read_up_to`], and the XXH3-64 of the bytes read. (Reading 128 or 512 KiB at a time into a
 /// streaming XXH3, so that each chunk is hashed while in cache, made gets of one page slower
 /// in the bench: more read calls, and on the bench's CPU a 2 MiB page stays in the L3 for the
 /// one-shot hash anyway. See the README's FileStore bench.)
 fn read_hashed(file: &File, len: usize) -> io::Result<(Vec<u8>, u64)> {
-    let mut buf = Vec::with_capacity(len);
-    file.take(len as u64).read_to_end(&mut buf)?;
+    let buf = read_up_to(file, len)?;
     let hash = xxh3_64(&buf);
     Ok((buf, hash))
 }
@@ -1261,11 +1289,16 @@ impl Shared {
             }
             let len = usize::try_from(loc.len)
                 .map_err(|_| StoreError::Io(format!("a page of {} bytes", loc.len)))?;
-            // Checksummed as it is read, chunk by chunk.
-            let (buf, hash) =
-                read_hashed(file, len).map_err(|e| io_err("cannot read", &path, e))?;
+            let (buf, intact) = if self.verify_reads {
+                let (buf, hash) =
+                    read_hashed(file, len).map_err(|e| io_err("cannot read", &path, e))?;
+                (buf, hash == loc.hash)
+            } else {
+                let buf = read_up_to(file, len).map_err(|e| io_err("cannot read", &path, e))?;
+                (buf, true)
+            };
             *pos = loc.off + buf.len() as u64;
-            if buf.len() != len || hash != loc.hash {
+            if buf.len() != len || !intact {
                 damaged.push((*key, *loc));
                 out.push(None);
             } else {
@@ -1408,6 +1441,7 @@ impl FileStore {
             cap_bytes,
             sync,
             segment_bytes,
+            verify_reads,
         } = config;
         if cap_bytes == Some(0) {
             return Err(StoreError::Config(
@@ -1467,6 +1501,7 @@ impl FileStore {
             cap_bytes,
             sync,
             segment_bytes,
+            verify_reads,
             append: Mutex::new(()),
             scan: Mutex::new(()),
             reaper: Arc::default(),
