@@ -20,7 +20,8 @@ use radixkv_hicache::storage::{FIXED_HEADER_BYTES, PageFormat};
 use radixkv_hicache::{KvGeometry, PoolName};
 use radixkv_radix::{KvIdentity, PageKey};
 
-/// Where the header's checksum sits (the format's documented layout: bytes 104..136).
+/// Where the header's checksum sits (the format's documented layout: an XXH3-128 in bytes
+/// 104..120 over every other byte).
 const CHECKSUM_AT: usize = 104;
 
 const POOLS: [PoolName; 4] = [
@@ -127,11 +128,11 @@ fn run(data: &[u8]) -> arbitrary::Result<()> {
         }
     }
     if fix && page.len() >= FIXED_HEADER_BYTES {
-        let mut h = blake3::Hasher::new();
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
         h.update(&page[..CHECKSUM_AT]);
-        h.update(&page[CHECKSUM_AT + 32..]);
-        let sum = *h.finalize().as_bytes();
-        page[CHECKSUM_AT..CHECKSUM_AT + 32].copy_from_slice(&sum);
+        h.update(&page[CHECKSUM_AT + 16..]);
+        let sum = h.digest128().to_le_bytes();
+        page[CHECKSUM_AT..CHECKSUM_AT + 16].copy_from_slice(&sum);
     }
     let decoded = check(&fmt, &key, &page);
     if page == good {

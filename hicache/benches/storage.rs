@@ -3,7 +3,7 @@
 //! file in the same run.
 //!
 //! The file store is opened as the storage tier opens it, without its own read check
-//! ([`FileStoreConfig::verify_reads`] off: the tier checks the page format's BLAKE3 of every
+//! ([`FileStoreConfig::verify_reads`] off: the tier checks the page format's checksum of every
 //! page it loads); the summary also times gets through a second store over the same directory
 //! that checks each page's XXH3 (`get+check`).
 //!

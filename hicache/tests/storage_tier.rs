@@ -1304,7 +1304,7 @@ fn a_damaged_stored_page_is_one_counted_miss_and_is_removed() {
 /// Damage on disk (a byte of a segment file flipped under the store) costs one counted miss
 /// whether the file store checks its reads or leaves that to the tier: with
 /// `verify_reads` the store's XXH3 turns the page into a miss, without it the tier's decode
-/// (the page format's BLAKE3) does and discards the page through the store. Either way no
+/// (the page format's checksum) does and discards the page through the store. Either way no
 /// wrong KV is loaded and the page leaves the store.
 #[test]
 fn damage_on_disk_is_one_counted_miss_with_or_without_the_store_read_check() {

@@ -101,7 +101,7 @@ pub(crate) fn open(
             },
             None,
         ) => {
-            // The tier checks every page it loads against the page format's BLAKE3 and
+            // The tier checks every page it loads against the page format's checksum and
             // discards a damaged one through the store: the store's own read check would be
             // a second pass over each page.
             let mut c = FileStoreConfig::new(dir.clone())

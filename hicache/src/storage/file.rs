@@ -20,7 +20,7 @@
 //! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get`
 //! reads each page with one read and, by default, returns it only if its XXH3 matches the
 //! record's; a store whose reader checks the bytes itself (the storage tier checks every page
-//! it loads against the page format's BLAKE3) can skip that second pass
+//! it loads against the page format's XXH3-128) can skip that second pass
 //! ([`FileStoreConfig::verify_reads`]), and a get then checks only the page's length. The
 //! store keeps an in-memory index, key → (segment, offset, length,
 //! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
@@ -156,7 +156,7 @@ pub struct FileStoreConfig {
     /// Whether a `get` checks each page's payload against the XXH3 its record holds (`true`,
     /// the default) or only its length (`false`). Turn it off where the reader verifies the
     /// bytes itself: the storage tier decodes every page it loads and checks the page
-    /// format's BLAKE3 over it, and hands a page that fails back through
+    /// format's XXH3-128 over it, and hands a page that fails back through
     /// [`StorageBackend::discard_damaged`], so a second checksum at the store only costs
     /// a pass over the page (about a third of a one-page get). Without the check, a page
     /// damaged on disk is returned as it reads.
