@@ -2,10 +2,10 @@
 //! batches of 1, 32 and 128, against a plain sequential write and read of the same bytes to one
 //! file in the same run.
 //!
-//! The file store is opened as the storage tier opens it, without its own read check
-//! ([`FileStoreConfig::verify_reads`] off: the tier checks the page format's checksum of every
-//! page it loads); the summary also times gets through a second store over the same directory
-//! that checks each page's XXH3 (`get+check`).
+//! The file store is opened as the storage tier opens it, without payload checksums of its own
+//! ([`FileStoreConfig::payload_checksums`] off: the tier checks the page format's checksum of
+//! every page it loads); the summary also times a second store that writes and checks them
+//! (`file+sum`).
 //!
 //! A page is a 16-token page of a Llama-3-8B-like model (32 layers, 8 KV heads of 128 dims,
 //! fp16 K and V: 4 KiB per token per layer), so 2 MiB of KV plus the 136-byte header: the
@@ -230,7 +230,7 @@ fn paired_medians<A, B>(
 fn ratio_line(store: &str, op: &str, batch: usize, bytes: u64, (s, p): (Duration, Duration)) {
     let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     println!(
-        "  {store:5} {op:9} batch {batch:3}: {:6.2} GB/s  plain file {:6.2} GB/s  ratio {:.2}",
+        "  {store:8} {op:3} batch {batch:3}: {:6.2} GB/s  plain file {:6.2} GB/s  ratio {:.2}",
         gbps(s),
         gbps(p),
         p.as_secs_f64() / s.as_secs_f64()
@@ -293,14 +293,11 @@ fn group(
 
 /// Prints each batch size's put and get throughput beside the plain file's, from interleaved
 /// rounds (`settle` as in [`group`]).
-/// `checked`, where given, opens another store over the same pages whose gets check what
-/// they read (the file store's [`FileStoreConfig::verify_reads`]); its gets are timed too.
 fn summary(
     label: &str,
     rt: &Runtime,
     store: &dyn StorageBackend,
     settle: &dyn Fn(),
-    checked: Option<&dyn Fn() -> FileStore>,
     all: &[(PageKey, Vec<u8>)],
 ) {
     for batch in BATCHES {
@@ -325,16 +322,6 @@ fn summary(
         ratio_line(label, "put", batch, bytes, w);
         let r = paired_medians(|| (), |()| get(rt, store, &keys), || (), |()| plain.read());
         ratio_line(label, "get", batch, bytes, r);
-        if let Some(open) = checked {
-            let checking = open();
-            let r = paired_medians(
-                || (),
-                |()| get(rt, &checking, &keys),
-                || (),
-                |()| plain.read(),
-            );
-            ratio_line(label, "get+check", batch, bytes, r);
-        }
     }
 }
 
@@ -374,16 +361,20 @@ fn main() {
             FileStoreConfig::new(&dir.0)
                 .with_sync(FileSync::Never)
                 .with_cap(FILE_CAP_BYTES)
-                .with_verify_reads(false),
+                .with_payload_checksums(false),
         ))
         .expect("opens the file store");
-    // The same pages through a store that checks its reads (no cap: it never evicts).
-    let checking = || {
-        rt.block_on(FileStore::open(
-            FileStoreConfig::new(&dir.0).with_verify_reads(true),
+    // The same with the store's own payload checksums, in the summary only.
+    let summed_dir = TempDir::new("store-summed");
+    let summed = rt
+        .block_on(FileStore::open(
+            FileStoreConfig::new(&summed_dir.0)
+                .with_sync(FileSync::Never)
+                .with_cap(FILE_CAP_BYTES)
+                .with_payload_checksums(true),
         ))
-        .expect("opens a second store over the directory")
-    };
+        .expect("opens the file store");
+    let settle_summed = || summed.wait_for_removals();
     let settle_file = || file.wait_for_removals();
     group(&mut c, "storage_file", &rt, &file, &settle_file, &all);
     let redis = redis_store(&rt);
@@ -397,9 +388,10 @@ fn main() {
          ({} KiB pages, medians of {ROUNDS} interleaved rounds):",
         all[0].1.len() >> 10
     );
-    summary("file", &rt, &file, &settle_file, Some(&checking), &all);
+    summary("file", &rt, &file, &settle_file, &all);
+    summary("file+sum", &rt, &summed, &settle_summed, &all);
     if let Ok(store) = &redis {
-        summary("redis", &rt, store.as_ref(), &|| (), None, &all);
+        summary("redis", &rt, store.as_ref(), &|| (), &all);
         rt.block_on(store.delete(&keys))
             .expect("deletes the bench pages");
     }

@@ -488,13 +488,13 @@ async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
     );
 }
 
-/// Without `verify_reads` a get checks only the length: a page damaged on disk comes back as
-/// it reads (the reader's own check — the storage tier's — finds it), `discard_damaged` then
-/// drops and counts it, and the undamaged pages read back whole.
+/// Without `payload_checksums` puts write no checksum and a get checks only the length: a page
+/// damaged on disk comes back as it reads (the reader's own check — the storage tier's — finds
+/// it), `discard_damaged` then drops and counts it, and the undamaged pages read back whole.
 #[tokio::test]
-async fn file_store_without_read_checks_leaves_damage_to_the_reader() {
+async fn file_store_without_payload_checksums_leaves_damage_to_the_reader() {
     let dir = TempDir::new("noverify");
-    let store = FileStore::open(dir.config().with_verify_reads(false))
+    let store = FileStore::open(dir.config().with_payload_checksums(false))
         .await
         .unwrap();
     let pages: Vec<(PageKey, Vec<u8>)> = (0..3).map(|i| (key(i), pattern(i, 500))).collect();
@@ -519,13 +519,30 @@ async fn file_store_without_read_checks_leaves_damage_to_the_reader() {
     let s = store.stats();
     assert_eq!((s.damaged_pages, s.pages), (1, 2));
     assert_eq!(store.get(&[key(1)]).await.unwrap(), [None]);
-    // The same store reopened checking its reads: the other pages are whole.
+    // The directory reopened by a store with checksums: the records written without one
+    // read as they are (page 2 damaged on disk too comes back damaged), while a page it
+    // writes itself carries a checksum and damage to it is a counted miss.
     drop(store);
     let store = FileStore::open(dir.config()).await.unwrap();
+    let (path, off, _) = store.page_location(&key(2)).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[off as usize + 7] ^= 0x01;
+    fs::write(&path, &bytes).unwrap();
+    let mut damaged_2 = pages[2].1.clone();
+    damaged_2[7] ^= 0x01;
     assert_eq!(
         store.get(&[key(0), key(2)]).await.unwrap(),
-        [Some(pages[0].1.clone()), Some(pages[2].1.clone())]
+        [Some(pages[0].1.clone()), Some(damaged_2)]
     );
+    let page_3 = pattern(3, 500);
+    store.put(&[(key(3), page_3.clone())]).await.unwrap();
+    assert_eq!(store.get(&[key(3)]).await.unwrap(), [Some(page_3)]);
+    let (path, off, _) = store.page_location(&key(3)).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[off as usize + 9] ^= 0x01;
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(store.get(&[key(3)]).await.unwrap(), [None]);
+    assert_eq!(store.stats().damaged_pages, 1);
 }
 
 /// Pages of up to a few MiB (over 512 KiB written 512 KiB at a time, each chunk checksummed as

@@ -1303,13 +1303,13 @@ fn a_damaged_stored_page_is_one_counted_miss_and_is_removed() {
 
 /// Damage on disk (a byte of a segment file flipped under the store) costs one counted miss
 /// whether the file store checks its reads or leaves that to the tier: with
-/// `verify_reads` the store's XXH3 turns the page into a miss, without it the tier's decode
+/// `payload_checksums` the store's XXH3 turns the page into a miss, without it the tier's decode
 /// (the page format's checksum) does and discards the page through the store. Either way no
 /// wrong KV is loaded and the page leaves the store.
 #[test]
-fn damage_on_disk_is_one_counted_miss_with_or_without_the_store_read_check() {
+fn damage_on_disk_is_one_counted_miss_with_or_without_store_checksums() {
     use radixkv_hicache::storage::{FileStore, FileStoreConfig};
-    for verify_reads in [true, false] {
+    for payload_checksums in [true, false] {
         let dir = TempDir::new("disk-damage");
         let s = Setup {
             page_size: 16,
@@ -1321,7 +1321,7 @@ fn damage_on_disk_is_one_counted_miss_with_or_without_the_store_read_check() {
         let open = || {
             Arc::new(
                 FileStore::open_blocking(
-                    FileStoreConfig::new(&dir.0).with_verify_reads(verify_reads),
+                    FileStoreConfig::new(&dir.0).with_payload_checksums(payload_checksums),
                 )
                 .unwrap(),
             )
@@ -1343,19 +1343,19 @@ fn damage_on_disk_is_one_counted_miss_with_or_without_the_store_read_check() {
         assert_eq!(
             prefetch_all(&mut b, 1, &t),
             5 * 16,
-            "verify_reads {verify_reads}"
+            "payload_checksums {payload_checksums}"
         );
         // The tier counts a page it had to reject; the store's rejection is a plain miss.
         assert_eq!(
             b.stats().prefetch_pages_corrupt,
-            u64::from(!verify_reads),
-            "verify_reads {verify_reads}"
+            u64::from(!payload_checksums),
+            "payload_checksums {payload_checksums}"
         );
         let st = store.stats();
         assert_eq!(
             (st.damaged_pages, st.pages),
             (1, 11),
-            "verify_reads {verify_reads}"
+            "payload_checksums {payload_checksums}"
         );
         let served = serve(&mut b, &t).unwrap();
         assert_eq!(served.host_hit, 5 * 16);

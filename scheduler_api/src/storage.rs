@@ -106,7 +106,7 @@ pub(crate) fn open(
             // a second pass over each page.
             let mut c = FileStoreConfig::new(dir.clone())
                 .with_sync(*sync)
-                .with_verify_reads(false);
+                .with_payload_checksums(false);
             // The file store's cap counts its bytes on disk: each page's record header too.
             c.cap_bytes = capacity_tokens
                 .map(|t| (t / g.page_size.max(1)) as u64 * (page_bytes + RECORD_HEADER_BYTES));

@@ -3,9 +3,10 @@
 //! # Layout
 //! A store keeps its pages in *segments*: files named `<16 hex>-<8 hex>-<8 hex>.seg` (the
 //! creating process's clock, id and a counter, so names never repeat) directly in its
-//! directory. A segment is a log of records, each a 72-byte header — magic `RKVR`, kind (page
-//! or tombstone), a write stamp, the key, the payload length, an XXH3-64 of the payload and an
-//! XXH3-64 of the header's first 64 bytes — followed by the payload, exactly the bytes given
+//! directory. A segment is a log of records, each a 72-byte header — magic `RKVR`, kind (page,
+//! page without a payload checksum, or tombstone), a write stamp, the key, the payload length,
+//! an XXH3-64 of the payload (0 without one) and an XXH3-64 of the header's first 64 bytes —
+//! followed by the payload, exactly the bytes given
 //! to `put` ([`RECORD_HEADER_BYTES`]). Anything else in the directory is ignored (never
 //! counted, never deleted; but see evicted segments below), including the one-file-per-page
 //! layout of earlier versions.
@@ -18,11 +19,12 @@
 //! from memory once. A page of more than 512 KiB is written on its own, 512 KiB at a time,
 //! each chunk fed to a streaming XXH3 just before its write; its header, which holds the
 //! checksum, is written last, into the 72 bytes left (as zeros) before the payload. A `get`
-//! reads each page with one read and, by default, returns it only if its XXH3 matches the
-//! record's; a store whose reader checks the bytes itself (the storage tier checks every page
-//! it loads against the page format's XXH3-128) can skip that second pass
-//! ([`FileStoreConfig::verify_reads`]), and a get then checks only the page's length. The
-//! store keeps an in-memory index, key → (segment, offset, length,
+//! reads each page with one read and returns it only if its XXH3 matches the record's. A
+//! store whose reader checks the bytes itself (the storage tier checks every page it loads
+//! against the page format's XXH3-128) can leave both passes out
+//! ([`FileStoreConfig::payload_checksums`]): its puts write records without a checksum, in
+//! groups of about 1 MiB (a large page in one vectored write with its header), and its gets
+//! check only lengths. The store keeps an in-memory index, key → (segment, offset, length,
 //! checksum, stamp), rebuilt at open by reading every segment's record headers (not the
 //! payloads).
 //!
@@ -34,7 +36,7 @@
 //! record is never indexed (the bytes stay until the segment is evicted; nobody appends to it
 //! again). A page whose bytes were damaged on disk after its header checked fails its XXH3 at
 //! `get`: a miss, counted in [`StoreStats::damaged_pages`] and dropped from the index —
-//! never wrong bytes. (Without [`FileStoreConfig::verify_reads`] the damaged bytes are
+//! never wrong bytes. (Without [`FileStoreConfig::payload_checksums`] the damaged bytes are
 //! returned, and it is the reader's check that finds them: the storage tier then discards the
 //! page through [`StorageBackend::discard_damaged`], which counts it the same way.) A failed write is cut off again (the segment is truncated back to where
 //! the batch began).
@@ -153,14 +155,17 @@ pub struct FileStoreConfig {
     /// `None`: [`DEFAULT_SEGMENT_BYTES`], or a sixteenth of the cap if that is smaller (so an
     /// eviction frees a sixteenth of the store at most). Must not be 0.
     pub segment_bytes: Option<u64>,
-    /// Whether a `get` checks each page's payload against the XXH3 its record holds (`true`,
-    /// the default) or only its length (`false`). Turn it off where the reader verifies the
-    /// bytes itself: the storage tier decodes every page it loads and checks the page
-    /// format's XXH3-128 over it, and hands a page that fails back through
-    /// [`StorageBackend::discard_damaged`], so a second checksum at the store only costs
-    /// a pass over the page (about a third of a one-page get). Without the check, a page
-    /// damaged on disk is returned as it reads.
-    pub verify_reads: bool,
+    /// Whether the store checksums payloads (`true`, the default): a `put` writes each page's
+    /// XXH3-64 into its record and a `get` returns a page only if it matches. `false`: puts
+    /// write records without one and gets check only lengths; right where the reader checks
+    /// the bytes itself — the storage tier decodes every page it loads against the page
+    /// format's XXH3-128 and hands a page that fails back through
+    /// [`StorageBackend::discard_damaged`], so the store's own checksum is a second pass over
+    /// every page written and read (on the README's bench, a quarter of a put's and a third
+    /// of a one-page get's time). Without it, a page damaged on disk is returned as it reads.
+    /// Stores sharing a directory may differ: a record says whether it has a checksum, and a
+    /// checking store returns a record without one as it reads.
+    pub payload_checksums: bool,
 }
 
 impl FileStoreConfig {
@@ -171,7 +176,7 @@ impl FileStoreConfig {
             cap_bytes: None,
             sync: FileSync::default(),
             segment_bytes: None,
-            verify_reads: true,
+            payload_checksums: true,
         }
     }
 
@@ -193,10 +198,10 @@ impl FileStoreConfig {
         self
     }
 
-    /// The same with `get`s checking payload checksums (`true`) or leaving that to the
-    /// reader (`false`; see [`FileStoreConfig::verify_reads`]).
-    pub fn with_verify_reads(mut self, verify_reads: bool) -> Self {
-        self.verify_reads = verify_reads;
+    /// The same with payload checksums written and checked (`true`) or left to the reader
+    /// (`false`; see [`FileStoreConfig::payload_checksums`]).
+    pub fn with_payload_checksums(mut self, payload_checksums: bool) -> Self {
+        self.payload_checksums = payload_checksums;
         self
     }
 }
@@ -204,6 +209,8 @@ impl FileStoreConfig {
 const RECORD_MAGIC: [u8; 4] = *b"RKVR";
 const KIND_PAGE: u32 = 1;
 const KIND_TOMB: u32 = 2;
+/// A page record without a payload checksum (written with [`FileStoreConfig::payload_checksums`] off).
+const KIND_PAGE_UNSUMMED: u32 = 3;
 const HEADER: usize = RECORD_HEADER_BYTES as usize;
 const SEGMENT_SUFFIX: &str = ".seg";
 /// Appended to the name of an evicted segment before it is deleted.
@@ -243,14 +250,21 @@ struct Record {
     stamp: u64,
     key: PageKey,
     len: u64,
+    /// The payload's XXH3-64 where `summed`, else 0.
     hash: u64,
+    /// Whether the record carries a payload checksum (a page's kind says so).
+    summed: bool,
 }
 
 impl Record {
     fn encode(&self) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
         h[0..4].copy_from_slice(&RECORD_MAGIC);
-        let kind = if self.tomb { KIND_TOMB } else { KIND_PAGE };
+        let kind = match (self.tomb, self.summed) {
+            (true, _) => KIND_TOMB,
+            (false, true) => KIND_PAGE,
+            (false, false) => KIND_PAGE_UNSUMMED,
+        };
         h[4..8].copy_from_slice(&kind.to_le_bytes());
         h[8..16].copy_from_slice(&self.stamp.to_le_bytes());
         h[16..48].copy_from_slice(&self.key.0);
@@ -273,9 +287,10 @@ impl Record {
         }
         let mut kind = [0u8; 4];
         kind.copy_from_slice(&h[4..8]);
-        let tomb = match u32::from_le_bytes(kind) {
-            KIND_PAGE => false,
-            KIND_TOMB => true,
+        let (tomb, summed) = match u32::from_le_bytes(kind) {
+            KIND_PAGE => (false, true),
+            KIND_PAGE_UNSUMMED => (false, false),
+            KIND_TOMB => (true, false),
             _ => return None,
         };
         let mut key = [0u8; 32];
@@ -286,6 +301,7 @@ impl Record {
             key: PageKey(key),
             len: u64_at(48),
             hash: u64_at(56),
+            summed,
         };
         (!tomb || r.len == 0).then_some(r)
     }
@@ -299,6 +315,8 @@ struct Loc {
     off: u64,
     len: u64,
     hash: u64,
+    /// Whether `hash` is the payload's checksum (else the record has none).
+    summed: bool,
     stamp: u64,
     /// Read by a `get` since this record was written.
     read: bool,
@@ -424,6 +442,7 @@ impl State {
                     off,
                     len: r.len,
                     hash: r.hash,
+                    summed: r.summed,
                     stamp: r.stamp,
                     read: false,
                 },
@@ -600,7 +619,7 @@ struct Shared {
     /// The effective most bytes of a segment.
     segment_bytes: u64,
     /// Whether gets check payload checksums.
-    verify_reads: bool,
+    payload_checksums: bool,
     /// Held by a batch that appends (puts, deletes, evictions): one at a time.
     append: Mutex<()>,
     /// Held by a rescan of the directory.
@@ -1047,7 +1066,11 @@ impl Shared {
 
     /// The pages `hot` of segment `name` that read back whole: (key, bytes, checksum). A page
     /// that cannot be read is left out (it goes with its segment).
-    fn read_copies(&self, name: &str, hot: &[(PageKey, Loc)]) -> Vec<(PageKey, Vec<u8>, u64)> {
+    fn read_copies(
+        &self,
+        name: &str,
+        hot: &[(PageKey, Loc)],
+    ) -> Vec<(PageKey, Vec<u8>, u64, bool)> {
         let mut out = Vec::with_capacity(hot.len());
         if hot.is_empty() {
             return out;
@@ -1062,11 +1085,17 @@ impl Shared {
             if file.seek(SeekFrom::Start(loc.off)).is_err() {
                 continue;
             }
-            if let Ok((buf, hash)) = read_hashed(&file, len)
+            // A copy carries its record's checksum, checked first; a record without one is
+            // copied as it reads.
+            let read = if loc.summed {
+                read_hashed(&file, len).map(|(buf, hash)| (buf, hash == loc.hash))
+            } else {
+                read_up_to(&file, len).map(|buf| (buf, true))
+            };
+            if let Ok((buf, true)) = read
                 && buf.len() == len
-                && hash == loc.hash
             {
-                out.push((*key, buf, loc.hash));
+                out.push((*key, buf, loc.hash, loc.summed));
             }
         }
         out
@@ -1128,17 +1157,19 @@ impl Shared {
                         key,
                         len: 0,
                         hash: 0,
+                        summed: false,
                     };
                     (r, &[][..])
                 })
                 .collect();
-            for (key, bytes, hash) in &copies {
+            for (key, bytes, hash, summed) in &copies {
                 let r = Record {
                     tomb: false,
                     stamp: next_stamp(),
                     key: *key,
                     len: bytes.len() as u64,
                     hash: *hash,
+                    summed: *summed,
                 };
                 items.push((r, bytes.as_slice()));
             }
@@ -1289,7 +1320,7 @@ impl Shared {
             }
             let len = usize::try_from(loc.len)
                 .map_err(|_| StoreError::Io(format!("a page of {} bytes", loc.len)))?;
-            let (buf, intact) = if self.verify_reads {
+            let (buf, intact) = if self.payload_checksums && loc.summed {
                 let (buf, hash) =
                     read_hashed(file, len).map_err(|e| io_err("cannot read", &path, e))?;
                 (buf, hash == loc.hash)
@@ -1366,6 +1397,7 @@ impl Shared {
                 key: *key,
                 len,
                 hash: 0,
+                summed: self.payload_checksums,
             };
             items.push((r, bytes.as_slice()));
         }
@@ -1376,7 +1408,7 @@ impl Shared {
         for (r, _) in &mut items {
             r.stamp = next_stamp();
         }
-        self.append_locked(&mut items, true)?;
+        self.append_locked(&mut items, self.payload_checksums)?;
         self.enforce_cap_locked();
         let bytes: u64 = items.iter().map(|(r, _)| r.len).sum();
         Counters::add(&self.counters.put_pages, items.len() as u64);
@@ -1406,6 +1438,7 @@ impl Shared {
                     key,
                     len: 0,
                     hash: 0,
+                    summed: false,
                 };
                 (r, &[][..])
             })
@@ -1441,7 +1474,7 @@ impl FileStore {
             cap_bytes,
             sync,
             segment_bytes,
-            verify_reads,
+            payload_checksums,
         } = config;
         if cap_bytes == Some(0) {
             return Err(StoreError::Config(
@@ -1501,7 +1534,7 @@ impl FileStore {
             cap_bytes,
             sync,
             segment_bytes,
-            verify_reads,
+            payload_checksums,
             append: Mutex::new(()),
             scan: Mutex::new(()),
             reaper: Arc::default(),
@@ -1639,6 +1672,7 @@ mod tests {
             key: PageKey([9; 32]),
             len: 1234,
             hash: 77,
+            summed: true,
         };
         let h = r.encode();
         assert_eq!(Record::decode(&h), Some(r));
@@ -1648,10 +1682,19 @@ mod tests {
             assert_eq!(Record::decode(&bad), None, "byte {i} flipped");
         }
         assert_eq!(Record::decode(&[0; HEADER]), None);
+        // A page without a payload checksum keeps saying so.
+        let u = Record {
+            hash: 0,
+            summed: false,
+            ..r
+        };
+        assert_eq!(Record::decode(&u.encode()), Some(u));
+        assert_ne!(u.encode()[4..8], r.encode()[4..8], "another kind");
         let t = Record {
             tomb: true,
             len: 0,
             hash: 0,
+            summed: false,
             ..r
         };
         assert_eq!(Record::decode(&t.encode()), Some(t));
@@ -1750,6 +1793,7 @@ mod tests {
                         key: PageKey([i as u8; 32]),
                         len: p.len() as u64,
                         hash: if hash { 0 } else { xxh3_64(p) },
+                        summed: true,
                     };
                     (r, p.as_slice())
                 })
@@ -1760,6 +1804,7 @@ mod tests {
                 key: PageKey([200; 32]),
                 len: 0,
                 hash: 0,
+                summed: false,
             };
             out.insert(2, (tomb, &[]));
             out
