@@ -204,13 +204,19 @@
 //!   page (a state is the checkpoint after the node's last token, so "a state ends here" is a
 //!   page carrying a Mamba section), and its window KV page by page into each page's SWA
 //!   section. A node without a host state or window copy (a host tombstone, or one left out
-//!   for lack of host slots) stores its pages without. A Mamba state that reaches the host
-//!   after its node's pages (a checkpoint at a later split, backed up without KV) has the
-//!   node's last page written again with the state's section
-//!   ([`StorageTier::rewrite_with_sections`](crate::storage::StorageTier::rewrite_with_sections));
-//!   window KV that reaches the host after its page was stored is not added (a page's
-//!   window is written once). The host slots a backup reads are cancelled like its pages
-//!   when the tree drops them.
+//!   for lack of host slots) stores its pages without. A component that reaches the host
+//!   after its page was stored is added to the stored page: a backup job reads back the
+//!   stored pages it gives a section they lack and writes them again with it, keeping their
+//!   other sections
+//!   ([`StorageTier::backup_with_sections`](crate::storage::StorageTier::backup_with_sections)).
+//!   That covers window KV backed up to the host with KV the store holds already (its page
+//!   was stored without its window: a tombstone or a host shortage at the first backup, and
+//!   the node's host copy went since, by host eviction or in another cache over the same
+//!   store) and a Mamba state that reaches the host after its node's pages (a checkpoint at a
+//!   later split, backed up without KV: the node's last page is backed up again with the
+//!   state's section). A stored page with every section a backup gives it is not written
+//!   again. The host slots a backup reads are cancelled like its pages when the tree drops
+//!   them.
 //! - **What a prefetch asks for.** As for KV-only trees, the pages past the tree's KV match
 //!   (device or host): a stored state or window inside KV the tree already holds (say KV on
 //!   device whose state was evicted) is not fetched.
