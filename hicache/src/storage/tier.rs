@@ -383,8 +383,9 @@ impl JobPages<'_> {
             }
             batch.push((self.keys[i], bytes));
         }
+        let len = batch.len();
         match timed(opts.op_timeout, store.put_owned(batch)).await {
-            Ok(stored) => (stored.iter().filter(|&&b| b).count(), false),
+            Ok(stored) => (stored.iter().take(len).filter(|&&b| b).count(), false),
             Err(_) => (0, true),
         }
     }
@@ -721,8 +722,9 @@ impl StorageTier {
             let mut stopped = false;
             for chunk in check.chunks(opts.batch_pages.max(1)) {
                 let ks: Vec<PageKey> = chunk.iter().map(|&i| job_pages.keys[i]).collect();
+                // A failed read leaves the rest unchecked (counted as failed); the pages the
+                // store lacks are still written.
                 let Ok(got) = timed(opts.op_timeout, store.get(&ks)).await else {
-                    stopped = true;
                     break;
                 };
                 let mut todo = Vec::with_capacity(chunk.len());
