@@ -113,7 +113,8 @@
 //! [`HostSim`] only. It does not use the driver's batched copy call or a gather kernel.
 //!
 //! The storage tier stores the tree's Mamba states and sliding-window KV with their pages (also
-//! those that reach the host after their page was stored), but no other extra pool ([`HiCacheConfig::extra_pools`] with a storage tier is refused).
+//! those that reach the host after their page was stored), but no other extra pool
+//! ([`HiCacheConfig::extra_pools`] with a storage tier is refused).
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
 //! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 

@@ -175,11 +175,13 @@
 //! applied by [`HiRadixCache::step`].
 //! - **Backup.** When a backup to the host is acknowledged, its host pages are queued for the
 //!   store (one job per path of the backup's nodes, including parts split off them since; the
-//!   job writes only the pages the store lacks). Until the job's completion is applied, the
-//!   deepest node of the path is protected from host eviction (so are its ancestors, which
-//!   are not leaves), and the job reads the host pages itself, page by page under its gate. A
-//!   path whose host copy is dropped meanwhile (a failed backup above it) has its job
-//!   cancelled first. Counted in [`HiCacheStats::backup_pages_written`] and its siblings.
+//!   job writes only the pages the store lacks, and in a hybrid tree the stored pages it gives
+//!   a state or window page they lack: "Storage tier: components" below). Until the job's
+//!   completion is applied, the deepest node of the path is protected from host eviction (so
+//!   are its ancestors, which are not leaves), and the job reads the host pages itself, page
+//!   by page under its gate. A path whose host copy is dropped meanwhile (a failed backup
+//!   above it) has its job cancelled first. Counted in
+//!   [`HiCacheStats::backup_pages_written`] and its siblings.
 //! - **Prefetch.** [`HiRadixCache::prefetch`] looks up the whole pages after the tree's match
 //!   (up to the key's last token) in the store when the match ends at a backed-up node or the
 //!   root and at least `prefetch_threshold_tokens` remain, within the prefetch cap. The query
@@ -568,9 +570,11 @@ pub struct HiCacheStats {
     pub prefetch_pages_corrupt: u64,
     /// Storage backup jobs completed.
     pub storage_backups: u64,
-    /// Pages written to the store by backups.
+    /// Pages written to the store by backups (stored pages written again to add a state or
+    /// window section included).
     pub backup_pages_written: u64,
-    /// Pages a backup found in the store already (not written again).
+    /// Pages a backup found in the store already, with every section it would give them (not
+    /// written again).
     pub backup_pages_skipped: u64,
     /// Pages a backup could not write (store error, timeout, refusal, cancellation).
     pub backup_pages_failed: u64,

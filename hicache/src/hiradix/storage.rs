@@ -341,8 +341,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// Queues the storage backup of an acknowledged host copy: per path of the backup's nodes
     /// (including the parts split off them since), one job that writes the pages the store
     /// lacks, and the stored ones it gives a state or window page they lack (see
-    /// [`StorageTier::backup_with_sections`]). The deepest node of each job is protected from host eviction until its
-    /// completion.
+    /// [`StorageTier::backup_with_sections`]). The deepest node of each job is protected from
+    /// host eviction until its completion.
     pub(super) fn queue_storage_backup(&mut self, w: &PendingWrite) {
         let Some(st) = self.storage.as_mut() else {
             return;
