@@ -20,6 +20,20 @@
 //!
 //! Store timings are real (the tier runs on a tokio runtime shared by all inputs, with an
 //! operation timeout of a few milliseconds), so an input does not always take the same path.
+//!
+//! An input whose first byte is `M`, `S` or `B` runs over a hybrid tree: Mamba state slots
+//! (`M`), sliding-window layers (`S`) or both (`B`), with few or many host state slots and host
+//! window pages. Stored pages then carry the states and window KV their host copies hold, the
+//! prefetches reserve host slots and window pages for them, and (besides the operations above)
+//! device evictions of Mamba states or window pages alone (tombstones) and window slides run
+//! between the operations, so states and windows reach the host, and the store, late too. The
+//! driver plays the engine's state pool in the simulated device, so every hit's copy on write,
+//! of a state brought back from the store included, must read its own prefix's state; the
+//! audits cover every host slot and window page (none outside the tree, the loads awaited and
+//! the prefetches' reservations), and at the end none may be left outside the tree. Session
+//! operations are left out of the `B` mode, as in `hicache_ops`.
+//!
+//! (Mode bytes rather than new fields, so inputs of the plain mode keep decoding as they did.)
 #![no_main]
 
 use std::sync::{Arc, OnceLock};
@@ -29,13 +43,15 @@ use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::driver::{Driver, DriverOp, Target, audit_host};
 use radixkv_fuzz::input::{Size, Tokens, namespace};
-use radixkv_fuzz::kv::BackendKv;
+use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::storage::{FaultConfig, FaultStore, MemStore, StorageBackend};
 use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
-    PrefetchStatus, PrefetchStop, StorageConfig, WritePolicy,
+    PoolName, PrefetchStatus, PrefetchStop, StorageConfig, WritePolicy,
 };
-use radixkv_radix::{KeyRef, KvIdentity, PolicyKind, PrefixCache, RadixConfig};
+use radixkv_radix::{
+    KeyRef, KvIdentity, MambaPolicy, MarconiParams, PolicyKind, PrefixCache, RadixConfig, SwaConfig,
+};
 use radixkv_session::SessionConfig;
 use tokio::runtime::Runtime;
 
@@ -112,6 +128,73 @@ struct Input {
     ops: Vec<Op>,
 }
 
+/// The Mamba component of the `M` and `B` modes.
+#[derive(Arbitrary, Debug)]
+struct MambaSetup {
+    slots: u8,
+    host_slots: Option<u8>,
+    state_words: u8,
+    marconi: bool,
+}
+
+/// The sliding-window component of the `S` and `B` modes.
+#[derive(Arbitrary, Debug)]
+struct SwaSetup {
+    window_pages: u8,
+    pages: u8,
+    host_pages: Option<u8>,
+    page_words: u8,
+}
+
+/// An operation of a hybrid mode: any operation, a device eviction of up to `n` Mamba states
+/// or window pages alone, or a window slide of one of the driver's requests.
+#[derive(Arbitrary, Debug)]
+enum HybridOp {
+    Op(Op),
+    EvictMamba { n: u8 },
+    EvictWindow { n: u8 },
+    Slide(Target),
+}
+
+/// The input of the hybrid modes (the mode byte says which components are used).
+#[derive(Arbitrary, Debug)]
+struct HybridInput {
+    mamba: MambaSetup,
+    swa: SwaSetup,
+    setup: Setup,
+    ops: Vec<HybridOp>,
+}
+
+/// The components a run's tree carries besides the full KV.
+#[derive(Clone, Copy)]
+struct Components<'a> {
+    mamba: Option<&'a MambaSetup>,
+    swa: Option<&'a SwaSetup>,
+}
+
+impl Components<'_> {
+    const NONE: Components<'static> = Components {
+        mamba: None,
+        swa: None,
+    };
+}
+
+fn state_bytes(m: &MambaSetup) -> usize {
+    8 * (1 + usize::from(m.state_words % 4))
+}
+
+fn window_page_bytes(w: &SwaSetup) -> usize {
+    8 * (1 + usize::from(w.page_words % 4))
+}
+
+/// What a run does besides the plain operations.
+enum ModeOp<'a> {
+    Op(&'a Op),
+    EvictMamba(u8),
+    EvictWindow(u8),
+    Slide(Target),
+}
+
 /// The runtime every input's storage tier runs on (starting one per input would cost two
 /// threads each time).
 fn runtime() -> &'static Runtime {
@@ -128,7 +211,11 @@ fn runtime() -> &'static Runtime {
 type Cache = HiRadixCache<HostSim>;
 type Harness = Driver<Cache, BackendKv<HostSim>>;
 
-fn build(s: &Setup, store: Arc<FaultStore<MemStore>>) -> (Cache, Arc<HostSim>) {
+fn build(
+    s: &Setup,
+    comps: Components<'_>,
+    store: Arc<FaultStore<MemStore>>,
+) -> (Cache, Arc<HostSim>) {
     let p = 1 + usize::from(s.page_size % 4);
     let pages = 8 + usize::from(s.pages % 40);
     let geometry = KvGeometry::new(1 + usize::from(s.layers % 3), p, 8).expect("geometry");
@@ -177,8 +264,76 @@ fn build(s: &Setup, store: Arc<FaultStore<MemStore>>) -> (Cache, Arc<HostSim>) {
         storage: Some(storage),
         ..HiCacheConfig::default()
     };
+    let cfg = match comps.mamba {
+        None => cfg,
+        Some(m) => HiCacheConfig {
+            radix: RadixConfig {
+                mamba_slots: Some(2 + u32::from(m.slots % 12)),
+                mamba_policy: if m.marconi {
+                    MambaPolicy::Marconi(MarconiParams::default())
+                } else {
+                    MambaPolicy::Sglang
+                },
+                ..cfg.radix
+            },
+            mamba_state_bytes: Some(state_bytes(m)),
+            mamba_host_slots: m.host_slots.map(|n| 1 + u32::from(n % 16)),
+            ..cfg
+        },
+    };
+    let cfg = match comps.swa {
+        None => cfg,
+        Some(w) => HiCacheConfig {
+            radix: RadixConfig {
+                swa: Some(SwaConfig {
+                    window: p * (1 + usize::from(w.window_pages % 4)),
+                    pages: 4 + usize::from(w.pages % 40),
+                }),
+                ..cfg.radix
+            },
+            swa_page_bytes: Some(window_page_bytes(w)),
+            swa_host_pages: w.host_pages.map(|n| 1 + u32::from(n % 32)),
+            ..cfg
+        },
+    };
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
+}
+
+/// Device eviction of up to `n` Mamba states alone: each frees one device slot, the host
+/// copies stay.
+fn evict_mamba(d: &mut Harness, n: u8) {
+    let c = d.cache.inner_mut();
+    let before = c.device_cache().mamba_accounting();
+    let host = c.device_cache().tree().mamba_host_states().map(|v| v.len());
+    let done = c.evict_mamba_states(usize::from(n % 8));
+    match (before, c.device_cache().mamba_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted states without a Mamba pool"),
+    }
+    assert_eq!(
+        c.device_cache().tree().mamba_host_states().map(|v| v.len()),
+        host,
+        "a device state eviction dropped a host copy"
+    );
+}
+
+/// Device eviction of up to `n` window pages alone (tombstones): each frees one device
+/// window page, the host copies stay.
+fn evict_window(d: &mut Harness, n: u8) {
+    let c = d.cache.inner_mut();
+    let host = c.host_swa_pages();
+    let before = c.device_cache().swa_accounting();
+    let done = c.evict_swa(usize::from(n % 8));
+    match (before, c.device_cache().swa_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
+    }
+    assert_eq!(
+        c.host_swa_pages(),
+        host,
+        "a device tombstone dropped a host copy"
+    );
 }
 
 /// The faults a `Faults` operation configures.
@@ -335,19 +490,23 @@ fn warm_up(d: &mut Harness, s: &Setup) {
     audit_host(d);
 }
 
-fn run(input: &Input) {
+fn run<'a>(setup: &Setup, comps: Components<'_>, ops: impl Iterator<Item = ModeOp<'a>>) {
+    // A page of this geometry is at most 136 + 3 layers × 4 tokens × 8 bytes, plus 8 bytes of
+    // header and the item per section.
+    let page_cap = 232
+        + comps.mamba.map_or(0, |m| 8 + state_bytes(m))
+        + comps.swa.map_or(0, |w| 8 + window_page_bytes(w));
     let store = Arc::new(
         FaultStore::new(
-            match input.setup.store_cap_pages % 32 {
+            match setup.store_cap_pages % 32 {
                 0 => MemStore::new(),
-                // A page of this geometry is at most 136 + 3 layers × 4 tokens × 8 bytes.
-                n => MemStore::with_cap(u64::from(n) * 232),
+                n => MemStore::with_cap((usize::from(n) * page_cap) as u64),
             },
             FaultConfig::seeded(1),
         )
         .expect("no faults"),
     );
-    let (cache, backend) = build(&input.setup, store.clone());
+    let (cache, backend) = build(setup, comps, store.clone());
     let cfg = SessionConfig {
         max_held_tokens: 64,
         max_session_tokens: 64,
@@ -355,12 +514,18 @@ fn run(input: &Input) {
         max_held_state_slots: usize::MAX,
         max_held_window_pages: usize::MAX,
     };
-    let mut d = Driver::new(cache, cfg, BackendKv::new(backend), input.setup.events);
-    warm_up(&mut d, &input.setup);
-    for op in input.ops.iter().take(96) {
+    let mut d = Driver::new(cache, cfg, BackendKv::new(backend.clone()), setup.events);
+    if let Some(m) = comps.mamba {
+        d = d.with_states(Box::new(BackendStates::new(backend, state_bytes(m))));
+    }
+    warm_up(&mut d, setup);
+    for op in ops.take(96) {
         match op {
-            Op::Drive(op) => d.step(op),
-            Op::Store(op) => store_op(&mut d, &input.setup, &store, op),
+            ModeOp::Op(Op::Drive(op)) => d.step(op),
+            ModeOp::Op(Op::Store(op)) => store_op(&mut d, setup, &store, op),
+            ModeOp::EvictMamba(n) => evict_mamba(&mut d, n),
+            ModeOp::EvictWindow(n) => evict_window(&mut d, n),
+            ModeOp::Slide(t) => d.slide(t),
         }
         d.audit();
         audit_host(&d);
@@ -378,10 +543,10 @@ fn run(input: &Input) {
     }
     store.set_down(false);
     store.set_config(FaultConfig::seeded(0)).expect("no faults");
-    for i in 0..input.setup.warm.len() as u8 {
+    for i in 0..setup.warm.len() as u8 {
         store_op(
             &mut d,
-            &input.setup,
+            setup,
             &store,
             &StoreOp::StartWarm {
                 warm: i,
@@ -409,15 +574,51 @@ fn run(input: &Input) {
         0,
         "a storage job is still in flight"
     );
+    let tree = c.device_cache().tree();
     assert_eq!(
         c.controller().host().used(),
-        c.device_cache().tree().host_page_count(),
+        tree.host_page_count(),
         "host pages outside the tree"
     );
+    if let Ok(a) = c.controller().extra_host(PoolName::Mamba) {
+        let held = tree.mamba_host_states().expect("the Mamba component").len();
+        assert_eq!(a.used(), held, "host state slots outside the tree");
+    }
+    if let Ok(a) = c.controller().extra_host(PoolName::Swa) {
+        let held = tree.swa_host_page_count();
+        assert_eq!(a.used(), held, "host window pages outside the tree");
+    }
 }
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(input) = Input::arbitrary_take_rest(Unstructured::new(data)) {
-        run(&input);
-    }
+    let (mode, rest) = match data.split_first() {
+        Some((&m @ (b'M' | b'S' | b'B'), rest)) => (m, rest),
+        _ => {
+            if let Ok(i) = Input::arbitrary_take_rest(Unstructured::new(data)) {
+                run(&i.setup, Components::NONE, i.ops.iter().map(ModeOp::Op));
+            }
+            return;
+        }
+    };
+    let Ok(i) = HybridInput::arbitrary_take_rest(Unstructured::new(rest)) else {
+        return;
+    };
+    let comps = Components {
+        mamba: (mode != b'S').then_some(&i.mamba),
+        swa: (mode != b'M').then_some(&i.swa),
+    };
+    let ops = i.ops.iter().filter_map(|op| match op {
+        // No session operations with both components (see the module docs).
+        HybridOp::Op(Op::Drive(
+            DriverOp::Open { .. }
+            | DriverOp::Close { .. }
+            | DriverOp::Demote { .. }
+            | DriverOp::Turn { .. },
+        )) if mode == b'B' => None,
+        HybridOp::Op(op) => Some(ModeOp::Op(op)),
+        HybridOp::EvictMamba { n } => Some(ModeOp::EvictMamba(*n)),
+        HybridOp::EvictWindow { n } => Some(ModeOp::EvictWindow(*n)),
+        HybridOp::Slide(t) => Some(ModeOp::Slide(*t)),
+    });
+    run(&i.setup, comps, ops);
 });

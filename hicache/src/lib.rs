@@ -112,9 +112,9 @@
 //! without one). It has no copy gate or refusal injection, so the tests that need them run on
 //! [`HostSim`] only. It does not use the driver's batched copy call or a gather kernel.
 //!
-//! The storage tier stores the tree's Mamba states and sliding-window KV with their pages, but
-//! no other extra pool ([`HiCacheConfig::extra_pools`] with a storage tier is refused); a
-//! state or window KV that reaches the host after its page was stored is not added to it.
+//! The storage tier stores the tree's Mamba states and sliding-window KV with their pages (also
+//! those that reach the host after their page was stored), but no other extra pool
+//! ([`HiCacheConfig::extra_pools`] with a storage tier is refused).
 //! [`HiRadixCache`] moves Mamba states and sliding-window KV with their KV (the tree's Mamba
 //! and SWA components, one of them or both in one tree; see its module docs, "Extra pools").
 

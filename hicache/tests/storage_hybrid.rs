@@ -558,3 +558,186 @@ fn a_state_that_reaches_the_host_late_is_added_to_the_store() {
     b.wait_storage().unwrap();
     no_leaks(&b);
 }
+
+/// Window KV that reaches the host after its pages were stored without it (here the first
+/// backup found no free host window page, and the node's host copy went before a
+/// recomputation backed the node up again, window included) is added to the store: the
+/// backup reads the stored pages back and writes them again with their window sections (a
+/// stored state kept), so a new cache over the store gets a usable hit there. A stored page
+/// that has every section already is not written again.
+#[test]
+fn a_window_that_reaches_the_host_late_is_added_to_the_store() {
+    for (name, base) in [("swa", Setup::swa()), ("both", Setup::both())] {
+        let s = Setup {
+            // Two host window pages: the first prompt's window fills them.
+            swa: Some(SwaSetup {
+                host_pages: Some(2),
+                ..Default::default()
+            }),
+            ..base.clone()
+        };
+        let p = s.page_size;
+        let store: Arc<dyn StorageBackend> = Arc::new(MemStore::new());
+        let t = tokens(11, 2 * p);
+        let mut a = cached(&s, store.clone());
+        serve(&mut a, &tokens(13, 2 * p));
+        a.flush().unwrap();
+        serve(&mut a, &t);
+        a.flush().unwrap();
+        a.wait_storage().unwrap();
+        let st = a.stats();
+        assert_eq!(st.backup_pages_written, 4, "{name}: {st:?}");
+        assert_eq!(
+            (st.swa_pages_backed_up, st.swa_host_full),
+            (2, 1),
+            "{name}: `t` is stored without its window: {st:?}"
+        );
+        // Both prompts leave the device and the host.
+        assert_eq!(a.evict(4 * p), 4 * p, "{name}");
+        assert_eq!(a.evict_host(4 * p), 4 * p, "{name}");
+        assert_eq!(a.controller().host().used(), 0, "{name}");
+        // Recomputed, and backed up to the host with its window this time.
+        let (m, _) = serve(&mut a, &t);
+        assert_eq!(m.prefix_len + m.host_hit_len, 0, "{name}");
+        a.flush().unwrap();
+        a.wait_storage().unwrap();
+        let st = a.stats();
+        assert_eq!(st.swa_pages_backed_up, 4, "{name}: {st:?}");
+        assert_eq!(
+            (st.backup_pages_written, st.backup_pages_skipped),
+            (6, 0),
+            "{name}: both stored pages are written again with their window: {st:?}"
+        );
+        no_leaks(&a);
+        // Once more: the stored pages have their window now, nothing is written.
+        assert_eq!(a.evict(2 * p), 2 * p, "{name}");
+        assert_eq!(a.evict_host(2 * p), 2 * p, "{name}");
+        serve(&mut a, &t);
+        a.flush().unwrap();
+        a.wait_storage().unwrap();
+        let st = a.stats();
+        assert_eq!(
+            (st.backup_pages_written, st.backup_pages_skipped),
+            (6, 2),
+            "{name}: {st:?}"
+        );
+        no_leaks(&a);
+
+        // A new cache over the store: the stored window makes the hit usable.
+        let mut b = cached(&base, store.clone());
+        let mut longer = t.clone();
+        longer.push(1);
+        let hit = prefetch_all(&mut b, 1, &longer);
+        assert_eq!(hit, 2 * p, "{name}: {:?}", b.stats());
+        assert_eq!(b.stats().prefetch_pages_unusable, 0, "{name}");
+        no_leaks(&b);
+        // `serve` checks every byte of the KV, of the window pages and of the state.
+        let (m, loaded) = serve(&mut b, &longer);
+        assert_eq!((m.host_hit_len, loaded), (2 * p, 2 * p), "{name}");
+        b.flush().unwrap();
+        b.wait_storage().unwrap();
+        no_leaks(&b);
+    }
+}
+
+/// The storage engine alone: a backup that gives a stored page a section it lacks writes the
+/// page again with it and keeps the stored page's other sections (so a late window never
+/// drops a stored state, nor a late state a stored window); one that gives only sections
+/// the stored pages have writes nothing; a rewrite writes every page, keeping the stored
+/// sections it does not give. Checked byte by byte on the stored pages.
+#[test]
+fn a_late_section_is_merged_into_the_stored_page() {
+    use radixkv_hicache::storage::{Completion, PageFormat, SectionSource, StorageTier};
+    use radixkv_hicache::{HostMemory, KvGeometry, SlotMemory};
+    use radixkv_radix::{KeySeed, Namespace};
+
+    let g = KvGeometry::new(LAYERS, 4, BYTES_PER_TOKEN).unwrap();
+    let format =
+        PageFormat::new(g, &identity(), &[(PoolName::Mamba, 16), (PoolName::Swa, 8)]).unwrap();
+    let store = Arc::new(MemStore::new());
+    let mut tier = StorageTier::new(
+        store.clone(),
+        format.clone(),
+        identity(),
+        Default::default(),
+    )
+    .unwrap();
+    let host = Arc::new(HostMemory::new(g, 2, HostLayout::PageFirst).unwrap());
+    let kv = |pg: usize, l: usize| vec![(1 + l + 3 * pg) as u8; g.page_bytes_per_layer()];
+    for pg in 0..2 {
+        for l in 0..LAYERS {
+            host.write_page(l, pg as u32, &kv(pg, l)).unwrap();
+        }
+    }
+    let mamba = Arc::new(SlotMemory::new(PoolName::Mamba, 1, 16).unwrap());
+    mamba.write_slot(0, &[7; 16]).unwrap();
+    let swa = Arc::new(SlotMemory::new(PoolName::Swa, 2, 8).unwrap());
+    swa.write_slot(0, &[8; 8]).unwrap();
+    swa.write_slot(1, &[9; 8]).unwrap();
+    let sec = |memory: &Arc<SlotMemory>, page: usize, slot: u32| SectionSource {
+        page,
+        memory: memory.clone(),
+        slot,
+    };
+    let t = tokens(3, 8);
+    let ns = Namespace::DEFAULT;
+    let keys = KeySeed::new(&ns, &identity()).chain(&t, 4);
+    let mut run = |rewrite: bool, sections: Vec<SectionSource>| -> (usize, usize, usize) {
+        let pages = vec![0, 1];
+        if rewrite {
+            tier.rewrite_with_sections(&ns, t.clone(), 0, host.clone(), pages, sections)
+        } else {
+            tier.backup_with_sections(&ns, t.clone(), 0, host.clone(), pages, sections)
+        }
+        .unwrap();
+        match tier.wait_one() {
+            Some(Completion::Backup {
+                written,
+                skipped,
+                failed,
+                ..
+            }) => (written, skipped, failed),
+            other => panic!("{other:?}"),
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let stored = |want: [(Option<u8>, Option<u8>); 2]| {
+        let got = rt.block_on(store.get(&keys)).unwrap();
+        for (i, bytes) in got.iter().enumerate() {
+            let d = format.decode(&keys[i], bytes.as_deref().unwrap()).unwrap();
+            let all: Vec<u8> = (0..LAYERS).flat_map(|l| kv(i, l)).collect();
+            assert_eq!(d.kv, &all[..], "page {i}");
+            let item = |pool: PoolName| {
+                d.sections
+                    .iter()
+                    .find(|(p, _)| *p == pool)
+                    .map(|(_, b)| b.to_vec())
+            };
+            let (m, w) = want[i];
+            assert_eq!(item(PoolName::Mamba), m.map(|b| vec![b; 16]), "page {i}");
+            assert_eq!(item(PoolName::Swa), w.map(|b| vec![b; 8]), "page {i}");
+        }
+    };
+    // Page 0 with its window.
+    assert_eq!(run(false, vec![sec(&swa, 0, 0)]), (2, 0, 0));
+    stored([(None, Some(8)), (None, None)]);
+    // A state for page 1: page 0 is skipped, page 1 written again.
+    assert_eq!(run(false, vec![sec(&mamba, 1, 0)]), (1, 1, 0));
+    stored([(None, Some(8)), (Some(7), None)]);
+    // A state for page 0 and a window for page 1: both written again, both keep theirs.
+    assert_eq!(
+        run(false, vec![sec(&mamba, 0, 0), sec(&swa, 1, 1)]),
+        (2, 0, 0)
+    );
+    stored([(Some(7), Some(8)), (Some(7), Some(9))]);
+    // Nothing new: nothing written.
+    assert_eq!(
+        run(false, vec![sec(&swa, 0, 0), sec(&mamba, 1, 0)]),
+        (0, 2, 0)
+    );
+    // A rewrite without sections writes both pages and keeps every stored section.
+    assert_eq!(run(true, Vec::new()), (2, 0, 0));
+    stored([(Some(7), Some(8)), (Some(7), Some(9))]);
+}

@@ -175,11 +175,13 @@
 //! applied by [`HiRadixCache::step`].
 //! - **Backup.** When a backup to the host is acknowledged, its host pages are queued for the
 //!   store (one job per path of the backup's nodes, including parts split off them since; the
-//!   job writes only the pages the store lacks). Until the job's completion is applied, the
-//!   deepest node of the path is protected from host eviction (so are its ancestors, which
-//!   are not leaves), and the job reads the host pages itself, page by page under its gate. A
-//!   path whose host copy is dropped meanwhile (a failed backup above it) has its job
-//!   cancelled first. Counted in [`HiCacheStats::backup_pages_written`] and its siblings.
+//!   job writes only the pages the store lacks, and in a hybrid tree the stored pages it gives
+//!   a state or window page they lack: "Storage tier: components" below). Until the job's
+//!   completion is applied, the deepest node of the path is protected from host eviction (so
+//!   are its ancestors, which are not leaves), and the job reads the host pages itself, page
+//!   by page under its gate. A path whose host copy is dropped meanwhile (a failed backup
+//!   above it) has its job cancelled first. Counted in
+//!   [`HiCacheStats::backup_pages_written`] and its siblings.
 //! - **Prefetch.** [`HiRadixCache::prefetch`] looks up the whole pages after the tree's match
 //!   (up to the key's last token) in the store when the match ends at a backed-up node or the
 //!   root and at least `prefetch_threshold_tokens` remain, within the prefetch cap. The query
@@ -204,13 +206,19 @@
 //!   page (a state is the checkpoint after the node's last token, so "a state ends here" is a
 //!   page carrying a Mamba section), and its window KV page by page into each page's SWA
 //!   section. A node without a host state or window copy (a host tombstone, or one left out
-//!   for lack of host slots) stores its pages without. A Mamba state that reaches the host
-//!   after its node's pages (a checkpoint at a later split, backed up without KV) has the
-//!   node's last page written again with the state's section
-//!   ([`StorageTier::rewrite_with_sections`](crate::storage::StorageTier::rewrite_with_sections));
-//!   window KV that reaches the host after its page was stored is not added (a page's
-//!   window is written once). The host slots a backup reads are cancelled like its pages
-//!   when the tree drops them.
+//!   for lack of host slots) stores its pages without. A component that reaches the host
+//!   after its page was stored is added to the stored page: a backup job reads back the
+//!   stored pages it gives a section they lack and writes them again with it, keeping their
+//!   other sections
+//!   ([`StorageTier::backup_with_sections`](crate::storage::StorageTier::backup_with_sections)).
+//!   That covers window KV backed up to the host with KV the store holds already (its page
+//!   was stored without its window: a tombstone or a host shortage at the first backup, and
+//!   the node's host copy went since, by host eviction or in another cache over the same
+//!   store) and a Mamba state that reaches the host after its node's pages (a checkpoint at a
+//!   later split, backed up without KV: the node's last page is backed up again with the
+//!   state's section). A stored page with every section a backup gives it is not written
+//!   again. The host slots a backup reads are cancelled like its pages when the tree drops
+//!   them.
 //! - **What a prefetch asks for.** As for KV-only trees, the pages past the tree's KV match
 //!   (device or host): a stored state or window inside KV the tree already holds (say KV on
 //!   device whose state was evicted) is not fetched.
@@ -562,9 +570,11 @@ pub struct HiCacheStats {
     pub prefetch_pages_corrupt: u64,
     /// Storage backup jobs completed.
     pub storage_backups: u64,
-    /// Pages written to the store by backups.
+    /// Pages written to the store by backups (stored pages written again to add a state or
+    /// window section included).
     pub backup_pages_written: u64,
-    /// Pages a backup found in the store already (not written again).
+    /// Pages a backup found in the store already, with every section it would give them (not
+    /// written again).
     pub backup_pages_skipped: u64,
     /// Pages a backup could not write (store error, timeout, refusal, cancellation).
     pub backup_pages_failed: u64,

@@ -340,8 +340,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 
     /// Queues the storage backup of an acknowledged host copy: per path of the backup's nodes
     /// (including the parts split off them since), one job that writes the pages the store
-    /// lacks. The deepest node of each job is protected from host eviction until its
-    /// completion.
+    /// lacks, and the stored ones it gives a state or window page they lack (see
+    /// [`StorageTier::backup_with_sections`]). The deepest node of each job is protected from
+    /// host eviction until its completion.
     pub(super) fn queue_storage_backup(&mut self, w: &PendingWrite) {
         let Some(st) = self.storage.as_mut() else {
             return;
@@ -461,8 +462,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             }
         }
         // States that reached the host after their node's pages (a checkpoint at a later
-        // split, backed up without its KV): the node's last page is written again, with the
-        // state's section, so that the store gains the checkpoint.
+        // split, backed up without its KV): the node's last page is backed up again with the
+        // state's section (and its window page, if on the host); the job writes it again
+        // when the stored page lacks the state, so that the store gains the checkpoint.
         let Some(mem) = &mamba_mem else {
             return;
         };
@@ -480,18 +482,30 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 continue;
             }
             let tokens = key_from_root(tree, n);
-            let section = SectionSource {
+            let mut sections = vec![SectionSource {
                 page: 0,
                 memory: mem.clone(),
                 slot: h,
-            };
-            match st.tier.rewrite_with_sections(
+            }];
+            let mut extra = vec![(PoolName::Mamba, h)];
+            if let Some(swa) = &swa_mem
+                && let Ok(Some(&w)) = tree.swa_host_pages(n).map(|x| x.and_then(<[u32]>::last))
+            {
+                sections.push(SectionSource {
+                    page: 0,
+                    memory: swa.clone(),
+                    slot: w,
+                });
+                extra.push((PoolName::Swa, w));
+                extra.sort_unstable();
+            }
+            match st.tier.backup_with_sections(
                 ns,
                 tokens,
                 depth / p - 1,
                 host_mem.clone(),
                 vec![last],
-                vec![section],
+                sections,
             ) {
                 Ok((job, gate)) => {
                     st.protect(n);
@@ -500,7 +514,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                         gate,
                         node: n,
                         pages: vec![last],
-                        extra: vec![(PoolName::Mamba, h)],
+                        extra,
                     });
                 }
                 Err(e) => debug_assert!(false, "a late state's page does not fit its key: {e}"),

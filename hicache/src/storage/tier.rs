@@ -14,7 +14,8 @@
 //!   how many of the pages to write it holds already (the longest stored prefix), reads the
 //!   others from the host pool, encodes them ([`PageFormat`]) and puts them in batches; with
 //!   [`StorageTier::backup_with_sections`] the pages also carry extra-pool items read from
-//!   the host slots named ([`SectionSource`]).
+//!   the host slots named ([`SectionSource`]), and a stored page the job gives a section it
+//!   lacks is read back and written again with it (its other sections kept).
 //! - **Query** ([`StorageTier::query`]): the longest stored prefix of a key chain, batch by
 //!   batch (stopping at the first short batch); it reports the keys found.
 //! - **Fetch** ([`StorageTier::fetch`]): gets pages into reserved host pages, in order. Each
@@ -276,6 +277,120 @@ impl Drop for Reply {
     }
 }
 
+/// The pages of one backup job (`keys[i]` is read from host page `pages[i]`) and the extra-pool
+/// items they carry (`sections`, sorted by page).
+struct JobPages<'a> {
+    keys: &'a [PageKey],
+    host: &'a HostMemory,
+    pages: &'a [u32],
+    sections: &'a [SectionSource],
+    format: &'a PageFormat,
+    gate: &'a JobGate,
+}
+
+/// Sections of a stored page that a rewrite keeps: (pool, item bytes).
+type KeptSections = Vec<(PoolName, Vec<u8>)>;
+
+impl JobPages<'_> {
+    /// The sections the job gives page `i`.
+    fn sections_of(&self, i: usize) -> &[SectionSource] {
+        let start = self.sections.partition_point(|s| s.page < i);
+        &self.sections[start..self.sections.partition_point(|s| s.page <= i)]
+    }
+
+    fn has_sections(&self, i: usize) -> bool {
+        !self.sections_of(i).is_empty()
+    }
+
+    /// Whether page `i`, stored as `stored` (`None`: gone since the lookup), is written again,
+    /// and with which of its stored sections (those of pools the job does not give it):
+    /// `None` when the stored page has every section the job gives it already (and `rewrite`
+    /// is off). A stored page that fails its checks is replaced by the job's page.
+    fn merge(&self, i: usize, stored: Option<&[u8]>, rewrite: bool) -> Option<KeptSections> {
+        let mine = self.sections_of(i);
+        let Some(Ok(d)) = stored.map(|b| self.format.decode(&self.keys[i], b)) else {
+            return Some(Vec::new());
+        };
+        let gives = |pool: PoolName| mine.iter().any(|s| s.memory.pool() == pool);
+        let lacks = mine
+            .iter()
+            .any(|s| !d.sections.iter().any(|&(q, _)| q == s.memory.pool()));
+        if !(rewrite || lacks) {
+            return None;
+        }
+        Some(
+            d.sections
+                .iter()
+                .filter(|&&(q, _)| !gives(q))
+                .map(|&(q, b)| (q, b.to_vec()))
+                .collect(),
+        )
+    }
+
+    /// Reads the pages `todo` (index, stored sections kept) from the host, each under the
+    /// gate, encodes them and puts them as one batch. Returns the pages stored and whether the
+    /// job must stop (cancelled, a host read or an encoding failed, the put failed or timed
+    /// out); a job that stops before the put puts nothing of the batch.
+    async fn put(
+        &self,
+        store: &dyn StorageBackend,
+        opts: &TierOptions,
+        todo: Vec<(usize, KeptSections)>,
+    ) -> (usize, bool) {
+        if todo.is_empty() {
+            return (0, false);
+        }
+        let g = self.format.geometry();
+        let layer_bytes = g.page_bytes_per_layer();
+        let mut kv = vec![0u8; self.format.kv_bytes()];
+        let mut items: Vec<Vec<u8>> = Vec::new();
+        let mut batch = Vec::with_capacity(todo.len());
+        for (i, keep) in todo {
+            let mine = self.sections_of(i);
+            items.resize_with(mine.len(), Vec::new);
+            {
+                let mut st = self.gate.lock();
+                if st.state.cancelled {
+                    return (0, true);
+                }
+                for l in 0..g.layers {
+                    let out = &mut kv[l * layer_bytes..(l + 1) * layer_bytes];
+                    if self.host.read_page(l, self.pages[i], out).is_err() {
+                        return (0, true);
+                    }
+                }
+                for (s, buf) in mine.iter().zip(items.iter_mut()) {
+                    buf.resize(s.memory.item_bytes(), 0);
+                    if s.memory.read_slot(s.slot, buf).is_err() {
+                        return (0, true);
+                    }
+                }
+                st.state.done += 1;
+            }
+            let parts: SmallVec<[(PoolName, &[u8]); 2]> = mine
+                .iter()
+                .zip(&items)
+                .map(|(s, b)| (s.memory.pool(), b.as_slice()))
+                .chain(keep.iter().map(|(q, b)| (*q, b.as_slice())))
+                .collect();
+            let mut bytes = Vec::new();
+            if self
+                .format
+                .encode(&self.keys[i], &kv, &parts, &mut bytes)
+                .is_err()
+            {
+                return (0, true);
+            }
+            batch.push((self.keys[i], bytes));
+        }
+        let len = batch.len();
+        match timed(opts.op_timeout, store.put_owned(batch)).await {
+            Ok(stored) => (stored.iter().take(len).filter(|&&b| b).count(), false),
+            Err(_) => (0, true),
+        }
+    }
+}
+
 /// How many of `keys`, from the first, the store holds, asked in batches of
 /// `opts.batch_pages` (each under the operation timeout) until the first gap; and whether a
 /// batch failed (the count then stops before it).
@@ -480,6 +595,13 @@ impl StorageTier {
     /// extra-pool items (each read from host memory under the gate, like the page's KV). The
     /// slots must stay allocated like the pages.
     ///
+    /// A page the store holds already is still written when the job gives it a section the
+    /// stored page lacks (window KV or a state that reached the host after the page was
+    /// stored without it): the job reads the stored page back and writes the page again with
+    /// the job's sections plus the stored sections of the other pools, so a rewrite never
+    /// drops a section. A stored page that fails its checks is replaced. A stored page with
+    /// every section the job gives it is skipped, as is a stored page the job gives none.
+    ///
     /// # Errors
     /// [`HiCacheError::BufferSize`] when `pages` does not cover the pages to back up or a
     /// section names a page past them; [`HiCacheError::Config`] for a section of a pool the
@@ -497,10 +619,9 @@ impl StorageTier {
         self.spawn_backup(namespace, spec, false)
     }
 
-    /// [`StorageTier::backup_with_sections`] that writes every page, stored or not: for a
-    /// component that reaches the host after its page was stored (a Mamba checkpoint taken
-    /// at a later split), so that the stored page gains the section. The completion counts
-    /// no page as skipped.
+    /// [`StorageTier::backup_with_sections`] that writes every page, stored or not (a stored
+    /// page keeps its sections of the pools the job does not give it, as there). The
+    /// completion counts no page as skipped.
     ///
     /// # Errors
     /// As [`StorageTier::backup_with_sections`].
@@ -578,68 +699,65 @@ impl StorageTier {
             let _permit = sem.acquire_owned().await;
             let mut keys = Vec::with_capacity(total);
             seed.extend_chain(None, &tokens, p, &mut keys);
-            let keys = &keys[first_page..];
-            // On a failed lookup, writing everything is the safe answer; the puts will tell.
-            let present = if rewrite {
-                0
-            } else {
-                stored_prefix(&*store, keys, &opts).await.0
+            let job_pages = JobPages {
+                keys: &keys[first_page..],
+                host: &host,
+                pages: &pages,
+                sections: &sections,
+                format: &format,
+                gate: &task_gate,
             };
-            let mut written = 0;
-            let g = format.geometry();
-            let layer_bytes = g.page_bytes_per_layer();
-            let mut kv = vec![0u8; format.kv_bytes()];
-            let mut items: Vec<Vec<u8>> = Vec::new();
+            let n = job_pages.keys.len();
+            // On a failed lookup, writing everything is the safe answer; the puts will tell.
+            let present = stored_prefix(&*store, job_pages.keys, &opts).await.0;
+            let (mut written, mut skipped) = (0, 0);
+            // Stored pages this job may complete: those it gives a section (all of them when
+            // rewriting). Each is read back and written again, keeping the sections of the
+            // stored page that the job does not give, unless the stored page has every
+            // section the job gives already.
+            let check: Vec<usize> = (0..present)
+                .filter(|&i| rewrite || job_pages.has_sections(i))
+                .collect();
+            skipped += present - check.len();
+            let mut stopped = false;
+            for chunk in check.chunks(opts.batch_pages.max(1)) {
+                let ks: Vec<PageKey> = chunk.iter().map(|&i| job_pages.keys[i]).collect();
+                // A failed read leaves the rest unchecked (counted as failed); the pages the
+                // store lacks are still written.
+                let Ok(got) = timed(opts.op_timeout, store.get(&ks)).await else {
+                    break;
+                };
+                let mut todo = Vec::with_capacity(chunk.len());
+                for (j, &i) in chunk.iter().enumerate() {
+                    let stored = got.get(j).and_then(Option::as_deref);
+                    match job_pages.merge(i, stored, rewrite) {
+                        Some(keep) => todo.push((i, keep)),
+                        None => skipped += 1,
+                    }
+                }
+                let (w, stop) = job_pages.put(&*store, &opts, todo).await;
+                written += w;
+                if stop {
+                    stopped = true;
+                    break;
+                }
+            }
+            // The pages the store lacks.
             let mut at = present;
-            'batches: while at < keys.len() {
-                let end = (at + opts.batch_pages).min(keys.len());
-                let mut batch = Vec::with_capacity(end - at);
-                for i in at..end {
-                    let start = sections.partition_point(|s| s.page < i);
-                    let mine = &sections[start..sections.partition_point(|s| s.page <= i)];
-                    items.resize_with(mine.len(), Vec::new);
-                    {
-                        let mut st = task_gate.lock();
-                        if st.state.cancelled {
-                            break 'batches;
-                        }
-                        for l in 0..g.layers {
-                            let out = &mut kv[l * layer_bytes..(l + 1) * layer_bytes];
-                            if host.read_page(l, pages[i], out).is_err() {
-                                break 'batches;
-                            }
-                        }
-                        for (s, buf) in mine.iter().zip(items.iter_mut()) {
-                            buf.resize(s.memory.item_bytes(), 0);
-                            if s.memory.read_slot(s.slot, buf).is_err() {
-                                break 'batches;
-                            }
-                        }
-                        st.state.done += 1;
-                    }
-                    let parts: SmallVec<[(PoolName, &[u8]); 2]> = mine
-                        .iter()
-                        .zip(&items)
-                        .map(|(s, b)| (s.memory.pool(), b.as_slice()))
-                        .collect();
-                    let mut bytes = Vec::new();
-                    if format.encode(&keys[i], &kv, &parts, &mut bytes).is_err() {
-                        break 'batches;
-                    }
-                    batch.push((keys[i], bytes));
-                }
-                match timed(opts.op_timeout, store.put_owned(batch)).await {
-                    Ok(stored) => written += stored.iter().filter(|&&b| b).count(),
-                    Err(_) => break,
-                }
+            while !stopped && at < n {
+                let end = (at + opts.batch_pages.max(1)).min(n);
+                let todo = (at..end).map(|i| (i, Vec::new())).collect();
+                let (w, stop) = job_pages.put(&*store, &opts, todo).await;
+                written += w;
+                stopped = stop;
                 at = end;
             }
             task_gate.lock().state.finished = true;
             reply.send(Completion::Backup {
                 job,
                 written,
-                skipped: present,
-                failed: keys.len() - present - written,
+                skipped,
+                failed: n - skipped - written,
             });
         });
         Ok((job, gate))
