@@ -123,6 +123,13 @@ pub trait ManagedCache: PrefixCache + Send {
     fn on_begin_step(&mut self) -> Result<StepLoads> {
         Ok(StepLoads::default())
     }
+    /// False only for a cache whose [`ManagedCache::on_begin_step`] never starts a load nor
+    /// fails (a device-only cache): the manager then never calls it, and its steps share no
+    /// load set with their handles (no allocation, no atomic counts). True by default, so that a
+    /// cache overriding `on_begin_step` is asked.
+    fn starts_loads(&self) -> bool {
+        true
+    }
     /// Called at the end of a step: applies completion acks (releasing the locks that
     /// protected transferring nodes) and returns the step's traffic.
     ///
@@ -293,6 +300,10 @@ pub trait ManagedCache: PrefixCache + Send {
 }
 
 impl ManagedCache for RadixCache {
+    fn starts_loads(&self) -> bool {
+        false
+    }
+
     fn mamba_accounting(&self) -> Option<ComponentAccounting> {
         RadixCache::mamba_accounting(self)
     }

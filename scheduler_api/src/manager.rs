@@ -161,9 +161,13 @@ pub struct KvCacheManager {
     /// A failure to start loads (in `begin_step`, which cannot fail, or in an admission
     /// inside an open step), reported by the next `end_step`.
     step_error: Option<ManagerError>,
-    /// The loads of the step that is open (between `begin_step` and `end_step`), which an
-    /// admission made meanwhile joins.
-    open_step: Option<Arc<StepLoadSet>>,
+    /// A step is open (between `begin_step` and `end_step`): the one numbered `step`.
+    step_open: bool,
+    /// The loads of the step that is open, which an admission made meanwhile joins (`None`
+    /// between steps, and always for a cache that never loads).
+    open_loads: Option<Arc<StepLoadSet>>,
+    /// The cache's [`ManagedCache::starts_loads`], read once.
+    starts_loads: bool,
     /// The last ended step's load set, emptied, for the next `begin_step` (a step that loads
     /// nothing then costs no allocation).
     spare_step: Option<Arc<StepLoadSet>>,
@@ -237,6 +241,7 @@ impl KvCacheManager {
         };
         let has_storage = cache.has_storage();
         let page_granular = cache.page_granular();
+        let starts_loads = cache.starts_loads();
         let swa_window = cache.swa_window();
         let events = EventBuffer::new(cfg.event_capacity)?;
         Ok(KvCacheManager {
@@ -258,7 +263,9 @@ impl KvCacheManager {
             session_use: Default::default(),
             use_seq: 0,
             step_error: None,
-            open_step: None,
+            step_open: false,
+            open_loads: None,
+            starts_loads,
             spare_step: None,
             ended_step: 0,
             swa_window,
@@ -437,6 +444,11 @@ impl KvCacheManager {
     /// moved since the last drain, the stream has a gap and the router must resync its view of
     /// this cache (see [`EventBuffer`]).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
+        // Without events the cache is built without its buffer and this one is never fed:
+        // there is nothing to take, and no number to use up (a scheduler drains every step).
+        if !self.cfg.events {
+            return Vec::new();
+        }
         self.take_numbered_events().1
     }
 
@@ -998,7 +1010,7 @@ impl KvCacheManager {
             }
             Err(e) => return Err(e.into()),
         }
-        if let Some(set) = &self.open_step {
+        if let Some(set) = &self.open_loads {
             // Admitted inside an open step: its load starts now and joins that step, so the
             // step's handle waits for it (see `begin_step`).
             let set = set.clone();
@@ -1469,9 +1481,15 @@ impl KvCacheManager {
     /// and `end_step` reports the error.
     pub fn begin_step(&mut self) -> StepHandle {
         self.step += 1;
-        let set = self.spare_step.take().unwrap_or_default();
-        self.start_loads(&set);
-        self.open_step = Some(set.clone());
+        self.step_open = true;
+        // A cache that never loads has nothing to start and nothing for the handle to wait
+        // for: its steps share no set (no reference counts to move every step).
+        let loads = self.starts_loads.then(|| {
+            let set = self.spare_step.take().unwrap_or_default();
+            self.start_loads(&set);
+            set
+        });
+        self.open_loads.clone_from(&loads);
         StepHandle {
             index: self.step,
             layers: self.cfg.model.layers,
@@ -1479,15 +1497,15 @@ impl KvCacheManager {
             span: tracing::debug_span!(
                 "kv_step",
                 step = self.step,
-                load_bytes = set.load_bytes_now()
+                load_bytes = loads.as_ref().map_or(0, |l| l.load_bytes_now())
             ),
-            loads: set,
+            loads,
         }
     }
 
     /// The step whose forward computes what is allocated now: the open one, or the next.
     fn forward_step(&self) -> u64 {
-        self.step + u64::from(self.open_step.is_none())
+        self.step + u64::from(!self.step_open)
     }
 
     /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.
@@ -1515,12 +1533,9 @@ impl KvCacheManager {
         let _g = step.span.enter();
         // The step's forward is over: what it allocated is computed, and later admissions
         // belong to the next step.
-        if self
-            .open_step
-            .as_ref()
-            .is_some_and(|s| Arc::ptr_eq(s, &step.loads))
-        {
-            self.open_step = None;
+        if self.step_open && step.index == self.step {
+            self.step_open = false;
+            self.open_loads = None;
             self.ended_step = self.ended_step.max(step.index);
         }
         // Acks are applied even after a failed `begin_step`: the transfers that did start
@@ -1559,8 +1574,10 @@ impl KvCacheManager {
         // The handle is gone with this call: its set is kept for the next step when nothing
         // else holds it (an open step's clone was dropped above).
         drop(_g);
-        let StepHandle { mut loads, .. } = step;
-        if let Some(set) = Arc::get_mut(&mut loads) {
+        let StepHandle { loads, .. } = step;
+        if let Some(mut loads) = loads
+            && let Some(set) = Arc::get_mut(&mut loads)
+        {
             set.reset();
             self.spare_step = Some(loads);
         }

@@ -428,7 +428,10 @@ pub enum WaitReason {
 pub struct StepHandle {
     pub(crate) index: u64,
     pub(crate) layers: u32,
-    pub(crate) loads: Arc<StepLoadSet>,
+    /// The step's loads, shared with the manager while the step is open; `None` for a cache
+    /// that never loads ([`ManagedCache::starts_loads`](crate::ManagedCache::starts_loads)),
+    /// whose steps then cost no shared set.
+    pub(crate) loads: Option<Arc<StepLoadSet>>,
     /// Nanoseconds spent blocked in `wait_layer` (atomic: the forward may wait from another
     /// thread than the scheduler's), for the load-wait histogram.
     pub(crate) waited_ns: AtomicU64,
@@ -496,12 +499,14 @@ impl StepHandle {
     /// pages × the model's page bytes, whatever the backend really copies. Grows when a request
     /// is admitted while the step is open.
     pub fn load_bytes(&self) -> u64 {
-        self.loads.load_bytes_now()
+        self.loads.as_ref().map_or(0, |l| l.load_bytes_now())
     }
 
     /// Pages whose load this step started.
     pub fn load_pages(&self) -> u64 {
-        self.loads.pages.load(Ordering::Relaxed)
+        self.loads
+            .as_ref()
+            .map_or(0, |l| l.pages.load(Ordering::Relaxed))
     }
 
     /// Blocks until layer `layer`'s share of this step's loads is on the device (the
@@ -511,7 +516,10 @@ impl StepHandle {
     /// [`ManagerError::Tier`](crate::ManagerError::Tier) when the layer's copy failed: the batch must not read it;
     /// `end_step` repairs the KV (or reports that it could not).
     pub fn wait_layer(&self, layer: u32) -> Result<()> {
-        let waits = self.loads.waits();
+        let Some(loads) = &self.loads else {
+            return Ok(());
+        };
+        let waits = loads.waits();
         if waits.is_empty() {
             return Ok(());
         }
@@ -531,9 +539,8 @@ impl StepHandle {
     pub fn is_layer_done(&self, layer: u32) -> bool {
         // A non-blocking poll: no need to copy the waits out of the lock.
         self.loads
-            .locked_waits()
-            .iter()
-            .all(|w| w.is_layer_done(layer))
+            .as_ref()
+            .is_none_or(|l| l.locked_waits().iter().all(|w| w.is_layer_done(layer)))
     }
 
     /// Bytes layer `layer`'s forward waits for: loads are issued layer by layer, so layer `i`

@@ -40,6 +40,10 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
         self.inner_mut().on_begin_step()
     }
 
+    fn starts_loads(&self) -> bool {
+        self.inner().starts_loads()
+    }
+
     fn on_end_step(&mut self) -> Result<StepTransfers> {
         let t = self.inner_mut().on_end_step()?;
         self.reap()?;

@@ -1318,3 +1318,31 @@ fn write_back_eviction_waits_a_step_at_admission_not_in_the_allocation() {
         assert_eq!(kv.reserved_tokens(), 0);
     }
 }
+
+#[test]
+fn a_device_only_step_waits_for_nothing_and_a_stale_handle_leaves_the_open_step_open() {
+    let mut kv = manager(256, 4);
+    let stale = kv.begin_step();
+    let open = kv.begin_step();
+    // A device-only cache loads nothing: every layer is ready at once.
+    wait_covers(&kv, &open, 0);
+    wait_covers(&kv, &stale, 0);
+    kv.end_step(stale).unwrap();
+    // Allocated while `open` is still open: its forward computes them.
+    let id = kv
+        .arrive(Request::new((0..10).collect()).max_new_tokens(4))
+        .unwrap();
+    let extend = ready(&mut kv, id);
+    kv.extend(id, extend).unwrap();
+    kv.end_step(open).unwrap();
+    assert!(kv.take_events().is_empty(), "events are off");
+    kv.retract(id).unwrap();
+    assert_eq!(
+        kv.accounting().evictable,
+        8,
+        "the open step ended: 10 computed, 8 page-aligned (ending an older handle must not \
+         end the open step)"
+    );
+    kv.abort(id).unwrap();
+    kv.check_invariants().unwrap();
+}
