@@ -458,6 +458,18 @@ async fn file_store_restart_skips_a_torn_tail_and_keeps_writing() {
     );
 }
 
+/// Flips `mask` into byte `at` of `k`'s payload in its segment file (damage on disk), and
+/// returns the payload `page` as it now reads.
+fn flip_on_disk(store: &FileStore, k: &PageKey, page: &[u8], at: usize, mask: u8) -> Vec<u8> {
+    let (path, off, _) = store.page_location(k).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[off as usize + at] ^= mask;
+    fs::write(&path, &bytes).unwrap();
+    let mut damaged = page.to_vec();
+    damaged[at] ^= mask;
+    damaged
+}
+
 #[tokio::test]
 async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
     let dir = TempDir::new("damage");
@@ -465,10 +477,7 @@ async fn file_store_a_damaged_page_is_a_counted_miss_never_wrong_bytes() {
     let pages: Vec<(PageKey, Vec<u8>)> = (0..3).map(|i| (key(i), pattern(i, 500))).collect();
     store.put(&pages).await.unwrap();
     // One payload byte of page 1 flipped on disk.
-    let (path, off, _) = store.page_location(&key(1)).unwrap();
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[off as usize + 250] ^= 0x10;
-    fs::write(&path, &bytes).unwrap();
+    flip_on_disk(&store, &key(1), &pages[1].1, 250, 0x10);
     let got = store.get(&[key(0), key(1), key(2)]).await.unwrap();
     assert_eq!(
         got,
@@ -499,12 +508,7 @@ async fn file_store_without_payload_checksums_leaves_damage_to_the_reader() {
         .unwrap();
     let pages: Vec<(PageKey, Vec<u8>)> = (0..3).map(|i| (key(i), pattern(i, 500))).collect();
     store.put(&pages).await.unwrap();
-    let (path, off, _) = store.page_location(&key(1)).unwrap();
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[off as usize + 250] ^= 0x10;
-    fs::write(&path, &bytes).unwrap();
-    let mut damaged = pages[1].1.clone();
-    damaged[250] ^= 0x10;
+    let damaged = flip_on_disk(&store, &key(1), &pages[1].1, 250, 0x10);
     let got = store.get(&[key(0), key(1), key(2)]).await.unwrap();
     assert_eq!(
         got,
@@ -524,23 +528,15 @@ async fn file_store_without_payload_checksums_leaves_damage_to_the_reader() {
     // writes itself carries a checksum and damage to it is a counted miss.
     drop(store);
     let store = FileStore::open(dir.config()).await.unwrap();
-    let (path, off, _) = store.page_location(&key(2)).unwrap();
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[off as usize + 7] ^= 0x01;
-    fs::write(&path, &bytes).unwrap();
-    let mut damaged_2 = pages[2].1.clone();
-    damaged_2[7] ^= 0x01;
+    let damaged_2 = flip_on_disk(&store, &key(2), &pages[2].1, 7, 0x01);
     assert_eq!(
         store.get(&[key(0), key(2)]).await.unwrap(),
         [Some(pages[0].1.clone()), Some(damaged_2)]
     );
     let page_3 = pattern(3, 500);
     store.put(&[(key(3), page_3.clone())]).await.unwrap();
-    assert_eq!(store.get(&[key(3)]).await.unwrap(), [Some(page_3)]);
-    let (path, off, _) = store.page_location(&key(3)).unwrap();
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[off as usize + 9] ^= 0x01;
-    fs::write(&path, &bytes).unwrap();
+    assert_eq!(store.get(&[key(3)]).await.unwrap(), [Some(page_3.clone())]);
+    flip_on_disk(&store, &key(3), &page_3, 9, 0x01);
     assert_eq!(store.get(&[key(3)]).await.unwrap(), [None]);
     assert_eq!(store.stats().damaged_pages, 1);
 }
