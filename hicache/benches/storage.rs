@@ -353,27 +353,22 @@ fn main() {
         .expect("a tokio runtime");
     let all = pages(BATCHES[BATCHES.len() - 1]);
     let keys: Vec<PageKey> = all.iter().map(|(k, _)| *k).collect();
-    let dir = TempDir::new("store");
-    // As the storage tier opens it: the tier checks every page it loads against the page
-    // format's checksum, so the store's gets check only lengths.
-    let file = rt
-        .block_on(FileStore::open(
+    let open = |dir: &TempDir, payload_checksums: bool| {
+        rt.block_on(FileStore::open(
             FileStoreConfig::new(&dir.0)
                 .with_sync(FileSync::Never)
                 .with_cap(FILE_CAP_BYTES)
-                .with_payload_checksums(false),
+                .with_payload_checksums(payload_checksums),
         ))
-        .expect("opens the file store");
+        .expect("opens the file store")
+    };
+    // As the storage tier opens it: the tier checks every page it loads against the page
+    // format's checksum, so the store writes and checks none of its own.
+    let dir = TempDir::new("store");
+    let file = open(&dir, false);
     // The same with the store's own payload checksums, in the summary only.
     let summed_dir = TempDir::new("store-summed");
-    let summed = rt
-        .block_on(FileStore::open(
-            FileStoreConfig::new(&summed_dir.0)
-                .with_sync(FileSync::Never)
-                .with_cap(FILE_CAP_BYTES)
-                .with_payload_checksums(true),
-        ))
-        .expect("opens the file store");
+    let summed = open(&summed_dir, true);
     let settle_summed = || summed.wait_for_removals();
     let settle_file = || file.wait_for_removals();
     group(&mut c, "storage_file", &rt, &file, &settle_file, &all);
