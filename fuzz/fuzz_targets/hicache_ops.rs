@@ -38,7 +38,9 @@ use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp, Target, audit_host};
+use radixkv_fuzz::driver::{
+    Driver, DriverOp, Target, audit_host, evict_device_states, evict_device_window,
+};
 use radixkv_fuzz::input::Size;
 use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::{
@@ -395,35 +397,6 @@ fuzz_target!(|data: &[u8]| {
     }
 });
 
-/// Device eviction of up to `n` Mamba states alone: each frees one device slot.
-fn evict_mamba(d: &mut Harness, n: u8) {
-    let c = d.cache.inner_mut();
-    let before = c.device_cache().mamba_accounting();
-    let done = c.evict_mamba_states(usize::from(n % 8));
-    match (before, c.device_cache().mamba_accounting()) {
-        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
-        _ => assert_eq!(done, 0, "evicted states without a Mamba pool"),
-    }
-}
-
-/// Device eviction of up to `n` window pages alone (tombstones): each frees one device
-/// window page, and the host copies stay.
-fn evict_window(d: &mut Harness, n: u8) {
-    let c = d.cache.inner_mut();
-    let host = c.host_swa_pages();
-    let before = c.device_cache().swa_accounting();
-    let done = c.evict_swa(usize::from(n % 8));
-    match (before, c.device_cache().swa_accounting()) {
-        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
-        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
-    }
-    assert_eq!(
-        c.host_swa_pages(),
-        host,
-        "a device tombstone dropped a host copy"
-    );
-}
-
 fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>>) {
     let (cache, backend) = build(s, extra);
     let p = cache.page_size();
@@ -448,9 +421,9 @@ fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>
         match op {
             ModeOp::Op(Op::Drive(op)) => d.step(op),
             ModeOp::Op(Op::Tier(op)) => tier(&mut d, &backend, op, &mut faulty),
-            ModeOp::EvictMamba(n) => evict_mamba(&mut d, n),
+            ModeOp::EvictMamba(n) => evict_device_states(d.cache.inner_mut(), n),
             ModeOp::Slide(t) => d.slide(t),
-            ModeOp::EvictWindow(n) => evict_window(&mut d, n),
+            ModeOp::EvictWindow(n) => evict_device_window(d.cache.inner_mut(), n),
         }
         d.audit();
         audit_host(&d);

@@ -41,7 +41,9 @@ use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use radixkv_fuzz::driver::{Driver, DriverOp, Target, audit_host};
+use radixkv_fuzz::driver::{
+    Driver, DriverOp, Target, audit_host, evict_device_states, evict_device_window,
+};
 use radixkv_fuzz::input::{Size, Tokens, namespace};
 use radixkv_fuzz::kv::{BackendKv, BackendStates};
 use radixkv_hicache::storage::{FaultConfig, FaultStore, MemStore, StorageBackend};
@@ -300,42 +302,6 @@ fn build(
     (cache, backend)
 }
 
-/// Device eviction of up to `n` Mamba states alone: each frees one device slot, the host
-/// copies stay.
-fn evict_mamba(d: &mut Harness, n: u8) {
-    let c = d.cache.inner_mut();
-    let before = c.device_cache().mamba_accounting();
-    let host = c.device_cache().tree().mamba_host_states().map(|v| v.len());
-    let done = c.evict_mamba_states(usize::from(n % 8));
-    match (before, c.device_cache().mamba_accounting()) {
-        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
-        _ => assert_eq!(done, 0, "evicted states without a Mamba pool"),
-    }
-    assert_eq!(
-        c.device_cache().tree().mamba_host_states().map(|v| v.len()),
-        host,
-        "a device state eviction dropped a host copy"
-    );
-}
-
-/// Device eviction of up to `n` window pages alone (tombstones): each frees one device
-/// window page, the host copies stay.
-fn evict_window(d: &mut Harness, n: u8) {
-    let c = d.cache.inner_mut();
-    let host = c.host_swa_pages();
-    let before = c.device_cache().swa_accounting();
-    let done = c.evict_swa(usize::from(n % 8));
-    match (before, c.device_cache().swa_accounting()) {
-        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
-        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
-    }
-    assert_eq!(
-        c.host_swa_pages(),
-        host,
-        "a device tombstone dropped a host copy"
-    );
-}
-
 /// The faults a `Faults` operation configures.
 fn faults(p: &[u8; 5], slow_ms: u8, seed: u64) -> FaultConfig {
     let f = |x: u8| f64::from(x % 17) / 16.0;
@@ -523,8 +489,8 @@ fn run<'a>(setup: &Setup, comps: Components<'_>, ops: impl Iterator<Item = ModeO
         match op {
             ModeOp::Op(Op::Drive(op)) => d.step(op),
             ModeOp::Op(Op::Store(op)) => store_op(&mut d, setup, &store, op),
-            ModeOp::EvictMamba(n) => evict_mamba(&mut d, n),
-            ModeOp::EvictWindow(n) => evict_window(&mut d, n),
+            ModeOp::EvictMamba(n) => evict_device_states(d.cache.inner_mut(), n),
+            ModeOp::EvictWindow(n) => evict_device_window(d.cache.inner_mut(), n),
             ModeOp::Slide(t) => d.slide(t),
         }
         d.audit();

@@ -1079,6 +1079,40 @@ pub fn audit_host<B: DeviceBackend, S: KvStore>(d: &Driver<HiRadixCache<B>, S>) 
     assert!(c.host_tokens() <= c.controller().host().total() * c.page_size());
 }
 
+/// Device eviction of up to `n % 8` Mamba states alone on a tiered cache: each frees one
+/// device slot, and the host copies stay.
+pub fn evict_device_states<B: DeviceBackend>(c: &mut HiRadixCache<B>, n: u8) {
+    let before = c.device_cache().mamba_accounting();
+    let host = c.device_cache().tree().mamba_host_states().map(|v| v.len());
+    let done = c.evict_mamba_states(usize::from(n % 8));
+    match (before, c.device_cache().mamba_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted states without a Mamba pool"),
+    }
+    assert_eq!(
+        c.device_cache().tree().mamba_host_states().map(|v| v.len()),
+        host,
+        "a device state eviction dropped a host copy"
+    );
+}
+
+/// Device eviction of up to `n % 8` window pages alone (tombstones) on a tiered cache: each
+/// frees one device window page, and the host copies stay.
+pub fn evict_device_window<B: DeviceBackend>(c: &mut HiRadixCache<B>, n: u8) {
+    let host = c.host_swa_pages();
+    let before = c.device_cache().swa_accounting();
+    let done = c.evict_swa(usize::from(n % 8));
+    match (before, c.device_cache().swa_accounting()) {
+        (Some(b), Some(a)) => assert_eq!(a.free, b.free + done, "{b:?} → {a:?}"),
+        _ => assert_eq!(done, 0, "evicted window pages without an SWA pool"),
+    }
+    assert_eq!(
+        c.host_swa_pages(),
+        host,
+        "a device tombstone dropped a host copy"
+    );
+}
+
 /// Matches `req` again, as a request rejected by admission does: the match `m` it had, with
 /// the same pages.
 ///
