@@ -38,8 +38,8 @@
 //! `get`: a miss, counted in [`StoreStats::damaged_pages`] and dropped from the index —
 //! never wrong bytes. (Without [`FileStoreConfig::payload_checksums`] the damaged bytes are
 //! returned, and it is the reader's check that finds them: the storage tier then discards the
-//! page through [`StorageBackend::discard_damaged`], which counts it the same way.) A failed write is cut off again (the segment is truncated back to where
-//! the batch began).
+//! page through [`StorageBackend::discard_damaged`], which counts it the same way.) A failed
+//! write is cut off again (the segment is truncated back to where the batch began).
 //!
 //! How much reaches the disk before `put` reports a page stored is the [`FileSync`] policy,
 //! applied once per batch rather than once per page: [`FileSync::Never`] (the default) calls
@@ -209,7 +209,8 @@ impl FileStoreConfig {
 const RECORD_MAGIC: [u8; 4] = *b"RKVR";
 const KIND_PAGE: u32 = 1;
 const KIND_TOMB: u32 = 2;
-/// A page record without a payload checksum (written with [`FileStoreConfig::payload_checksums`] off).
+/// A page record without a payload checksum (written with
+/// [`FileStoreConfig::payload_checksums`] off).
 const KIND_PAGE_UNSUMMED: u32 = 3;
 const HEADER: usize = RECORD_HEADER_BYTES as usize;
 const SEGMENT_SUFFIX: &str = ".seg";
