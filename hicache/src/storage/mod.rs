@@ -42,8 +42,7 @@ pub use backend::{MemStore, StorageBackend, StoreError, StoreFuture, StoreStats}
 pub use fault::{FaultConfig, FaultCounts, FaultStore};
 pub use file::{DEFAULT_SEGMENT_BYTES, FileStore, FileStoreConfig, FileSync, RECORD_HEADER_BYTES};
 pub use page::{
-    CHECKSUM_AT, DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION,
-    PageError, PageFormat, seal,
+    DecodedPage, FIXED_HEADER_BYTES, MAX_SECTIONS, PAGE_MAGIC, PAGE_VERSION, PageError, PageFormat,
 };
 #[cfg(feature = "redis")]
 pub use redis::{REDIS_MAX_VALUE_BYTES, RedisConfig, RedisStore};

@@ -52,7 +52,7 @@ pub const FIXED_HEADER_BYTES: usize = 136;
 pub const MAX_SECTIONS: usize = 8;
 
 /// Where the checksum field (16 bytes) starts; 16 reserved bytes follow it.
-pub const CHECKSUM_AT: usize = 104;
+const CHECKSUM_AT: usize = 104;
 const CHECKSUM_LEN: usize = 16;
 
 /// Why a stored page was refused.
@@ -428,11 +428,10 @@ fn checksum(bytes: &[u8]) -> [u8; CHECKSUM_LEN] {
     h.digest128().to_le_bytes()
 }
 
-/// Writes the checksum of a stored page into its header, over whatever the other bytes are:
-/// for tools and tests that build or edit stored pages by hand ([`PageFormat::encode`] seals
-/// the pages it writes). Returns `false`, changing nothing, where `bytes` is shorter than a
-/// fixed header.
-pub fn seal(bytes: &mut [u8]) -> bool {
+/// Writes the checksum of a stored page into its header, over whatever the other bytes are
+/// ([`PageFormat::encode`] seals the pages it writes; the tests seal edited pages). Returns
+/// `false`, changing nothing, where `bytes` is shorter than a fixed header.
+fn seal(bytes: &mut [u8]) -> bool {
     if bytes.len() < FIXED_HEADER_BYTES {
         return false;
     }

@@ -394,15 +394,14 @@ impl JobPages<'_> {
 /// How many of `keys`, from the first, the store holds, asked in batches of
 /// `opts.batch_pages` (each under the operation timeout) until the first gap; and whether a
 /// batch failed (the count then stops before it).
-/// What one backup job writes: the arguments of [`StorageTier::backup_with_sections`]
-/// (tokens, first page, host memory, host pages, sections).
-struct BackupSpec(
-    Vec<TokenId>,
-    usize,
-    Arc<HostMemory>,
-    Vec<u32>,
-    Vec<SectionSource>,
-);
+/// What one backup job writes (the arguments of [`StorageTier::backup_with_sections`]).
+struct BackupSpec {
+    tokens: Vec<TokenId>,
+    first_page: usize,
+    host: Arc<HostMemory>,
+    pages: Vec<u32>,
+    sections: Vec<SectionSource>,
+}
 
 async fn stored_prefix(
     store: &dyn StorageBackend,
@@ -615,7 +614,13 @@ impl StorageTier {
         pages: Vec<u32>,
         sections: Vec<SectionSource>,
     ) -> Result<(JobId, JobGate)> {
-        let spec = BackupSpec(tokens, first_page, host, pages, sections);
+        let spec = BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            sections,
+        };
         self.spawn_backup(namespace, spec, false)
     }
 
@@ -634,7 +639,13 @@ impl StorageTier {
         pages: Vec<u32>,
         sections: Vec<SectionSource>,
     ) -> Result<(JobId, JobGate)> {
-        let spec = BackupSpec(tokens, first_page, host, pages, sections);
+        let spec = BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            sections,
+        };
         self.spawn_backup(namespace, spec, true)
     }
 
@@ -645,7 +656,13 @@ impl StorageTier {
         spec: BackupSpec,
         rewrite: bool,
     ) -> Result<(JobId, JobGate)> {
-        let BackupSpec(tokens, first_page, host, pages, mut sections) = spec;
+        let BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            mut sections,
+        } = spec;
         let p = self.format.geometry().page_size;
         let total = tokens.len() / p;
         if first_page > total || pages.len() != total - first_page {
