@@ -75,6 +75,9 @@ fn page(g: &KvGeometry, seed: u64, p: usize, l: usize) -> Vec<u8> {
 /// The copy methods this machine has (a method it lacks is said once and left out).
 fn usable_methods() -> Res<Vec<CopyMethod>> {
     let probe = CudaBackend::new(KvGeometry::new(1, 1, 16)?, 1, CudaConfig::default())?;
+    if let Some(n) = probe.kernel_spans_per_launch() {
+        println!("copy kernel: {n} spans per launch");
+    }
     let mut out = Vec::new();
     for method in [
         CopyMethod::Memcpy,
@@ -221,8 +224,31 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 const REPEATS: usize = 7;
 
+/// Untimed runs before the timed ones, for at least this long (and at least twice): the
+/// GPU's clocks drop while the check prepares a buffer, and copies the SMs run (the kernel)
+/// are slower until they are back up.
+const WARM_UP: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Runs `once` until [`WARM_UP`] has passed (at least twice), then [`REPEATS`] times; the
+/// median of the timed runs in seconds.
+fn timed(mut once: impl FnMut() -> Res<()>) -> Res<f64> {
+    let start = Instant::now();
+    let mut warm = 0;
+    while warm < 2 || start.elapsed() < WARM_UP {
+        once()?;
+        warm += 1;
+    }
+    let mut times = Vec::with_capacity(REPEATS);
+    for _ in 0..REPEATS {
+        let t = Instant::now();
+        once()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(times))
+}
+
 /// Seconds of one large host→device or device→host memcpy of `bytes` between pinned host
-/// memory and device memory (median of [`REPEATS`]).
+/// memory and device memory (see [`timed`]).
 fn single_memcpy(dev: &CudaBackend, bytes: usize, dir: Direction) -> Res<f64> {
     dev.context().bind_to_thread()?;
     let stream = dev.context().new_stream()?;
@@ -230,9 +256,7 @@ fn single_memcpy(dev: &CudaBackend, bytes: usize, dir: Direction) -> Res<f64> {
     unsafe {
         let d = result::malloc_sync(bytes)?;
         let h = result::malloc_host(bytes, 0)?;
-        let mut times = Vec::new();
-        for _ in 0..REPEATS + 1 {
-            let t = Instant::now();
+        let time = timed(|| {
             match dir {
                 Direction::HostToDevice => {
                     sys::cuMemcpyHtoDAsync_v2(d, h.cast_const(), bytes, stream.cu_stream())
@@ -243,17 +267,16 @@ fn single_memcpy(dev: &CudaBackend, bytes: usize, dir: Direction) -> Res<f64> {
                 }
             }
             stream.synchronize()?;
-            times.push(t.elapsed().as_secs_f64());
-        }
-        times.remove(0); // warm-up
+            Ok(())
+        });
         result::free_host(h)?;
         result::free_sync(d)?;
-        Ok(median(times))
+        time
     }
 }
 
 /// Seconds of moving every page as runs of `run` pages (device runs in order, host runs in a
-/// scattered order), median of [`REPEATS`]. Loads go layer by layer with one event per layer
+/// scattered order; see [`timed`]). Loads go layer by layer with one event per layer
 /// (as the controller's pipelined load); backups are one copy of all layers.
 fn page_runs(dev: &CudaBackend, host: &Arc<HostMemory>, run: u32, dir: Direction) -> Res<f64> {
     let g = dev.geometry();
@@ -268,9 +291,7 @@ fn page_runs(dev: &CudaBackend, host: &Arc<HostMemory>, run: u32, dir: Direction
         })
         .collect::<Vec<_>>()
         .into();
-    let mut times = Vec::new();
-    for _ in 0..REPEATS + 1 {
-        let t = Instant::now();
+    timed(|| {
         match dir {
             Direction::HostToDevice => {
                 let mut events = Vec::new();
@@ -303,52 +324,89 @@ fn page_runs(dev: &CudaBackend, host: &Arc<HostMemory>, run: u32, dir: Direction
                 dev.record_event(StreamKind::Write)?.wait()?;
             }
         }
-        times.push(t.elapsed().as_secs_f64());
-    }
-    times.remove(0); // warm-up (and first-touch registration)
-    Ok(median(times))
+        Ok(())
+    })
 }
 
+/// One measured configuration: (direction, method, layout, page size, run length, ratio).
+type Row = (Direction, CopyMethod, HostLayout, usize, u32, f64);
+
 fn bandwidth(methods: &[CopyMethod]) -> Res<()> {
-    // 8 layers × 512 pages × 16 tokens × 4 KiB per token and layer: 256 MiB each way.
-    let g = KvGeometry::new(8, 16, 4096)?;
-    let pages = 512;
-    let bytes = g.pool_bytes(pages)?;
-    let gbs = |s: f64| bytes as f64 / s / 1e9;
-    println!(
-        "bandwidth: {} MiB per transfer, {} layers, page {} KiB per layer, median of {REPEATS}",
-        bytes >> 20,
-        g.layers,
-        g.page_bytes_per_layer() >> 10
-    );
-    let reference = CudaBackend::new(g, pages, CudaConfig::default())?;
-    for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
-        let base = gbs(single_memcpy(&reference, bytes, dir)?);
-        println!("{dir:?}: one memcpy of the same bytes {base:.1} GB/s");
-        for &method in methods {
-            let dev = CudaBackend::new(g, pages, config(method))?;
-            for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
-                let host = Arc::new(HostMemory::new(g, pages, layout)?);
-                dev.register_host(&host)?;
-                for run in [1u32, 4, 16, 64] {
-                    let got = gbs(page_runs(&dev, &host, run, dir)?);
-                    println!(
-                        "  {dir:?} {:>7} {layout:?} runs of {run:>2} pages: {got:6.1} GB/s = {:.2}x the single memcpy",
-                        method.name(),
-                        got / base
-                    );
+    let mut rows: Vec<Row> = Vec::new();
+    // 8 layers × 4 KiB per token and layer (an 8B model's K and V in bf16), 256 MiB each way:
+    // pages of 16 tokens (64 KiB per layer), then pages of 1 token (4 KiB per layer, as
+    // SGLang's default page size), where scattered single pages are short spans.
+    for (page_size, pages) in [(16usize, 512usize), (1, 8192)] {
+        let g = KvGeometry::new(8, page_size, 4096)?;
+        let bytes = g.pool_bytes(pages)?;
+        let gbs = |s: f64| bytes as f64 / s / 1e9;
+        println!(
+            "bandwidth: {} MiB per transfer, {} layers, page size {page_size} ({} KiB per layer), median of {REPEATS} after {} ms of warm-up",
+            bytes >> 20,
+            g.layers,
+            g.page_bytes_per_layer() >> 10,
+            WARM_UP.as_millis()
+        );
+        let reference = CudaBackend::new(g, pages, CudaConfig::default())?;
+        for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+            let base = gbs(single_memcpy(&reference, bytes, dir)?);
+            println!("{dir:?}: one memcpy of the same bytes {base:.1} GB/s");
+            for &method in methods {
+                let dev = CudaBackend::new(g, pages, config(method))?;
+                for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+                    let host = Arc::new(HostMemory::new(g, pages, layout)?);
+                    dev.register_host(&host)?;
+                    for run in [1u32, 4, 16, 64] {
+                        let got = gbs(page_runs(&dev, &host, run, dir)?);
+                        println!(
+                            "  {dir:?} {:>7} {layout:?} runs of {run:>2} pages: {got:6.1} GB/s = {:.2}x the single memcpy",
+                            method.name(),
+                            got / base
+                        );
+                        rows.push((dir, method, layout, page_size, run, got / base));
+                    }
                 }
+                let c = dev.copy_counts();
+                println!(
+                    "  {dir:?} {:>7}: copies by memcpy / batched / kernel: {} / {} / {}; pinning refused {}",
+                    method.name(),
+                    c.memcpy,
+                    c.batched,
+                    c.kernel,
+                    dev.pin_failures()
+                );
             }
-            let c = dev.copy_counts();
-            println!(
-                "  {dir:?} {:>7}: copies by memcpy / batched / kernel: {} / {} / {}; pinning refused {}",
-                method.name(),
-                c.memcpy,
-                c.batched,
-                c.kernel,
-                dev.pin_failures()
-            );
         }
     }
+    goals(&rows);
     Ok(())
+}
+
+/// The goals, per method: layer_first runs of at least 4 pages at 0.8× the single
+/// memcpy or better (the worst such ratio), page_first single pages at 0.5× or better.
+fn goals(rows: &[Row]) {
+    println!("goals (worst ratio over both directions and page sizes):");
+    let methods: Vec<CopyMethod> = rows.iter().fold(Vec::new(), |mut v, r| {
+        if !v.contains(&r.1) {
+            v.push(r.1);
+        }
+        v
+    });
+    for method in methods {
+        let worst = |keep: &dyn Fn(&Row) -> bool| {
+            rows.iter()
+                .filter(|r| r.1 == method && keep(r))
+                .map(|r| r.5)
+                .fold(f64::INFINITY, f64::min)
+        };
+        let runs = worst(&|r| r.2 == HostLayout::LayerFirst && r.4 >= 4);
+        let single = worst(&|r| r.2 == HostLayout::PageFirst && r.4 == 1);
+        let mark = |ok: bool| if ok { "met" } else { "NOT met" };
+        println!(
+            "  {:>7}: layer_first runs >= 4 pages {runs:.2}x (goal 0.8x: {}); page_first single pages {single:.2}x (goal 0.5x: {})",
+            method.name(),
+            mark(runs >= 0.8),
+            mark(single >= 0.5)
+        );
+    }
 }

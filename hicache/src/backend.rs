@@ -217,7 +217,7 @@ pub struct HostMemory {
     geometry: KvGeometry,
     pages: usize,
     layout: HostLayout,
-    bytes: RwLock<Box<[u8]>>,
+    bytes: RwLock<crate::host_pool::PageAligned>,
 }
 
 impl HostMemory {
@@ -238,7 +238,7 @@ impl HostMemory {
             geometry,
             pages,
             layout,
-            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "host pool")?),
+            bytes: RwLock::new(crate::host_pool::PageAligned::zeroed(n, "host pool")?),
         })
     }
 
@@ -304,11 +304,11 @@ impl HostMemory {
         Ok(())
     }
 
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Box<[u8]>> {
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, crate::host_pool::PageAligned> {
         self.bytes.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, crate::host_pool::PageAligned> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -327,7 +327,7 @@ pub struct SlotMemory {
     pool: PoolName,
     slots: usize,
     item_bytes: usize,
-    bytes: RwLock<Box<[u8]>>,
+    bytes: RwLock<crate::host_pool::PageAligned>,
 }
 
 impl SlotMemory {
@@ -342,7 +342,7 @@ impl SlotMemory {
             pool,
             slots: slots as usize,
             item_bytes,
-            bytes: RwLock::new(crate::host_pool::zeroed_bytes(n, "extra pool")?),
+            bytes: RwLock::new(crate::host_pool::PageAligned::zeroed(n, "extra pool")?),
         })
     }
 
@@ -408,11 +408,11 @@ impl SlotMemory {
         Ok(())
     }
 
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Box<[u8]>> {
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, crate::host_pool::PageAligned> {
         self.bytes.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Box<[u8]>> {
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, crate::host_pool::PageAligned> {
         self.bytes.write().unwrap_or_else(|e| e.into_inner())
     }
 

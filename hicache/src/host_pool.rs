@@ -16,6 +16,79 @@ pub(crate) fn zeroed_bytes(bytes: usize, what: &'static str) -> Result<Box<[u8]>
         .map_err(|_| HiCacheError::AllocFailed { what, bytes })
 }
 
+/// Alignment of [`PageAligned`] buffers: a memory page.
+pub(crate) const PAGE_ALIGN: usize = 4096;
+
+/// A zeroed heap buffer that starts on a memory page, for the host pools a device copies to
+/// and from: a buffer from the ordinary allocator starts a few bytes into a page, so every
+/// page-sized span of it straddles two pages (on an H200, the copy kernel's device → host
+/// writes into such a buffer ran at 0.70–0.87× of a memcpy, against 0.93× into an aligned
+/// one).
+pub(crate) struct PageAligned {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `PageAligned` owns its allocation exclusively, like a `Box<[u8]>`.
+unsafe impl Send for PageAligned {}
+// SAFETY: shared access only reads through `&[u8]`.
+unsafe impl Sync for PageAligned {}
+
+impl PageAligned {
+    /// `bytes` zeroed bytes, or [`HiCacheError::AllocFailed`] when the allocator refuses.
+    pub(crate) fn zeroed(bytes: usize, what: &'static str) -> Result<Self> {
+        if bytes == 0 {
+            return Ok(PageAligned {
+                ptr: std::ptr::NonNull::dangling(),
+                len: 0,
+            });
+        }
+        let layout = std::alloc::Layout::from_size_align(bytes, PAGE_ALIGN)
+            .map_err(|_| HiCacheError::AllocFailed { what, bytes })?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        std::ptr::NonNull::new(ptr)
+            .map(|ptr| PageAligned { ptr, len: bytes })
+            .ok_or(HiCacheError::AllocFailed { what, bytes })
+    }
+}
+
+impl std::ops::Deref for PageAligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised bytes owned by `self` (or is dangling
+        // with `len == 0`).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PageAligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for PageAligned {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `zeroed` with this very layout.
+            unsafe {
+                std::alloc::dealloc(
+                    self.ptr.as_ptr(),
+                    std::alloc::Layout::from_size_align_unchecked(self.len, PAGE_ALIGN),
+                )
+            };
+        }
+    }
+}
+
+impl std::fmt::Debug for PageAligned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PageAligned({} bytes)", self.len)
+    }
+}
+
 /// How large the host pool is.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub enum HostSize {
@@ -268,6 +341,23 @@ impl HostPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_aligned_buffers_start_on_a_page_and_are_zeroed() {
+        for n in [0usize, 1, 4095, 4096, 4097, 3 << 20] {
+            let mut b = PageAligned::zeroed(n, "test").unwrap();
+            assert_eq!(b.len(), n);
+            assert!(b.iter().all(|&x| x == 0));
+            if n > 0 {
+                assert_eq!(b.as_ptr() as usize % PAGE_ALIGN, 0, "{n} bytes");
+                b[n - 1] = 7;
+                assert_eq!(b[n - 1], 7);
+            }
+        }
+        let g = KvGeometry::new(2, 16, 100).unwrap();
+        let m = crate::HostMemory::new(g, 3, HostLayout::PageFirst).unwrap();
+        assert_eq!(m.read().as_ptr() as usize % PAGE_ALIGN, 0);
+    }
 
     #[test]
     fn double_free_and_foreign_pages_are_errors_and_change_nothing() {

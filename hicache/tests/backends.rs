@@ -252,10 +252,9 @@ fn cuda_tests_ran_or_were_skipped() {
                 } else {
                     "no"
                 },
-                if b.has_method(CopyMethod::Kernel) {
-                    "yes"
-                } else {
-                    "no"
+                match b.kernel_spans_per_launch() {
+                    Some(n) => format!("yes, {n} spans per launch"),
+                    None => "no".into(),
                 },
             );
         }
@@ -272,8 +271,8 @@ fn cuda_tests_ran_or_were_skipped() {
 }
 
 /// CUDA only: under `CopyMethod::Auto`, a page-first copy of single pages (many short spans)
-/// does not go as one memcpy per span when the kernel or the batched call is there, and a
-/// copy whose spans reach `memcpy_min_span` does.
+/// goes to the kernel, else to the batched call, not as one memcpy per span; with
+/// `kernel_max_span` under its spans, it goes to the batched call where the driver has it.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_auto_sends_short_spans_to_the_kernel_or_the_batched_call() {
@@ -304,12 +303,20 @@ fn cuda_auto_sends_short_spans_to_the_kernel_or_the_batched_call() {
         assert_eq!(c.memcpy, 1, "{c:?}");
     }
     let cfg = CudaConfig {
-        memcpy_min_span: 1,
+        kernel_max_span: 1,
         ..Default::default()
     };
     let dev = CudaBackend::new(g, PAGES, cfg).unwrap();
     copy(&dev);
-    assert_eq!(dev.copy_counts().memcpy, 1, "{:?}", dev.copy_counts());
+    let c = dev.copy_counts();
+    if dev.has_method(CopyMethod::Batched) {
+        assert_eq!((c.batched, c.memcpy, c.kernel), (1, 0, 0), "{c:?}");
+    } else if dev.has_method(CopyMethod::Kernel) {
+        // Without the batched call, spans this short still go to the kernel.
+        assert_eq!((c.kernel, c.memcpy, c.batched), (1, 0, 0), "{c:?}");
+    } else {
+        assert_eq!(c.memcpy, 1, "{c:?}");
+    }
 }
 
 /// CUDA only: host buffers left pageable (as when the driver refuses to pin them) copy the

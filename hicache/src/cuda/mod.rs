@@ -23,14 +23,16 @@
 //!   `cuMemcpyBatchAsync` for the whole copy (used only when the driver reports CUDA 12.8 or
 //!   later and exports the call, checked when the backend opens); or a small gather/scatter
 //!   kernel, compiled with NVRTC when the backend opens (`libnvrtc` is loaded at run time
-//!   like the driver; without it the kernel is simply not available), that copies up to 160
-//!   spans per launch between device memory and the pinned host buffer's device mapping.
-//!   The default, [`CopyMethod::Auto`], sends copies of few or long spans (at least
-//!   [`CudaConfig::memcpy_min_span`] bytes on average) as memcpys and copies of many short
-//!   spans (single pages, page-first layouts) to the kernel, else to the batched call;
+//!   like the driver; without it the kernel is simply not available), that copies up to
+//!   1,360 spans per launch (160 before CUDA 12.1) between device memory and the pinned host
+//!   buffer's device mapping. Copies are planned and submitted layer by layer, so the device
+//!   starts on the first layer while the next ones are planned. The default,
+//!   [`CopyMethod::Auto`], sends copies of a few spans as memcpys, copies of short spans
+//!   (under [`CudaConfig::kernel_max_span`] on average: single pages, page-first layouts,
+//!   short runs) to the kernel and longer ones to the batched call;
 //!   [`CudaBackend::copy_counts`] says what it picked. The `gpu_check` example measures
-//!   every method against one large memcpy; the default threshold has not been tuned on a
-//!   GPU yet.
+//!   every method against one large memcpy; the README has its figures on an H200, from
+//!   which the defaults were set.
 //! - **Events.** [`CudaCopyEvent`] wraps a CUDA event recorded on the stream.
 //!   `is_complete` queries it (write completion is checked at step boundaries, no polling
 //!   thread); the engine's compute stream can wait on a layer's load on the device with
@@ -52,7 +54,7 @@ mod method;
 mod plan;
 
 pub use cudarc;
-pub use method::{AUTO_MIN_SPANS, CopyMethod, DEFAULT_MEMCPY_MIN_SPAN};
+pub use method::{AUTO_MEMCPY_MIN_SPAN, AUTO_MIN_SPANS, CopyMethod, DEFAULT_KERNEL_MAX_SPAN};
 pub use plan::DeviceRegion;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -214,9 +216,10 @@ pub struct CudaConfig {
     pub pin_host: bool,
     /// How copies are submitted (default [`CopyMethod::Auto`]).
     pub copy_method: CopyMethod,
-    /// Under [`CopyMethod::Auto`], copies whose spans average at least this many bytes go as
-    /// one memcpy per span (default [`DEFAULT_MEMCPY_MIN_SPAN`]).
-    pub memcpy_min_span: usize,
+    /// Under [`CopyMethod::Auto`], copies whose spans average fewer bytes than this go to the
+    /// kernel, longer ones to the batched call (default [`DEFAULT_KERNEL_MAX_SPAN`]; see
+    /// [`CopyMethod::Auto`] for machines without one of them).
+    pub kernel_max_span: usize,
 }
 
 impl Default for CudaConfig {
@@ -225,7 +228,7 @@ impl Default for CudaConfig {
             ordinal: 0,
             pin_host: true,
             copy_method: CopyMethod::Auto,
-            memcpy_min_span: DEFAULT_MEMCPY_MIN_SPAN,
+            kernel_max_span: DEFAULT_KERNEL_MAX_SPAN,
         }
     }
 }
@@ -375,7 +378,7 @@ pub struct CudaBackend {
     /// The driver has the batched copy call.
     batched: bool,
     /// The gather/scatter kernel, when it compiled.
-    kernel: Option<CudaFunction>,
+    kernel: Option<CopyKernel>,
     /// Copies submitted per [`Route`].
     routed: [AtomicU64; 3],
 }
@@ -590,16 +593,40 @@ impl CudaBackend {
         spans: &[Span],
         what: &str,
     ) -> Result<()> {
-        let fault = self.faults[stream_index(kind)]
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if !fault {
-            return self.submit(kind, dir, host, spans);
+        if self.take_fault(kind) {
+            return self.inject_fault(kind, dir, host, spans, what);
         }
+        let route = self.submit(kind, dir, host, spans)?;
+        self.count(route);
+        Ok(())
+    }
+
+    /// Whether the next copy on `kind` is to fail (fault injection); takes that fault.
+    fn take_fault(&self, kind: StreamKind) -> bool {
+        self.faults[stream_index(kind)]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Fails a copy of `spans` by injection: poisons its destination and fails the stream's
+    /// next event.
+    fn inject_fault(
+        &self,
+        kind: StreamKind,
+        dir: Direction,
+        host: HostAddr,
+        spans: &[Span],
+        what: &str,
+    ) -> Result<()> {
         self.poison(kind, dir, host.host, spans)?;
         lock(&self.failed[stream_index(kind)])
             .get_or_insert_with(|| format!("injected fault in {what} copy"));
         Ok(())
+    }
+
+    /// Counts one copy submitted by `route`.
+    fn count(&self, route: Route) {
+        self.routed[route.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Overwrites the destination of `spans` with [`POISON_BYTE`] in `kind`'s stream order:
@@ -659,6 +686,12 @@ impl CudaBackend {
             CopyMethod::Batched => self.batched,
             CopyMethod::Kernel => self.kernel.is_some(),
         }
+    }
+
+    /// Spans one launch of the copy kernel copies (1,360 where the driver and NVRTC are of
+    /// CUDA 12.1 or later, else 160), or `None` without the kernel.
+    pub fn kernel_spans_per_launch(&self) -> Option<usize> {
+        self.kernel.as_ref().map(|k| k.spans)
     }
 
     /// The methods besides memcpys this backend has, for [`method::choose`].
@@ -774,28 +807,37 @@ impl CudaBackend {
         dir: Direction,
         host: HostAddr,
         spans: &[Span],
-    ) -> Result<()> {
+    ) -> Result<Route> {
         self.bind()?;
         let route = method::choose(
             self.cfg.copy_method,
             spans,
             self.have(),
             host.mapped.is_some(),
-            self.cfg.memcpy_min_span,
+            self.cfg.kernel_max_span,
         );
         let stream = self.stream(kind).cu_stream();
-        let r = match (route, &self.kernel, host.mapped) {
-            (Route::Batched, ..) => self.submit_batched(stream, dir, host.host, spans),
-            (Route::Kernel, Some(f), Some(mapped)) => {
-                Self::submit_kernel(f, stream, dir, mapped, spans)
-            }
-            _ => Self::submit_memcpys(stream, dir, host.host, spans),
-        };
+        let r =
+            match (route, &self.kernel, host.mapped) {
+                (Route::Batched, ..) => self.submit_batched(stream, dir, host.host, spans),
+                (Route::Kernel, Some(k), Some(mapped)) => match k.spans {
+                    method::KERNEL_SPANS_LARGE => Self::submit_kernel::<
+                        { method::KERNEL_SPANS_LARGE },
+                    >(
+                        k.function(dir), stream, dir, mapped, spans
+                    ),
+                    _ => Self::submit_kernel::<{ method::KERNEL_SPANS_SMALL }>(
+                        k.function(dir),
+                        stream,
+                        dir,
+                        mapped,
+                        spans,
+                    ),
+                },
+                _ => Self::submit_memcpys(stream, dir, host.host, spans),
+            };
         match r {
-            Ok(()) => {
-                self.routed[route.index()].fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
+            Ok(()) => Ok(route),
             Err((queued_some, err)) => {
                 if queued_some {
                     lock(&self.failed[stream_index(kind)]).get_or_insert_with(|| err.to_string());
@@ -886,9 +928,9 @@ impl CudaBackend {
             .map_err(|e| (true, transfer("cuMemcpyBatchAsync", e)))
     }
 
-    /// The gather/scatter kernel, [`method::KERNEL_SPANS`] spans per launch; `mapped` is the
-    /// host buffer's device address.
-    fn submit_kernel(
+    /// The gather/scatter kernel built for `N` spans per launch; `mapped` is the host
+    /// buffer's device address.
+    fn submit_kernel<const N: usize>(
         f: &CudaFunction,
         stream: sys::CUstream,
         dir: Direction,
@@ -896,15 +938,16 @@ impl CudaBackend {
         spans: &[Span],
     ) -> std::result::Result<(), (bool, HiCacheError)> {
         method::kernel_launches(dir, mapped, spans, |i, l| {
-            let mut param: *mut std::ffi::c_void =
-                (&l.batch as *const method::KernelBatch).cast_mut().cast();
+            let mut param: *mut std::ffi::c_void = (&l.batch as *const method::KernelBatch<N>)
+                .cast_mut()
+                .cast();
             // SAFETY: the function takes one parameter, the `KernelBatch` struct by value,
             // which the driver copies during the call; the spans lie inside the device
             // regions and the registered, mapped host buffer (see `submit_memcpys`).
             let r = unsafe {
                 sys::cuLaunchKernel(
                     f.cu_function(),
-                    l.batch.n as u32,
+                    l.columns,
                     l.rows,
                     1,
                     method::KERNEL_THREADS,
@@ -1053,7 +1096,23 @@ struct Streams {
     write: Arc<CudaStream>,
     sync: Arc<CudaStream>,
     batched: bool,
-    kernel: Option<CudaFunction>,
+    kernel: Option<CopyKernel>,
+}
+
+/// The loaded copy kernel and the spans its parameter block holds.
+struct CopyKernel {
+    /// Host → device and device → host ([`method::KERNEL_NAMES`]).
+    functions: [CudaFunction; 2],
+    spans: usize,
+}
+
+impl CopyKernel {
+    fn function(&self, dir: Direction) -> &CudaFunction {
+        match dir {
+            Direction::HostToDevice => &self.functions[0],
+            Direction::DeviceToHost => &self.functions[1],
+        }
+    }
 }
 
 /// The first driver version with `cuMemcpyBatchAsync` (CUDA 12.8).
@@ -1089,7 +1148,7 @@ fn open(cfg: &CudaConfig) -> Result<Streams> {
         ));
     }
     let kernel = match cfg.copy_method {
-        CopyMethod::Auto | CopyMethod::Kernel => copy_kernel(&ctx),
+        CopyMethod::Auto | CopyMethod::Kernel => copy_kernel(&ctx, info.driver_version),
         _ => Err("not asked for".into()),
     };
     if cfg.copy_method == CopyMethod::Kernel
@@ -1135,38 +1194,90 @@ fn batched_call(driver_version: i32) -> std::result::Result<(), String> {
     }
 }
 
-/// Compiles the gather/scatter kernel with NVRTC and loads it into `ctx`.
-fn copy_kernel(ctx: &Arc<CudaContext>) -> std::result::Result<CudaFunction, String> {
-    let ptx = compile_copy_kernel()?;
-    let module = ctx
-        .load_module(ptx)
-        .map_err(|e| format!("could not load the copy kernel: {}", describe(e)))?;
-    module
-        .load_function(method::KERNEL_NAME)
-        .map_err(|e| format!("the copy kernel has no entry point: {}", describe(e)))
+/// Compiles the gather/scatter kernel with NVRTC for the device of `ctx` and loads it: the
+/// large one where the driver takes its parameter block (CUDA 12.1 and later) and NVRTC
+/// compiles it, else the small one.
+fn copy_kernel(
+    ctx: &Arc<CudaContext>,
+    driver_version: i32,
+) -> std::result::Result<CopyKernel, String> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| format!("could not read the compute capability: {}", describe(e)))?;
+    let cc = (major * 10 + minor).max(0) as u32;
+    let load = |spans: usize| -> std::result::Result<CopyKernel, String> {
+        let (ptx, _) = compile_copy_kernel(cc, spans)?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| format!("could not load the copy kernel: {}", describe(e)))?;
+        let function = |dir: Direction| {
+            let name = method::kernel_name(dir);
+            module
+                .load_function(name)
+                .map_err(|e| format!("the copy kernel has no entry point {name}: {}", describe(e)))
+        };
+        Ok(CopyKernel {
+            functions: [
+                function(Direction::HostToDevice)?,
+                function(Direction::DeviceToHost)?,
+            ],
+            spans,
+        })
+    };
+    if driver_version >= method::KERNEL_LARGE_MIN_DRIVER {
+        match load(method::KERNEL_SPANS_LARGE) {
+            Ok(k) => return Ok(k),
+            Err(why) => {
+                tracing::info!(%why, "the large copy kernel is not available; using the small one")
+            }
+        }
+    }
+    load(method::KERNEL_SPANS_SMALL)
 }
 
-/// Compiles the gather/scatter kernel to PTX with NVRTC (no GPU needed).
-pub(crate) fn compile_copy_kernel() -> std::result::Result<cudarc::nvrtc::Ptx, String> {
+/// Compiles the gather/scatter kernel for `spans` spans per launch to PTX with NVRTC (no GPU
+/// needed) for the oldest architecture of [`method::KERNEL_ARCHES`] that a device of compute
+/// capability `device_cc` (major × 10 + minor) runs and this NVRTC accepts; returns the PTX
+/// and that architecture.
+pub(crate) fn compile_copy_kernel(
+    device_cc: u32,
+    spans: usize,
+) -> std::result::Result<(cudarc::nvrtc::Ptx, &'static str), String> {
     use cudarc::nvrtc;
     // SAFETY: loads and unloads the NVRTC library by its usual names; calls none of it.
     if !unsafe { nvrtc::sys::is_culib_present() } {
         return Err("NVRTC (libnvrtc) is not installed or not on the library path".into());
     }
-    // cudarc panics when an NVRTC function is missing from the library: keep that from
-    // unwinding into the caller.
-    std::panic::catch_unwind(|| {
-        nvrtc::compile_ptx_with_opts(
-            method::KERNEL_SRC,
-            nvrtc::CompileOptions {
-                name: Some("radixkv_copy_spans.cu".into()),
-                arch: Some(method::KERNEL_ARCH),
-                ..Default::default()
-            },
-        )
-    })
-    .map_err(|_| "the NVRTC library lacks a function cudarc calls".to_string())?
-    .map_err(|e| format!("NVRTC could not compile the copy kernel: {e}"))
+    let source = method::kernel_source(spans);
+    let mut refusals = Vec::new();
+    for &(arch, cc) in method::KERNEL_ARCHES.iter().filter(|a| a.1 <= device_cc) {
+        // cudarc panics when an NVRTC function is missing from the library: keep that from
+        // unwinding into the caller.
+        let compiled = std::panic::catch_unwind(|| {
+            nvrtc::compile_ptx_with_opts(
+                &source,
+                nvrtc::CompileOptions {
+                    name: Some("radixkv_copy_spans.cu".into()),
+                    arch: Some(arch),
+                    ..Default::default()
+                },
+            )
+        })
+        .map_err(|_| "the NVRTC library lacks a function cudarc calls".to_string())?;
+        match compiled {
+            Ok(ptx) => return Ok((ptx, arch)),
+            Err(e) => refusals.push(format!("{arch} (compute capability {cc}): {e}")),
+        }
+    }
+    if refusals.is_empty() {
+        return Err(format!(
+            "the device (compute capability {device_cc}) is older than the kernel's oldest architecture"
+        ));
+    }
+    Err(format!(
+        "NVRTC could not compile the copy kernel for {}",
+        refusals.join("; ")
+    ))
 }
 
 impl Drop for CudaBackend {
@@ -1222,12 +1333,38 @@ impl DeviceBackend for CudaBackend {
         validate_copy(&self.geometry, self.pages, &copy)?;
         let host = self.kv_host(&copy.host)?;
         let mut spans = Vec::new();
-        plan::page_copy_spans(&self.geometry, &self.regions, &copy, &mut spans);
-        let what = match copy.direction {
-            Direction::DeviceToHost => "DeviceToHost",
-            Direction::HostToDevice => "HostToDevice",
-        };
-        self.submit_or_fail(stream, copy.direction, host, &spans, what)
+        if self.take_fault(stream) {
+            plan::page_copy_spans(&self.geometry, &self.regions, &copy, &mut spans);
+            let what = match copy.direction {
+                Direction::DeviceToHost => "DeviceToHost",
+                Direction::HostToDevice => "HostToDevice",
+            };
+            return self.inject_fault(stream, copy.direction, host, &spans, what);
+        }
+        // Planned and submitted layer by layer, so that the device starts on the first layer
+        // while the next ones are planned (a backup of every layer of 8,192 single pages is
+        // 65,536 spans). Counted once, as the first layer's route.
+        let mut route = None;
+        for layer in copy.layers.clone() {
+            plan::page_copy_layer_spans(&self.geometry, &self.regions, &copy, layer, &mut spans);
+            match self.submit(stream, copy.direction, host, &spans) {
+                Ok(r) => {
+                    route.get_or_insert(r);
+                }
+                Err(e) => {
+                    if route.is_some() {
+                        // Earlier layers are queued: the stream's next event fails.
+                        lock(&self.failed[stream_index(stream)])
+                            .get_or_insert_with(|| e.to_string());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(r) = route {
+            self.count(r);
+        }
+        Ok(())
     }
 
     fn record_event(&self, stream: StreamKind) -> Result<CudaCopyEvent> {
@@ -1356,34 +1493,55 @@ mod tests {
             eprintln!("NVRTC KERNEL COMPILE CHECK SKIPPED: libnvrtc is not on the library path");
             return;
         }
-        let ptx = compile_copy_kernel().unwrap().to_src();
-        assert!(
-            ptx.contains(&format!(".entry {}(", method::KERNEL_NAME)),
-            "no entry point in:\n{ptx}"
+        check_kernel_ptx(
+            method::KERNEL_SPANS_SMALL,
+            std::mem::size_of::<method::KernelBatch<{ method::KERNEL_SPANS_SMALL }>>(),
         );
-        assert!(ptx.contains(".target sm_70"), "{ptx}");
+        check_kernel_ptx(
+            method::KERNEL_SPANS_LARGE,
+            std::mem::size_of::<method::KernelBatch<{ method::KERNEL_SPANS_LARGE }>>(),
+        );
+    }
+
+    /// Compiles the kernel for `spans` spans and checks its PTX (its parameter is `size`
+    /// bytes); assembles it with `RADIXKV_PTXAS` when that is set.
+    fn check_kernel_ptx(spans: usize, size: usize) {
+        let (ptx, arch) = compile_copy_kernel(u32::MAX, spans).unwrap();
+        let ptx = ptx.to_src();
+        for name in method::KERNEL_NAMES {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "no entry point {name} in:\n{ptx}"
+            );
+        }
+        // The oldest architecture this NVRTC accepts (compute_70 up to CUDA 12, compute_75
+        // from CUDA 13), and the PTX targets it.
+        assert!(arch == "compute_70" || arch == "compute_75", "{arch}");
+        let target = arch.replace("compute_", ".target sm_");
+        assert!(ptx.contains(&target), "no `{target}` in:\n{ptx}");
         // One parameter of exactly the Rust struct's size.
-        let size = std::mem::size_of::<method::KernelBatch>();
         assert!(
             ptx.contains(&format!("[{size}]")),
             "the kernel's parameter is not {size} bytes:\n{ptx}"
         );
         eprintln!(
-            "NVRTC compiled the copy kernel ({} bytes of PTX)",
+            "NVRTC compiled the copy kernel for {spans} spans for {arch} ({} bytes of PTX)",
             ptx.len()
         );
         if std::env::var_os("RADIXKV_PRINT_PTX").is_some() {
             eprintln!("{ptx}");
         }
         // With NVIDIA's PTX assembler at hand (`RADIXKV_PTXAS`), the PTX must also assemble
-        // for Volta, Ampere and Hopper without spilling to local memory.
+        // for the oldest architecture, Ampere and Hopper without spilling to local memory.
         let Some(ptxas) = std::env::var_os("RADIXKV_PTXAS") else {
             eprintln!("RADIXKV_PTXAS is not set: the PTX was not assembled for a device");
             return;
         };
-        let file = std::env::temp_dir().join(format!("radixkv-copy-{}.ptx", std::process::id()));
+        let file =
+            std::env::temp_dir().join(format!("radixkv-copy-{}-{spans}.ptx", std::process::id()));
         std::fs::write(&file, &ptx).unwrap();
-        for arch in ["sm_70", "sm_80", "sm_90"] {
+        let oldest = arch.replace("compute_", "sm_");
+        for arch in [oldest.as_str(), "sm_80", "sm_90"] {
             let out = std::process::Command::new(&ptxas)
                 .arg(format!("-arch={arch}"))
                 .arg("-v")
@@ -1394,12 +1552,16 @@ mod tests {
                 .unwrap();
             let log = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "ptxas {arch} failed:\n{log}");
+            // Each entry point's report: no stack frame, no spills.
+            let frames: Vec<&str> = log.lines().filter(|l| l.contains("stack frame")).collect();
+            assert_eq!(frames.len(), method::KERNEL_NAMES.len(), "{log}");
             assert!(
-                log.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                frames.iter().all(|l| l
+                    .contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")),
                 "the kernel uses local memory on {arch}:\n{log}"
             );
             eprintln!(
-                "ptxas {arch}: {}",
+                "ptxas {arch}, {spans} spans: {}",
                 log.lines().find(|l| l.contains("registers")).unwrap_or("")
             );
             let _ = std::fs::remove_file(file.with_extension(format!("{arch}.cubin")));

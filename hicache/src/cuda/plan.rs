@@ -59,24 +59,46 @@ pub(crate) fn page_copy_spans(
     out: &mut Vec<Span>,
 ) {
     out.clear();
+    for layer in copy.layers.clone() {
+        push_layer_spans(g, regions, copy, layer, out);
+    }
+}
+
+/// The spans of `copy` in one of its layers (see [`page_copy_spans`]).
+pub(crate) fn page_copy_layer_spans(
+    g: &KvGeometry,
+    regions: &[Vec<DeviceRegion>],
+    copy: &PageCopy,
+    layer: usize,
+    out: &mut Vec<Span>,
+) {
+    out.clear();
+    push_layer_spans(g, regions, copy, layer, out);
+}
+
+fn push_layer_spans(
+    g: &KvGeometry,
+    regions: &[Vec<DeviceRegion>],
+    copy: &PageCopy,
+    layer: usize,
+    out: &mut Vec<Span>,
+) {
     let layout = copy.host.layout();
     let host_pages = copy.host.pages();
-    for layer in copy.layers.clone() {
-        for r in copy.runs.iter() {
-            for i in 0..r.pages as usize {
-                let dev_page = r.device as u64 + i as u64;
-                let mut host = layout.offset(g, host_pages, layer, r.host as usize + i);
-                for reg in &regions[layer] {
-                    push(
-                        out,
-                        Span {
-                            device: reg.base + dev_page * reg.page_stride,
-                            host,
-                            len: reg.bytes,
-                        },
-                    );
-                    host += reg.bytes;
-                }
+    for r in copy.runs.iter() {
+        for i in 0..r.pages as usize {
+            let dev_page = r.device as u64 + i as u64;
+            let mut host = layout.offset(g, host_pages, layer, r.host as usize + i);
+            for reg in &regions[layer] {
+                push(
+                    out,
+                    Span {
+                        device: reg.base + dev_page * reg.page_stride,
+                        host,
+                        len: reg.bytes,
+                    },
+                );
+                host += reg.bytes;
             }
         }
     }
@@ -286,6 +308,22 @@ mod tests {
                     let c = PageCopy::new(&host, Direction::DeviceToHost, 0..3, &runs);
                     page_copy_spans(&g, &regions, &c, &mut spans);
                     execute_on_memory(&spans, Direction::DeviceToHost, &mut dev, &mut h);
+                    // Planned layer by layer (as the backend submits), the same bytes move.
+                    let mut by_layer = vec![0u8; host_len];
+                    let mut layer_spans = Vec::new();
+                    for l in 0..3 {
+                        page_copy_layer_spans(&g, &regions, &c, l, &mut layer_spans);
+                        execute_on_memory(
+                            &layer_spans,
+                            Direction::DeviceToHost,
+                            &mut dev,
+                            &mut by_layer,
+                        );
+                    }
+                    assert_eq!(
+                        by_layer, h,
+                        "{name} {layout:?} p{page_size}: per-layer plan"
+                    );
                     let page_of = |dev: &[u8], layer: usize, page: usize| -> Vec<u8> {
                         let mut v = Vec::new();
                         for r in &regions[layer] {
