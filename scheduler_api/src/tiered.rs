@@ -39,8 +39,8 @@ pub struct Tiered<B: DeviceBackend = HostSim> {
     model_layers: u32,
     /// Layers of the backend's pools (the simulated ones for HostSim, the model's otherwise).
     backend_layers: u32,
-    /// Tier counters already reported by a step.
-    seen: HiCacheStats,
+    /// Tier counters already reported by a step: tokens loaded, tokens backed up.
+    seen: (u64, u64),
     /// What the storage tier's store needs alive (the Redis client's runtime): declared
     /// after `cache`, so dropped after it.
     _keepalive: crate::storage::Keepalive,
@@ -235,7 +235,7 @@ impl<B: DeviceBackend> Tiered<B> {
             modeled_page_bytes: cfg.model.page_bytes(),
             model_layers: cfg.model.layers,
             backend_layers,
-            seen: HiCacheStats::default(),
+            seen: (0, 0),
             _keepalive: keepalive,
         })
     }
@@ -247,11 +247,14 @@ impl<B: DeviceBackend> Tiered<B> {
 
     /// Traffic since the last report, in pages and modeled bytes.
     fn transfers_since_last(&mut self) -> StepTransfers {
-        let now = self.cache.stats();
+        // Two counters, read in place: a copy of the whole stats struct each step showed in
+        // the agentic replay's profile.
+        let now = self.cache.stats_ref();
+        let (now_loaded, now_written) = (now.loaded_tokens, now.backed_up_tokens);
         let pages = |tokens: u64| tokens / self.page_size;
-        let loaded = pages(now.loaded_tokens - self.seen.loaded_tokens);
-        let written = pages(now.backed_up_tokens - self.seen.backed_up_tokens);
-        self.seen = now;
+        let loaded = pages(now_loaded - self.seen.0);
+        let written = pages(now_written - self.seen.1);
+        self.seen = (now_loaded, now_written);
         StepTransfers {
             pages_loaded: loaded,
             bytes_loaded: loaded.saturating_mul(self.modeled_page_bytes),
@@ -509,7 +512,8 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     }
     fn reset(&mut self) -> radixkv_radix::Result<()> {
         self.cache.reset()?;
-        self.seen = self.cache.stats();
+        let now = self.cache.stats_ref();
+        self.seen = (now.loaded_tokens, now.backed_up_tokens);
         Ok(())
     }
     fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
