@@ -385,7 +385,10 @@ fn bandwidth(methods: &[CopyMethod]) -> Res<()> {
 /// The issue's goals, per method: layer_first runs of at least 4 pages at 0.8× the single
 /// memcpy or better (the worst such ratio), page_first single pages at 0.5× or better.
 fn goals(rows: &[Row]) {
-    println!("goals (worst ratio over both directions and page sizes):");
+    println!(
+        "the issue's goals per copy method (worst ratio over both directions and page sizes; \
+         auto, the default, picks per copy):"
+    );
     let methods: Vec<CopyMethod> = rows.iter().fold(Vec::new(), |mut v, r| {
         if !v.contains(&r.1) {
             v.push(r.1);
