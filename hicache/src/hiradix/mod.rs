@@ -607,13 +607,14 @@ pub(crate) struct PendingWrite {
     /// The nodes backed up (each keeps its id across splits; split-off parts become its
     /// ancestors).
     pub(crate) nodes: Vec<NodeId>,
-    /// The host pages written, sorted.
+    /// The host pages written, in no particular order (sorted at the ack where lookups need
+    /// it: [`HiRadixCache::sort_backup_host`]).
     pub(crate) host: Vec<u32>,
     /// The Mamba states backed up: (node, host slot).
     pub(crate) states: Vec<(NodeId, u32)>,
     /// Locks on the backed-up states (their device slots must not be reused before the ack).
     pub(crate) state_locks: Vec<LockReceipt>,
-    /// The host window pages written, sorted.
+    /// The host window pages written, in no particular order.
     pub(crate) swa_host: Vec<u32>,
     /// Pinned window KV: (node, pages when pinned), unpinned at the ack.
     pub(crate) swa_pins: Vec<(NodeId, usize)>,

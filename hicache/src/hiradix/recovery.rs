@@ -7,6 +7,7 @@ use radixkv_radix::{Medium, NodeId, PageId, PrefixCache};
 
 use super::{HiRadixCache, PendingLoad, PendingWrite};
 use crate::backend::DeviceBackend;
+use crate::controller::radix_sort_by_key;
 use crate::controller::{Acks, PoolName, PoolTransfer};
 use crate::error::{HiCacheError, Result};
 
@@ -46,6 +47,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         for id in &acks.writes {
             self.stats.writes_acked += 1;
             if let Some(mut w) = self.pending_writes.remove(id) {
+                self.sort_backup_host(&mut w);
                 self.report_backup(&w);
                 self.queue_storage_backup(&w);
                 res = res.and(self.unpin_windows(&w.swa_pins));
@@ -146,6 +148,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         match lock {
             Some(r) => self.inner.dec_lock_ref(r).map_err(HiCacheError::from),
             None => Ok(()),
+        }
+    }
+
+    /// Sorts an acknowledged backup's host pages when its event report or storage backup will
+    /// look pages up in them (binary search); otherwise leaves them as they are.
+    pub(super) fn sort_backup_host(&self, w: &mut PendingWrite) {
+        if self.inner.tree().events_enabled() || self.storage.is_some() {
+            radix_sort_by_key(&mut w.host, |&h| h);
         }
     }
 
