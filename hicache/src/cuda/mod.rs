@@ -583,24 +583,6 @@ impl CudaBackend {
         self.faults[stream_index(stream)].fetch_add(n, Ordering::SeqCst);
     }
 
-    /// Queues `spans` (planned for a copy in direction `dir`), or their poisoning when an
-    /// injected fault takes this copy.
-    fn submit_or_fail(
-        &self,
-        kind: StreamKind,
-        dir: Direction,
-        host: HostAddr,
-        spans: &[Span],
-        what: &str,
-    ) -> Result<()> {
-        if self.take_fault(kind) {
-            return self.inject_fault(kind, dir, host, spans, what);
-        }
-        let route = self.submit(kind, dir, host, spans)?;
-        self.count(route);
-        Ok(())
-    }
-
     /// Whether the next copy on `kind` is to fail (fault injection); takes that fault.
     fn take_fault(&self, kind: StreamKind) -> bool {
         self.faults[stream_index(kind)]
@@ -1428,7 +1410,12 @@ impl DeviceBackend for CudaBackend {
             Keep::Slots(copy.host.clone())
         })?;
         let what = format!("{:?}", copy.pool);
-        self.submit_or_fail(stream, copy.direction, host, &spans, &what)
+        if self.take_fault(stream) {
+            return self.inject_fault(stream, copy.direction, host, &spans, &what);
+        }
+        let route = self.submit(stream, copy.direction, host, &spans)?;
+        self.count(route);
+        Ok(())
     }
 
     fn read_extra_slot(&self, pool: PoolName, slot: u32, out: &mut [u8]) -> Result<()> {
