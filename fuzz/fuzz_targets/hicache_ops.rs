@@ -38,6 +38,7 @@ use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
+use radixkv_fuzz::components::{MambaBytes, SwaBytes, state_bytes, with_components};
 use radixkv_fuzz::driver::{
     Driver, DriverOp, Target, audit_host, evict_device_states, evict_device_window,
 };
@@ -47,7 +48,7 @@ use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     StreamKind, WritePolicy,
 };
-use radixkv_radix::{MambaPolicy, MarconiParams, PolicyKind, PrefixCache, RadixConfig, SwaConfig};
+use radixkv_radix::{PolicyKind, PrefixCache, RadixConfig};
 use radixkv_session::SessionConfig;
 
 #[derive(Arbitrary, Debug)]
@@ -122,6 +123,17 @@ struct MambaSetup {
     track: bool,
 }
 
+impl MambaSetup {
+    fn bytes(&self) -> MambaBytes {
+        MambaBytes {
+            slots: self.slots,
+            host_slots: self.host_slots,
+            state_words: self.state_words,
+            marconi: self.marconi,
+        }
+    }
+}
+
 /// An operation of the `S` mode: any operation, a window slide of one of the driver's
 /// requests, or a device eviction of up to `n` window pages alone (tombstones).
 #[derive(Arbitrary, Debug)]
@@ -147,6 +159,17 @@ struct SwaSetup {
     host_pages: Option<u8>,
     held_pages: u8,
     page_words: u8,
+}
+
+impl SwaSetup {
+    fn bytes(&self) -> SwaBytes {
+        SwaBytes {
+            window_pages: self.window_pages,
+            pages: self.pages,
+            host_pages: self.host_pages,
+            page_words: self.page_words,
+        }
+    }
 }
 
 /// An operation of the `B` mode: any operation, a device eviction of up to `n` Mamba states
@@ -280,39 +303,15 @@ fn build(s: &Setup, extra: Component<'_>) -> (HiRadixCache<HostSim>, Arc<HostSim
         },
         ..HiCacheConfig::default()
     };
-    let cfg = match extra.mamba() {
-        None => cfg,
-        Some(m) => HiCacheConfig {
-            radix: RadixConfig {
-                mamba_slots: Some(2 + u32::from(m.slots % 12)),
-                mamba_policy: if m.marconi {
-                    MambaPolicy::Marconi(MarconiParams::default())
-                } else {
-                    MambaPolicy::Sglang
-                },
-                mamba_track: m.track,
-                ..cfg.radix
-            },
-            mamba_state_bytes: Some(state_bytes(m)),
-            mamba_host_slots: m.host_slots.map(|n| 1 + u32::from(n % 16)),
-            ..cfg
-        },
-    };
-    let cfg = match extra.swa() {
-        None => cfg,
-        Some(w) => HiCacheConfig {
-            radix: RadixConfig {
-                swa: Some(SwaConfig {
-                    window: p * (1 + usize::from(w.window_pages % 4)),
-                    pages: 4 + usize::from(w.pages % 40),
-                }),
-                ..cfg.radix
-            },
-            swa_page_bytes: Some(8 * (1 + usize::from(w.page_words % 4))),
-            swa_host_pages: w.host_pages.map(|n| 1 + u32::from(n % 32)),
-            ..cfg
-        },
-    };
+    let mut cfg = with_components(
+        cfg,
+        p,
+        extra.mamba().map(MambaSetup::bytes).as_ref(),
+        extra.swa().map(SwaSetup::bytes).as_ref(),
+    );
+    if let Some(m) = extra.mamba() {
+        cfg.radix.mamba_track = m.track;
+    }
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
 }
@@ -346,10 +345,6 @@ fn tier(d: &mut Harness, backend: &HostSim, op: &TierOp, faulty: &mut bool) {
     }
 }
 
-fn state_bytes(m: &MambaSetup) -> usize {
-    8 * (1 + usize::from(m.state_words % 4))
-}
-
 fuzz_target!(|data: &[u8]| {
     match data.split_first() {
         Some((b'M', rest)) => {
@@ -375,12 +370,7 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(i) = BothInput::arbitrary_take_rest(Unstructured::new(rest)) {
                 // No session operations in this mode (see the module docs).
                 let ops = i.ops.iter().filter_map(|op| match op {
-                    HybridOp::Op(Op::Drive(
-                        DriverOp::Open { .. }
-                        | DriverOp::Close { .. }
-                        | DriverOp::Demote { .. }
-                        | DriverOp::Turn { .. },
-                    )) => None,
+                    HybridOp::Op(Op::Drive(op)) if op.is_session_op() => None,
                     HybridOp::Op(op) => Some(ModeOp::Op(op)),
                     HybridOp::EvictMamba { n } => Some(ModeOp::EvictMamba(*n)),
                     HybridOp::EvictSwa { n } => Some(ModeOp::EvictWindow(*n)),
@@ -413,7 +403,7 @@ fn run<'a>(s: &Setup, extra: Component<'_>, ops: impl Iterator<Item = ModeOp<'a>
     if let Some(m) = extra.mamba() {
         d = d.with_states(Box::new(BackendStates::new(
             backend.clone(),
-            state_bytes(m),
+            state_bytes(&m.bytes()),
         )));
     }
     let mut faulty = false;

@@ -41,6 +41,9 @@ use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
+use radixkv_fuzz::components::{
+    MambaBytes, SwaBytes, state_bytes, window_page_bytes, with_components,
+};
 use radixkv_fuzz::driver::{
     Driver, DriverOp, Target, audit_host, evict_device_states, evict_device_window,
 };
@@ -51,9 +54,7 @@ use radixkv_hicache::{
     HiCacheConfig, HiRadixCache, HostLayout, HostSim, HostSimConfig, HostSize, KvGeometry,
     PoolName, PrefetchStatus, PrefetchStop, StorageConfig, WritePolicy,
 };
-use radixkv_radix::{
-    KeyRef, KvIdentity, MambaPolicy, MarconiParams, PolicyKind, PrefixCache, RadixConfig, SwaConfig,
-};
+use radixkv_radix::{KeyRef, KvIdentity, PolicyKind, PrefixCache, RadixConfig};
 use radixkv_session::SessionConfig;
 use tokio::runtime::Runtime;
 
@@ -130,24 +131,6 @@ struct Input {
     ops: Vec<Op>,
 }
 
-/// The Mamba component of the `M` and `B` modes.
-#[derive(Arbitrary, Debug)]
-struct MambaSetup {
-    slots: u8,
-    host_slots: Option<u8>,
-    state_words: u8,
-    marconi: bool,
-}
-
-/// The sliding-window component of the `S` and `B` modes.
-#[derive(Arbitrary, Debug)]
-struct SwaSetup {
-    window_pages: u8,
-    pages: u8,
-    host_pages: Option<u8>,
-    page_words: u8,
-}
-
 /// An operation of a hybrid mode: any operation, a device eviction of up to `n` Mamba states
 /// or window pages alone, or a window slide of one of the driver's requests.
 #[derive(Arbitrary, Debug)]
@@ -161,8 +144,8 @@ enum HybridOp {
 /// The input of the hybrid modes (the mode byte says which components are used).
 #[derive(Arbitrary, Debug)]
 struct HybridInput {
-    mamba: MambaSetup,
-    swa: SwaSetup,
+    mamba: MambaBytes,
+    swa: SwaBytes,
     setup: Setup,
     ops: Vec<HybridOp>,
 }
@@ -170,8 +153,8 @@ struct HybridInput {
 /// The components a run's tree carries besides the full KV.
 #[derive(Clone, Copy)]
 struct Components<'a> {
-    mamba: Option<&'a MambaSetup>,
-    swa: Option<&'a SwaSetup>,
+    mamba: Option<&'a MambaBytes>,
+    swa: Option<&'a SwaBytes>,
 }
 
 impl Components<'_> {
@@ -179,14 +162,6 @@ impl Components<'_> {
         mamba: None,
         swa: None,
     };
-}
-
-fn state_bytes(m: &MambaSetup) -> usize {
-    8 * (1 + usize::from(m.state_words % 4))
-}
-
-fn window_page_bytes(w: &SwaSetup) -> usize {
-    8 * (1 + usize::from(w.page_words % 4))
 }
 
 /// What a run does besides the plain operations.
@@ -266,38 +241,7 @@ fn build(
         storage: Some(storage),
         ..HiCacheConfig::default()
     };
-    let cfg = match comps.mamba {
-        None => cfg,
-        Some(m) => HiCacheConfig {
-            radix: RadixConfig {
-                mamba_slots: Some(2 + u32::from(m.slots % 12)),
-                mamba_policy: if m.marconi {
-                    MambaPolicy::Marconi(MarconiParams::default())
-                } else {
-                    MambaPolicy::Sglang
-                },
-                ..cfg.radix
-            },
-            mamba_state_bytes: Some(state_bytes(m)),
-            mamba_host_slots: m.host_slots.map(|n| 1 + u32::from(n % 16)),
-            ..cfg
-        },
-    };
-    let cfg = match comps.swa {
-        None => cfg,
-        Some(w) => HiCacheConfig {
-            radix: RadixConfig {
-                swa: Some(SwaConfig {
-                    window: p * (1 + usize::from(w.window_pages % 4)),
-                    pages: 4 + usize::from(w.pages % 40),
-                }),
-                ..cfg.radix
-            },
-            swa_page_bytes: Some(window_page_bytes(w)),
-            swa_host_pages: w.host_pages.map(|n| 1 + u32::from(n % 32)),
-            ..cfg
-        },
-    };
+    let cfg = with_components(cfg, p, comps.mamba, comps.swa);
     let cache = HiRadixCache::new(cfg, backend.clone()).expect("a small tiered cache");
     (cache, backend)
 }
@@ -575,12 +519,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let ops = i.ops.iter().filter_map(|op| match op {
         // No session operations with both components (see the module docs).
-        HybridOp::Op(Op::Drive(
-            DriverOp::Open { .. }
-            | DriverOp::Close { .. }
-            | DriverOp::Demote { .. }
-            | DriverOp::Turn { .. },
-        )) if mode == b'B' => None,
+        HybridOp::Op(Op::Drive(op)) if mode == b'B' && op.is_session_op() => None,
         HybridOp::Op(op) => Some(ModeOp::Op(op)),
         HybridOp::EvictMamba { n } => Some(ModeOp::EvictMamba(*n)),
         HybridOp::EvictWindow { n } => Some(ModeOp::EvictWindow(*n)),

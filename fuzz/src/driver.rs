@@ -175,6 +175,20 @@ pub enum DriverOp {
     Misuse { what: u8, id: u8 },
 }
 
+impl DriverOp {
+    /// Whether the operation opens, closes, demotes or continues a session (the targets whose
+    /// trees carry both a Mamba and a sliding-window component leave these out).
+    pub fn is_session_op(&self) -> bool {
+        matches!(
+            self,
+            DriverOp::Open { .. }
+                | DriverOp::Close { .. }
+                | DriverOp::Demote { .. }
+                | DriverOp::Turn { .. }
+        )
+    }
+}
+
 /// Session ids the driver uses (plus unknown ones for misuse).
 pub const SESSIONS: u8 = 5;
 

@@ -10,9 +10,11 @@
 //!   chain hashes that match the tokens) and agree with the cache.
 //! - [`footprint`]: what an error must leave unchanged.
 //!
+//! [`components`] sizes the Mamba and sliding-window components of a tiered cache.
 //! [`input`] decodes the small sizes, huge sizes and token runs the operation sequences use;
 //! [`trace`] checks decoded traces.
 
+pub mod components;
 pub mod driver;
 pub mod events;
 pub mod footprint;

@@ -378,24 +378,18 @@ fn bandwidth(methods: &[CopyMethod]) -> Res<()> {
             }
         }
     }
-    goals(&rows);
+    goals(methods, &rows);
     Ok(())
 }
 
 /// The issue's goals, per method: layer_first runs of at least 4 pages at 0.8× the single
 /// memcpy or better (the worst such ratio), page_first single pages at 0.5× or better.
-fn goals(rows: &[Row]) {
+fn goals(methods: &[CopyMethod], rows: &[Row]) {
     println!(
         "the issue's goals per copy method (worst ratio over both directions and page sizes; \
          auto, the default, picks per copy):"
     );
-    let methods: Vec<CopyMethod> = rows.iter().fold(Vec::new(), |mut v, r| {
-        if !v.contains(&r.1) {
-            v.push(r.1);
-        }
-        v
-    });
-    for method in methods {
+    for &method in methods {
         let worst = |keep: &dyn Fn(&Row) -> bool| {
             rows.iter()
                 .filter(|r| r.1 == method && keep(r))

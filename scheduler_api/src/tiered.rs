@@ -245,12 +245,17 @@ impl<B: DeviceBackend> Tiered<B> {
         &self.cache
     }
 
+    /// The tier's counters of tokens loaded and tokens backed up. Only these two are kept
+    /// between steps: keeping the whole stats struct copied it twice a step, which showed in
+    /// the agentic replay's profile.
+    fn transfer_counters(&self) -> (u64, u64) {
+        let s = self.cache.stats();
+        (s.loaded_tokens, s.backed_up_tokens)
+    }
+
     /// Traffic since the last report, in pages and modeled bytes.
     fn transfers_since_last(&mut self) -> StepTransfers {
-        // Two counters, read in place: a copy of the whole stats struct each step showed in
-        // the agentic replay's profile.
-        let now = self.cache.stats_ref();
-        let (now_loaded, now_written) = (now.loaded_tokens, now.backed_up_tokens);
+        let (now_loaded, now_written) = self.transfer_counters();
         let pages = |tokens: u64| tokens / self.page_size;
         let loaded = pages(now_loaded - self.seen.0);
         let written = pages(now_written - self.seen.1);
@@ -512,8 +517,7 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     }
     fn reset(&mut self) -> radixkv_radix::Result<()> {
         self.cache.reset()?;
-        let now = self.cache.stats_ref();
-        self.seen = (now.loaded_tokens, now.backed_up_tokens);
+        self.seen = self.transfer_counters();
         Ok(())
     }
     fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {

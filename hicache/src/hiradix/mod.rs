@@ -812,11 +812,6 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.stats
     }
 
-    /// The counters of [`HiRadixCache::stats`], in place (no copy of the struct).
-    pub fn stats_ref(&self) -> &HiCacheStats {
-        &self.stats
-    }
-
     /// The write policy.
     pub fn write_policy(&self) -> WritePolicy {
         self.policy

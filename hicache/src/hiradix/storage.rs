@@ -496,8 +496,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                     memory: swa.clone(),
                     slot: w,
                 });
+                // After the Mamba slot: `extra` stays sorted (Mamba < Swa).
                 extra.push((PoolName::Swa, w));
-                extra.sort_unstable();
+                debug_assert!(extra.is_sorted());
             }
             match st.tier.backup_with_sections(
                 ns,

@@ -403,6 +403,24 @@ struct BackupSpec {
     sections: Vec<SectionSource>,
 }
 
+impl BackupSpec {
+    fn new(
+        tokens: Vec<TokenId>,
+        first_page: usize,
+        host: Arc<HostMemory>,
+        pages: Vec<u32>,
+        sections: Vec<SectionSource>,
+    ) -> Self {
+        BackupSpec {
+            tokens,
+            first_page,
+            host,
+            pages,
+            sections,
+        }
+    }
+}
+
 async fn stored_prefix(
     store: &dyn StorageBackend,
     keys: &[PageKey],
@@ -614,13 +632,7 @@ impl StorageTier {
         pages: Vec<u32>,
         sections: Vec<SectionSource>,
     ) -> Result<(JobId, JobGate)> {
-        let spec = BackupSpec {
-            tokens,
-            first_page,
-            host,
-            pages,
-            sections,
-        };
+        let spec = BackupSpec::new(tokens, first_page, host, pages, sections);
         self.spawn_backup(namespace, spec, false)
     }
 
@@ -639,13 +651,7 @@ impl StorageTier {
         pages: Vec<u32>,
         sections: Vec<SectionSource>,
     ) -> Result<(JobId, JobGate)> {
-        let spec = BackupSpec {
-            tokens,
-            first_page,
-            host,
-            pages,
-            sections,
-        };
+        let spec = BackupSpec::new(tokens, first_page, host, pages, sections);
         self.spawn_backup(namespace, spec, true)
     }
 
