@@ -21,6 +21,7 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
 use crate::mamba_policy::{MambaCheckpoint, MambaTrack};
+use crate::page_hash::{PageHash, PageHasher};
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
@@ -103,6 +104,12 @@ pub struct SessionTag {
 pub struct RequestKv {
     /// Tokens so far (prompt, then prompt + outputs) and the namespace.
     pub key: RadixKey,
+    /// Match hashes of the key's leading whole pages, from the cache's
+    /// [`PrefixCache::page_hasher`] (optional: empty matches by tokens; see
+    /// [`crate::page_hash`]). An engine that keeps its prompts' page hashes hands them over
+    /// here, and a cached prefix is then matched one node at a time instead of one token at a
+    /// time. They must be the hasher's chain over the key's tokens.
+    pub page_hashes: Vec<PageHash>,
     /// Optional cap on the reusable prefix (e.g. a logprob start position).
     pub max_prefix_len: Option<usize>,
     /// Request priority (max-propagated along the path for the priority policy).
@@ -230,6 +237,18 @@ impl RequestKv {
         self.max_prefix_len.map_or(n, |cap| n.min(cap))
     }
 
+    /// The whole key with the request's match hashes.
+    #[inline]
+    pub fn key_ref(&self) -> KeyRef<'_> {
+        self.key.as_ref().with_hashes(&self.page_hashes)
+    }
+
+    /// The key's first `len` tokens (clamped) with the request's match hashes.
+    #[inline]
+    pub fn key_prefix(&self, len: usize) -> KeyRef<'_> {
+        self.key.prefix(len).with_hashes(&self.page_hashes)
+    }
+
     /// Appends generated tokens to the key.
     #[inline]
     pub fn append_tokens(&mut self, tokens: &[TokenId]) {
@@ -286,6 +305,10 @@ impl RequestKv {
 pub trait PrefixCache {
     /// Tokens per page.
     fn page_size(&self) -> usize;
+
+    /// The hasher of the match hashes this cache accepts ([`RequestKv::page_hashes`],
+    /// [`crate::page_hash`]).
+    fn page_hasher(&self) -> PageHasher;
     /// The device pools.
     fn pools(&self) -> &DevicePools;
     /// The device pools, mutably (allocate and free owned pages, rows).

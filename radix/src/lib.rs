@@ -156,6 +156,7 @@ mod cache;
 mod error;
 pub mod events;
 pub mod mamba_policy;
+pub mod page_hash;
 mod page_key;
 pub mod policy;
 mod radix_cache;
@@ -176,6 +177,7 @@ pub use mamba_policy::{
     CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MambaTrack,
     MarconiParams,
 };
+pub use page_hash::{PageHash, PageHasher};
 pub use page_key::{KeySeed, KvIdentity, PageKey};
 pub use policy::{EvictionPolicy, LeafClass, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};

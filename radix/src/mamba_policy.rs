@@ -647,7 +647,7 @@ impl MambaAdmission {
         };
         let p = tree.page_size();
         let from = req.cache_protected_len;
-        let branch = tree.mamba_branch_point(req.key.as_ref());
+        let branch = tree.mamba_branch_point(req.key.as_ref().with_hashes(&req.page_hashes));
         let prompt_end = if params.prompt_end {
             align_down(req.key.len(), p)
         } else {
@@ -700,7 +700,7 @@ impl MambaAdmission {
         let mut result = Ok(());
         for c in req.mamba_checkpoints.drain(..due) {
             let stored = tree
-                .mamba_node_at(req.key.as_ref(), c.pos)
+                .mamba_node_at(req.key.as_ref().with_hashes(&req.page_hashes), c.pos)
                 .and_then(|node| tree.insert_mamba_state_as(node, c.slot, c.kind));
             if let Err(e) = stored {
                 let freed = tree.free_mamba_slot(c.slot);

@@ -444,12 +444,17 @@ impl RadixCache {
         let res = match anchor {
             Some(anchor) => {
                 let from = req.cache_protected_len;
-                let key = req.key.prefix(len);
+                let key = req.key.prefix(len).with_hashes(&req.page_hashes);
                 self.insert_owned_with(&mut buf[..len / p], owned_from, |tree, pages, replaced| {
                     tree.insert_from(anchor, from, key, pages, replaced, opts)
                 })
             }
-            None => self.insert_owned(req.key.prefix(len), &mut buf[..len / p], owned_from, opts),
+            None => self.insert_owned(
+                req.key.prefix(len).with_hashes(&req.page_hashes),
+                &mut buf[..len / p],
+                owned_from,
+                opts,
+            ),
         };
         self.put_row_pages(row, buf, len, res)
     }
@@ -488,6 +493,10 @@ impl RadixCache {
 impl PrefixCache for RadixCache {
     fn page_size(&self) -> usize {
         self.pools.page_size
+    }
+
+    fn page_hasher(&self) -> crate::PageHasher {
+        self.tree.page_hasher()
     }
 
     fn has_state_slots(&self) -> bool {
@@ -688,6 +697,9 @@ impl PrefixCache for RadixCache {
         }
         req.prefix_pages.clear();
         let limit = align_down(req.max_match_len(), self.pools.page_size);
+        // The match appends a page per matched page: room for all of them at once, so that
+        // a long cached prefix is not copied again at every doubling.
+        req.prefix_pages.reserve(limit / self.pools.page_size);
         let m = if limit == 0 || self.disabled {
             let root = self.tree.root();
             TreeMatch {
@@ -697,7 +709,7 @@ impl PrefixCache for RadixCache {
                 last_node: root,
             }
         } else {
-            let key = req.key.prefix(limit);
+            let key = req.key.prefix(limit).with_hashes(&req.page_hashes);
             match req.load_anchor {
                 // A request matched again (it waited): its earlier match's deepest node lies
                 // on its key (which only grows), so only what lies past it is compared.

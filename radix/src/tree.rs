@@ -24,6 +24,7 @@ use slab::Slab;
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::{EventBuffer, KvEvent, chain_hashes, namespace_seed};
+use crate::page_hash::{PageHash, PageHasher};
 use crate::page_key::{KeySeed, KvIdentity, PageKey};
 use crate::policy::{EvictionPolicy, LeafClass, LeafToken, NodeMeta, PolicyKind};
 use crate::types::{KeyRef, Medium, Namespace, NodeId, PageId, TokenId};
@@ -85,6 +86,9 @@ struct Node {
     leaf: Option<LeafToken>,
     /// Chain hash per page (only kept when events are enabled).
     page_hashes: Vec<u64>,
+    /// Match hash of the node's last page (its whole path's chain, see [`crate::page_hash`]),
+    /// 0 while unknown: set by an insert or a match that carries hashes that far.
+    end_hash: u128,
     /// Storage key per page (only kept when events carry page keys).
     page_keys: Vec<PageKey>,
 }
@@ -152,6 +156,14 @@ pub struct RadixTree {
     protected: usize,
     policy: Box<dyn EvictionPolicy>,
     hasher: RandomState,
+    /// The match hashes' hasher (random seed; see [`crate::page_hash`]).
+    page_hasher: PageHasher,
+    /// Set when a match hash accepted an edge whose tokens differ (debug builds check every
+    /// edge a hash accepts): reported by [`RadixTree::check_invariants`].
+    hash_contract_broken: std::sync::atomic::AtomicBool,
+    /// Set when a node was given a match hash that is not its path's chain (checked in debug
+    /// builds when a hash is set): reported by [`RadixTree::check_invariants`].
+    hash_chain_broken: std::sync::atomic::AtomicBool,
     events: Option<EventBuffer>,
     tree_id: u64,
     outstanding_locks: usize,
@@ -309,6 +321,9 @@ impl RadixTree {
             protected: 0,
             policy,
             hasher: RandomState::new(),
+            page_hasher: PageHasher::random(page_size),
+            hash_contract_broken: std::sync::atomic::AtomicBool::new(false),
+            hash_chain_broken: std::sync::atomic::AtomicBool::new(false),
             events: events.then(EventBuffer::default),
             tree_id: NEXT_TREE_ID.fetch_add(1, Ordering::Relaxed),
             outstanding_locks: 0,
@@ -335,6 +350,7 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes: Vec::new(),
+            end_hash: 0,
             page_keys: Vec::new(),
         });
         Ok(t)
@@ -342,6 +358,12 @@ impl RadixTree {
 
     // ---------------------------------------------------------------------------------------
     // Accessors
+
+    /// The hasher of this tree's match hashes ([`crate::page_hash`]): the chain a prompt's
+    /// [`KeyRef::hashes`] must be.
+    pub fn page_hasher(&self) -> PageHasher {
+        self.page_hasher
+    }
 
     /// Tokens per page.
     pub fn page_size(&self) -> usize {
@@ -595,16 +617,26 @@ impl RadixTree {
 
     #[inline]
     fn find_child(&self, parent: u32, ns: &Namespace, page: &[TokenId]) -> Option<u32> {
-        let h = self.child_hash(parent, ns, page);
         let p = self.page_size;
         let at_root = parent == self.root;
-        let matches = |c: u32| {
-            let n = &self.nodes[c as usize];
-            n.child_hash == h && n.key[..p] == *page && (!at_root || n.namespace == *ns)
-        };
         match &self.nodes[parent as usize].children {
-            Children::Inline(v) => v.iter().copied().find(|&c| matches(c)),
-            Children::Table(t) => t.find(h, |i, g| self.is_live(i, g), matches),
+            // A few children: their first pages are compared directly, which costs less than
+            // hashing the page (most nodes on a long conversation's path have one child).
+            Children::Inline(v) => v.iter().copied().find(|&c| {
+                let n = &self.nodes[c as usize];
+                n.key[..p] == *page && (!at_root || n.namespace == *ns)
+            }),
+            Children::Table(t) => {
+                let h = self.child_hash(parent, ns, page);
+                t.find(
+                    h,
+                    |i, g| self.is_live(i, g),
+                    |c| {
+                        let n = &self.nodes[c as usize];
+                        n.child_hash == h && n.key[..p] == *page && (!at_root || n.namespace == *ns)
+                    },
+                )
+            }
         }
     }
 

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::page_hash::PageHash;
+
 /// A token id as the tokenizer produces it.
 pub type TokenId = u32;
 
@@ -188,6 +190,7 @@ impl RadixKey {
         KeyRef {
             tokens: &self.tokens,
             namespace: &self.namespace,
+            hashes: &[],
         }
     }
 
@@ -196,17 +199,23 @@ impl RadixKey {
         KeyRef {
             tokens: &self.tokens[..len.min(self.tokens.len())],
             namespace: &self.namespace,
+            hashes: &[],
         }
     }
 }
 
-/// A borrowed key: a token slice and its namespace. Cheap to pass around; no allocation.
+/// A borrowed key: a token slice, its namespace and, optionally, the match hashes of its
+/// leading pages. Cheap to pass around; no allocation.
 #[derive(Copy, Clone, Debug)]
 pub struct KeyRef<'a> {
     /// The tokens.
     pub tokens: &'a [TokenId],
     /// The isolation domain.
     pub namespace: &'a Namespace,
+    /// Match hashes of the tokens' leading whole pages (any number of them, from none; see
+    /// [`crate::page_hash`]): where given, a match accepts a cached edge by its last page's
+    /// hash instead of comparing its tokens.
+    pub hashes: &'a [PageHash],
 }
 
 impl<'a> KeyRef<'a> {
@@ -215,12 +224,32 @@ impl<'a> KeyRef<'a> {
         KeyRef {
             tokens,
             namespace: &Namespace::DEFAULT,
+            hashes: &[],
         }
     }
 
     /// A key in `namespace`.
     pub fn with_namespace(tokens: &'a [TokenId], namespace: &'a Namespace) -> Self {
-        KeyRef { tokens, namespace }
+        KeyRef {
+            tokens,
+            namespace,
+            hashes: &[],
+        }
+    }
+
+    /// The same key with the match hashes of its leading pages (see [`crate::page_hash`]'s
+    /// contract: the tree's hasher's chain over these tokens).
+    pub fn with_hashes(self, hashes: &'a [PageHash]) -> Self {
+        KeyRef { hashes, ..self }
+    }
+
+    /// The first `len` tokens (clamped), with the hashes that still cover whole pages of them
+    /// left as they are (a match ignores hashes past the tokens).
+    pub fn prefix(self, len: usize) -> Self {
+        KeyRef {
+            tokens: &self.tokens[..len.min(self.tokens.len())],
+            ..self
+        }
     }
 
     /// Number of tokens.

@@ -19,9 +19,9 @@ use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::events::{namespace_seed, page_hash};
 use radixkv_radix::{
-    CacheError, FinishKind, InsertOptions, KeyRef, KvEvent, LockReceipt, Namespace, PageId,
-    PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv, TokenId,
-    align_down,
+    CacheError, FinishKind, InsertOptions, KeyRef, KvEvent, LockReceipt, Namespace, PageHash,
+    PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv,
+    TokenId, align_down,
 };
 
 /// Namespaces used by the test; index 0 is the default one.
@@ -400,6 +400,23 @@ impl Sut {
         self.model.p
     }
 
+    /// Match hashes for `seq` in namespace `ns_idx`, as an engine would hand them over: none,
+    /// half of its pages' or all of them, by the key's length (so every operation mixes
+    /// hashed and token-only walks over the same tree, and the model's exact predictions
+    /// show that hashes never change a result; the invariant audit checks every hash the
+    /// tree learnt).
+    fn hashes(&self, ns_idx: u8, seq: &[TokenId]) -> Vec<PageHash> {
+        let mut v = Vec::new();
+        self.cache.page_hasher().chain(&ns(ns_idx), seq, &mut v);
+        let keep = match seq.len() % 3 {
+            0 => 0,
+            1 => v.len() / 2,
+            _ => v.len(),
+        };
+        v.truncate(keep);
+        v
+    }
+
     /// Every prefix of every locked path.
     fn locked(&self) -> HashSet<Key> {
         let p = self.p();
@@ -449,7 +466,8 @@ impl Sut {
             Err(e) => panic!("alloc_pages: {e}"),
         };
         let namespace = ns(ns_idx);
-        let key = KeyRef::with_namespace(&seq[..len], &namespace);
+        let hashes = self.hashes(ns_idx, &seq[..len]);
+        let key = KeyRef::with_namespace(&seq[..len], &namespace).with_hashes(&hashes);
         let plan = self.model.plan(ns_idx, &seq[..len], &pages);
         let opts = InsertOptions {
             priority,
@@ -602,9 +620,11 @@ impl StateMachineTest for Sut {
             Op::Match { ns: ns_idx, seq } => {
                 let namespace = ns(ns_idx);
                 let mut out = Vec::new();
-                let res = sut
-                    .cache
-                    .match_prefix(KeyRef::with_namespace(&seq, &namespace), &mut out);
+                let hashes = sut.hashes(ns_idx, &seq);
+                let res = sut.cache.match_prefix(
+                    KeyRef::with_namespace(&seq, &namespace).with_hashes(&hashes),
+                    &mut out,
+                );
                 if seq.is_empty() {
                     assert_eq!(res, Err(CacheError::EmptyKey));
                 } else {
@@ -620,6 +640,7 @@ impl StateMachineTest for Sut {
                 cap,
             } => {
                 let mut req = RequestKv::new(RadixKey::with_namespace(seq.clone(), ns(ns_idx)));
+                req.page_hashes = sut.hashes(ns_idx, &seq);
                 req.max_prefix_len = cap;
                 let m = sut.cache.match_request(&mut req).expect("match_request");
                 let limit = align_down((seq.len() - 1).min(cap.unwrap_or(usize::MAX)), p);
@@ -632,9 +653,13 @@ impl StateMachineTest for Sut {
             Op::Lock { ns: ns_idx, seq } => {
                 let namespace = ns(ns_idx);
                 let mut pages = Vec::new();
+                let hashes = sut.hashes(ns_idx, &seq);
                 let m = sut
                     .cache
-                    .match_prefix(KeyRef::with_namespace(&seq, &namespace), &mut pages)
+                    .match_prefix(
+                        KeyRef::with_namespace(&seq, &namespace).with_hashes(&hashes),
+                        &mut pages,
+                    )
                     .expect("match");
                 let receipt = sut.cache.inc_lock_ref(m.last_device).expect("lock");
                 let key = (ns_idx, seq[..m.device_len].to_vec());
@@ -677,6 +702,7 @@ impl StateMachineTest for Sut {
                 stale,
             } => {
                 let mut kv = RequestKv::new(RadixKey::with_namespace(seq.clone(), ns(ns_idx)));
+                kv.page_hashes = sut.hashes(ns_idx, &seq);
                 kv.max_prefix_len = cap;
                 kv.priority = priority;
                 sut.cache.match_request(&mut kv).expect("match_request");

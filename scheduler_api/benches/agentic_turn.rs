@@ -11,7 +11,10 @@
 //! oldest branches are evicted: the steady state of a full cache.
 //!
 //! `radix`: the radix cache with LRU eviction. `hicache`: a 4M-token host tier under it,
-//! write-back (the host copies of each turn complete, untimed, before the next one).
+//! write-back (the host copies of each turn complete, untimed, before the next one). The
+//! `+hashes` variants hand the turn's match hashes over (`Request::page_hashes`): the
+//! history's are computed once and each turn extends them by its new pages, untimed, as an
+//! engine that keeps its conversations' hashes does.
 //!
 //! The goal (issue 13): a cost flat in the history apart from the walk over its pages, i.e.
 //! nothing proportional to the history but the comparison of the turn's tokens against the
@@ -20,8 +23,9 @@
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use radixkv_radix::Namespace;
 use radixkv_scheduler_api::{
-    Admission, HostTier, KvCacheManager, Request, WaitReason, WritePolicy,
+    Admission, HostTier, KvCacheManager, PageHash, Request, WaitReason, WritePolicy,
 };
 
 const DEVICE: usize = 1 << 20;
@@ -44,10 +48,10 @@ fn manager(hicache: bool) -> KvCacheManager {
 /// step, finish); returns the time spent in the manager. An admission that waits for the room
 /// its write-back eviction frees (HiCache) waits, untimed, for the copies, as a scheduler
 /// waits a step, and is admitted again.
-fn turn(kv: &mut KvCacheManager, tokens: Vec<u32>) -> Duration {
+fn turn(kv: &mut KvCacheManager, tokens: Vec<u32>, hashes: Vec<PageHash>) -> Duration {
     let start = Instant::now();
     let id = kv
-        .arrive(Request::new(tokens).max_new_tokens(1))
+        .arrive(Request::new(tokens).page_hashes(hashes).max_new_tokens(1))
         .expect("arrive");
     let mut spent = Duration::ZERO;
     let mut clock = start;
@@ -75,15 +79,26 @@ fn bench_turn(c: &mut Criterion) {
     g.sample_size(20);
     g.warm_up_time(Duration::from_secs(2));
     g.measurement_time(Duration::from_secs(5));
-    for hicache in [false, true] {
-        let cache = if hicache { "hicache" } else { "radix" };
+    for (hicache, hashed) in [(false, false), (false, true), (true, false), (true, true)] {
+        let cache = match (hicache, hashed) {
+            (false, false) => "radix",
+            (false, true) => "radix+hashes",
+            (true, false) => "hicache",
+            (true, true) => "hicache+hashes",
+        };
         for history in HISTORIES {
             g.bench_with_input(BenchmarkId::new(cache, history), &history, |b, &history| {
                 b.iter_custom(|iters| {
                     let mut kv = manager(hicache);
+                    let hasher = kv.page_hasher();
+                    let ns = Namespace::DEFAULT;
                     // The history: token values no turn's new tokens use.
                     let base: Vec<u32> = (0..history).map(|t| t | 1 << 31).collect();
-                    turn(&mut kv, base.clone());
+                    let mut base_hashes = Vec::new();
+                    if hashed {
+                        hasher.chain(&ns, &base, &mut base_hashes);
+                    }
+                    turn(&mut kv, base.clone(), base_hashes.clone());
                     kv.drain().expect("drain");
                     let mut fresh = 0u32;
                     let mut spent = Duration::ZERO;
@@ -94,7 +109,13 @@ fn bench_turn(c: &mut Criterion) {
                         tokens.extend_from_slice(&base);
                         tokens.extend(fresh..fresh + NEW);
                         fresh += NEW;
-                        spent += turn(&mut kv, tokens);
+                        let mut hashes = Vec::new();
+                        if hashed {
+                            hashes.reserve(tokens.len() / hasher.page_size());
+                            hashes.extend_from_slice(&base_hashes);
+                            hasher.extend_chain(&ns, &tokens, &mut hashes);
+                        }
+                        spent += turn(&mut kv, tokens, hashes);
                         kv.drain().expect("drain");
                     }
                     spent

@@ -173,7 +173,8 @@ pub use manager::{
 };
 pub use metrics::Metrics;
 pub use radixkv_radix::{
-    CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow, MambaTrack,
+    CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow, MambaTrack, PageHash,
+    PageHasher,
 };
 pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

@@ -30,8 +30,8 @@ use std::sync::Arc;
 use ahash::HashSet;
 use radixkv_radix::{
     CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch,
-    MambaCheckpoint, MambaCow, MambaTrack, PageId, PoolAccounting, RadixKey, RequestKv, SessionTag,
-    TokenId,
+    MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHash, PageHasher, PageId, PoolAccounting,
+    RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -298,6 +298,13 @@ impl KvCacheManager {
     /// Turns the per-step invariant audit on or off (on by default in debug builds only).
     pub fn set_check_every_step(&mut self, on: bool) {
         self.check_every_step = on;
+    }
+
+    /// The hasher of the match hashes requests may carry ([`Request::page_hashes`],
+    /// [`TokenSource::fill_page_hashes`]; see [`radixkv_radix::page_hash`]). Its seed is
+    /// drawn at random when the manager is built: hashes are for this manager only.
+    pub fn page_hasher(&self) -> PageHasher {
+        self.cache.page_hasher()
     }
 
     /// Where every device token is.
@@ -618,6 +625,20 @@ impl KvCacheManager {
         if req.source.is_some() && !req.tokens.is_empty() {
             return Err(refuse(req.engine_id, "both tokens and a token source"));
         }
+        if req.source.is_some() && !req.page_hashes.is_empty() {
+            return Err(refuse(
+                req.engine_id,
+                "page hashes with a token source (the source gives them)",
+            ));
+        }
+        if let Err(what) = check_page_hashes(
+            &self.cache.page_hasher(),
+            &req.namespace,
+            &req.tokens,
+            &req.page_hashes,
+        ) {
+            return Err(refuse(req.engine_id, what));
+        }
         let source = req.source;
         let mut tokens = req.tokens;
         // A storage tier's prefetch (below) needs a lazy request's tokens: filled first, so
@@ -637,6 +658,7 @@ impl KvCacheManager {
             let _ = tokens.try_reserve(req.max_new_tokens.min(self.cfg.device_tokens));
         }
         let mut kv = RequestKv::new(RadixKey::with_namespace(tokens, req.namespace));
+        kv.page_hashes = req.page_hashes;
         kv.max_prefix_len = req.max_prefix_len;
         kv.priority = req.priority;
         // Only a session layer gives the tag a meaning: without one, a tag is refused rather
@@ -760,10 +782,11 @@ impl KvCacheManager {
                 self.recount_tokens(prev);
             }
             let device_tokens = self.cfg.device_tokens;
+            let hasher = self.cache.page_hasher();
             let Some(t) = self.requests.get_mut(id.0) else {
                 return Err(ManagerError::UnknownRequest(id.0));
             };
-            materialise(t, id, device_tokens)?;
+            materialise(t, id, device_tokens, &hasher)?;
             self.materialised_slot = Some(id.0);
         }
         let r = self.admit_materialised(id);
@@ -1757,6 +1780,29 @@ impl TokenShare {
 /// kept aside (capacities).
 fn token_bytes(t: &Tracked) -> usize {
     (t.kv.key.tokens.capacity() + t.decoded.capacity()) * std::mem::size_of::<TokenId>()
+        + t.kv.page_hashes.capacity() * std::mem::size_of::<PageHash>()
+}
+
+/// Refuses match hashes for `tokens` in `ns` that cover more than its whole pages, and, in
+/// debug builds, hashes that are not `hasher`'s chain over them (release builds trust them:
+/// checking reads the whole prompt, which is what the hashes save).
+fn check_page_hashes(
+    hasher: &PageHasher,
+    ns: &Namespace,
+    tokens: &[TokenId],
+    hashes: &[PageHash],
+) -> std::result::Result<(), &'static str> {
+    if hashes.len() > tokens.len() / hasher.page_size() {
+        return Err("more page hashes than the prompt has whole pages");
+    }
+    if cfg!(debug_assertions) && !hashes.is_empty() {
+        let mut want = Vec::with_capacity(hashes.len());
+        hasher.chain(ns, &tokens[..hashes.len() * hasher.page_size()], &mut want);
+        if want != hashes {
+            return Err("page hashes that are not the prompt's chain under the cache's hasher");
+        }
+    }
+    Ok(())
 }
 
 /// A lazy request's tokens from `source`, then `decoded`, with room for `room` more; `id` and
@@ -1798,12 +1844,29 @@ fn fill_tokens(
 ///
 /// # Errors
 /// As [`fill_tokens`]; the request is unchanged then.
-fn materialise(t: &mut Tracked, id: ReqId, device_tokens: usize) -> Result<()> {
+fn materialise(
+    t: &mut Tracked,
+    id: ReqId,
+    device_tokens: usize,
+    hasher: &PageHasher,
+) -> Result<()> {
     let Some(src) = t.source.as_ref().filter(|_| !t.materialised) else {
         return Ok(());
     };
     let room = t.max_new.saturating_sub(t.decoded.len()).min(device_tokens);
-    t.kv.key.tokens = fill_tokens(src.as_ref(), &t.decoded, room, id.0, &t.engine_id)?;
+    let tokens = fill_tokens(src.as_ref(), &t.decoded, room, id.0, &t.engine_id)?;
+    let prompt = &tokens[..t.prompt_len];
+    let mut hashes = Vec::new();
+    src.fill_page_hashes(hasher, &t.kv.key.namespace, prompt, &mut hashes);
+    check_page_hashes(hasher, &t.kv.key.namespace, prompt, &hashes).map_err(|what| {
+        ManagerError::TokenSource {
+            id: id.0,
+            engine_id: t.engine_id.clone(),
+            message: what.to_string(),
+        }
+    })?;
+    t.kv.key.tokens = tokens;
+    t.kv.page_hashes = hashes;
     t.decoded = Vec::new();
     t.materialised = true;
     Ok(())
@@ -1826,6 +1889,7 @@ fn dematerialise(t: &mut Tracked) {
         return;
     }
     let tokens = std::mem::take(&mut t.kv.key.tokens);
+    t.kv.page_hashes = Vec::new();
     t.decoded = tokens
         .get(t.prompt_len..)
         .map_or_else(Vec::new, <[TokenId]>::to_vec);

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use radixkv_radix::{
-    CheckpointKind, MambaCheckpoint, MambaCow, MambaTrack, Namespace, RequestKv, TokenId,
+    CheckpointKind, MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHash, PageHasher,
+    RequestKv, TokenId,
 };
 
 use crate::error::Result;
@@ -40,6 +41,27 @@ pub trait TokenSource: Send + Sync + std::fmt::Debug {
     /// when the source appends another number of tokens than it said; the request then
     /// holds nothing and waits (abort it).
     fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError>;
+
+    /// Appends the match hashes of the prompt's leading whole pages under `hasher` in the
+    /// request's `namespace` to `out` (see [`radixkv_radix::page_hash`]), given the `tokens`
+    /// [`TokenSource::fill`] just produced. A source that keeps its prompts' hashes (extending them as a conversation
+    /// grows, say) hands them over here, and the manager then matches the cached prefix one
+    /// tree node at a time instead of one token at a time. The default gives none (the match
+    /// compares tokens).
+    ///
+    /// They must be `hasher`'s chain over `tokens`' pages (as many leading pages as the
+    /// source has). Debug builds check them and refuse others
+    /// ([`ManagerError::TokenSource`](crate::ManagerError::TokenSource)); release builds trust
+    /// them.
+    fn fill_page_hashes(
+        &self,
+        hasher: &PageHasher,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        out: &mut Vec<PageHash>,
+    ) {
+        let _ = (hasher, namespace, tokens, out);
+    }
 }
 
 /// Why a [`TokenSource`] could not produce its tokens (a message for the engine's logs).
@@ -106,6 +128,11 @@ pub struct TokenStorage {
 pub struct Request {
     /// Prompt tokens (at least one), or empty when [`Request::source`] gives them.
     pub tokens: Vec<TokenId>,
+    /// Match hashes of [`Request::tokens`]' leading whole pages (optional; see
+    /// [`KvCacheManager::page_hasher`](crate::KvCacheManager::page_hasher) and
+    /// [`radixkv_radix::page_hash`]). A lazy request's come from its source
+    /// ([`TokenSource::fill_page_hashes`]), so this must be empty for one.
+    pub page_hashes: Vec<PageHash>,
     /// Where the prompt's tokens come from, for a request that does not own them (then
     /// [`Request::tokens`] must be empty, or arrival refuses the request).
     pub source: Option<Arc<dyn TokenSource>>,
@@ -176,6 +203,12 @@ impl Request {
     /// Sets the output budget.
     pub fn max_new_tokens(mut self, n: usize) -> Self {
         self.max_new_tokens = n;
+        self
+    }
+
+    /// Sets the match hashes of the prompt's leading pages (see [`Request::page_hashes`]).
+    pub fn page_hashes(mut self, hashes: Vec<PageHash>) -> Self {
+        self.page_hashes = hashes;
         self
     }
 

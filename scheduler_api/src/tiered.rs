@@ -412,7 +412,8 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         Ok(self.cache.swa_available_locked(node)?)
     }
     fn storage_prefetch(&mut self, rid: u64, req: &RequestKv) -> bool {
-        self.cache.prefetch(rid, req.key.as_ref())
+        self.cache
+            .prefetch(rid, req.key.as_ref().with_hashes(&req.page_hashes))
     }
 
     fn check_prefetch(&mut self, rid: u64) -> Result<PrefetchStatus> {
@@ -447,6 +448,10 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
 impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn page_size(&self) -> usize {
         self.cache.page_size()
+    }
+
+    fn page_hasher(&self) -> radixkv_radix::PageHasher {
+        self.cache.page_hasher()
     }
     fn pools(&self) -> &DevicePools {
         self.cache.pools()

@@ -1,7 +1,8 @@
 //! Lazy requests ([`Request::lazy`], [`Request::shared`]): they hold no tokens while they
 //! wait, only the lazy request tried last keeps them after a wait, and they are admitted,
 //! matched and evicted exactly as the same requests with owned tokens (same outcomes, events
-//! and counters); a failing source is a typed error that leaves nothing behind; a storage
+//! and counters), with or without the prompts' match hashes; a failing source is a typed
+//! error that leaves nothing behind, and so are hashes that cannot be the prompt's; a storage
 //! tier's prefetch at arrival still works.
 
 mod common;
@@ -11,11 +12,11 @@ use std::sync::Arc;
 
 use common::{balanced, step};
 use radixkv_hicache::storage::{MemStore, StorageBackend};
-use radixkv_radix::TokenId;
+use radixkv_radix::{Namespace, TokenId};
 use radixkv_scheduler_api::{
-    Admission, HostTier, KvCacheManager, ManagerError, PrefetchStopPolicy, ReqId, Request,
-    SessionBudget, StorageBackendKind, StorageTier, TokenSource, TokenSourceError, TokenStorage,
-    WaitReason, WritePolicy,
+    Admission, HostTier, KvCacheManager, ManagerError, PageHash, PageHasher, PrefetchStopPolicy,
+    ReqId, Request, SessionBudget, StorageBackendKind, StorageTier, TokenSource, TokenSourceError,
+    TokenStorage, WaitReason, WritePolicy,
 };
 
 const PAGE: usize = 4;
@@ -27,6 +28,16 @@ enum Kind {
     Owned,
     Lazy,
     Shared,
+    /// Owned, with the prompt's match hashes.
+    OwnedHashed,
+    /// Lazy, from a source that gives the prompt's match hashes.
+    LazyHashed,
+}
+
+impl Kind {
+    fn owned(self) -> bool {
+        matches!(self, Kind::Owned | Kind::OwnedHashed)
+    }
 }
 
 /// A source over a vector that counts how often it was asked.
@@ -56,11 +67,42 @@ fn counted(tokens: Vec<TokenId>) -> Arc<Counted> {
     })
 }
 
-fn request(kind: Kind, tokens: Vec<TokenId>) -> Request {
+/// A source that also gives its prompt's match hashes, as an engine that keeps them would.
+#[derive(Debug)]
+struct Hashed(Vec<TokenId>);
+
+impl TokenSource for Hashed {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn fill(&self, out: &mut Vec<TokenId>) -> Result<(), TokenSourceError> {
+        out.extend_from_slice(&self.0);
+        Ok(())
+    }
+
+    fn fill_page_hashes(
+        &self,
+        hasher: &PageHasher,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        out: &mut Vec<PageHash>,
+    ) {
+        hasher.chain(namespace, tokens, out);
+    }
+}
+
+fn request(kind: Kind, tokens: Vec<TokenId>, hasher: &PageHasher) -> Request {
     match kind {
         Kind::Owned => Request::new(tokens),
         Kind::Lazy => Request::lazy(counted(tokens)),
         Kind::Shared => Request::shared(tokens.into()),
+        Kind::OwnedHashed => {
+            let mut h = Vec::new();
+            hasher.chain(&Namespace::DEFAULT, &tokens, &mut h);
+            Request::new(tokens).page_hashes(h)
+        }
+        Kind::LazyHashed => Request::lazy(Arc::new(Hashed(tokens))),
     }
 }
 
@@ -130,7 +172,7 @@ fn scenario(kind: Kind, hicache: bool, sessions: bool) -> (Vec<String>, String, 
     let mut waiting: VecDeque<(ReqId, usize, usize)> = VecDeque::new();
     let mut sessions_left = 0;
     for (p, out, s) in prompts() {
-        let mut r = request(kind, p).max_new_tokens(out);
+        let mut r = request(kind, p, &kv.page_hasher()).max_new_tokens(out);
         if sessions {
             r.session = s;
             sessions_left += usize::from(s.is_some());
@@ -139,7 +181,7 @@ fn scenario(kind: Kind, hicache: bool, sessions: bool) -> (Vec<String>, String, 
         waiting.push_back((id, out, 0));
     }
     let st = kv.token_storage();
-    if kind != Kind::Owned {
+    if !kind.owned() {
         assert_eq!(
             (st.waiting_bytes, st.waiting_materialised),
             (0, 0),
@@ -227,7 +269,7 @@ fn scenario(kind: Kind, hicache: bool, sessions: bool) -> (Vec<String>, String, 
 fn check_waiting(kv: &KvCacheManager, kind: Kind) {
     let st = kv.token_storage();
     kv.check_invariants().unwrap();
-    if kind == Kind::Owned {
+    if kind.owned() {
         assert_eq!(st.waiting_materialised, st.waiting_requests, "{st:?}");
         return;
     }
@@ -250,7 +292,12 @@ fn lazy_and_shared_requests_are_served_exactly_as_owned_ones() {
             owned.0.iter().any(|l| l.contains("Wait")),
             "the scenario must make requests wait"
         );
-        for kind in [Kind::Lazy, Kind::Shared] {
+        for kind in [
+            Kind::Lazy,
+            Kind::Shared,
+            Kind::OwnedHashed,
+            Kind::LazyHashed,
+        ] {
             let other = scenario(kind, hicache, sessions);
             assert_eq!(
                 owned.0, other.0,
@@ -498,4 +545,58 @@ fn a_lazy_request_is_prefetched_from_the_store_and_holds_nothing_meanwhile() {
     b.drain().unwrap();
     balanced(&b);
     assert_eq!(b.token_storage(), TokenStorage::default());
+}
+
+#[test]
+fn page_hashes_that_cannot_be_the_prompts_are_refused() {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(PAGE)
+        .build()
+        .unwrap();
+    let hasher = kv.page_hasher();
+    let prompt: Vec<TokenId> = (0..10).collect();
+    let mut h = Vec::new();
+    hasher.chain(&Namespace::DEFAULT, &prompt, &mut h);
+    assert_eq!(h.len(), 2, "two whole pages");
+    // More hashes than whole pages.
+    let mut long = h.clone();
+    long.push(h[0]);
+    let e = kv
+        .arrive(Request::new(prompt.clone()).page_hashes(long))
+        .unwrap_err();
+    assert!(matches!(e, ManagerError::Lifecycle { .. }), "{e}");
+    // Hashes beside a source (the source gives them).
+    let e = kv
+        .arrive(Request::lazy(counted(prompt.clone())).page_hashes(h.clone()))
+        .unwrap_err();
+    assert!(matches!(e, ManagerError::Lifecycle { .. }), "{e}");
+    // Another manager's chain (debug builds check the chain; release builds trust it).
+    if cfg!(debug_assertions) {
+        let other = KvCacheManager::builder()
+            .device_tokens(256)
+            .page_size(PAGE)
+            .build()
+            .unwrap();
+        let mut theirs = Vec::new();
+        other
+            .page_hasher()
+            .chain(&Namespace::DEFAULT, &prompt, &mut theirs);
+        let e = kv
+            .arrive(Request::new(prompt.clone()).page_hashes(theirs))
+            .unwrap_err();
+        assert!(e.to_string().contains("chain"), "{e}");
+    }
+    assert_eq!(
+        kv.token_storage(),
+        TokenStorage::default(),
+        "nothing registered"
+    );
+    // The right ones, fewer than the pages: accepted, and the request runs.
+    let id = kv
+        .arrive(Request::new(prompt).page_hashes(h[..1].to_vec()))
+        .unwrap();
+    assert!(matches!(kv.admit(id).unwrap(), Admission::Ready(_)));
+    kv.abort(id).unwrap();
+    balanced(&kv);
 }

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use ahash::HashMap;
 use radixkv_radix::{
-    CacheError, FinishKind, LockReceipt, MambaCheckpoint, MambaTrack, PageId, PrefixCache,
-    RadixKey, RequestKv, RowHolder, RowId, align_down,
+    CacheError, FinishKind, LockReceipt, MambaCheckpoint, MambaTrack, PageHash, PageId,
+    PrefixCache, RadixKey, RequestKv, RowHolder, RowId, align_down,
 };
 
 use crate::clock::{Clock, SystemClock};
@@ -145,21 +145,40 @@ pub(crate) struct Session {
     pub(crate) ttl: Option<u64>,
     /// Prompt + output of all finished turns; the next streaming turn must extend it.
     pub(crate) history: RadixKey,
+    /// The match hash of the history's page `k` − 1 with `k` (≥ 1), where a turn carried
+    /// hashes ([`RequestKv::page_hashes`]) that far: a next turn whose hash there is the same
+    /// extends the first `k` pages, and only the rest of the history is compared.
+    pub(crate) history_hash: Option<(usize, PageHash)>,
     pub(crate) slot: Option<Slot>,
     pub(crate) closing: bool,
     /// (last use, sequence number) while the slot is idle: the key in the LRU and expiry sets.
     pub(crate) idle_key: Option<(u64, u64)>,
 }
 
-/// Makes `key`, a finished turn's, a session's `history`. The caller checked that it extends
-/// the history (`check_extends`), so only the new tail is copied (O(new tokens)); an empty
-/// history, whose namespace is not the turn's yet, takes the whole key.
-pub(crate) fn adopt_history(history: &mut RadixKey, key: &RadixKey) {
+/// Makes `req`'s key, a finished turn's, session `s`'s history (`p` tokens per page). The
+/// caller checked that it extends the history (`check_extends`), so only the new tail is
+/// copied (O(new tokens)); an empty history, whose namespace is not the turn's yet, takes the
+/// whole key. The turn's match hashes, where they reach further than the history's, become
+/// its history hash.
+pub(crate) fn adopt_history(
+    history: &mut RadixKey,
+    history_hash: &mut Option<(usize, PageHash)>,
+    req: &RequestKv,
+    p: usize,
+) {
+    let key = &req.key;
     let have = history.len();
     if have == 0 || key.len() < have {
         *history = key.clone();
     } else {
         history.tokens.extend_from_slice(&key.tokens[have..]);
+    }
+    let k = req.page_hashes.len().min(key.len() / p);
+    if k > 0 && history_hash.is_none_or(|(old, _)| old < k) {
+        *history_hash = Some((k, req.page_hashes[k - 1]));
+    }
+    if history_hash.is_some_and(|(k, _)| k * p > history.len()) {
+        *history_hash = None;
     }
 }
 
@@ -257,6 +276,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                 streaming,
                 ttl: ttl.or(self.cfg.idle_ttl),
                 history: RadixKey::default(),
+                history_hash: None,
                 slot: None,
                 closing: false,
                 idle_key: None,
@@ -351,7 +371,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             return Ok(());
         }
         if req.kv_lent {
-            return Self::check_extends(tag.id, s, req);
+            return Self::check_extends(tag.id, s, req, self.inner.page_size());
         }
         if s.closing {
             return Err(SessionError::Closing(tag.id));
@@ -359,7 +379,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         if s.slot.as_ref().is_some_and(|sl| sl.lent) {
             return Err(SessionError::Busy(tag.id));
         }
-        Self::check_extends(tag.id, s, req)
+        Self::check_extends(tag.id, s, req, self.inner.page_size())
     }
 
     /// A view of session `id`.
@@ -407,16 +427,37 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             .filter(|sl| !sl.lent)
     }
 
-    pub(crate) fn check_extends(id: u64, s: &Session, req: &RequestKv) -> Result<(), SessionError> {
-        let ok = s.history.is_empty()
-            || (req.key.namespace == s.history.namespace
-                && req.key.tokens.starts_with(&s.history.tokens));
+    /// Whether `req` (a turn of session `id`) extends the session's history. Where the turn
+    /// carries the match hash the history recorded, the pages it covers are taken as equal
+    /// (the chain names them) and only the rest of the history is compared; debug builds
+    /// compare it all and keep the token result where the two differ (hashes that are not the
+    /// turn's chain).
+    pub(crate) fn check_extends(
+        id: u64,
+        s: &Session,
+        req: &RequestKv,
+        p: usize,
+    ) -> Result<(), SessionError> {
+        let h = &s.history;
+        let ok = h.is_empty()
+            || (req.key.namespace == h.namespace && req.key.len() >= h.len() && {
+                let from = match s.history_hash {
+                    Some((k, hash)) if req.page_hashes.get(k - 1) == Some(&hash) => k * p,
+                    _ => 0,
+                };
+                let tail = req.key.tokens[from..h.len()] == h.tokens[from..];
+                if cfg!(debug_assertions) && from > 0 && tail {
+                    req.key.tokens.starts_with(&h.tokens)
+                } else {
+                    tail
+                }
+            });
         if ok {
             Ok(())
         } else {
             Err(SessionError::NotExtending {
                 id,
-                history_len: s.history.len(),
+                history_len: h.len(),
             })
         }
     }

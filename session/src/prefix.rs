@@ -202,7 +202,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                     ..t
                 });
                 // The match verified that the key extends the history.
-                adopt_history(&mut s.history, &req.key);
+                adopt_history(&mut s.history, &mut s.history_hash, req, p);
             }
             FinishKind::Aborted => {
                 if slot.mamba_slot.is_some() && ran {
@@ -315,6 +315,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
     /// End of a turn that ran through the inner cache (first turn, or after a demotion): the
     /// session takes its KV if it can, otherwise the inner cache finishes it.
     fn finish_unlent(&mut self, id: u64, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        let p = self.inner.page_size();
         // Checking that the turn extends the history guards against a second, concurrent
         // request of the same session: only such a turn becomes the history and the new slot.
         let extends = kind == FinishKind::Finished
@@ -322,7 +323,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
                 s.streaming
                     && !s.closing
                     && s.slot.is_none()
-                    && Self::check_extends(id, s, req).is_ok()
+                    && Self::check_extends(id, s, req, p).is_ok()
             });
         let savable = extends
             && req.row.is_some()
@@ -332,7 +333,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             // A finished turn that extends the history is the session's history even when it
             // left no KV to keep (nothing committed yet): the next turn must extend it.
             if extends && let Some(s) = self.sessions.get_mut(&id) {
-                adopt_history(&mut s.history, &req.key);
+                adopt_history(&mut s.history, &mut s.history_hash, req, p);
             }
             return self.inner.cache_finished_req(req, kind);
         }
@@ -348,7 +349,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let Some(s) = self.sessions.get_mut(&id) else {
             return Err(CacheError::InvalidRequestState("session vanished"));
         };
-        adopt_history(&mut s.history, &req.key);
+        adopt_history(&mut s.history, &mut s.history_hash, req, p);
         s.slot = Some(slot);
         req.clear_kv_state();
         self.mark_idle(id);
@@ -359,6 +360,10 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
 impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
     fn page_size(&self) -> usize {
         self.inner.page_size()
+    }
+
+    fn page_hasher(&self) -> radixkv_radix::PageHasher {
+        self.inner.page_hasher()
     }
 
     fn has_state_slots(&self) -> bool {

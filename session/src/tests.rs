@@ -1293,3 +1293,54 @@ fn tracking_slots_travel_with_the_session_slot() {
     assert_eq!(mamba(&c).request_owned, 0);
     assert_drained(&c);
 }
+
+/// A turn's match hashes let the extension check skip the pages they cover: the next turn is
+/// compared with the history only past the last page the previous turn hashed.
+#[test]
+fn turns_with_match_hashes_check_only_the_unhashed_tail_of_the_history() {
+    let (mut c, _) = cache();
+    let hasher = c.page_hasher();
+    let hashed = |tokens: Vec<TokenId>| {
+        let mut r = req(Some(1), tokens);
+        hasher.chain(&Namespace::DEFAULT, &r.key.tokens, &mut r.page_hashes);
+        r
+    };
+    c.open(1, true, None).unwrap();
+    let mut t1 = hashed((0..10).collect());
+    assert_eq!(t1.page_hashes.len(), 2);
+    turn(&mut c, &mut t1, &[100, 101]);
+    // History: 10 prompt tokens + 2 decoded; the hash covers its first 2 pages.
+    assert_eq!(c.sessions[&1].history_hash, Some((2, t1.page_hashes[1])));
+    let mut t2 = hashed(extend(&t1, 200..209));
+    assert_eq!(c.validate_turn(&t2), Ok(()));
+    let m2 = turn(&mut c, &mut t2, &[300, 301]);
+    assert!(m2.from_session);
+    assert_eq!(c.sessions[&1].history_hash.map(|(k, _)| k), Some(5));
+    // A turn that differs past the hashed pages: the tail comparison catches it.
+    let mut bad_tail = t2.key.tokens.clone();
+    bad_tail[21] = 7;
+    let bad = hashed(bad_tail);
+    assert!(matches!(
+        c.validate_turn(&bad),
+        Err(SessionError::NotExtending { .. })
+    ));
+    // A turn whose hashes claim the history's first pages while its tokens differ there
+    // (hashes that are not its chain): release builds trust the hashes; debug builds compare
+    // the whole history and refuse it.
+    let mut lying = req(Some(1), t2.key.tokens.clone());
+    lying.key.tokens[1] = 9999;
+    lying.page_hashes = t2.page_hashes.clone();
+    let verdict = c.validate_turn(&lying);
+    if cfg!(debug_assertions) {
+        assert!(matches!(verdict, Err(SessionError::NotExtending { .. })));
+    } else {
+        assert_eq!(verdict, Ok(()));
+    }
+    // A turn without hashes is compared in full, as before.
+    assert_eq!(
+        c.validate_turn(&req(Some(1), extend(&t2, 400..401))),
+        Ok(())
+    );
+    c.close(1).unwrap();
+    assert_drained(&c);
+}

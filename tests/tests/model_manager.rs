@@ -366,6 +366,17 @@ impl Harness {
         // pending, or opens the session afresh after it: the model tracks neither.
         let mut req = Request::new(t.clone()).max_new_tokens(max_new);
         req.session = session;
+        // Half the prompts carry their match hashes (all their pages, or all but the last):
+        // the model's exact predictions then hold for hashed and token-only matches alike,
+        // sessions' extension checks included.
+        if t.len() % 2 == 0 {
+            let mut h = Vec::new();
+            self.kv.page_hasher().chain(&Default::default(), &t, &mut h);
+            if t.len() % 4 == 0 {
+                h.pop();
+            }
+            req.page_hashes = h;
+        }
         if let (false, Some(s)) = (self.setup.sessions, session) {
             // Without a session layer a tagged request is refused; the model sends it untagged.
             assert_eq!(

@@ -11,9 +11,9 @@
 //! unlocked after it was dropped) is still found.
 //!
 //! Entries are keyed by arena index, not by [`NodeId`]: a policy may index its own arrays by
-//! node index, so two generations of one slot must never be held at once.
-
-use std::collections::HashMap;
+//! node index, so two generations of one slot must never be held at once. They live in a
+//! vector indexed by arena index (the arena is dense), not a hash map: a write-back eviction
+//! pushes every leaf it demotes, and hashing was a tenth of its cost.
 
 use radixkv_radix::{EvictionPolicy, LeafToken, NodeId, NodeMeta, PolicyKind, RadixTree};
 
@@ -21,7 +21,7 @@ use radixkv_radix::{EvictionPolicy, LeafToken, NodeId, NodeMeta, PolicyKind, Rad
 pub(crate) struct HostLeaves {
     kind: PolicyKind,
     policy: Box<dyn EvictionPolicy>,
-    entries: HashMap<usize, (NodeId, LeafToken, NodeMeta)>,
+    entries: Vec<Option<(NodeId, LeafToken, NodeMeta)>>,
 }
 
 impl HostLeaves {
@@ -29,7 +29,7 @@ impl HostLeaves {
         HostLeaves {
             kind,
             policy: kind.build(),
-            entries: HashMap::new(),
+            entries: Vec::new(),
         }
     }
 
@@ -40,9 +40,13 @@ impl HostLeaves {
 
     /// Queues `id` (or re-queues it under `meta`).
     pub(crate) fn push(&mut self, id: NodeId, meta: NodeMeta) {
-        self.forget_index(id.index());
+        let i = id.index();
+        self.forget_index(i);
         let token = self.policy.insert(id, &meta);
-        self.entries.insert(id.index(), (id, token, meta));
+        if i >= self.entries.len() {
+            self.entries.resize(i + 1, None);
+        }
+        self.entries[i] = Some((id, token, meta));
     }
 
     /// Drops the entry of `id`'s slot, if any (the node is being removed by other means).
@@ -51,7 +55,7 @@ impl HostLeaves {
     }
 
     fn forget_index(&mut self, index: usize) {
-        if let Some((old, token, _)) = self.entries.remove(&index) {
+        if let Some((old, token, _)) = self.entries.get_mut(index).and_then(Option::take) {
             self.policy.remove(old, token);
         }
     }
@@ -59,7 +63,8 @@ impl HostLeaves {
     /// The next valid host-only leaf in policy order, removed from the order.
     pub(crate) fn pop(&mut self, tree: &RadixTree) -> Option<NodeId> {
         while let Some(id) = self.policy.pop() {
-            let Some((held, _, meta)) = self.entries.remove(&id.index()) else {
+            let Some((held, _, meta)) = self.entries.get_mut(id.index()).and_then(Option::take)
+            else {
                 continue;
             };
             debug_assert_eq!(held, id, "policy and entries disagree");

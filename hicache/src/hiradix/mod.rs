@@ -1063,6 +1063,10 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         self.inner.page_size()
     }
 
+    fn page_hasher(&self) -> radixkv_radix::PageHasher {
+        self.inner.page_hasher()
+    }
+
     fn has_state_slots(&self) -> bool {
         self.inner.has_state_slots()
     }
@@ -1349,9 +1353,15 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         let aligned = align_down(req.committed_len, self.page_size());
         // The request's lock ends on its key's path: the walks compare only what lies past it.
         let before = req.lock.as_ref().map(LockReceipt::anchor);
-        let pre = self.pre_walk(req.key.prefix(aligned), before);
+        let pre = self.pre_walk(
+            req.key.prefix(aligned).with_hashes(&req.page_hashes),
+            before,
+        );
         self.inner.cache_unfinished_req(req)?;
-        let key = req.key.prefix(req.cache_protected_len);
+        let key = req
+            .key
+            .prefix(req.cache_protected_len)
+            .with_hashes(&req.page_hashes);
         if !key.is_empty() {
             let after = req.lock.as_ref().map(LockReceipt::anchor).or(before);
             self.after_insert(key, pre, after)?;
@@ -1370,14 +1380,21 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         // splits below it only): the walks compare only what lies past it.
         let anchor = req.lock.as_ref().map(LockReceipt::anchor);
         let pre = if inserted {
-            self.pre_walk(req.key.prefix(aligned), anchor)
+            self.pre_walk(
+                req.key.prefix(aligned).with_hashes(&req.page_hashes),
+                anchor,
+            )
         } else {
             None
         };
         self.inner.cache_finished_req(req, kind)?;
         if inserted && !self.inner.is_disabled() {
             // The request state is cleared but its key is kept.
-            self.after_insert(req.key.prefix(aligned), pre, anchor)?;
+            self.after_insert(
+                req.key.prefix(aligned).with_hashes(&req.page_hashes),
+                pre,
+                anchor,
+            )?;
         }
         Ok(())
     }

@@ -99,7 +99,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let (usable, anchor, kv_len, hit) = if limit == 0 {
             (0, root, 0, None)
         } else {
-            let (m, hit) = tree.match_swa_tiered(req.key.prefix(limit), &mut req.prefix_pages)?;
+            let (m, hit) = tree.match_swa_tiered(
+                req.key.prefix(limit).with_hashes(&req.page_hashes),
+                &mut req.prefix_pages,
+            )?;
             (m.usable_len, m.anchor, m.kv.device_len, hit)
         };
         // As the device tier reports it: how far the device KV matched with the Mamba

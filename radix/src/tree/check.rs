@@ -143,6 +143,54 @@ impl RadixTree {
         );
         self.check_mamba()?;
         self.check_swa()?;
+        self.check_end_hashes()
+    }
+
+    /// No match hash ever accepted an edge whose tokens differ, and (debug builds) every
+    /// match hash a node was given is its path's chain: each is checked when it is set
+    /// ([`RadixTree::verify_end_hash`]), so the audit stays `O(nodes)`.
+    fn check_end_hashes(&self) -> std::result::Result<(), InvariantViolation> {
+        ensure_inv!(
+            !self.hash_contract_broken.load(Ordering::Relaxed),
+            "a match hash accepted an edge whose tokens differ (hashes that are not the \
+             tokens' chain were given)"
+        );
+        ensure_inv!(
+            !self.hash_chain_broken.load(Ordering::Relaxed),
+            "a node was given a match hash that is not its path's chain"
+        );
         Ok(())
+    }
+
+    /// Debug builds: checks that node `idx`'s match hash (if any) is its path's chain, hashing
+    /// its path's keys back to the nearest ancestor with a match hash (checked when it was
+    /// set) or the root, and records a failure for the audit. Release builds check nothing.
+    pub(super) fn verify_end_hash(&self, idx: u32) {
+        if !cfg!(debug_assertions) || self.nodes[idx as usize].end_hash == 0 {
+            return;
+        }
+        let mut path = vec![idx];
+        let mut i = self.nodes[idx as usize].parent;
+        let start = loop {
+            if i == self.root {
+                let top = path.last().copied().unwrap_or(idx);
+                break self.page_hasher.seed(&self.nodes[top as usize].namespace);
+            }
+            let n = &self.nodes[i as usize];
+            if n.end_hash != 0 {
+                break PageHash(n.end_hash);
+            }
+            path.push(i);
+            i = n.parent;
+        };
+        let mut h = start;
+        for &j in path.iter().rev() {
+            for page in self.nodes[j as usize].key.chunks_exact(self.page_size) {
+                h = self.page_hasher.extend(h, page);
+            }
+        }
+        if h != PageHash(self.nodes[idx as usize].end_hash) {
+            self.hash_chain_broken.store(true, Ordering::Relaxed);
+        }
     }
 }

@@ -415,23 +415,15 @@ impl RadixTree {
                 "a checkpoint position inside the key is needed",
             ));
         }
-        let tokens = &key.tokens[..len];
         // Check first (read-only), so that a failure splits nothing.
-        if self
-            .tier_walk(KeyRef {
-                namespace: key.namespace,
-                tokens,
-            })
-            .device_len
-            < len
-        {
+        if self.tier_walk(key.prefix(len)).device_len < len {
             return Err(CacheError::InvalidRequestState(
                 "the checkpoint position is past the device KV",
             ));
         }
         let (mut node, mut pos) = (self.root, 0);
         while pos < len {
-            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
+            let Some((child, common)) = self.step_down(node, key.prefix(len), pos) else {
                 break;
             };
             pos += common;

@@ -12,7 +12,7 @@
 //! Host pages are plain `u32` slot indices of the owner's host pool: the tree never interprets
 //! them, it only keeps one per page of the node's key.
 
-use super::{Children, Node, RadixTree, common_pages};
+use super::{Children, Node, RadixTree};
 use crate::error::{CacheError, Result};
 use crate::events::{chain_hashes, namespace_seed};
 use crate::policy::NodeMeta;
@@ -376,8 +376,8 @@ impl RadixTree {
             let Some(child) = self.find_child(node, key.namespace, &tokens[pos..pos + p]) else {
                 break;
             };
+            let common = self.edge_match(child, key.prefix(tokens.len()), pos);
             let n = &self.nodes[child as usize];
-            let common = common_pages(&n.key, &tokens[pos..], p);
             if on_device && n.on_device() {
                 walk.device_len += common;
             } else if n.host.is_some() {
@@ -472,7 +472,7 @@ impl RadixTree {
                     last_node: self.id_of(node),
                 });
             }
-            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
+            let Some((child, common)) = self.step_down(node, key, pos) else {
                 break;
             };
             self.touch(child, now);
@@ -519,9 +519,11 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes,
+            end_hash: self.end_hash_at(key, tokens.len()),
             page_keys,
         });
         self.add_child(node, idx);
+        self.verify_end_hash(idx);
         self.emit_stored(idx, Medium::Host);
         Ok(HostInsert {
             present_len: present,

@@ -127,10 +127,9 @@ impl RadixTree {
         out: &mut Vec<PageId>,
     ) -> TreeMatch {
         let p = self.page_size;
-        let tokens = &key.tokens[..key.tokens.len() - key.tokens.len() % p];
-        while at.pos < tokens.len() {
-            let Some((child, common)) = self.step_down(at.node, key.namespace, &tokens[at.pos..])
-            else {
+        let key = key.prefix(key.tokens.len() - key.tokens.len() % p);
+        while at.pos < key.tokens.len() {
+            let Some((child, common)) = self.step_down(at.node, key, at.pos) else {
                 break;
             };
             if !self.match_visit(child, common, now, &mut at, out) {
@@ -172,24 +171,72 @@ impl RadixTree {
         true
     }
 
-    /// One step of a walk: the child of `node` that starts with the first page of `rest`, and
-    /// how many tokens of `rest` it matches (whole pages). A child matched only in part is
-    /// split first, so the returned node ends exactly at the match.
+    /// One step of a walk: the child of `node` (which ends at token `pos` of `key`, whose
+    /// tokens are whole pages) that starts with the page at `pos`, and how many tokens of
+    /// `key` from `pos` it matches (whole pages). A child matched only in part is split
+    /// first, so the returned node ends exactly at the match. The key's match hashes accept
+    /// a whole edge where they reach its end, and the nodes they reach learn them.
     #[inline]
     pub(super) fn step_down(
         &mut self,
         node: u32,
-        ns: &Namespace,
-        rest: &[TokenId],
+        key: KeyRef<'_>,
+        pos: usize,
     ) -> Option<(u32, usize)> {
         let p = self.page_size;
-        let child = self.find_child(node, ns, &rest[..p])?;
-        let common = common_pages(&self.nodes[child as usize].key, rest, p);
-        if common < self.nodes[child as usize].key.len() {
-            Some((self.split(child, common), common))
+        let child = self.find_child(node, key.namespace, &key.tokens[pos..pos + p])?;
+        let common = self.edge_match(child, key, pos);
+        let child = if common < self.nodes[child as usize].key.len() {
+            self.split(child, common)
         } else {
-            Some((child, common))
+            child
+        };
+        if let Some(&h) = key.hashes.get((pos + common) / p - 1) {
+            let n = &mut self.nodes[child as usize];
+            if n.end_hash == 0 {
+                n.end_hash = h.0;
+                self.verify_end_hash(child);
+            }
         }
+        Some((child, common))
+    }
+
+    /// The match hash of `key`'s page ending at token `end` (0 when its hashes do not reach
+    /// it): the end hash of a node that ends there.
+    #[inline]
+    pub(super) fn end_hash_at(&self, key: KeyRef<'_>, end: usize) -> u128 {
+        (end / self.page_size)
+            .checked_sub(1)
+            .and_then(|i| key.hashes.get(i))
+            .map_or(0, |h| h.0)
+    }
+
+    /// Records that a match hash accepted an edge whose tokens differ (debug builds).
+    #[cold]
+    fn note_broken_hash(&self) {
+        self.hash_contract_broken.store(true, Ordering::Relaxed);
+    }
+
+    /// How many tokens of `key` (whole pages) from `pos` the edge of `child` (a child found by
+    /// the page at `pos`) matches: all of it when the key's match hash at the edge's end is
+    /// the node's, else by comparing tokens.
+    #[inline]
+    pub(super) fn edge_match(&self, child: u32, key: KeyRef<'_>, pos: usize) -> usize {
+        let p = self.page_size;
+        let n = &self.nodes[child as usize];
+        let end = pos + n.key.len();
+        if n.end_hash != 0
+            && end <= key.tokens.len()
+            && key.hashes.get(end / p - 1) == Some(&PageHash(n.end_hash))
+        {
+            if cfg!(debug_assertions) && n.key[..] != key.tokens[pos..end] {
+                // A hash that is not the tokens' chain: match by tokens, report it.
+                self.note_broken_hash();
+            } else {
+                return n.key.len();
+            }
+        }
+        common_pages(&n.key, &key.tokens[pos..], p)
     }
 
     /// An insert passed through `idx`: count the reuse (unless chunked), raise the priority,
@@ -254,6 +301,7 @@ impl RadixTree {
             meta: c.meta,
             leaf: None,
             page_hashes: head_hashes,
+            end_hash: 0,
             page_keys: head_keys,
         };
         let mid = self.alloc_node(mid_node);
@@ -382,7 +430,7 @@ impl RadixTree {
         let mut adopted = 0;
         let mut prefix_done = false;
         while pos < tokens.len() {
-            let Some((child, common)) = self.step_down(node, key.namespace, &tokens[pos..]) else {
+            let Some((child, common)) = self.step_down(node, key, pos) else {
                 break;
             };
             self.record_reuse(child, opts, now);
@@ -413,6 +461,7 @@ impl RadixTree {
                 key.namespace,
                 &tokens[pos..],
                 &pages[pos / p..],
+                self.end_hash_at(key, tokens.len()),
                 now,
                 opts,
             );
@@ -426,12 +475,16 @@ impl RadixTree {
         })
     }
 
+    /// A new leaf below `parent` for `tokens` (whole pages) with device pages `pages`;
+    /// `end_hash` is its last page's match hash (0: unknown).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new_leaf(
         &mut self,
         parent: u32,
         ns: &Namespace,
         tokens: &[TokenId],
         pages: &[PageId],
+        end_hash: u128,
         now: u64,
         opts: InsertOptions,
     ) -> u32 {
@@ -468,9 +521,11 @@ impl RadixTree {
             },
             leaf: None,
             page_hashes,
+            end_hash,
             page_keys,
         });
         self.add_child(parent, idx);
+        self.verify_end_hash(idx);
         self.on_device_added(idx, tokens.len());
         self.emit_stored(idx, Medium::Device);
         idx

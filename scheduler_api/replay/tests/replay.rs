@@ -9,7 +9,7 @@ use std::path::Path;
 
 use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{
-    Arrivals, CompareOutcome, Report, SimConfig, compare, compare_configs, replay,
+    Arrivals, CompareOutcome, PageHashMode, Report, SimConfig, compare, compare_configs, replay,
 };
 use radixkv_replay::trace::{ReadOptions, SyntheticChat, Trace, TraceFormat, read_trace};
 use radixkv_scheduler_api::config::Eviction;
@@ -350,6 +350,64 @@ fn agentic_slice_with_sessions() {
     let r = replay(&t, &cfg, &mut ()).unwrap();
     check(&r, &t);
     assert!(r.hit_ratio.overall > 0.5, "{}", r.hit_ratio.overall);
+}
+
+#[test]
+fn page_hash_modes_change_nothing_but_the_cpu() {
+    // The same replays with the prompts' match hashes off, whole and kept per conversation:
+    // every counter, hit and simulated time is the same (hashes never change a match), and
+    // only the modes that hash report hashing time.
+    let chat = SyntheticChat {
+        conversations: 8,
+        ..Default::default()
+    }
+    .generate()
+    .unwrap();
+    let mut with_sessions = sim(64 << 10, 16);
+    with_sessions.manager.sessions = Some(SessionBudget {
+        max_held_tokens: 16 << 10,
+        ..Default::default()
+    });
+    let runs = [
+        (chat.clone(), sim(32 << 10, 16)),
+        (
+            chat.clone(),
+            hicache(32 << 10, 128 << 10, WritePolicy::WriteBack),
+        ),
+        (chat, with_sessions),
+        (agentic(6), sim(256 << 10, 64)),
+    ];
+    for (trace, cfg) in runs {
+        let mut reports = Vec::new();
+        for mode in [
+            PageHashMode::Off,
+            PageHashMode::Whole,
+            PageHashMode::Conversation,
+        ] {
+            let mut c = cfg.clone();
+            c.page_hashes = mode;
+            let r = replay(&trace, &c, &mut ()).unwrap();
+            check(&r, &trace);
+            assert_eq!(r.page_hashes, mode.name());
+            assert_eq!(r.page_hash_us_per_request > 0.0, mode != PageHashMode::Off);
+            reports.push(r);
+        }
+        let off = &reports[0];
+        assert!(off.hit_tokens_device > 0, "{}", off.config);
+        for r in &reports[1..] {
+            assert_eq!(r.counters, off.counters, "{} {}", r.config, r.page_hashes);
+            assert_eq!(
+                (r.hit_tokens_device, r.hit_tokens_host, r.recomputed_tokens),
+                (
+                    off.hit_tokens_device,
+                    off.hit_tokens_host,
+                    off.recomputed_tokens
+                )
+            );
+            assert_eq!(r.ttft_p99_ms, off.ttft_p99_ms);
+            assert_eq!(r.sim_duration_s, off.sim_duration_s);
+        }
+    }
 }
 
 /// Says, in the test output, which real traces the tests found. The tests that check a

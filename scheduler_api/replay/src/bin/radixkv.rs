@@ -23,8 +23,8 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{HumanDuration, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use radixkv_radix::PolicyKind;
 use radixkv_replay::sim::{
-    self, Arrivals, CompareOutcome, CostModel, Progress, Report, ReportFile, SimConfig, fmt_bytes,
-    fmt_count, fmt_pool,
+    self, Arrivals, CompareOutcome, CostModel, PageHashMode, Progress, Report, ReportFile,
+    SimConfig, fmt_bytes, fmt_count, fmt_pool,
 };
 use radixkv_replay::trace::{self, ReadOptions, SyntheticChat, Trace, TraceFormat};
 use radixkv_replay::{analysis, plot};
@@ -382,6 +382,12 @@ struct RunArgs {
     /// workload's own timing, e.g. to measure a weka trace under saturation)
     #[arg(long, value_name = "FACTOR")]
     arrival_scale: Option<f64>,
+    /// How the prompts carry match hashes, as an engine hands them over: `off` (every match
+    /// compares tokens), `whole` (each prompt hashed when admitted) or `conversation` (hashes
+    /// kept per conversation, a turn hashes its new pages only). Hashing is timed as the
+    /// engine's work, apart from the manager's CPU [default: conversation]
+    #[arg(long, value_name = "MODE", value_parser = ["off", "whole", "conversation"])]
+    page_hashes: Option<String>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
     /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
     /// policy too) on the same workload and print one table.
@@ -762,6 +768,10 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         cfg.check_invariants_every = n;
     }
     cfg.max_rss_growth_mib = run.max_rss_growth_mib;
+    if let Some(m) = run.page_hashes.as_deref() {
+        cfg.page_hashes = PageHashMode::from_name(m)
+            .ok_or_else(|| ManagerError::Config(format!("unknown --page-hashes mode {m:?}")))?;
+    }
     cfg.arrivals = match (run.load, run.arrival_scale) {
         (Some(l), _) => Arrivals::Load(l),
         (None, Some(s)) => Arrivals::Scale(s),

@@ -18,7 +18,7 @@ pub use report::{
     CpuBreakdown, CpuWaits, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION,
     Report, ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes, fmt_count, fmt_pool,
 };
-pub use scheduler::{Progress, SimConfig, replay};
+pub use scheduler::{PageHashMode, Progress, SimConfig, replay};
 
 use radixkv_radix::PolicyKind;
 

@@ -238,6 +238,12 @@ pub struct Report {
     pub cache_cpu_clock: String,
     /// The waits taken out of the figures above.
     pub cache_cpu_waits: CpuWaits,
+    /// How the prompts carried match hashes (`off`, `whole`, `conversation`; see
+    /// `SimConfig::page_hashes`).
+    pub page_hashes: String,
+    /// Time the prompt sources spent hashing pages, per request (µs): the engine's work, not
+    /// counted in the manager's CPU above.
+    pub page_hash_us_per_request: f64,
     /// Wall-clock time of the whole replay (s).
     pub wall_s: f64,
     /// Device tokens still locked or owned after every request finished (must be 0).
@@ -692,6 +698,14 @@ impl fmt::Display for Report {
             self.cache_cpu_waits.removed_s,
             self.wall_s
         )?;
+        if self.page_hashes != "off" {
+            write!(
+                f,
+                "\npage hashes      {}: the engine spent {:.2} µs per request hashing pages \
+                 (not in the manager's CPU)",
+                self.page_hashes, self.page_hash_us_per_request
+            )?;
+        }
         write!(
             f,
             "\nleak check       {} tokens{} still held after the drain, {} sessions open, \

@@ -5,13 +5,13 @@
 //! [`super::cpu`]).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ahash::HashMap;
 
-use radixkv_radix::{TokenId, pages_for};
+use radixkv_radix::{Namespace, PageHash, PageHasher, TokenId, pages_for};
 use serde::Serialize;
 
 use super::cost::CostModel;
@@ -22,7 +22,7 @@ use super::memory::MemoryUse;
 use super::report::{
     CpuBreakdown, CpuWaits, MambaReport, OccupancySample, Report, SwaReport, quantile,
 };
-use crate::trace::Trace;
+use crate::trace::{HashMemo, PageHashing, Trace};
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
 use radixkv_scheduler_api::{
@@ -51,6 +51,43 @@ pub struct SimConfig {
     /// How arrivals are timed: the workload's own times, or its conversations' starts spread
     /// by a factor, or spread for a target load of the simulated GPU (see [`Arrivals`]).
     pub arrivals: Arrivals,
+    /// Whether the prompts carry match hashes, as an engine that keeps them would hand them
+    /// over ([`radixkv_scheduler_api::TokenSource::fill_page_hashes`]).
+    pub page_hashes: PageHashMode,
+}
+
+/// How the replay's prompts carry match hashes (see [`radixkv_radix::page_hash`]). Hashing is
+/// the engine's work: its time is reported apart and not counted as the manager's CPU.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PageHashMode {
+    /// No hashes: every match compares tokens.
+    Off,
+    /// Each prompt hashed whole when it is admitted.
+    Whole,
+    /// Hashes kept per conversation and extended turn by turn: a turn hashes only the pages
+    /// its conversation's last prompt did not have (prompts without a conversation are hashed
+    /// whole).
+    #[default]
+    Conversation,
+}
+
+impl PageHashMode {
+    /// The mode's name (`off`, `whole`, `conversation`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PageHashMode::Off => "off",
+            PageHashMode::Whole => "whole",
+            PageHashMode::Conversation => "conversation",
+        }
+    }
+
+    /// The mode named `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Off, Self::Whole, Self::Conversation]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
 }
 
 impl Default for SimConfig {
@@ -63,6 +100,7 @@ impl Default for SimConfig {
             check_invariants_every: 0,
             max_rss_growth_mib: None,
             arrivals: Arrivals::Trace,
+            page_hashes: PageHashMode::default(),
         }
     }
 }
@@ -91,7 +129,10 @@ enum Role {
 #[derive(Debug)]
 struct TimedSource {
     inner: Arc<dyn TokenSource>,
+    /// Nanoseconds of fills and hashing, taken out of the manager's CPU.
     fill_ns: Arc<AtomicU64>,
+    /// Of those, nanoseconds of hashing (the engine's share, reported).
+    hash_ns: Arc<AtomicU64>,
 }
 
 impl TokenSource for TimedSource {
@@ -105,6 +146,23 @@ impl TokenSource for TimedSource {
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.fill_ns.fetch_add(ns, Ordering::Relaxed);
         r
+    }
+
+    fn fill_page_hashes(
+        &self,
+        hasher: &PageHasher,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        out: &mut Vec<PageHash>,
+    ) {
+        let (t0, had) = (Instant::now(), out.len());
+        self.inner.fill_page_hashes(hasher, namespace, tokens, out);
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.fill_ns.fetch_add(ns, Ordering::Relaxed);
+        if out.len() > had {
+            // Hashing time is reported only where a source hashed (not the empty call).
+            self.hash_ns.fetch_add(ns, Ordering::Relaxed);
+        }
     }
 }
 
@@ -198,6 +256,8 @@ pub(super) fn replay_with_ideal(
         now_us: 0.0,
         cpu: CpuClock::new(),
         fill_ns: Arc::default(),
+        hash_ns: Arc::default(),
+        hash_memos: HashMemos::of(trace),
         room_waits: 0,
         ttft_ms: Vec::with_capacity(trace.requests.len()),
         report: Report {
@@ -299,6 +359,42 @@ impl TurnsLeft {
     }
 }
 
+/// The hash memo of each conversation with requests still to arrive
+/// ([`PageHashMode::Conversation`]): a memo leaves the map when its conversation's last
+/// request arrives (that request's source keeps it while it needs it), so the memos held are
+/// those of the conversations in progress.
+#[derive(Default)]
+struct HashMemos {
+    memos: HashMap<u64, Arc<Mutex<HashMemo>>>,
+    arrivals_left: HashMap<u64, u32>,
+}
+
+impl HashMemos {
+    fn of(trace: &Trace) -> Self {
+        let mut left: HashMap<u64, u32> = HashMap::default();
+        for s in trace.requests.iter().filter_map(|r| r.session) {
+            *left.entry(s).or_default() += 1;
+        }
+        HashMemos {
+            memos: HashMap::default(),
+            arrivals_left: left,
+        }
+    }
+
+    /// The memo of conversation `s` for a request of it that arrives now.
+    fn arrive(&mut self, s: u64) -> Arc<Mutex<HashMemo>> {
+        let memo = self.memos.entry(s).or_default().clone();
+        if let Some(n) = self.arrivals_left.get_mut(&s) {
+            *n -= 1;
+            if *n == 0 {
+                self.arrivals_left.remove(&s);
+                self.memos.remove(&s);
+            }
+        }
+        memo
+    }
+}
+
 /// The outcome of an allocation the scheduler may see refused: its value when it succeeded, the
 /// refusal when the device is out of memory (the step goes on without it).
 ///
@@ -346,6 +442,10 @@ struct Sim<'a> {
     cpu: CpuClock,
     /// Nanoseconds the prompt sources spent filling tokens (see [`TimedSource`]).
     fill_ns: Arc<AtomicU64>,
+    /// Nanoseconds the prompt sources spent hashing pages (see [`TimedSource`]).
+    hash_ns: Arc<AtomicU64>,
+    /// The conversations' hash memos ([`PageHashMode::Conversation`]).
+    hash_memos: HashMemos,
     /// Consecutive steps in which nothing ran because the head of the queue waited for
     /// write-back evictions in flight (their acks land at the end of the step).
     room_waits: u32,
@@ -372,8 +472,9 @@ impl Sim<'_> {
                 // Lazy: the manager generates the tokens when it admits the request, so a
                 // backlog costs its segments, not its prompts.
                 let source = TimedSource {
-                    inner: r.prompt_source(),
+                    inner: r.prompt_source_with(self.hashing_for(r.session)),
                     fill_ns: self.fill_ns.clone(),
+                    hash_ns: self.hash_ns.clone(),
                 };
                 let mut q = Request::lazy(Arc::new(source)).max_new_tokens(room);
                 // Conversations are sessions only when the configuration has them.
@@ -769,6 +870,18 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// How the prompt of a request of conversation `session` (if any) arriving now gives
+    /// its match hashes.
+    fn hashing_for(&mut self, session: Option<u64>) -> PageHashing {
+        match (self.cfg.page_hashes, session) {
+            (PageHashMode::Off, _) => PageHashing::Off,
+            (PageHashMode::Conversation, Some(s)) => {
+                PageHashing::Conversation(self.hash_memos.arrive(s))
+            }
+            _ => PageHashing::Whole,
+        }
+    }
+
     /// Moves the prompt fills timed since the last call (inside the call of `phase` just
     /// timed) out of `phase`: they are not the manager's CPU.
     fn fills_out_of(&mut self, phase: Phase) {
@@ -901,6 +1014,9 @@ impl Sim<'_> {
             complete_us: per(c.total(Phase::Complete)),
         };
         r.cache_cpu_clock = c.kind().to_string();
+        r.page_hashes = self.cfg.page_hashes.name().to_string();
+        r.page_hash_us_per_request =
+            per(Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)));
         let (steps, waited) = c.waits();
         r.cache_cpu_waits = CpuWaits {
             regions: steps,

@@ -16,9 +16,9 @@ mod weka;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use radixkv_radix::TokenId;
+use radixkv_radix::{Namespace, PageHash, PageHasher, TokenId};
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
@@ -132,11 +132,17 @@ impl TraceRequest {
 
     /// The prompt as a lazy token source ([`radixkv_scheduler_api::Request::lazy`]): a copy
     /// of its segments, so that a waiting request costs its segments, not its tokens, and
-    /// its tokens are generated when the manager admits it.
+    /// its tokens are generated when the manager admits it. It gives no match hashes.
     pub fn prompt_source(&self) -> Arc<dyn TokenSource> {
+        self.prompt_source_with(PageHashing::Off)
+    }
+
+    /// [`TraceRequest::prompt_source`], giving the prompt's match hashes as `hashing` says.
+    pub fn prompt_source_with(&self, hashing: PageHashing) -> Arc<dyn TokenSource> {
         Arc::new(PromptSource {
             segments: self.prompt.clone().into_boxed_slice(),
             len: self.prompt_len as usize,
+            hashing,
         })
     }
 
@@ -148,11 +154,136 @@ impl TraceRequest {
     }
 }
 
+/// Whether and how a prompt source gives its prompt's match hashes
+/// ([`TokenSource::fill_page_hashes`]), as an engine would.
+#[derive(Clone, Debug, Default)]
+pub enum PageHashing {
+    /// None: the manager matches by tokens.
+    #[default]
+    Off,
+    /// Hashes of the whole prompt, computed when the manager asks (an engine that hashes each
+    /// prompt as it arrives).
+    Whole,
+    /// Hashes kept per conversation: the pages the prompt shares with the conversation's
+    /// last hashed prompt are taken from it and only the rest are hashed (an engine that
+    /// extends its hashes as a conversation grows).
+    Conversation(Arc<Mutex<HashMemo>>),
+}
+
+/// A conversation's last hashed prompts ([`PageHashing::Conversation`]; up to
+/// [`HashMemo::PROMPTS`], so that a main thread and the sub-agents interleaved with it each
+/// keep theirs): their segments and hashes, under the hasher and namespace that made them.
+#[derive(Debug, Default)]
+pub struct HashMemo {
+    prompts: Vec<MemoPrompt>,
+    made_by: Option<(PageHasher, Namespace)>,
+    uses: u64,
+}
+
+#[derive(Debug)]
+struct MemoPrompt {
+    segments: Vec<Segment>,
+    hashes: Vec<PageHash>,
+    last_use: u64,
+}
+
+impl HashMemo {
+    /// Prompts kept per conversation.
+    pub const PROMPTS: usize = 4;
+
+    /// Appends the hashes of `tokens` (whose segments are `segments`) to `out`: the leading
+    /// pages shared with the kept prompt that shares the most are taken from it, the rest are
+    /// hashed. The prompt is then kept in place of the one it extends, or of the least
+    /// recently used.
+    fn hash(
+        &mut self,
+        segments: &[Segment],
+        hasher: &PageHasher,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        out: &mut Vec<PageHash>,
+    ) {
+        let p = hasher.page_size();
+        if self
+            .made_by
+            .as_ref()
+            .is_none_or(|(h, ns)| h != hasher || ns != namespace)
+        {
+            self.prompts.clear();
+            self.made_by = Some((*hasher, namespace.clone()));
+        }
+        let best = self
+            .prompts
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let common = common_tokens(segments, &m.segments) as usize;
+                (i, (common / p).min(m.hashes.len()))
+            })
+            .max_by_key(|&(_, pages)| pages);
+        let reuse = best.map_or(0, |(_, pages)| pages);
+        out.reserve(tokens.len() / p);
+        if let Some((i, _)) = best {
+            out.extend_from_slice(&self.prompts[i].hashes[..reuse]);
+        }
+        hasher.extend_chain(namespace, tokens, out);
+        self.uses += 1;
+        // The kept prompt this one extends (all of its pages reused) grows into it in place
+        // (only the new pages are copied); otherwise it takes a free place or the least
+        // recently used one.
+        let extended = best
+            .filter(|&(i, pages)| pages == self.prompts[i].hashes.len())
+            .map(|(i, _)| i);
+        let slot = extended
+            .or_else(|| (self.prompts.len() < Self::PROMPTS).then_some(self.prompts.len()))
+            .unwrap_or_else(|| {
+                (0..self.prompts.len())
+                    .min_by_key(|&i| self.prompts[i].last_use)
+                    .unwrap_or(0)
+            });
+        if slot == self.prompts.len() {
+            self.prompts.push(MemoPrompt {
+                segments: Vec::new(),
+                hashes: Vec::new(),
+                last_use: 0,
+            });
+        }
+        let m = &mut self.prompts[slot];
+        if extended != Some(slot) {
+            m.hashes.clear();
+        }
+        let have = m.hashes.len();
+        m.hashes.extend_from_slice(&out[have..]);
+        m.segments.clear();
+        m.segments.extend_from_slice(segments);
+        m.last_use = self.uses;
+    }
+}
+
+/// Tokens two segment lists agree on from the start (a lower bound: runs that agree only by
+/// chance are not counted).
+fn common_tokens(a: &[Segment], b: &[Segment]) -> u64 {
+    let mut n = 0;
+    for (x, y) in a.iter().zip(b) {
+        if x == y {
+            n += x.len;
+            continue;
+        }
+        if x.first == y.first && x.block == y.block {
+            // The same blocks from the same id: one is a prefix of the other.
+            n += x.len.min(y.len);
+        }
+        break;
+    }
+    n
+}
+
 /// A trace request's prompt as a [`TokenSource`] ([`TraceRequest::prompt_source`]).
 #[derive(Debug)]
 struct PromptSource {
     segments: Box<[Segment]>,
     len: usize,
+    hashing: PageHashing,
 }
 
 impl TokenSource for PromptSource {
@@ -165,6 +296,24 @@ impl TokenSource for PromptSource {
             s.append_tokens(out);
         }
         Ok(())
+    }
+
+    fn fill_page_hashes(
+        &self,
+        hasher: &PageHasher,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        out: &mut Vec<PageHash>,
+    ) {
+        match &self.hashing {
+            PageHashing::Off => {}
+            PageHashing::Whole => hasher.chain(namespace, tokens, out),
+            PageHashing::Conversation(memo) => {
+                // A poisoned memo only means a panic elsewhere: its contents are whole.
+                let mut m = memo.lock().unwrap_or_else(|e| e.into_inner());
+                m.hash(&self.segments, hasher, namespace, tokens, out);
+            }
+        }
     }
 }
 

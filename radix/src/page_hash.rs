@@ -1,0 +1,212 @@
+//! Match hashes: a 128-bit hash chain over a prompt's pages that lets a match skip comparing
+//! the tokens of a cached prefix.
+//!
+//! Matching a prompt against the tree compares its tokens with the tree's, so a request whose
+//! first 120K tokens are cached reads all 120K of them (and as many of the tree's) at every
+//! admission. An engine that already knows its prompt's page hashes (it computes them as
+//! tokens are appended, once per token over a conversation's life, the way vLLM keeps its
+//! request block hashes) can hand them over with the prompt: [`RequestKv::page_hashes`] (or
+//! [`KeyRef::with_hashes`] for the tree). The tree remembers the hash of the last page of
+//! every node it learns one for, and a match then accepts a whole edge when the prompt's hash
+//! at the edge's end equals the node's: one comparison per node on the path instead of one per
+//! token. The first page of each edge is still compared token by token (it picks the child),
+//! and an edge that ends past the hashed pages, has no hash yet or differs is compared token by
+//! token as before, so a match's result never depends on whether hashes were given.
+//!
+//! The hashes come from the tree's [`PageHasher`] ([`RadixTree::page_hasher`],
+//! [`PrefixCache::page_hasher`]): `h(0) = seed(namespace)`, `h(i + 1) = XXH3-128(h(i) ‖ page
+//! i's tokens)` keyed by a seed drawn at random for each tree. The keyed seed keeps the
+//! hashes inside the process that made them: they are never published (KV events carry their
+//! own deterministic chain) and never address stored KV (the storage tier uses [`PageKey`]s),
+//! so a crafted prompt cannot aim at another prompt's hash without the seed, and an accidental
+//! match of two 128-bit chains is out of reach.
+//!
+//! **Contract.** Hashes given with a prompt must be the hasher's chain over that prompt's
+//! leading whole pages (as many as the engine has; fewer is fine, extra ones are ignored).
+//! Other hashes give wrong matches in release builds. Debug builds compare the tokens of every
+//! edge a hash accepts and match by tokens where they differ, check every hash a node is given
+//! against its path's tokens, and report either as an invariant violation
+//! ([`RadixTree::check`](crate::RadixTree::check)).
+//!
+//! ```
+//! use radixkv_radix::{KeyRef, PageId, PolicyKind, RadixTree};
+//!
+//! let mut tree = RadixTree::new(2, PolicyKind::Lru, false).unwrap();
+//! let hasher = tree.page_hasher();
+//! let tokens = [1, 2, 3, 4, 5, 6];
+//! let mut hashes = Vec::new();
+//! hasher.chain(&radixkv_radix::Namespace::DEFAULT, &tokens, &mut hashes);
+//! assert_eq!(hashes.len(), 3);
+//! // Extending a chain by a page gives the next hash.
+//! assert_eq!(hasher.extend(hashes[1], &tokens[4..6]), hashes[2]);
+//!
+//! let mut pages = vec![PageId(10), PageId(11), PageId(12)];
+//! let key = KeyRef::new(&tokens).with_hashes(&hashes);
+//! tree.insert(key, &mut pages, &mut Vec::new(), Default::default()).unwrap();
+//! let mut out = Vec::new();
+//! assert_eq!(tree.match_prefix(key, &mut out).device_len, 6);
+//! ```
+//!
+//! [`RequestKv::page_hashes`]: crate::RequestKv::page_hashes
+//! [`KeyRef::with_hashes`]: crate::KeyRef::with_hashes
+//! [`RadixTree::page_hasher`]: crate::RadixTree::page_hasher
+//! [`PrefixCache::page_hasher`]: crate::PrefixCache::page_hasher
+//! [`PageKey`]: crate::PageKey
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_128_with_seed};
+
+use crate::types::{Namespace, TokenId};
+
+/// The chain hash of a prompt's pages up to and including one page (see the module docs).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageHash(pub u128);
+
+/// Pages of up to this many tokens are hashed from a buffer on the stack.
+const STACK_PAGE_TOKENS: usize = 252;
+
+/// Computes match hashes for one tree: its page size and its random seed.
+#[derive(Copy, Clone, PartialEq, Eq)]
+pub struct PageHasher {
+    seed: u64,
+    page_size: usize,
+}
+
+impl std::fmt::Debug for PageHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The seed stays out of logs.
+        f.debug_struct("PageHasher")
+            .field("page_size", &self.page_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PageHasher {
+    /// A hasher with a fresh random seed.
+    pub(crate) fn random(page_size: usize) -> Self {
+        let seed = ahash::RandomState::new().hash_one(0x7261_6469_786b_7621_u64);
+        PageHasher { seed, page_size }
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// The chain's start for `namespace` (the "hash" before the first page).
+    pub fn seed(&self, namespace: &Namespace) -> PageHash {
+        PageHash(xxh3_128_with_seed(namespace.name().as_bytes(), self.seed))
+    }
+
+    /// The hash of the page after `prev` whose tokens are `page` (one page of tokens).
+    #[inline]
+    pub fn extend(&self, prev: PageHash, page: &[TokenId]) -> PageHash {
+        debug_assert_eq!(page.len(), self.page_size, "one page of tokens");
+        if page.len() <= STACK_PAGE_TOKENS {
+            let mut buf = [0u8; 16 + 4 * STACK_PAGE_TOKENS];
+            buf[..16].copy_from_slice(&prev.0.to_le_bytes());
+            for (dst, t) in buf[16..].chunks_exact_mut(4).zip(page) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            PageHash(xxh3_128_with_seed(&buf[..16 + 4 * page.len()], self.seed))
+        } else {
+            let mut h = Xxh3::with_seed(self.seed);
+            h.update(&prev.0.to_le_bytes());
+            for t in page {
+                h.update(&t.to_le_bytes());
+            }
+            PageHash(h.digest128())
+        }
+    }
+
+    /// Appends the hashes of `tokens`' whole pages, chained from `prev`, to `out` (a partial
+    /// last page gets none).
+    pub fn chain_from(&self, prev: PageHash, tokens: &[TokenId], out: &mut Vec<PageHash>) {
+        out.reserve(tokens.len() / self.page_size);
+        let mut h = prev;
+        for page in tokens.chunks_exact(self.page_size) {
+            h = self.extend(h, page);
+            out.push(h);
+        }
+    }
+
+    /// Appends the hashes of `tokens`' whole pages in `namespace` to `out`: the hashes a
+    /// prompt of these tokens carries.
+    pub fn chain(&self, namespace: &Namespace, tokens: &[TokenId], out: &mut Vec<PageHash>) {
+        self.chain_from(self.seed(namespace), tokens, out);
+    }
+
+    /// Extends `hashes` (the chain of `tokens`' first `hashes.len()` pages in `namespace`, as
+    /// an engine keeps it for a growing prompt) to all of `tokens`' whole pages: the new
+    /// pages only are hashed.
+    pub fn extend_chain(
+        &self,
+        namespace: &Namespace,
+        tokens: &[TokenId],
+        hashes: &mut Vec<PageHash>,
+    ) {
+        let p = self.page_size;
+        let done = hashes.len().min(tokens.len() / p);
+        hashes.truncate(done);
+        let prev = hashes
+            .last()
+            .copied()
+            .unwrap_or_else(|| self.seed(namespace));
+        self.chain_from(prev, &tokens[done * p..], hashes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_is_order_and_namespace_sensitive() {
+        let h = PageHasher::random(2);
+        let mut a = Vec::new();
+        h.chain(&Namespace::DEFAULT, &[1, 2, 3, 4, 5], &mut a);
+        assert_eq!(a.len(), 2);
+        let mut b = Vec::new();
+        h.chain(&Namespace::DEFAULT, &[3, 4, 1, 2], &mut b);
+        assert_ne!(a[1], b[1]);
+        // The second page's hash depends on the first page.
+        assert_ne!(a[1], h.extend(h.seed(&Namespace::DEFAULT), &[3, 4]));
+        let mut c = Vec::new();
+        h.chain(&Namespace::new("tenant"), &[1, 2, 3, 4], &mut c);
+        assert_ne!(a[0], c[0]);
+        // Two trees' hashers do not agree (random seeds).
+        let other = PageHasher::random(2);
+        let mut d = Vec::new();
+        other.chain(&Namespace::DEFAULT, &[1, 2], &mut d);
+        assert_ne!(a[0], d[0]);
+    }
+
+    #[test]
+    fn extend_chain_hashes_only_new_pages_and_agrees() {
+        let h = PageHasher::random(3);
+        let tokens: Vec<TokenId> = (0..20).collect();
+        let mut whole = Vec::new();
+        h.chain(&Namespace::DEFAULT, &tokens, &mut whole);
+        let mut grown = Vec::new();
+        h.extend_chain(&Namespace::DEFAULT, &tokens[..7], &mut grown);
+        assert_eq!(grown.len(), 2);
+        h.extend_chain(&Namespace::DEFAULT, &tokens, &mut grown);
+        assert_eq!(grown, whole);
+        // A chain longer than the tokens' pages is cut back to them.
+        h.extend_chain(&Namespace::DEFAULT, &tokens[..6], &mut grown);
+        assert_eq!(grown, whole[..2]);
+    }
+
+    #[test]
+    fn large_pages_hash_like_small_ones_would() {
+        // Pages past the stack buffer take the streaming path: still a chain, still stable.
+        let h = PageHasher::random(300);
+        let tokens: Vec<TokenId> = (0..600).collect();
+        let mut a = Vec::new();
+        h.chain(&Namespace::DEFAULT, &tokens, &mut a);
+        let mut b = Vec::new();
+        h.chain(&Namespace::DEFAULT, &tokens, &mut b);
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 2);
+        assert_eq!(h.extend(a[0], &tokens[300..]), a[1]);
+    }
+}
