@@ -544,7 +544,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
             tokens[i] ^= 0x100;
         }
         tokens.extend_from_slice(new);
-        let mut req = RequestKv::new(RadixKey::new(tokens));
+        let mut req = self.request(RadixKey::new(tokens));
         req.session = tag(id);
         let validity = self.cache.validate_turn(&req);
         let info = self.cache.session_info(id).expect("an open session");
@@ -614,10 +614,26 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         } else {
             namespace(ns)
         };
-        let req = RequestKv::new(RadixKey::with_namespace(t, ns));
+        let req = self.request(RadixKey::with_namespace(t, ns));
         if let Some(r) = self.admit(req, false).expect("match an ordinary request") {
             self.plain.push(r);
         }
+    }
+
+    /// A request for `key` carrying match hashes as an engine might: all its pages' for an
+    /// even length, half of them for a length of 1 mod 4, none otherwise (so hashed and
+    /// token-only requests share every tree and session; the invariant checks and the KV
+    /// oracle then cover the hashed walks).
+    fn request(&self, key: RadixKey) -> RequestKv {
+        let mut h = self.cache.page_hasher().hashes(&key.namespace, &key.tokens);
+        match key.len() % 4 {
+            0 | 2 => {}
+            1 => h.truncate(h.len() / 2),
+            _ => h.truncate(0),
+        }
+        let mut req = RequestKv::new(key);
+        req.page_hashes = h;
+        req
     }
 
     /// Allocates, writes and commits up to `n` more tokens of the key (all of them for a huge
@@ -801,7 +817,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         let key = r.req.key.clone();
         let tag = r.req.session;
         self.end(t, FinishKind::Aborted, 0);
-        let mut req = RequestKv::new(key);
+        let mut req = self.request(key);
         if let Some(tag) = tag {
             if !self.sessions.get(&tag.id).is_some_and(|s| s.open) {
                 return;

@@ -21,7 +21,7 @@ use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
 use crate::events::KvEvent;
 use crate::mamba_policy::{MambaCheckpoint, MambaTrack};
-use crate::page_hash::{PageHash, PageHasher};
+use crate::page_hash::{PageHasher, PageHashes};
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, TreeMatch};
 use crate::types::{KeyRef, NodeId, PageId, RadixKey, RowId, TokenId, pages_for};
@@ -109,7 +109,7 @@ pub struct RequestKv {
     /// [`crate::page_hash`]). An engine that keeps its prompts' page hashes hands them over
     /// here, and a cached prefix is then matched one node at a time instead of one token at a
     /// time. They must be the hasher's chain over the key's tokens.
-    pub page_hashes: Vec<PageHash>,
+    pub page_hashes: PageHashes,
     /// Optional cap on the reusable prefix (e.g. a logprob start position).
     pub max_prefix_len: Option<usize>,
     /// Request priority (max-propagated along the path for the priority policy).

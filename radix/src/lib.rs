@@ -177,7 +177,7 @@ pub use mamba_policy::{
     CheckpointKind, FlopCurve, KindStats, MambaCheckpoint, MambaPolicy, MambaStats, MambaTrack,
     MarconiParams,
 };
-pub use page_hash::{PageHash, PageHasher};
+pub use page_hash::{PageHash, PageHasher, PageHashes};
 pub use page_key::{KeySeed, KvIdentity, PageKey};
 pub use policy::{EvictionPolicy, LeafClass, LeafToken, NodeMeta, PolicyKind, ReuseCreditPolicy};
 pub use radix_cache::{RadixCache, RadixConfig, SwaConfig};

@@ -34,11 +34,10 @@
 //! let mut tree = RadixTree::new(2, PolicyKind::Lru, false).unwrap();
 //! let hasher = tree.page_hasher();
 //! let tokens = [1, 2, 3, 4, 5, 6];
-//! let mut hashes = Vec::new();
-//! hasher.chain(&radixkv_radix::Namespace::DEFAULT, &tokens, &mut hashes);
+//! let hashes = hasher.hashes(&radixkv_radix::Namespace::DEFAULT, &tokens);
 //! assert_eq!(hashes.len(), 3);
 //! // Extending a chain by a page gives the next hash.
-//! assert_eq!(hasher.extend(hashes[1], &tokens[4..6]), hashes[2]);
+//! assert_eq!(hasher.extend(hashes.get(1).unwrap(), &tokens[4..6]), hashes.get(2).unwrap());
 //!
 //! let mut pages = vec![PageId(10), PageId(11), PageId(12)];
 //! let key = KeyRef::new(&tokens).with_hashes(&hashes);
@@ -53,6 +52,8 @@
 //! [`PrefixCache::page_hasher`]: crate::PrefixCache::page_hasher
 //! [`PageKey`]: crate::PageKey
 
+use std::sync::Arc;
+
 use xxhash_rust::xxh3::{Xxh3, xxh3_128_with_seed};
 
 use crate::types::{Namespace, TokenId};
@@ -60,6 +61,125 @@ use crate::types::{Namespace, TokenId};
 /// The chain hash of a prompt's pages up to and including one page (see the module docs).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PageHash(pub u128);
+
+/// A prompt's match hashes, one per leading whole page, held in shared chunks of
+/// [`PageHashes::CHUNK`]: a clone shares them (`O(pages / CHUNK)`), and growing or cutting a
+/// clone copies at most its last chunk. So an engine that keeps a conversation's hashes hands
+/// each turn a clone of them, extended by the turn's new pages, without copying the history's.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct PageHashes {
+    chunks: Vec<Arc<Vec<PageHash>>>,
+    len: usize,
+}
+
+/// No hashes.
+pub(crate) static NO_HASHES: PageHashes = PageHashes::new();
+
+impl std::fmt::Debug for PageHashes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PageHashes({} pages)", self.len)
+    }
+}
+
+impl PageHashes {
+    /// Hashes per shared chunk (4 KiB of hashes).
+    pub const CHUNK: usize = 256;
+
+    /// No hashes.
+    pub const fn new() -> Self {
+        PageHashes {
+            chunks: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Pages hashed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no page is hashed.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The hash of page `i` (`None` past the hashed pages).
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<PageHash> {
+        if i >= self.len {
+            return None;
+        }
+        Some(self.chunks[i / Self::CHUNK][i % Self::CHUNK])
+    }
+
+    /// The last page's hash.
+    pub fn last(&self) -> Option<PageHash> {
+        self.len.checked_sub(1).and_then(|i| self.get(i))
+    }
+
+    /// The hashes in page order.
+    pub fn iter(&self) -> impl Iterator<Item = PageHash> + '_ {
+        self.chunks.iter().flat_map(|c| c.iter().copied())
+    }
+
+    /// Appends a page's hash (copies the last chunk first if another clone shares it).
+    pub fn push(&mut self, h: PageHash) {
+        match self.chunks.last_mut() {
+            Some(c) if c.len() < Self::CHUNK => Arc::make_mut(c).push(h),
+            _ => {
+                let mut c = Vec::with_capacity(Self::CHUNK);
+                c.push(h);
+                self.chunks.push(Arc::new(c));
+            }
+        }
+        self.len += 1;
+    }
+
+    /// Keeps the first `n` hashes (copies the last kept chunk if it is cut and shared).
+    pub fn truncate(&mut self, n: usize) {
+        if n >= self.len {
+            return;
+        }
+        self.chunks.truncate(n.div_ceil(Self::CHUNK));
+        if let Some(c) = self.chunks.last_mut() {
+            let keep = n - (n - 1) / Self::CHUNK * Self::CHUNK;
+            if c.len() > keep {
+                Arc::make_mut(c).truncate(keep);
+            }
+        }
+        self.len = n;
+    }
+
+    /// Bytes of hashes held (shared chunks counted whole, as if this clone were their only
+    /// holder).
+    pub fn bytes(&self) -> usize {
+        self.chunks.len() * Self::CHUNK * std::mem::size_of::<PageHash>()
+    }
+}
+
+impl From<Vec<PageHash>> for PageHashes {
+    fn from(v: Vec<PageHash>) -> Self {
+        let mut h = PageHashes::new();
+        h.chunks.reserve(v.len().div_ceil(Self::CHUNK));
+        for c in v.chunks(Self::CHUNK) {
+            let mut chunk = Vec::with_capacity(Self::CHUNK);
+            chunk.extend_from_slice(c);
+            h.chunks.push(Arc::new(chunk));
+        }
+        h.len = v.len();
+        h
+    }
+}
+
+impl FromIterator<PageHash> for PageHashes {
+    fn from_iter<I: IntoIterator<Item = PageHash>>(iter: I) -> Self {
+        let mut h = PageHashes::new();
+        for x in iter {
+            h.push(x);
+        }
+        h
+    }
+}
 
 /// Pages of up to this many tokens are hashed from a buffer on the stack.
 const STACK_PAGE_TOKENS: usize = 252;
@@ -135,23 +255,25 @@ impl PageHasher {
         self.chain_from(self.seed(namespace), tokens, out);
     }
 
+    /// The hashes of `tokens`' whole pages in `namespace`.
+    pub fn hashes(&self, namespace: &Namespace, tokens: &[TokenId]) -> PageHashes {
+        let mut h = PageHashes::new();
+        self.extend_chain(namespace, tokens, &mut h);
+        h
+    }
+
     /// Extends `hashes` (the chain of `tokens`' first `hashes.len()` pages in `namespace`, as
-    /// an engine keeps it for a growing prompt) to all of `tokens`' whole pages: the new
-    /// pages only are hashed.
-    pub fn extend_chain(
-        &self,
-        namespace: &Namespace,
-        tokens: &[TokenId],
-        hashes: &mut Vec<PageHash>,
-    ) {
+    /// an engine keeps it for a growing prompt; more are cut back to `tokens`' whole pages)
+    /// to all of `tokens`' whole pages: the new pages only are hashed.
+    pub fn extend_chain(&self, namespace: &Namespace, tokens: &[TokenId], hashes: &mut PageHashes) {
         let p = self.page_size;
         let done = hashes.len().min(tokens.len() / p);
         hashes.truncate(done);
-        let prev = hashes
-            .last()
-            .copied()
-            .unwrap_or_else(|| self.seed(namespace));
-        self.chain_from(prev, &tokens[done * p..], hashes);
+        let mut h = hashes.last().unwrap_or_else(|| self.seed(namespace));
+        for page in tokens[done * p..].chunks_exact(p) {
+            h = self.extend(h, page);
+            hashes.push(h);
+        }
     }
 }
 
@@ -186,14 +308,48 @@ mod tests {
         let tokens: Vec<TokenId> = (0..20).collect();
         let mut whole = Vec::new();
         h.chain(&Namespace::DEFAULT, &tokens, &mut whole);
-        let mut grown = Vec::new();
+        let mut grown = PageHashes::new();
         h.extend_chain(&Namespace::DEFAULT, &tokens[..7], &mut grown);
         assert_eq!(grown.len(), 2);
         h.extend_chain(&Namespace::DEFAULT, &tokens, &mut grown);
-        assert_eq!(grown, whole);
+        assert_eq!(grown.iter().collect::<Vec<_>>(), whole);
         // A chain longer than the tokens' pages is cut back to them.
         h.extend_chain(&Namespace::DEFAULT, &tokens[..6], &mut grown);
-        assert_eq!(grown, whole[..2]);
+        assert_eq!(grown.iter().collect::<Vec<_>>(), whole[..2]);
+    }
+
+    #[test]
+    fn clones_share_chunks_and_grow_or_cut_apart() {
+        let n = 3 * PageHashes::CHUNK + 17;
+        let all: Vec<PageHash> = (0..n as u128).map(PageHash).collect();
+        let a = PageHashes::from(all.clone());
+        assert_eq!(
+            (a.len(), a.get(n - 1), a.get(n)),
+            (n, Some(all[n - 1]), None)
+        );
+        assert_eq!(a.iter().collect::<Vec<_>>(), all);
+        let mut b = a.clone();
+        // Cutting inside a shared chunk and growing past it leaves the original whole.
+        b.truncate(PageHashes::CHUNK + 5);
+        b.push(PageHash(u128::MAX));
+        assert_eq!(b.len(), PageHashes::CHUNK + 6);
+        assert_eq!(b.get(PageHashes::CHUNK + 5), Some(PageHash(u128::MAX)));
+        assert_eq!(
+            b.get(PageHashes::CHUNK + 4),
+            Some(all[PageHashes::CHUNK + 4])
+        );
+        assert_eq!(a.iter().collect::<Vec<_>>(), all);
+        // Cutting at a chunk boundary, to nothing, and past the end.
+        let mut c = a.clone();
+        c.truncate(2 * PageHashes::CHUNK);
+        assert_eq!(c.len(), 2 * PageHashes::CHUNK);
+        assert_eq!(c.last(), Some(all[2 * PageHashes::CHUNK - 1]));
+        c.truncate(usize::MAX);
+        assert_eq!(c.len(), 2 * PageHashes::CHUNK);
+        c.truncate(0);
+        assert!(c.is_empty() && c.last().is_none());
+        assert_eq!(a.iter().collect::<PageHashes>(), a);
+        assert_eq!(a.bytes(), 4 * PageHashes::CHUNK * 16);
     }
 
     #[test]

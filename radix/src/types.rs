@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::page_hash::PageHash;
+use crate::page_hash::{NO_HASHES, PageHashes};
 
 /// A token id as the tokenizer produces it.
 pub type TokenId = u32;
@@ -190,7 +190,7 @@ impl RadixKey {
         KeyRef {
             tokens: &self.tokens,
             namespace: &self.namespace,
-            hashes: &[],
+            hashes: &NO_HASHES,
         }
     }
 
@@ -199,7 +199,7 @@ impl RadixKey {
         KeyRef {
             tokens: &self.tokens[..len.min(self.tokens.len())],
             namespace: &self.namespace,
-            hashes: &[],
+            hashes: &NO_HASHES,
         }
     }
 }
@@ -215,7 +215,7 @@ pub struct KeyRef<'a> {
     /// Match hashes of the tokens' leading whole pages (any number of them, from none; see
     /// [`crate::page_hash`]): where given, a match accepts a cached edge by its last page's
     /// hash instead of comparing its tokens.
-    pub hashes: &'a [PageHash],
+    pub hashes: &'a PageHashes,
 }
 
 impl<'a> KeyRef<'a> {
@@ -224,7 +224,7 @@ impl<'a> KeyRef<'a> {
         KeyRef {
             tokens,
             namespace: &Namespace::DEFAULT,
-            hashes: &[],
+            hashes: &NO_HASHES,
         }
     }
 
@@ -233,13 +233,13 @@ impl<'a> KeyRef<'a> {
         KeyRef {
             tokens,
             namespace,
-            hashes: &[],
+            hashes: &NO_HASHES,
         }
     }
 
     /// The same key with the match hashes of its leading pages (see [`crate::page_hash`]'s
     /// contract: the tree's hasher's chain over these tokens).
-    pub fn with_hashes(self, hashes: &'a [PageHash]) -> Self {
+    pub fn with_hashes(self, hashes: &'a PageHashes) -> Self {
         KeyRef { hashes, ..self }
     }
 

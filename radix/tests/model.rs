@@ -19,7 +19,7 @@ use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use radixkv_radix::events::{namespace_seed, page_hash};
 use radixkv_radix::{
-    CacheError, FinishKind, InsertOptions, KeyRef, KvEvent, LockReceipt, Namespace, PageHash,
+    CacheError, FinishKind, InsertOptions, KeyRef, KvEvent, LockReceipt, Namespace, PageHashes,
     PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig, RadixKey, RequestKv,
     TokenId, align_down,
 };
@@ -405,9 +405,8 @@ impl Sut {
     /// hashed and token-only walks over the same tree, and the model's exact predictions
     /// show that hashes never change a result; the invariant audit checks every hash the
     /// tree learnt).
-    fn hashes(&self, ns_idx: u8, seq: &[TokenId]) -> Vec<PageHash> {
-        let mut v = Vec::new();
-        self.cache.page_hasher().chain(&ns(ns_idx), seq, &mut v);
+    fn hashes(&self, ns_idx: u8, seq: &[TokenId]) -> PageHashes {
+        let mut v = self.cache.page_hasher().hashes(&ns(ns_idx), seq);
         let keep = match seq.len() % 3 {
             0 => 0,
             1 => v.len() / 2,

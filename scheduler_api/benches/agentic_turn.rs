@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use radixkv_radix::Namespace;
 use radixkv_scheduler_api::{
-    Admission, HostTier, KvCacheManager, PageHash, Request, WaitReason, WritePolicy,
+    Admission, HostTier, KvCacheManager, PageHashes, Request, WaitReason, WritePolicy,
 };
 
 const DEVICE: usize = 1 << 20;
@@ -48,7 +48,7 @@ fn manager(hicache: bool) -> KvCacheManager {
 /// step, finish); returns the time spent in the manager. An admission that waits for the room
 /// its write-back eviction frees (HiCache) waits, untimed, for the copies, as a scheduler
 /// waits a step, and is admitted again.
-fn turn(kv: &mut KvCacheManager, tokens: Vec<u32>, hashes: Vec<PageHash>) -> Duration {
+fn turn(kv: &mut KvCacheManager, tokens: Vec<u32>, hashes: PageHashes) -> Duration {
     let start = Instant::now();
     let id = kv
         .arrive(Request::new(tokens).page_hashes(hashes).max_new_tokens(1))
@@ -94,9 +94,9 @@ fn bench_turn(c: &mut Criterion) {
                     let ns = Namespace::DEFAULT;
                     // The history: token values no turn's new tokens use.
                     let base: Vec<u32> = (0..history).map(|t| t | 1 << 31).collect();
-                    let mut base_hashes = Vec::new();
+                    let mut base_hashes = PageHashes::new();
                     if hashed {
-                        hasher.chain(&ns, &base, &mut base_hashes);
+                        hasher.extend_chain(&ns, &base, &mut base_hashes);
                     }
                     turn(&mut kv, base.clone(), base_hashes.clone());
                     kv.drain().expect("drain");
@@ -109,10 +109,10 @@ fn bench_turn(c: &mut Criterion) {
                         tokens.extend_from_slice(&base);
                         tokens.extend(fresh..fresh + NEW);
                         fresh += NEW;
-                        let mut hashes = Vec::new();
+                        // The history's hashes are shared with the turn's (a clone).
+                        let mut hashes = PageHashes::new();
                         if hashed {
-                            hashes.reserve(tokens.len() / hasher.page_size());
-                            hashes.extend_from_slice(&base_hashes);
+                            hashes = base_hashes.clone();
                             hasher.extend_chain(&ns, &tokens, &mut hashes);
                         }
                         spent += turn(&mut kv, tokens, hashes);

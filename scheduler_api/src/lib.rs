@@ -174,7 +174,7 @@ pub use manager::{
 pub use metrics::Metrics;
 pub use radixkv_radix::{
     CheckpointKind, ComponentAccounting, MambaCheckpoint, MambaCow, MambaTrack, PageHash,
-    PageHasher,
+    PageHasher, PageHashes,
 };
 pub use radixkv_session::CloseOutcome;
 pub use sessions::SimClock;

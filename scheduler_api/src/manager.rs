@@ -30,8 +30,8 @@ use std::sync::Arc;
 use ahash::HashSet;
 use radixkv_radix::{
     CacheError, ComponentAccounting, EventBuffer, FinishKind, KvEvent, KvEventBatch,
-    MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHash, PageHasher, PageId, PoolAccounting,
-    RadixKey, RequestKv, SessionTag, TokenId,
+    MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHasher, PageHashes, PageId,
+    PoolAccounting, RadixKey, RequestKv, SessionTag, TokenId,
 };
 
 use crate::CloseOutcome;
@@ -1780,7 +1780,7 @@ impl TokenShare {
 /// kept aside (capacities).
 fn token_bytes(t: &Tracked) -> usize {
     (t.kv.key.tokens.capacity() + t.decoded.capacity()) * std::mem::size_of::<TokenId>()
-        + t.kv.page_hashes.capacity() * std::mem::size_of::<PageHash>()
+        + t.kv.page_hashes.bytes()
 }
 
 /// Refuses match hashes for `tokens` in `ns` that cover more than its whole pages, and, in
@@ -1790,15 +1790,14 @@ fn check_page_hashes(
     hasher: &PageHasher,
     ns: &Namespace,
     tokens: &[TokenId],
-    hashes: &[PageHash],
+    hashes: &PageHashes,
 ) -> std::result::Result<(), &'static str> {
     if hashes.len() > tokens.len() / hasher.page_size() {
         return Err("more page hashes than the prompt has whole pages");
     }
     if cfg!(debug_assertions) && !hashes.is_empty() {
-        let mut want = Vec::with_capacity(hashes.len());
-        hasher.chain(ns, &tokens[..hashes.len() * hasher.page_size()], &mut want);
-        if want != hashes {
+        let want = hasher.hashes(ns, &tokens[..hashes.len() * hasher.page_size()]);
+        if want != *hashes {
             return Err("page hashes that are not the prompt's chain under the cache's hasher");
         }
     }
@@ -1856,7 +1855,7 @@ fn materialise(
     let room = t.max_new.saturating_sub(t.decoded.len()).min(device_tokens);
     let tokens = fill_tokens(src.as_ref(), &t.decoded, room, id.0, &t.engine_id)?;
     let prompt = &tokens[..t.prompt_len];
-    let mut hashes = Vec::new();
+    let mut hashes = PageHashes::new();
     src.fill_page_hashes(hasher, &t.kv.key.namespace, prompt, &mut hashes);
     check_page_hashes(hasher, &t.kv.key.namespace, prompt, &hashes).map_err(|what| {
         ManagerError::TokenSource {
@@ -1889,7 +1888,7 @@ fn dematerialise(t: &mut Tracked) {
         return;
     }
     let tokens = std::mem::take(&mut t.kv.key.tokens);
-    t.kv.page_hashes = Vec::new();
+    t.kv.page_hashes = PageHashes::new();
     t.decoded = tokens
         .get(t.prompt_len..)
         .map_or_else(Vec::new, <[TokenId]>::to_vec);

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use radixkv_radix::{
-    CheckpointKind, MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHash, PageHasher,
+    CheckpointKind, MambaCheckpoint, MambaCow, MambaTrack, Namespace, PageHasher, PageHashes,
     RequestKv, TokenId,
 };
 
@@ -43,9 +43,10 @@ pub trait TokenSource: Send + Sync + std::fmt::Debug {
     fn fill(&self, out: &mut Vec<TokenId>) -> std::result::Result<(), TokenSourceError>;
 
     /// Appends the match hashes of the prompt's leading whole pages under `hasher` in the
-    /// request's `namespace` to `out` (see [`radixkv_radix::page_hash`]), given the `tokens`
-    /// [`TokenSource::fill`] just produced. A source that keeps its prompts' hashes (extending them as a conversation
-    /// grows, say) hands them over here, and the manager then matches the cached prefix one
+    /// request's `namespace` to `out` (empty; see [`radixkv_radix::page_hash`]), given the
+    /// `tokens` [`TokenSource::fill`] just produced. A source that keeps its prompts' hashes
+    /// (extending them as a conversation grows, say: a clone of [`PageHashes`] shares them)
+    /// hands them over here, and the manager then matches the cached prefix one
     /// tree node at a time instead of one token at a time. The default gives none (the match
     /// compares tokens).
     ///
@@ -58,7 +59,7 @@ pub trait TokenSource: Send + Sync + std::fmt::Debug {
         hasher: &PageHasher,
         namespace: &Namespace,
         tokens: &[TokenId],
-        out: &mut Vec<PageHash>,
+        out: &mut PageHashes,
     ) {
         let _ = (hasher, namespace, tokens, out);
     }
@@ -132,7 +133,7 @@ pub struct Request {
     /// [`KvCacheManager::page_hasher`](crate::KvCacheManager::page_hasher) and
     /// [`radixkv_radix::page_hash`]). A lazy request's come from its source
     /// ([`TokenSource::fill_page_hashes`]), so this must be empty for one.
-    pub page_hashes: Vec<PageHash>,
+    pub page_hashes: PageHashes,
     /// Where the prompt's tokens come from, for a request that does not own them (then
     /// [`Request::tokens`] must be empty, or arrival refuses the request).
     pub source: Option<Arc<dyn TokenSource>>,
@@ -207,8 +208,8 @@ impl Request {
     }
 
     /// Sets the match hashes of the prompt's leading pages (see [`Request::page_hashes`]).
-    pub fn page_hashes(mut self, hashes: Vec<PageHash>) -> Self {
-        self.page_hashes = hashes;
+    pub fn page_hashes(mut self, hashes: impl Into<PageHashes>) -> Self {
+        self.page_hashes = hashes.into();
         self
     }
 

@@ -14,7 +14,7 @@ use common::{balanced, step};
 use radixkv_hicache::storage::{MemStore, StorageBackend};
 use radixkv_radix::{Namespace, TokenId};
 use radixkv_scheduler_api::{
-    Admission, HostTier, KvCacheManager, ManagerError, PageHash, PageHasher, PrefetchStopPolicy,
+    Admission, HostTier, KvCacheManager, ManagerError, PageHasher, PageHashes, PrefetchStopPolicy,
     ReqId, Request, SessionBudget, StorageBackendKind, StorageTier, TokenSource, TokenSourceError,
     TokenStorage, WaitReason, WritePolicy,
 };
@@ -86,9 +86,9 @@ impl TokenSource for Hashed {
         hasher: &PageHasher,
         namespace: &Namespace,
         tokens: &[TokenId],
-        out: &mut Vec<PageHash>,
+        out: &mut PageHashes,
     ) {
-        hasher.chain(namespace, tokens, out);
+        hasher.extend_chain(namespace, tokens, out);
     }
 }
 
@@ -98,8 +98,7 @@ fn request(kind: Kind, tokens: Vec<TokenId>, hasher: &PageHasher) -> Request {
         Kind::Lazy => Request::lazy(counted(tokens)),
         Kind::Shared => Request::shared(tokens.into()),
         Kind::OwnedHashed => {
-            let mut h = Vec::new();
-            hasher.chain(&Namespace::DEFAULT, &tokens, &mut h);
+            let h = hasher.hashes(&Namespace::DEFAULT, &tokens);
             Request::new(tokens).page_hashes(h)
         }
         Kind::LazyHashed => Request::lazy(Arc::new(Hashed(tokens))),
@@ -556,12 +555,11 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
         .unwrap();
     let hasher = kv.page_hasher();
     let prompt: Vec<TokenId> = (0..10).collect();
-    let mut h = Vec::new();
-    hasher.chain(&Namespace::DEFAULT, &prompt, &mut h);
+    let h = hasher.hashes(&Namespace::DEFAULT, &prompt);
     assert_eq!(h.len(), 2, "two whole pages");
     // More hashes than whole pages.
     let mut long = h.clone();
-    long.push(h[0]);
+    long.push(h.get(0).unwrap());
     let e = kv
         .arrive(Request::new(prompt.clone()).page_hashes(long))
         .unwrap_err();
@@ -578,10 +576,7 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
             .page_size(PAGE)
             .build()
             .unwrap();
-        let mut theirs = Vec::new();
-        other
-            .page_hasher()
-            .chain(&Namespace::DEFAULT, &prompt, &mut theirs);
+        let theirs = other.page_hasher().hashes(&Namespace::DEFAULT, &prompt);
         let e = kv
             .arrive(Request::new(prompt.clone()).page_hashes(theirs))
             .unwrap_err();
@@ -594,7 +589,11 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
     );
     // The right ones, fewer than the pages: accepted, and the request runs.
     let id = kv
-        .arrive(Request::new(prompt).page_hashes(h[..1].to_vec()))
+        .arrive(Request::new(prompt).page_hashes({
+            let mut one = h;
+            one.truncate(1);
+            one
+        }))
         .unwrap();
     assert!(matches!(kv.admit(id).unwrap(), Admission::Ready(_)));
     kv.abort(id).unwrap();

@@ -174,8 +174,10 @@ pub(crate) fn adopt_history(
         history.tokens.extend_from_slice(&key.tokens[have..]);
     }
     let k = req.page_hashes.len().min(key.len() / p);
-    if k > 0 && history_hash.is_none_or(|(old, _)| old < k) {
-        *history_hash = Some((k, req.page_hashes[k - 1]));
+    if let Some(h) = k.checked_sub(1).and_then(|i| req.page_hashes.get(i))
+        && history_hash.is_none_or(|(old, _)| old < k)
+    {
+        *history_hash = Some((k, h));
     }
     if history_hash.is_some_and(|(k, _)| k * p > history.len()) {
         *history_hash = None;
@@ -442,7 +444,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let ok = h.is_empty()
             || (req.key.namespace == h.namespace && req.key.len() >= h.len() && {
                 let from = match s.history_hash {
-                    Some((k, hash)) if req.page_hashes.get(k - 1) == Some(&hash) => k * p,
+                    Some((k, hash)) if req.page_hashes.get(k - 1) == Some(hash) => k * p,
                     _ => 0,
                 };
                 let tail = req.key.tokens[from..h.len()] == h.tokens[from..];

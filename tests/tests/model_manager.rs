@@ -375,7 +375,7 @@ impl Harness {
             if t.len() % 4 == 0 {
                 h.pop();
             }
-            req.page_hashes = h;
+            req.page_hashes = h.into();
         }
         if let (false, Some(s)) = (self.setup.sessions, session) {
             // Without a session layer a tagged request is refused; the model sends it untagged.

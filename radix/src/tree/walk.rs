@@ -191,7 +191,7 @@ impl RadixTree {
         } else {
             child
         };
-        if let Some(&h) = key.hashes.get((pos + common) / p - 1) {
+        if let Some(h) = key.hashes.get((pos + common) / p - 1) {
             let n = &mut self.nodes[child as usize];
             if n.end_hash == 0 {
                 n.end_hash = h.0;
@@ -227,7 +227,7 @@ impl RadixTree {
         let end = pos + n.key.len();
         if n.end_hash != 0
             && end <= key.tokens.len()
-            && key.hashes.get(end / p - 1) == Some(&PageHash(n.end_hash))
+            && key.hashes.get(end / p - 1) == Some(PageHash(n.end_hash))
         {
             if cfg!(debug_assertions) && n.key[..] != key.tokens[pos..end] {
                 // A hash that is not the tokens' chain: match by tokens, report it.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ahash::HashMap;
 
-use radixkv_radix::{Namespace, PageHash, PageHasher, TokenId, pages_for};
+use radixkv_radix::{Namespace, PageHasher, PageHashes, TokenId, pages_for};
 use serde::Serialize;
 
 use super::cost::CostModel;
@@ -153,7 +153,7 @@ impl TokenSource for TimedSource {
         hasher: &PageHasher,
         namespace: &Namespace,
         tokens: &[TokenId],
-        out: &mut Vec<PageHash>,
+        out: &mut PageHashes,
     ) {
         let (t0, had) = (Instant::now(), out.len());
         self.inner.fill_page_hashes(hasher, namespace, tokens, out);

@@ -18,7 +18,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use radixkv_radix::{Namespace, PageHash, PageHasher, TokenId};
+use radixkv_radix::{Namespace, PageHasher, PageHashes, TokenId};
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 
@@ -173,6 +173,8 @@ pub enum PageHashing {
 /// A conversation's last hashed prompts ([`PageHashing::Conversation`]; up to
 /// [`HashMemo::PROMPTS`], so that a main thread and the sub-agents interleaved with it each
 /// keep theirs): their segments and hashes, under the hasher and namespace that made them.
+/// The hashes are [`PageHashes`], whose clones share their chunks: a turn takes the pages it
+/// shares with a kept prompt without copying them.
 #[derive(Debug, Default)]
 pub struct HashMemo {
     prompts: Vec<MemoPrompt>,
@@ -183,7 +185,7 @@ pub struct HashMemo {
 #[derive(Debug)]
 struct MemoPrompt {
     segments: Vec<Segment>,
-    hashes: Vec<PageHash>,
+    hashes: PageHashes,
     last_use: u64,
 }
 
@@ -191,8 +193,8 @@ impl HashMemo {
     /// Prompts kept per conversation.
     pub const PROMPTS: usize = 4;
 
-    /// Appends the hashes of `tokens` (whose segments are `segments`) to `out`: the leading
-    /// pages shared with the kept prompt that shares the most are taken from it, the rest are
+    /// Gives `out` the hashes of `tokens` (whose segments are `segments`): the leading pages
+    /// shared with the kept prompt that shares the most are taken from it, the rest are
     /// hashed. The prompt is then kept in place of the one it extends, or of the least
     /// recently used.
     fn hash(
@@ -201,7 +203,7 @@ impl HashMemo {
         hasher: &PageHasher,
         namespace: &Namespace,
         tokens: &[TokenId],
-        out: &mut Vec<PageHash>,
+        out: &mut PageHashes,
     ) {
         let p = hasher.page_size();
         if self
@@ -221,42 +223,34 @@ impl HashMemo {
                 (i, (common / p).min(m.hashes.len()))
             })
             .max_by_key(|&(_, pages)| pages);
-        let reuse = best.map_or(0, |(_, pages)| pages);
-        out.reserve(tokens.len() / p);
-        if let Some((i, _)) = best {
-            out.extend_from_slice(&self.prompts[i].hashes[..reuse]);
+        *out = PageHashes::new();
+        if let Some((i, pages)) = best {
+            *out = self.prompts[i].hashes.clone();
+            out.truncate(pages);
         }
         hasher.extend_chain(namespace, tokens, out);
         self.uses += 1;
-        // The kept prompt this one extends (all of its pages reused) grows into it in place
-        // (only the new pages are copied); otherwise it takes a free place or the least
-        // recently used one.
-        let extended = best
+        // The kept prompt this one extends (all of its pages reused) makes way for it;
+        // otherwise it takes a free place or the least recently used one.
+        let slot = best
             .filter(|&(i, pages)| pages == self.prompts[i].hashes.len())
-            .map(|(i, _)| i);
-        let slot = extended
+            .map(|(i, _)| i)
             .or_else(|| (self.prompts.len() < Self::PROMPTS).then_some(self.prompts.len()))
             .unwrap_or_else(|| {
                 (0..self.prompts.len())
                     .min_by_key(|&i| self.prompts[i].last_use)
                     .unwrap_or(0)
             });
+        let entry = MemoPrompt {
+            segments: segments.to_vec(),
+            hashes: out.clone(),
+            last_use: self.uses,
+        };
         if slot == self.prompts.len() {
-            self.prompts.push(MemoPrompt {
-                segments: Vec::new(),
-                hashes: Vec::new(),
-                last_use: 0,
-            });
+            self.prompts.push(entry);
+        } else {
+            self.prompts[slot] = entry;
         }
-        let m = &mut self.prompts[slot];
-        if extended != Some(slot) {
-            m.hashes.clear();
-        }
-        let have = m.hashes.len();
-        m.hashes.extend_from_slice(&out[have..]);
-        m.segments.clear();
-        m.segments.extend_from_slice(segments);
-        m.last_use = self.uses;
     }
 }
 
@@ -303,11 +297,11 @@ impl TokenSource for PromptSource {
         hasher: &PageHasher,
         namespace: &Namespace,
         tokens: &[TokenId],
-        out: &mut Vec<PageHash>,
+        out: &mut PageHashes,
     ) {
         match &self.hashing {
             PageHashing::Off => {}
-            PageHashing::Whole => hasher.chain(namespace, tokens, out),
+            PageHashing::Whole => hasher.extend_chain(namespace, tokens, out),
             PageHashing::Conversation(memo) => {
                 // A poisoned memo only means a panic elsewhere: its contents are whole.
                 let mut m = memo.lock().unwrap_or_else(|e| e.into_inner());
