@@ -384,8 +384,9 @@ struct RunArgs {
     arrival_scale: Option<f64>,
     /// How the prompts carry match hashes, as an engine hands them over: `off` (every match
     /// compares tokens), `whole` (each prompt hashed when admitted) or `conversation` (hashes
-    /// kept per conversation, a turn hashes its new pages only). Hashing is timed as the
-    /// engine's work, apart from the manager's CPU [default: conversation]
+    /// kept per conversation, a turn hashes its new pages only; prompts outside a
+    /// conversation carry none). Hashing is timed as the engine's work, apart from the
+    /// manager's CPU [default: conversation]
     #[arg(long, value_name = "MODE", value_parser = ["off", "whole", "conversation"])]
     page_hashes: Option<String>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each

@@ -698,7 +698,13 @@ impl fmt::Display for Report {
             self.cache_cpu_waits.removed_s,
             self.wall_s
         )?;
-        if self.page_hashes != "off" {
+        if self.page_hashes != "off" && self.page_hash_us_per_request == 0.0 {
+            write!(
+                f,
+                "\npage hashes      {}: no prompt carried any (none belongs to a conversation)",
+                self.page_hashes
+            )?;
+        } else if self.page_hashes != "off" {
             write!(
                 f,
                 "\npage hashes      {}: the engine spent {:.2} µs per request hashing pages \

@@ -66,8 +66,9 @@ pub enum PageHashMode {
     /// Each prompt hashed whole when it is admitted.
     Whole,
     /// Hashes kept per conversation and extended turn by turn: a turn hashes only the pages
-    /// its conversation's last prompt did not have (prompts without a conversation are hashed
-    /// whole).
+    /// its conversation's kept prompts did not have. Prompts outside a conversation carry
+    /// none (an engine with nothing to extend; on Mooncake's short, session-less prompts
+    /// hashing each whole prompt cost more than the match it saved).
     #[default]
     Conversation,
 }
@@ -878,7 +879,8 @@ impl Sim<'_> {
             (PageHashMode::Conversation, Some(s)) => {
                 PageHashing::Conversation(self.hash_memos.arrive(s))
             }
-            _ => PageHashing::Whole,
+            (PageHashMode::Conversation, None) => PageHashing::Off,
+            (PageHashMode::Whole, _) => PageHashing::Whole,
         }
     }
 
