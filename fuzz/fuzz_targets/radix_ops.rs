@@ -21,8 +21,8 @@ use radixkv_fuzz::kv::{KvModel, check_kv, row_pages, write_kv};
 use radixkv_fuzz::ok;
 use radixkv_radix::{
     CacheError, FinishKind, InsertOptions, KeyRef, KvIdentity, LockReceipt, Medium, Namespace,
-    NodeId, NodeMeta, PageId, PageState, PolicyKind, PrefixCache, RadixCache, RadixConfig,
-    RadixKey, RequestKv, TokenId, align_down, pages_for,
+    NodeId, NodeMeta, PageHashes, PageId, PageState, PolicyKind, PrefixCache, RadixCache,
+    RadixConfig, RadixKey, RequestKv, TokenId, align_down, pages_for,
 };
 
 /// The model identity the page keys of events chain from.
@@ -345,14 +345,28 @@ impl Harness {
         panic!("live node {h:?} is not reachable from the root in any namespace");
     }
 
+    /// Match hashes for `tokens`, as an engine might hand them over: all pages' for an even
+    /// length, half of them for a length of 1 mod 4, none otherwise (hashed and token-only
+    /// walks share the tree; every check below covers both).
+    fn hashes(&self, ns: &Namespace, tokens: &[TokenId]) -> PageHashes {
+        let mut h = self.cache.page_hasher().hashes(ns, tokens);
+        match tokens.len() % 4 {
+            0 | 2 => {}
+            1 => h.truncate(h.len() / 2),
+            _ => h.truncate(0),
+        }
+        h
+    }
+
     fn op_match(&mut self, ns: u8, tokens: &[TokenId], lock: bool) {
         let ns = namespace(ns);
         let before = footprint(&self.cache);
         let mut out = Vec::new();
-        match self
-            .cache
-            .match_prefix(KeyRef::with_namespace(tokens, &ns), &mut out)
-        {
+        let hashes = self.hashes(&ns, tokens);
+        match self.cache.match_prefix(
+            KeyRef::with_namespace(tokens, &ns).with_hashes(&hashes),
+            &mut out,
+        ) {
             Err(e) => assert!(tokens.is_empty() && e == CacheError::EmptyKey, "{e}"),
             Ok(m) => {
                 assert!(m.device_len <= tokens.len() && m.host_len == 0);
@@ -386,10 +400,12 @@ impl Harness {
             priority: i32::from(priority),
             chunked: false,
         };
-        match self
-            .cache
-            .insert(KeyRef::with_namespace(tokens, &ns), &pages, opts)
-        {
+        let hashes = self.hashes(&ns, tokens);
+        match self.cache.insert(
+            KeyRef::with_namespace(tokens, &ns).with_hashes(&hashes),
+            &pages,
+            opts,
+        ) {
             Ok(r) => {
                 assert!(!self.disabled && len > 0);
                 assert!(r.duplicates.iter().all(|d| pages.contains(d)));
@@ -663,7 +679,9 @@ impl Harness {
 
     fn op_start(&mut self, ns: u8, tokens: Vec<TokenId>, priority: i8, cap: Option<u8>) {
         let ns = namespace(ns);
+        let hashes = self.hashes(&ns, &tokens);
         let mut req = RequestKv::new(RadixKey::with_namespace(tokens, ns));
+        req.page_hashes = hashes;
         req.priority = i32::from(priority);
         req.max_prefix_len = cap.map(usize::from);
         let m = self
