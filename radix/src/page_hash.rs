@@ -17,9 +17,11 @@
 //! [`PrefixCache::page_hasher`]): `h(0) = seed(namespace)`, `h(i + 1) = XXH3-128(h(i) ‖ page
 //! i's tokens)` keyed by a seed drawn at random for each tree. The keyed seed keeps the
 //! hashes inside the process that made them: they are never published (KV events carry their
-//! own deterministic chain) and never address stored KV (the storage tier uses [`PageKey`]s),
-//! so a crafted prompt cannot aim at another prompt's hash without the seed, and an accidental
-//! match of two 128-bit chains is out of reach.
+//! own deterministic chain) and never address stored KV (the storage tier uses [`PageKey`]s).
+//! An accidental match of two 128-bit chains is out of reach. XXH3 is not a cryptographic
+//! hash: against a crafted prompt the defence is the one of a hash map's random seed (an
+//! attacker who never sees a hash has nothing to aim at), not collision resistance, and the
+//! match still compares each edge's first page by its tokens.
 //!
 //! **Contract.** Hashes given with a prompt must be the hasher's chain over that prompt's
 //! leading whole pages (as many as the engine has; fewer is fine, extra ones are ignored).
