@@ -16,7 +16,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use radixkv_fuzz::events::EventShadow;
 use radixkv_fuzz::footprint::{assert_idle, footprint};
-use radixkv_fuzz::input::{Size, Tokens, namespace, pick};
+use radixkv_fuzz::input::{Size, Tokens, engine_hashes, namespace, pick};
 use radixkv_fuzz::kv::{KvModel, check_kv, row_pages, write_kv};
 use radixkv_fuzz::ok;
 use radixkv_radix::{
@@ -345,17 +345,9 @@ impl Harness {
         panic!("live node {h:?} is not reachable from the root in any namespace");
     }
 
-    /// Match hashes for `tokens`, as an engine might hand them over: all pages' for an even
-    /// length, half of them for a length of 1 mod 4, none otherwise (hashed and token-only
-    /// walks share the tree; every check below covers both).
+    /// Match hashes for `tokens`, as an engine might hand them over ([`engine_hashes`]).
     fn hashes(&self, ns: &Namespace, tokens: &[TokenId]) -> PageHashes {
-        let mut h = self.cache.page_hasher().hashes(ns, tokens);
-        match tokens.len() % 4 {
-            0 | 2 => {}
-            1 => h.truncate(h.len() / 2),
-            _ => h.truncate(0),
-        }
-        h
+        engine_hashes(&self.cache.page_hasher(), ns, tokens)
     }
 
     fn op_match(&mut self, ns: u8, tokens: &[TokenId], lock: bool) {

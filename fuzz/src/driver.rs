@@ -20,7 +20,7 @@ use radixkv_session::{CloseOutcome, ManualClock, SessionAwareCache, SessionConfi
 
 use crate::events::EventShadow;
 use crate::footprint::{assert_idle, footprint};
-use crate::input::{Size, Tokens, finish_kind, namespace, pick};
+use crate::input::{Size, Tokens, engine_hashes, finish_kind, namespace, pick};
 use crate::kv::{KvStore, StateStore, check_kv, row_pages, state_value, write_kv};
 use crate::ok;
 
@@ -620,17 +620,9 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         }
     }
 
-    /// A request for `key` carrying match hashes as an engine might: all its pages' for an
-    /// even length, half of them for a length of 1 mod 4, none otherwise (so hashed and
-    /// token-only requests share every tree and session; the invariant checks and the KV
-    /// oracle then cover the hashed walks).
+    /// A request for `key` carrying match hashes as an engine might ([`engine_hashes`]).
     fn request(&self, key: RadixKey) -> RequestKv {
-        let mut h = self.cache.page_hasher().hashes(&key.namespace, &key.tokens);
-        match key.len() % 4 {
-            0 | 2 => {}
-            1 => h.truncate(h.len() / 2),
-            _ => h.truncate(0),
-        }
+        let h = engine_hashes(&self.cache.page_hasher(), &key.namespace, &key.tokens);
         let mut req = RequestKv::new(key);
         req.page_hashes = h;
         req
