@@ -647,7 +647,7 @@ impl MambaAdmission {
         };
         let p = tree.page_size();
         let from = req.cache_protected_len;
-        let branch = tree.mamba_branch_point(req.key.as_ref().with_hashes(&req.page_hashes));
+        let branch = tree.mamba_branch_point(req.key_ref());
         let prompt_end = if params.prompt_end {
             align_down(req.key.len(), p)
         } else {

@@ -161,15 +161,7 @@ impl PageHashes {
 
 impl From<Vec<PageHash>> for PageHashes {
     fn from(v: Vec<PageHash>) -> Self {
-        let mut h = PageHashes::new();
-        h.chunks.reserve(v.len().div_ceil(Self::CHUNK));
-        for c in v.chunks(Self::CHUNK) {
-            let mut chunk = Vec::with_capacity(Self::CHUNK);
-            chunk.extend_from_slice(c);
-            h.chunks.push(Arc::new(chunk));
-        }
-        h.len = v.len();
-        h
+        v.into_iter().collect()
     }
 }
 
@@ -240,23 +232,6 @@ impl PageHasher {
         }
     }
 
-    /// Appends the hashes of `tokens`' whole pages, chained from `prev`, to `out` (a partial
-    /// last page gets none).
-    pub fn chain_from(&self, prev: PageHash, tokens: &[TokenId], out: &mut Vec<PageHash>) {
-        out.reserve(tokens.len() / self.page_size);
-        let mut h = prev;
-        for page in tokens.chunks_exact(self.page_size) {
-            h = self.extend(h, page);
-            out.push(h);
-        }
-    }
-
-    /// Appends the hashes of `tokens`' whole pages in `namespace` to `out`: the hashes a
-    /// prompt of these tokens carries.
-    pub fn chain(&self, namespace: &Namespace, tokens: &[TokenId], out: &mut Vec<PageHash>) {
-        self.chain_from(self.seed(namespace), tokens, out);
-    }
-
     /// The hashes of `tokens`' whole pages in `namespace`.
     pub fn hashes(&self, namespace: &Namespace, tokens: &[TokenId]) -> PageHashes {
         let mut h = PageHashes::new();
@@ -286,30 +261,36 @@ mod tests {
     #[test]
     fn chain_is_order_and_namespace_sensitive() {
         let h = PageHasher::random(2);
-        let mut a = Vec::new();
-        h.chain(&Namespace::DEFAULT, &[1, 2, 3, 4, 5], &mut a);
+        let a = h.hashes(&Namespace::DEFAULT, &[1, 2, 3, 4, 5]);
         assert_eq!(a.len(), 2);
-        let mut b = Vec::new();
-        h.chain(&Namespace::DEFAULT, &[3, 4, 1, 2], &mut b);
-        assert_ne!(a[1], b[1]);
+        let b = h.hashes(&Namespace::DEFAULT, &[3, 4, 1, 2]);
+        assert_ne!(a.get(1), b.get(1));
         // The second page's hash depends on the first page.
-        assert_ne!(a[1], h.extend(h.seed(&Namespace::DEFAULT), &[3, 4]));
-        let mut c = Vec::new();
-        h.chain(&Namespace::new("tenant"), &[1, 2, 3, 4], &mut c);
-        assert_ne!(a[0], c[0]);
+        assert_ne!(
+            a.get(1),
+            Some(h.extend(h.seed(&Namespace::DEFAULT), &[3, 4]))
+        );
+        let c = h.hashes(&Namespace::new("tenant"), &[1, 2, 3, 4]);
+        assert_ne!(a.get(0), c.get(0));
         // Two trees' hashers do not agree (random seeds).
         let other = PageHasher::random(2);
-        let mut d = Vec::new();
-        other.chain(&Namespace::DEFAULT, &[1, 2], &mut d);
-        assert_ne!(a[0], d[0]);
+        let d = other.hashes(&Namespace::DEFAULT, &[1, 2]);
+        assert_ne!(a.get(0), d.get(0));
     }
 
     #[test]
     fn extend_chain_hashes_only_new_pages_and_agrees() {
         let h = PageHasher::random(3);
         let tokens: Vec<TokenId> = (0..20).collect();
-        let mut whole = Vec::new();
-        h.chain(&Namespace::DEFAULT, &tokens, &mut whole);
+        // The chain by its definition: the seed, then one `extend` per whole page.
+        let whole: Vec<PageHash> = tokens
+            .chunks_exact(3)
+            .scan(h.seed(&Namespace::DEFAULT), |prev, page| {
+                *prev = h.extend(*prev, page);
+                Some(*prev)
+            })
+            .collect();
+        assert_eq!(whole.len(), 6);
         let mut grown = PageHashes::new();
         h.extend_chain(&Namespace::DEFAULT, &tokens[..7], &mut grown);
         assert_eq!(grown.len(), 2);
@@ -359,12 +340,10 @@ mod tests {
         // Pages past the stack buffer take the streaming path: still a chain, still stable.
         let h = PageHasher::random(300);
         let tokens: Vec<TokenId> = (0..600).collect();
-        let mut a = Vec::new();
-        h.chain(&Namespace::DEFAULT, &tokens, &mut a);
-        let mut b = Vec::new();
-        h.chain(&Namespace::DEFAULT, &tokens, &mut b);
+        let a = h.hashes(&Namespace::DEFAULT, &tokens);
+        let b = h.hashes(&Namespace::DEFAULT, &tokens);
         assert_eq!(a, b);
         assert_eq!(a.len(), 2);
-        assert_eq!(h.extend(a[0], &tokens[300..]), a[1]);
+        assert_eq!(Some(h.extend(a.get(0).unwrap(), &tokens[300..])), a.get(1));
     }
 }

@@ -444,17 +444,12 @@ impl RadixCache {
         let res = match anchor {
             Some(anchor) => {
                 let from = req.cache_protected_len;
-                let key = req.key.prefix(len).with_hashes(&req.page_hashes);
+                let key = req.key_prefix(len);
                 self.insert_owned_with(&mut buf[..len / p], owned_from, |tree, pages, replaced| {
                     tree.insert_from(anchor, from, key, pages, replaced, opts)
                 })
             }
-            None => self.insert_owned(
-                req.key.prefix(len).with_hashes(&req.page_hashes),
-                &mut buf[..len / p],
-                owned_from,
-                opts,
-            ),
+            None => self.insert_owned(req.key_prefix(len), &mut buf[..len / p], owned_from, opts),
         };
         self.put_row_pages(row, buf, len, res)
     }
@@ -709,6 +704,7 @@ impl PrefixCache for RadixCache {
                 last_node: root,
             }
         } else {
+            // Field by field (not `key_prefix`): the match below writes other fields of `req`.
             let key = req.key.prefix(limit).with_hashes(&req.page_hashes);
             match req.load_anchor {
                 // A request matched again (it waited): its earlier match's deepest node lies

@@ -619,22 +619,20 @@ impl RadixTree {
     fn find_child(&self, parent: u32, ns: &Namespace, page: &[TokenId]) -> Option<u32> {
         let p = self.page_size;
         let at_root = parent == self.root;
+        let starts_here = |c: u32| {
+            let n = &self.nodes[c as usize];
+            n.key[..p] == *page && (!at_root || n.namespace == *ns)
+        };
         match &self.nodes[parent as usize].children {
             // A few children: their first pages are compared directly, which costs less than
             // hashing the page (most nodes on a long conversation's path have one child).
-            Children::Inline(v) => v.iter().copied().find(|&c| {
-                let n = &self.nodes[c as usize];
-                n.key[..p] == *page && (!at_root || n.namespace == *ns)
-            }),
+            Children::Inline(v) => v.iter().copied().find(|&c| starts_here(c)),
             Children::Table(t) => {
                 let h = self.child_hash(parent, ns, page);
                 t.find(
                     h,
                     |i, g| self.is_live(i, g),
-                    |c| {
-                        let n = &self.nodes[c as usize];
-                        n.child_hash == h && n.key[..p] == *page && (!at_root || n.namespace == *ns)
-                    },
+                    |c| self.nodes[c as usize].child_hash == h && starts_here(c),
                 )
             }
         }

@@ -412,8 +412,7 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         Ok(self.cache.swa_available_locked(node)?)
     }
     fn storage_prefetch(&mut self, rid: u64, req: &RequestKv) -> bool {
-        self.cache
-            .prefetch(rid, req.key.as_ref().with_hashes(&req.page_hashes))
+        self.cache.prefetch(rid, req.key_ref())
     }
 
     fn check_prefetch(&mut self, rid: u64) -> Result<PrefetchStatus> {

@@ -158,8 +158,9 @@ pub(crate) struct Session {
 /// Makes `req`'s key, a finished turn's, session `s`'s history (`p` tokens per page). The
 /// caller checked that it extends the history (`check_extends`), so only the new tail is
 /// copied (O(new tokens)); an empty history, whose namespace is not the turn's yet, takes the
-/// whole key. The turn's match hashes, where they reach further than the history's, become
-/// its history hash.
+/// whole key, and so does a shorter key, which also drops the history hash (it named the
+/// replaced history's pages). The turn's match hashes, where they reach further than the
+/// history hash, become it: they are its key's chain, and the key is now the history.
 pub(crate) fn adopt_history(
     history: &mut RadixKey,
     history_hash: &mut Option<(usize, PageHash)>,
@@ -170,6 +171,7 @@ pub(crate) fn adopt_history(
     let have = history.len();
     if have == 0 || key.len() < have {
         *history = key.clone();
+        *history_hash = None;
     } else {
         history.tokens.extend_from_slice(&key.tokens[have..]);
     }
@@ -178,9 +180,6 @@ pub(crate) fn adopt_history(
         && history_hash.is_none_or(|(old, _)| old < k)
     {
         *history_hash = Some((k, h));
-    }
-    if history_hash.is_some_and(|(k, _)| k * p > history.len()) {
-        *history_hash = None;
     }
 }
 

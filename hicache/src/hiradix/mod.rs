@@ -1353,15 +1353,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         let aligned = align_down(req.committed_len, self.page_size());
         // The request's lock ends on its key's path: the walks compare only what lies past it.
         let before = req.lock.as_ref().map(LockReceipt::anchor);
-        let pre = self.pre_walk(
-            req.key.prefix(aligned).with_hashes(&req.page_hashes),
-            before,
-        );
+        let pre = self.pre_walk(req.key_prefix(aligned), before);
         self.inner.cache_unfinished_req(req)?;
-        let key = req
-            .key
-            .prefix(req.cache_protected_len)
-            .with_hashes(&req.page_hashes);
+        let key = req.key_prefix(req.cache_protected_len);
         if !key.is_empty() {
             let after = req.lock.as_ref().map(LockReceipt::anchor).or(before);
             self.after_insert(key, pre, after)?;
@@ -1380,21 +1374,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         // splits below it only): the walks compare only what lies past it.
         let anchor = req.lock.as_ref().map(LockReceipt::anchor);
         let pre = if inserted {
-            self.pre_walk(
-                req.key.prefix(aligned).with_hashes(&req.page_hashes),
-                anchor,
-            )
+            self.pre_walk(req.key_prefix(aligned), anchor)
         } else {
             None
         };
         self.inner.cache_finished_req(req, kind)?;
         if inserted && !self.inner.is_disabled() {
             // The request state is cleared but its key is kept.
-            self.after_insert(
-                req.key.prefix(aligned).with_hashes(&req.page_hashes),
-                pre,
-                anchor,
-            )?;
+            self.after_insert(req.key_prefix(aligned), pre, anchor)?;
         }
         Ok(())
     }

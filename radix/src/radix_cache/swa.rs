@@ -404,7 +404,7 @@ impl RadixCache {
             priority: req.priority,
             chunked,
         };
-        let key = req.key.prefix(len).with_hashes(&req.page_hashes);
+        let key = req.key_prefix(len);
         let swa_pages = &req.swa_pages[..swa_n];
         let mut done = None;
         let res =

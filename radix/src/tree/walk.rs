@@ -191,12 +191,10 @@ impl RadixTree {
         } else {
             child
         };
-        if let Some(h) = key.hashes.get((pos + common) / p - 1) {
-            let n = &mut self.nodes[child as usize];
-            if n.end_hash == 0 {
-                n.end_hash = h.0;
-                self.verify_end_hash(child);
-            }
+        let h = self.end_hash_at(key, pos + common);
+        if h != 0 && self.nodes[child as usize].end_hash == 0 {
+            self.nodes[child as usize].end_hash = h;
+            self.verify_end_hash(child);
         }
         Some((child, common))
     }
@@ -222,13 +220,9 @@ impl RadixTree {
     /// the node's, else by comparing tokens.
     #[inline]
     pub(super) fn edge_match(&self, child: u32, key: KeyRef<'_>, pos: usize) -> usize {
-        let p = self.page_size;
         let n = &self.nodes[child as usize];
         let end = pos + n.key.len();
-        if n.end_hash != 0
-            && end <= key.tokens.len()
-            && key.hashes.get(end / p - 1) == Some(PageHash(n.end_hash))
-        {
+        if n.end_hash != 0 && end <= key.tokens.len() && self.end_hash_at(key, end) == n.end_hash {
             if cfg!(debug_assertions) && n.key[..] != key.tokens[pos..end] {
                 // A hash that is not the tokens' chain: match by tokens, report it.
                 self.note_broken_hash();
@@ -236,7 +230,7 @@ impl RadixTree {
                 return n.key.len();
             }
         }
-        common_pages(&n.key, &key.tokens[pos..], p)
+        common_pages(&n.key, &key.tokens[pos..], self.page_size)
     }
 
     /// An insert passed through `idx`: count the reuse (unless chunked), raise the priority,

@@ -388,14 +388,20 @@ fn page_hash_modes_change_nothing_but_the_cpu() {
             c.page_hashes = mode;
             let r = replay(&trace, &c, &mut ()).unwrap();
             check(&r, &trace);
-            assert_eq!(r.page_hashes, mode.name());
+            assert_eq!(r.effective_config.page_hashes, mode);
             assert_eq!(r.page_hash_us_per_request > 0.0, mode != PageHashMode::Off);
             reports.push(r);
         }
         let off = &reports[0];
         assert!(off.hit_tokens_device > 0, "{}", off.config);
         for r in &reports[1..] {
-            assert_eq!(r.counters, off.counters, "{} {}", r.config, r.page_hashes);
+            assert_eq!(
+                r.counters,
+                off.counters,
+                "{} {}",
+                r.config,
+                r.effective_config.page_hashes.name()
+            );
             assert_eq!(
                 (r.hit_tokens_device, r.hit_tokens_host, r.recomputed_tokens),
                 (

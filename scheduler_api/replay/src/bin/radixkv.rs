@@ -190,6 +190,14 @@ fn policy_parser(what: &'static str) -> Named<PolicyKind> {
     }
 }
 
+fn page_hash_parser() -> Named<PageHashMode> {
+    Named {
+        what: "page-hash mode",
+        shown: PageHashMode::ALL.map(PageHashMode::name).to_vec(),
+        parse: PageHashMode::from_name,
+    }
+}
+
 fn cache_parser() -> Named<CacheFlag> {
     Named {
         what: "cache kind",
@@ -387,8 +395,8 @@ struct RunArgs {
     /// kept per conversation, a turn hashes its new pages only; prompts outside a
     /// conversation carry none). Hashing is timed as the engine's work, apart from the
     /// manager's CPU [default: conversation]
-    #[arg(long, value_name = "MODE", value_parser = ["off", "whole", "conversation"])]
-    page_hashes: Option<String>,
+    #[arg(long, value_name = "MODE", value_parser = page_hash_parser())]
+    page_hashes: Option<PageHashMode>,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
     /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
     /// policy too) on the same workload and print one table.
@@ -769,9 +777,8 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
         cfg.check_invariants_every = n;
     }
     cfg.max_rss_growth_mib = run.max_rss_growth_mib;
-    if let Some(m) = run.page_hashes.as_deref() {
-        cfg.page_hashes = PageHashMode::from_name(m)
-            .ok_or_else(|| ManagerError::Config(format!("unknown --page-hashes mode {m:?}")))?;
+    if let Some(m) = run.page_hashes {
+        cfg.page_hashes = m;
     }
     cfg.arrivals = match (run.load, run.arrival_scale) {
         (Some(l), _) => Arrivals::Load(l),

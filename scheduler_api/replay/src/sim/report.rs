@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::load::LoadReport;
 use super::memory::MemoryUse;
-use super::scheduler::SimConfig;
+use super::scheduler::{PageHashMode, SimConfig};
 use radixkv_scheduler_api::config::{CacheKind, StorageBackendKind, WritePolicy, human_tokens};
 use radixkv_scheduler_api::metrics::{Counters, ratio};
 
@@ -238,11 +238,9 @@ pub struct Report {
     pub cache_cpu_clock: String,
     /// The waits taken out of the figures above.
     pub cache_cpu_waits: CpuWaits,
-    /// How the prompts carried match hashes (`off`, `whole`, `conversation`; see
-    /// `SimConfig::page_hashes`).
-    pub page_hashes: String,
-    /// Time the prompt sources spent hashing pages, per request (µs): the engine's work, not
-    /// counted in the manager's CPU above.
+    /// Time the prompt sources spent hashing pages, per request (µs; how they hashed:
+    /// `effective_config.page_hashes`): the engine's work, not counted in the manager's CPU
+    /// above.
     pub page_hash_us_per_request: f64,
     /// Wall-clock time of the whole replay (s).
     pub wall_s: f64,
@@ -698,19 +696,20 @@ impl fmt::Display for Report {
             self.cache_cpu_waits.removed_s,
             self.wall_s
         )?;
-        if self.page_hashes != "off" && self.page_hash_us_per_request == 0.0 {
-            write!(
+        match self.effective_config.page_hashes {
+            PageHashMode::Off => {}
+            m if self.page_hash_us_per_request == 0.0 => write!(
                 f,
                 "\npage hashes      {}: no prompt carried any (none belongs to a conversation)",
-                self.page_hashes
-            )?;
-        } else if self.page_hashes != "off" {
-            write!(
+                m.name()
+            )?,
+            m => write!(
                 f,
                 "\npage hashes      {}: the engine spent {:.2} µs per request hashing pages \
                  (not in the manager's CPU)",
-                self.page_hashes, self.page_hash_us_per_request
-            )?;
+                m.name(),
+                self.page_hash_us_per_request
+            )?,
         }
         write!(
             f,

@@ -74,6 +74,9 @@ pub enum PageHashMode {
 }
 
 impl PageHashMode {
+    /// Every mode.
+    pub const ALL: [PageHashMode; 3] = [Self::Off, Self::Whole, Self::Conversation];
+
     /// The mode's name (`off`, `whole`, `conversation`).
     pub fn name(self) -> &'static str {
         match self {
@@ -85,9 +88,7 @@ impl PageHashMode {
 
     /// The mode named `name`.
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Off, Self::Whole, Self::Conversation]
-            .into_iter()
-            .find(|m| m.name() == name)
+        Self::ALL.into_iter().find(|m| m.name() == name)
     }
 }
 
@@ -331,7 +332,9 @@ pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
 }
 
 /// Requests left per conversation (session) of a trace: the replay closes a session, and the
-/// ideal forgets a conversation's history, once its last request is over.
+/// ideal forgets a conversation's history, once its last request is over; counted down at
+/// arrivals instead, it says when a conversation's hash memo is no longer needed
+/// ([`HashMemos`]).
 #[derive(Default)]
 struct TurnsLeft(HashMap<u64, u32>);
 
@@ -367,30 +370,23 @@ impl TurnsLeft {
 #[derive(Default)]
 struct HashMemos {
     memos: HashMap<u64, Arc<Mutex<HashMemo>>>,
-    arrivals_left: HashMap<u64, u32>,
+    /// Requests of each conversation still to arrive.
+    arrivals_left: TurnsLeft,
 }
 
 impl HashMemos {
     fn of(trace: &Trace) -> Self {
-        let mut left: HashMap<u64, u32> = HashMap::default();
-        for s in trace.requests.iter().filter_map(|r| r.session) {
-            *left.entry(s).or_default() += 1;
-        }
         HashMemos {
             memos: HashMap::default(),
-            arrivals_left: left,
+            arrivals_left: TurnsLeft::of(trace),
         }
     }
 
     /// The memo of conversation `s` for a request of it that arrives now.
     fn arrive(&mut self, s: u64) -> Arc<Mutex<HashMemo>> {
         let memo = self.memos.entry(s).or_default().clone();
-        if let Some(n) = self.arrivals_left.get_mut(&s) {
-            *n -= 1;
-            if *n == 0 {
-                self.arrivals_left.remove(&s);
-                self.memos.remove(&s);
-            }
+        if self.arrivals_left.over(s) {
+            self.memos.remove(&s);
         }
         memo
     }
@@ -1016,7 +1012,6 @@ impl Sim<'_> {
             complete_us: per(c.total(Phase::Complete)),
         };
         r.cache_cpu_clock = c.kind().to_string();
-        r.page_hashes = self.cfg.page_hashes.name().to_string();
         r.page_hash_us_per_request =
             per(Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)));
         let (steps, waited) = c.waits();

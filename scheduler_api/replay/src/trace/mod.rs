@@ -164,9 +164,9 @@ pub enum PageHashing {
     /// Hashes of the whole prompt, computed when the manager asks (an engine that hashes each
     /// prompt as it arrives).
     Whole,
-    /// Hashes kept per conversation: the pages the prompt shares with the conversation's
-    /// last hashed prompt are taken from it and only the rest are hashed (an engine that
-    /// extends its hashes as a conversation grows).
+    /// Hashes kept per conversation: the pages the prompt shares with one of the
+    /// conversation's kept prompts ([`HashMemo`]) are taken from it and only the rest are
+    /// hashed (an engine that extends its hashes as a conversation grows).
     Conversation(Arc<Mutex<HashMemo>>),
 }
 
