@@ -138,7 +138,8 @@ pub use backend::{
 pub use consensus::{Consensus, SingleRank};
 pub use controller::{
     Acks, CacheOperation, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep,
-    OpId, PoolName, PoolTransfer, SlotOwner, TransferStats, merge_runs,
+    OpId, PoolName, PoolTransfer, SORT_RUNS_FROM_PAGES, SORT_RUNS_UP_TO, SlotOwner, TransferStats,
+    merge_runs,
 };
 pub use error::{HiCacheError, Result};
 pub use geometry::{HostLayout, KvGeometry};

@@ -56,7 +56,7 @@ fn single_page_ops_merge_into_minimal_runs() {
     assert_eq!(stats.ops, n);
     assert_eq!(stats.pages, n);
     assert_eq!(stats.runs, minimal_runs(&pairs));
-    assert_eq!(merge_runs(&mut pairs.clone()).len(), stats.runs);
+    assert_eq!(merge_runs(pairs.iter().copied()).len(), stats.runs);
     ctrl.wait_all().unwrap();
     assert_eq!(
         ctrl.poll_acks().writes.len(),

@@ -4,8 +4,8 @@
 //! The controller never touches the tree. `write`/`load` allocate the target pages (host pages
 //! for a backup, device pages for a load, plus slots of every extra pool — all or nothing) and
 //! queue a [`CacheOperation`]. `start_writing`/`start_loading` merge everything queued into one
-//! transfer: the (device, host) page pairs are sorted and adjacent pairs coalesce into
-//! [`PageRun`]s, so many small operations become few large copies. Completions come back through
+//! transfer: adjacent (device, host) page pairs coalesce into [`PageRun`]s (see
+//! [`merge_runs`]), so many small operations become few large copies. Completions come back through
 //! [`HybridCacheController::poll_acks`], which the cache calls at step boundaries.
 //!
 //! Extra pools (Mamba state, SWA KV) ride in the same operation as [`PoolTransfer`]s with their
@@ -43,11 +43,11 @@ use crate::host_pool::{HostPool, SlotAllocator};
 use crate::layer_counter::{LayerDoneCounter, wait_all};
 
 mod ops;
-pub(crate) use ops::radix_sort_by_key;
+pub(crate) use ops::{RunBuilder, radix_sort_by_key};
 
 pub use ops::{
-    Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer, SlotOwner,
-    TransferStats, merge_runs,
+    Acks, CacheOperation, ExtraPoolSpec, LoadStep, OpId, PoolName, PoolTransfer,
+    SORT_RUNS_FROM_PAGES, SORT_RUNS_UP_TO, SlotOwner, TransferStats, merge_runs,
 };
 
 /// Default of [`HybridCacheController::max_pending_ops`]: operations per direction queued or
@@ -129,7 +129,6 @@ pub struct HybridCacheController<B: DeviceBackend> {
     load_acks: VecDeque<InFlight<B::Event>>,
     layers: Arc<LayerDoneCounter<B::Event>>,
     next_op: OpId,
-    pairs: Vec<(u32, u32)>,
     /// Host pages ([`PoolName::Kv`]) or extra-pool host slots to free once every load issued
     /// up to the given op id has completed.
     deferred_host: Vec<(OpId, PoolName, Vec<u32>)>,
@@ -186,7 +185,6 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             load_acks: VecDeque::new(),
             layers,
             next_op: 1,
-            pairs: Vec::new(),
             deferred_host: Vec::new(),
             last_load: 0,
             max_pending: DEFAULT_MAX_PENDING_OPS,
@@ -384,29 +382,24 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 });
             }
             let p = self.extra_pool(t.name)?;
-            let mut pairs: Vec<(u32, u32)> = t
+            let pairs = t
                 .device_indices
                 .iter()
                 .copied()
-                .zip(t.host_indices.iter().copied())
-                .collect();
+                .zip(t.host_indices.iter().copied());
             let copy = SlotCopy {
                 direction: Direction::HostToDevice,
                 pool: t.name,
-                runs: merge_runs(&mut pairs).into(),
+                runs: merge_runs(pairs).into(),
                 host: p.host_mem.clone(),
             };
             self.backend.enqueue_slot_copy(StreamKind::Load, copy)?;
         }
-        let mut pairs: Vec<(u32, u32)> = device_pages
-            .iter()
-            .zip(host_pages)
-            .map(|(d, &h)| (d.0, h))
-            .collect();
+        let pairs = device_pages.iter().zip(host_pages).map(|(d, &h)| (d.0, h));
         let copy = PageCopy {
             direction: Direction::HostToDevice,
             layers: 0..self.backend.geometry().layers,
-            runs: merge_runs(&mut pairs).into(),
+            runs: merge_runs(pairs).into(),
             host: self.host.memory().clone(),
         };
         self.backend.enqueue_copy(StreamKind::Load, copy)?;
@@ -648,17 +641,17 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     }
 
     fn merge(&mut self, ops: &[CacheOperation]) -> (Arc<[PageRun]>, TransferStats) {
-        self.pairs.clear();
+        let pages = ops.iter().map(|o| o.device_pages.len()).sum();
+        let mut runs = RunBuilder::with_capacity(pages);
         for op in ops {
-            self.pairs.extend(
+            runs.extend(
                 op.device_pages
                     .iter()
                     .zip(&op.host_pages)
                     .map(|(d, &h)| (d.0, h)),
             );
         }
-        let runs = merge_runs(&mut self.pairs);
-        let pages = self.pairs.len();
+        let runs = runs.finish();
         let mut stats = TransferStats {
             ops: ops.len(),
             pages,
@@ -680,25 +673,27 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     fn merge_extra(&mut self, ops: &[CacheOperation], direction: Direction) -> Vec<SlotCopy> {
         let mut out = Vec::new();
         for p in &self.extra {
-            self.pairs.clear();
-            for t in ops
-                .iter()
-                .flat_map(|o| o.extra.iter().filter(|t| t.name == p.name))
-            {
-                self.pairs.extend(
+            let moved = || {
+                ops.iter()
+                    .flat_map(|o| o.extra.iter().filter(|t| t.name == p.name))
+            };
+            let slots = moved().map(|t| t.device_indices.len()).sum();
+            if slots == 0 {
+                continue;
+            }
+            let mut runs = RunBuilder::with_capacity(slots);
+            for t in moved() {
+                runs.extend(
                     t.device_indices
                         .iter()
                         .copied()
                         .zip(t.host_indices.iter().copied()),
                 );
             }
-            if self.pairs.is_empty() {
-                continue;
-            }
             out.push(SlotCopy {
                 direction,
                 pool: p.name,
-                runs: merge_runs(&mut self.pairs).into(),
+                runs: runs.finish().into(),
                 host: p.host_mem.clone(),
             });
         }

@@ -136,42 +136,145 @@ impl Acks {
     }
 }
 
-/// Coalesces (device, host) pairs into runs adjacent on both sides, in device page order.
-/// Each device page appears once, so this is the minimal number of runs for the pairing (the
-/// runs of the pairs sorted by device page). `pairs` is left in an unspecified order.
+/// Coalesces (device, host) pairs into runs adjacent on both sides: each pair continues the
+/// run before it when it follows that run on both sides, in the order the pairs are given.
+/// When that leaves few runs (at most [`SORT_RUNS_UP_TO`], or runs of [`SORT_RUNS_FROM_PAGES`]
+/// pages or more on average), the runs are also sorted by device page and joined where they
+/// meet, which gives the minimal runs for the pairing (the runs of the pairs sorted by device
+/// page; a device page listed twice keeps both copies, in host page order).
 ///
-/// Loads and backups list mostly consecutive pages, so the pairs are coalesced in their own
-/// order first and only the runs, far fewer, are sorted and joined: O(pairs + runs log runs),
-/// or O(pairs + runs) for the long lists of scattered pages that eviction's write-backs
-/// gather (a radix sort on the device page).
-pub fn merge_runs(pairs: &mut [(u32, u32)]) -> Vec<PageRun> {
-    // As many runs as pairs at most: eviction's victims are scattered pages, and growing the
-    // list from empty showed in the write-back eviction's profile.
-    let mut runs = Vec::with_capacity(pairs.len());
-    coalesce(&mut runs, pairs.iter().map(|&(d, h)| (d, h, 1)));
-    // Runs in device order that share no device page (what greedy joining leaves unjoinable).
-    let apart =
-        |a: &PageRun, b: &PageRun| u64::from(a.device) + u64::from(a.pages) <= u64::from(b.device);
-    if runs.is_sorted_by(apart) {
-        return runs;
+/// Loads and backups list mostly consecutive pages, so the pass in the given order finds the
+/// runs; the sort only joins runs listed out of order (operations queued in another order
+/// than their pages). On long lists of scattered pages, which is what a full cache's
+/// evictions and loads give, profiles showed the sort joining nothing while costing more than
+/// the pass itself, so those keep the order they came in.
+pub fn merge_runs(pairs: impl IntoIterator<Item = (u32, u32)>) -> Vec<PageRun> {
+    let pairs = pairs.into_iter();
+    let mut b = RunBuilder::with_capacity(pairs.size_hint().0);
+    b.extend(pairs);
+    b.finish()
+}
+
+/// Runs at most this many are sorted by device page (and joined) whatever their length.
+pub const SORT_RUNS_UP_TO: usize = 64;
+
+/// Runs this many pages long or longer on average are sorted by device page (and joined).
+pub const SORT_RUNS_FROM_PAGES: usize = 4;
+
+/// Builds [`merge_runs`]'s runs from pairs given in pieces (one piece an operation).
+pub(crate) struct RunBuilder {
+    /// Finished runs in `runs[..len]`; the rest is room, one slot per pair still to come.
+    runs: Vec<PageRun>,
+    len: usize,
+    /// The open run (`pages == 0` before the first pair).
+    open: PageRun,
+    pairs: usize,
+}
+
+impl RunBuilder {
+    /// A builder with room for `pairs` pairs (it grows past them).
+    pub(crate) fn with_capacity(pairs: usize) -> Self {
+        RunBuilder {
+            runs: Vec::with_capacity(pairs),
+            len: 0,
+            open: PageRun {
+                device: 0,
+                host: 0,
+                pages: 0,
+            },
+            pairs: 0,
+        }
     }
-    // Device pages are unique unless a page is listed twice, which the check below catches
-    // whatever the order of the runs that share it: the device page alone is the key.
-    radix_sort_by_key(&mut runs, |r| r.device);
-    if !runs.is_sorted_by(apart) {
-        // A device page listed twice: the runs of the pairs themselves, sorted.
-        pairs.sort_unstable();
-        runs.clear();
-        coalesce(&mut runs, pairs.iter().map(|&(d, h)| (d, h, 1)));
-        return runs;
+
+    /// Appends pairs. A full cache's pages are scattered, so whether a pair continues the open
+    /// run is a coin toss the branch predictor loses: the loop has no branch on it. The open
+    /// run is stored at `len` after every pair and `len` moves past it only when a new run
+    /// starts.
+    pub(crate) fn extend(&mut self, pairs: impl Iterator<Item = (u32, u32)>) {
+        let mut pairs = pairs.peekable();
+        if self.pairs == 0 {
+            // The first pair continues the empty run at its own pages.
+            if let Some(&(d, h)) = pairs.peek() {
+                self.open = PageRun {
+                    device: d,
+                    host: h,
+                    pages: 0,
+                };
+            }
+        }
+        let room = self.len + pairs.size_hint().0 + 1;
+        if room > self.runs.len() {
+            self.runs.resize(room, self.open);
+        }
+        for (d, h) in pairs {
+            if self.len == self.runs.len() {
+                // More pairs than the iterator's lower bound said.
+                self.runs.resize(2 * self.len + 1, self.open);
+            }
+            let o = self.open;
+            let end = u64::from(o.pages);
+            let joins = (u64::from(o.device) + end == u64::from(d))
+                & (u64::from(o.host) + end == u64::from(h));
+            self.runs[self.len] = o;
+            self.len += usize::from(!joins);
+            self.open = if joins {
+                PageRun {
+                    pages: o.pages + 1,
+                    ..o
+                }
+            } else {
+                PageRun {
+                    device: d,
+                    host: h,
+                    pages: 1,
+                }
+            };
+            self.pairs += 1;
+        }
     }
-    let n = runs.len();
-    let sorted = std::mem::replace(&mut runs, Vec::with_capacity(n));
-    coalesce(
-        &mut runs,
-        sorted.iter().map(|r| (r.device, r.host, r.pages)),
-    );
-    runs
+
+    /// The runs.
+    pub(crate) fn finish(mut self) -> Vec<PageRun> {
+        if self.pairs == 0 {
+            return Vec::new();
+        }
+        if self.len == self.runs.len() {
+            self.runs.push(self.open);
+        } else {
+            self.runs[self.len] = self.open;
+        }
+        self.runs.truncate(self.len + 1);
+        let mut runs = self.runs;
+        if runs.len() > SORT_RUNS_UP_TO && runs.len() * SORT_RUNS_FROM_PAGES > self.pairs {
+            return runs;
+        }
+        // Runs in device order that share no device page (what greedy joining leaves unjoinable).
+        let apart = |a: &PageRun, b: &PageRun| {
+            u64::from(a.device) + u64::from(a.pages) <= u64::from(b.device)
+        };
+        if runs.is_sorted_by(apart) {
+            return runs;
+        }
+        radix_sort_by_key(&mut runs, |r| r.device);
+        if !runs.is_sorted_by(apart) {
+            // A device page listed twice: the runs of the pairs themselves, sorted.
+            let mut pairs: Vec<(u32, u32)> = runs
+                .iter()
+                .flat_map(|r| (0..r.pages).map(move |i| (r.device + i, r.host + i)))
+                .collect();
+            pairs.sort_unstable();
+            runs.clear();
+            coalesce(&mut runs, pairs.into_iter().map(|(d, h)| (d, h, 1)));
+            return runs;
+        }
+        let n = runs.len();
+        let sorted = std::mem::replace(&mut runs, Vec::with_capacity(n));
+        coalesce(
+            &mut runs,
+            sorted.iter().map(|r| (r.device, r.host, r.pages)),
+        );
+        runs
+    }
 }
 
 /// Lengths from which on [`radix_sort_by_key`] sorts by radix rather than by comparison.
@@ -238,13 +341,21 @@ fn coalesce(runs: &mut Vec<PageRun>, pieces: impl Iterator<Item = (u32, u32, u32
 mod tests {
     use super::*;
 
-    /// The runs of the pairs sorted by device page: what `merge_runs` must return.
+    /// What `merge_runs` must return: the runs of the pairs in their order, or, when those
+    /// are few or long, the runs of the pairs sorted by device page (the minimal runs).
     fn reference(pairs: &[(u32, u32)]) -> Vec<PageRun> {
+        let runs_of = |pairs: &[(u32, u32)]| {
+            let mut runs = Vec::new();
+            coalesce(&mut runs, pairs.iter().map(|&(d, h)| (d, h, 1)));
+            runs
+        };
+        let in_order = runs_of(pairs);
+        if in_order.len() > SORT_RUNS_UP_TO && in_order.len() * SORT_RUNS_FROM_PAGES > pairs.len() {
+            return in_order;
+        }
         let mut sorted = pairs.to_vec();
         sorted.sort_unstable();
-        let mut runs = Vec::new();
-        coalesce(&mut runs, sorted.into_iter().map(|(d, h)| (d, h, 1)));
-        runs
+        runs_of(&sorted)
     }
 
     /// A xorshift64 generator from `seed`: each call draws a number below `n`.
@@ -285,7 +396,7 @@ mod tests {
     }
 
     #[test]
-    fn merged_runs_equal_the_runs_of_the_sorted_pairs() {
+    fn merged_runs_are_the_listed_runs_or_the_minimal_ones() {
         let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
         for case in 0..3000 {
             // Shuffled stretches of consecutive pages, sometimes adjacent to each other, and
@@ -299,7 +410,10 @@ mod tests {
                 _ => (64 + rnd(200), 1 << 22),
             };
             for _ in 0..stretches {
-                let (d, h, n) = (rnd(span) as u32, rnd(span) as u32, 1 + rnd(6) as u32);
+                // Stretches of 3.5 or 6.5 pages on average: long lists on both sides of
+                // SORT_RUNS_FROM_PAGES.
+                let longest = if case % 2 == 0 { 6 } else { 12 };
+                let (d, h, n) = (rnd(span) as u32, rnd(span) as u32, 1 + rnd(longest) as u32);
                 pairs.extend((0..n).map(|i| (d + i, h + i)));
             }
             if case % 5 != 0 {
@@ -319,17 +433,32 @@ mod tests {
                 }
             }
             let want = reference(&pairs);
-            assert_eq!(merge_runs(&mut pairs.clone()), want, "{pairs:?}");
+            assert_eq!(merge_runs(pairs.iter().copied()), want, "{pairs:?}");
+            // Given in pieces (one an operation), some from iterators that do not know their
+            // length: the same runs.
+            let mut pieces = RunBuilder::with_capacity(rnd(pairs.len() as u64 + 1) as usize);
+            let mut rest = &pairs[..];
+            while !rest.is_empty() {
+                let (piece, tail) = rest.split_at(1 + rnd(rest.len() as u64) as usize);
+                if case % 2 == 0 {
+                    pieces.extend(piece.iter().copied());
+                } else {
+                    pieces.extend(piece.iter().copied().filter(|_| true));
+                }
+                rest = tail;
+            }
+            assert_eq!(pieces.finish(), want, "{pairs:?} in pieces");
         }
+        assert!(merge_runs(std::iter::empty()).is_empty());
         // Runs that only touch once sorted are joined; pages past u32::MAX never wrap.
-        let mut pairs = vec![(4, 14), (5, 15), (0, 10), (1, 11), (2, 12), (3, 13)];
+        let pairs = vec![(4, 14), (5, 15), (0, 10), (1, 11), (2, 12), (3, 13)];
         let one = PageRun {
             device: 0,
             host: 10,
             pages: 6,
         };
-        assert_eq!(merge_runs(&mut pairs), vec![one]);
-        let mut edge = vec![(u32::MAX, 0), (0, 1)];
-        assert_eq!(merge_runs(&mut edge).len(), 2);
+        assert_eq!(merge_runs(pairs), vec![one]);
+        let edge = vec![(u32::MAX, 0), (0, 1)];
+        assert_eq!(merge_runs(edge).len(), 2);
     }
 }
