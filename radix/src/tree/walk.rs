@@ -184,8 +184,13 @@ impl RadixTree {
         pos: usize,
     ) -> Option<(u32, usize)> {
         let p = self.page_size;
-        let child = self.find_child(node, key.namespace, &key.tokens[pos..pos + p])?;
-        let common = self.edge_match(child, key, pos);
+        let (child, common) = match self.child_by_end_hash(node, key, pos) {
+            Some(c) => (c, self.nodes[c as usize].key.len()),
+            None => {
+                let child = self.find_child(node, key.namespace, &key.tokens[pos..pos + p])?;
+                (child, self.edge_match(child, key, pos))
+            }
+        };
         let child = if common < self.nodes[child as usize].key.len() {
             self.split(child, common)
         } else {
@@ -207,6 +212,37 @@ impl RadixTree {
             .checked_sub(1)
             .and_then(|i| key.hashes.get(i))
             .map_or(0, |h| h.0)
+    }
+
+    /// The child of `node` whose whole edge the key's match hashes accept from `pos`, found
+    /// among a few children (most nodes on a conversation's path have one) by the hash at each
+    /// child's end alone: neither the child's tokens nor the key's are read, where finding the
+    /// child by its first page reads both (a cache miss per node on a long path). `None`
+    /// when the key carries no hash there, the node has many children (their table finds
+    /// the child by its first page), or no child's edge is wholly matched.
+    #[inline]
+    fn child_by_end_hash(&self, node: u32, key: KeyRef<'_>, pos: usize) -> Option<u32> {
+        if key.hashes.len() <= pos / self.page_size {
+            return None;
+        }
+        let Children::Inline(children) = &self.nodes[node as usize].children else {
+            return None;
+        };
+        let child = children.iter().copied().find(|&c| {
+            let n = &self.nodes[c as usize];
+            let end = pos + n.key.len();
+            n.end_hash != 0 && end <= key.tokens.len() && self.end_hash_at(key, end) == n.end_hash
+        })?;
+        let n = &self.nodes[child as usize];
+        if cfg!(debug_assertions)
+            && (n.key[..] != key.tokens[pos..pos + n.key.len()]
+                || (node == self.root && n.namespace != *key.namespace))
+        {
+            // A hash that is not the tokens' chain: match by tokens, report it.
+            self.note_broken_hash();
+            return None;
+        }
+        Some(child)
     }
 
     /// Records that a match hash accepted an edge whose tokens differ (debug builds).
