@@ -156,15 +156,16 @@ fn failed_load_is_repaired_and_not_reported_as_loaded<F: Factory>() {
     // Layer 0 holds garbage until the repair.
     let g = c.backend().geometry();
     let mut buf = vec![0u8; g.page_bytes_per_layer()];
+    let prefix = row_prefix(&c, &r);
     c.backend()
-        .read_device_page(0, r.prefix_pages[0], &mut buf)
+        .read_device_page(0, prefix[0], &mut buf)
         .unwrap();
     assert!(buf.iter().all(|&b| b == POISON_BYTE));
     let acks = c.step().unwrap();
     assert!(acks.loads.is_empty() && acks.failed_loads.len() == 1);
     let s = c.stats();
     assert_eq!((s.loads_acked, s.failed_loads, s.repaired_loads), (0, 1, 1));
-    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    check_pages(&**c.backend(), &prefix, &hashes(&a, 2)[..4]);
     finish(&mut c, &mut r, &a);
     c.flush().unwrap();
     c.check_invariants().unwrap();
@@ -238,7 +239,7 @@ fn step_right_after_a_failed_layer_repairs_the_load_still_in_flight() {
     // waiting finds the load still held, with layer 0 still garbage.
     gate.open_when_waited();
     let acks = c.step().expect("the repair's copy does not fail");
-    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    check_pages(&**c.backend(), &row_prefix(&c, &r), &hashes(&a, 2)[..4]);
     assert_eq!(acks.failed_loads.len(), 1, "{acks:?}");
     assert!(acks.loads.is_empty(), "never reported as loaded");
     let s = c.stats();

@@ -188,7 +188,7 @@ fn failed_load_is_repaired_with_its_state() {
     assert_eq!(c.stats().repaired_loads, 1, "{:?}", c.stats());
     let cow = r.mamba_cow.unwrap();
     assert_eq!(read_state(&c, cow.src), state_bytes(&b[..16]));
-    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&b, 4)[..4]);
+    check_pages(&**c.backend(), &row_prefix(&c, &r), &hashes(&b, 4)[..4]);
     c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
     c.flush().unwrap();
     c.check_invariants().unwrap();

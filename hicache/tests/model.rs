@@ -217,7 +217,8 @@ fn run_with(policy: WritePolicy, layout: HostLayout, ops: Vec<Op>, mutations: Te
                 c.match_request(&mut r).unwrap();
                 c.begin_request(&mut r).unwrap();
                 c.flush().unwrap();
-                check_pages(&**c.backend(), &r.prefix_pages, &h[..r.prefix_pages.len()]);
+                let prefix = row_prefix(&c, &r);
+                check_pages(&**c.backend(), &prefix, &h[..prefix.len()]);
                 let rest = t.len() - r.prefix_len;
                 if c.alloc_tokens(&mut r, rest).is_err() {
                     c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();

@@ -215,7 +215,7 @@ fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     for l in 0..LAYERS {
         counter.wait_until(l).unwrap();
     }
-    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&a, 2)[..4]);
+    check_pages(&**c.backend(), &row_prefix(&c, &r), &hashes(&a, 2)[..4]);
     c.alloc_tokens(&mut r, 1).unwrap();
     r.commit(1).unwrap();
     c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();

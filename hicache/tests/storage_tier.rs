@@ -972,11 +972,8 @@ fn serve_through_failed_loads(c: &mut HiRadixCache<HostSim>, tokens: &[u32]) -> 
         }
     }
     c.step().unwrap();
-    check_pages(
-        &**c.backend(),
-        &req.prefix_pages,
-        &h[..req.prefix_pages.len()],
-    );
+    let prefix = row_prefix(c, &req);
+    check_pages(&**c.backend(), &prefix, &h[..prefix.len()]);
     let rest = tokens.len() - req.prefix_len;
     c.alloc_tokens(&mut req, rest)
         .expect("the device holds the request");

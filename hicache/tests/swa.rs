@@ -214,7 +214,7 @@ fn failed_load_is_repaired_with_its_window() {
         let end = r.swa_evicted_len + (j + 1) * 4;
         assert_eq!(read_window(&c, pg), window_bytes(&b[..end]));
     }
-    check_pages(&**c.backend(), &r.prefix_pages, &hashes(&b, 4)[..4]);
+    check_pages(&**c.backend(), &row_prefix(&c, &r), &hashes(&b, 4)[..4]);
     c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
     c.flush().unwrap();
     c.check_invariants().unwrap();

@@ -93,7 +93,17 @@ pub fn write_pages<B: DeviceBackend>(b: &B, pages: &[PageId], hashes: &[u64]) {
 }
 
 /// Panics with a description if any page does not hold its expected bytes.
+/// The device pages of a begun request's prefix: `begin_request` moves them from
+/// `RequestKv::prefix_pages` into the request's row.
+pub fn row_prefix<B: DeviceBackend>(c: &HiRadixCache<B>, r: &RequestKv) -> Vec<PageId> {
+    let rows = &c.pools().rows;
+    let row = r.row.expect("a begun request");
+    let pages = rows.pages(row).unwrap();
+    pages[..rows.protected_pages(row).unwrap()].to_vec()
+}
+
 pub fn check_pages<B: DeviceBackend>(b: &B, pages: &[PageId], hashes: &[u64]) {
+    assert_eq!(pages.len(), hashes.len(), "pages to check against their KV");
     let g = b.geometry();
     let mut buf = vec![0u8; g.page_bytes_per_layer()];
     for (i, (&p, &h)) in pages.iter().zip(hashes).enumerate() {
