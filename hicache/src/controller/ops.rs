@@ -175,7 +175,9 @@ impl RunBuilder {
     /// A builder with room for `pairs` pairs (it grows past them).
     pub(crate) fn with_capacity(pairs: usize) -> Self {
         RunBuilder {
-            runs: Vec::with_capacity(pairs),
+            // `extend` keeps a slot past the pairs given so far for the open run: one more
+            // than the pairs, or the first extension reallocates.
+            runs: Vec::with_capacity(pairs + 1),
             len: 0,
             open: PageRun {
                 device: 0,

@@ -818,8 +818,8 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 device_indices: swa_dev.iter().map(|p| p.0).collect(),
             });
         }
-        let mut host = std::mem::take(&mut self.host_scratch);
-        host.clear();
+        // The load's host pages, kept by its pending entry.
+        let mut host = Vec::with_capacity(need);
         for &c in &chain {
             host.extend_from_slice(self.inner.tree().host_pages(c)?.unwrap_or(&[]));
         }
@@ -828,7 +828,6 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             .ctrl
             .load(&host, &mut pools.pages, extra)
             .map(|op| (op.id, op.device_pages.clone()));
-        self.host_scratch = host;
         let (id, dev) = match loaded {
             Ok(v) => v,
             Err(e) => {
@@ -885,19 +884,20 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         for &b in &between {
             req.prefix_pages.extend_from_slice(tree.device_pages(b)?);
         }
+        req.prefix_pages.extend_from_slice(&dev);
+        // The pending load keeps the lists (a failed copy is repaired from them).
         self.pending_loads.insert(
             id,
             PendingLoad {
                 lock,
                 last: anchor,
-                host: self.host_scratch.clone(),
-                device: dev.clone(),
+                host,
+                device: dev,
                 state: state.zip(dev_slot),
                 swa,
                 swa_pins,
             },
         );
-        req.prefix_pages.extend_from_slice(&dev);
         req.prefix_len += gain;
         req.kv_match_len = req.kv_match_len.max(req.prefix_len);
         req.host_hit_len = 0;
