@@ -57,7 +57,7 @@ pub use cudarc;
 pub use method::{AUTO_MEMCPY_MIN_SPAN, AUTO_MIN_SPANS, CopyMethod, DEFAULT_KERNEL_MAX_SPAN};
 pub use plan::DeviceRegion;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, result, sys};
@@ -251,6 +251,12 @@ pub struct CudaCopyEvent {
     event: Arc<CudaEvent>,
     /// Set when a copy before the event was only partly queued: the event fails.
     failed: Option<Arc<str>>,
+    /// The driver reported the event complete without error (shared by the clones: the
+    /// controller's transfer and the layer counter hold one each). An event is recorded once,
+    /// so a completed one stays complete, and later queries and waits need no driver call:
+    /// a pipelined load's layer events are asked about by the failure check, the acks and
+    /// the layer waits, each a driver call of its own before.
+    done: Arc<AtomicBool>,
 }
 
 impl CudaCopyEvent {
@@ -304,14 +310,27 @@ impl CudaCopyEvent {
 
 impl CopyEvent for CudaCopyEvent {
     fn is_complete(&self) -> bool {
-        // An error is a completion too (the failure is reported by `wait`).
-        self.event.try_is_complete().unwrap_or(true)
+        if self.done.load(Ordering::Acquire) {
+            return true;
+        }
+        match self.event.try_is_complete() {
+            Ok(true) => {
+                self.done.store(true, Ordering::Release);
+                true
+            }
+            Ok(false) => false,
+            // An error is a completion too (the failure is reported by `wait`).
+            Err(_) => true,
+        }
     }
 
     fn wait(&self) -> Result<()> {
-        self.event
-            .synchronize()
-            .map_err(|e| transfer("cuEventSynchronize", e))?;
+        if !self.done.load(Ordering::Acquire) {
+            self.event
+                .synchronize()
+                .map_err(|e| transfer("cuEventSynchronize", e))?;
+            self.done.store(true, Ordering::Release);
+        }
         match &self.failed {
             Some(f) => Err(HiCacheError::Transfer(f.to_string())),
             None => Ok(()),
@@ -1359,6 +1378,7 @@ impl DeviceBackend for CudaBackend {
         Ok(CudaCopyEvent {
             event: Arc::new(event),
             failed: failed.map(Arc::from),
+            done: Arc::new(AtomicBool::new(false)),
         })
     }
 
