@@ -319,6 +319,37 @@ fn cuda_auto_sends_short_spans_to_the_kernel_or_the_batched_call() {
     }
 }
 
+/// CUDA only: an event goes back to the backend's pool when its last clone is dropped, not
+/// before, and is recorded again (and completes again) for the next copy; the pool is capped.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_events_are_reused_once_every_clone_is_gone() {
+    use radixkv_hicache::cuda::{CudaBackend, CudaConfig, EVENT_POOL_MAX, probe};
+    if probe().is_err() {
+        return; // the sentinel reports the skip
+    }
+    let dev = CudaBackend::new(geometry(1), PAGES, CudaConfig::default()).unwrap();
+    let first = dev.record_event(StreamKind::Load).unwrap();
+    first.wait().unwrap();
+    let held = first.clone();
+    drop(first);
+    assert_eq!(dev.idle_events(), 0, "a clone still holds the event");
+    drop(held);
+    assert_eq!(dev.idle_events(), 1);
+    // Recorded again, behind a copy: it completes once the copy has.
+    let again = dev.record_event(StreamKind::Write).unwrap();
+    assert_eq!(dev.idle_events(), 0, "the idle event was recorded again");
+    again.wait().unwrap();
+    assert!(again.is_complete());
+    drop(again);
+    check_merged_runs(&dev, HostLayout::PageFirst);
+    let many: Vec<_> = (0..EVENT_POOL_MAX + 8)
+        .map(|_| dev.record_event(StreamKind::Load).unwrap())
+        .collect();
+    drop(many);
+    assert_eq!(dev.idle_events(), EVENT_POOL_MAX, "the pool is capped");
+}
+
 /// CUDA only: host buffers left pageable (as when the driver refuses to pin them) copy the
 /// same bytes, and are counted as unpinned.
 #[cfg(feature = "cuda")]

@@ -57,8 +57,9 @@ pub use cudarc;
 pub use method::{AUTO_MEMCPY_MIN_SPAN, AUTO_MIN_SPANS, CopyMethod, DEFAULT_KERNEL_MAX_SPAN};
 pub use plan::DeviceRegion;
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, result, sys};
 use radixkv_radix::PageId;
@@ -248,21 +249,50 @@ pub struct CopyCounts {
 /// submitted before it.
 #[derive(Clone, Debug)]
 pub struct CudaCopyEvent {
-    event: Arc<CudaEvent>,
+    event: Arc<Recorded>,
     /// Set when a copy before the event was only partly queued: the event fails.
     failed: Option<Arc<str>>,
-    /// The driver reported the event complete without error (shared by the clones: the
-    /// controller's transfer and the layer counter hold one each). An event is recorded once,
-    /// so a completed one stays complete, and later queries and waits need no driver call:
-    /// a pipelined load's layer events are asked about by the failure check, the acks and
-    /// the layer waits, each a driver call of its own before.
-    done: Arc<AtomicBool>,
+}
+
+/// Most idle CUDA events a backend keeps for reuse.
+pub const EVENT_POOL_MAX: usize = 1024;
+
+/// The idle CUDA events of a backend.
+type EventPool = Mutex<Vec<CudaEvent>>;
+
+/// One recording of a CUDA event, shared by the clones of its [`CudaCopyEvent`] (the
+/// controller's transfer and the layer counter hold one each). When the last one goes, the
+/// event goes back to its backend's pool: a pipelined load records an event per layer, and
+/// creating and destroying each was two driver calls of the five a layer cost.
+#[derive(Debug)]
+struct Recorded {
+    event: ManuallyDrop<CudaEvent>,
+    /// The driver reported the event complete without error. A recording completes once,
+    /// so later queries and waits need no driver call (the failure check, the acks and the
+    /// layer waits each asked the driver before).
+    done: AtomicBool,
+    pool: Weak<EventPool>,
+}
+
+impl Drop for Recorded {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; the field is never used again.
+        let event = unsafe { ManuallyDrop::take(&mut self.event) };
+        if let Some(pool) = self.pool.upgrade() {
+            let mut idle = lock(&pool);
+            if idle.len() < EVENT_POOL_MAX {
+                idle.push(event);
+            }
+        }
+        // Otherwise (a full pool, or a backend already gone) the event is destroyed here.
+    }
 }
 
 impl CudaCopyEvent {
-    /// The driver's event handle (owned by this event: do not destroy it).
+    /// The driver's event handle, valid while this event (or a clone) lives: do not destroy
+    /// it, and do not use it after the last clone is dropped (the backend records it again).
     pub fn cu_event(&self) -> sys::CUevent {
-        self.event.cu_event()
+        self.event.event.cu_event()
     }
 
     /// Makes `stream` (the engine's compute stream) wait on the device for the copies before
@@ -274,7 +304,7 @@ impl CudaCopyEvent {
     /// [`HiCacheError::Transfer`] when the driver refuses the wait.
     pub fn make_stream_wait(&self, stream: &CudaStream) -> Result<()> {
         stream
-            .wait(&self.event)
+            .wait(&self.event.event)
             .map_err(|e| transfer("cuStreamWaitEvent", e))
     }
 
@@ -287,6 +317,7 @@ impl CudaCopyEvent {
     /// [`HiCacheError::Transfer`] when the driver refuses the wait.
     pub unsafe fn make_raw_stream_wait(&self, stream: sys::CUstream) -> Result<()> {
         self.event
+            .event
             .context()
             .bind_to_thread()
             .map_err(|e| transfer("cuCtxSetCurrent", e))?;
@@ -294,7 +325,7 @@ impl CudaCopyEvent {
         unsafe {
             result::stream::wait_event(
                 stream,
-                self.event.cu_event(),
+                self.event.event.cu_event(),
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
         }
@@ -310,12 +341,13 @@ impl CudaCopyEvent {
 
 impl CopyEvent for CudaCopyEvent {
     fn is_complete(&self) -> bool {
-        if self.done.load(Ordering::Acquire) {
+        let r = &self.event;
+        if r.done.load(Ordering::Acquire) {
             return true;
         }
-        match self.event.try_is_complete() {
+        match r.event.try_is_complete() {
             Ok(true) => {
-                self.done.store(true, Ordering::Release);
+                r.done.store(true, Ordering::Release);
                 true
             }
             Ok(false) => false,
@@ -325,11 +357,12 @@ impl CopyEvent for CudaCopyEvent {
     }
 
     fn wait(&self) -> Result<()> {
-        if !self.done.load(Ordering::Acquire) {
-            self.event
+        let r = &self.event;
+        if !r.done.load(Ordering::Acquire) {
+            r.event
                 .synchronize()
                 .map_err(|e| transfer("cuEventSynchronize", e))?;
-            self.done.store(true, Ordering::Release);
+            r.done.store(true, Ordering::Release);
         }
         match &self.failed {
             Some(f) => Err(HiCacheError::Transfer(f.to_string())),
@@ -400,6 +433,8 @@ pub struct CudaBackend {
     kernel: Option<CopyKernel>,
     /// Copies submitted per [`Route`].
     routed: [AtomicU64; 3],
+    /// Idle events, recorded again by `record_event`.
+    events: Arc<EventPool>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -545,6 +580,7 @@ impl CudaBackend {
             batched,
             kernel,
             routed: Default::default(),
+            events: Arc::default(),
         }
     }
 
@@ -664,6 +700,13 @@ impl CudaBackend {
                 })
             }
         }
+    }
+
+    /// CUDA events kept for reuse: a [`CudaCopyEvent`]'s event comes back here when its last
+    /// clone is dropped (at most [`EVENT_POOL_MAX`]), and `record_event` records one of these
+    /// again before it creates a new one.
+    pub fn idle_events(&self) -> usize {
+        lock(&self.events).len()
     }
 
     /// Copies submitted so far, per route (under [`CopyMethod::Auto`] this shows what the
@@ -1370,15 +1413,26 @@ impl DeviceBackend for CudaBackend {
 
     fn record_event(&self, stream: StreamKind) -> Result<CudaCopyEvent> {
         self.bind()?;
-        let event = self
-            .stream(stream)
-            .record_event(None)
+        let idle = lock(&self.events).pop();
+        let event = match idle {
+            Some(e) => e,
+            None => self
+                .ctx
+                .new_event(None)
+                .map_err(|e| transfer("cuEventCreate", e))?,
+        };
+        // A refused recording drops the event (destroyed, not pooled).
+        event
+            .record(self.stream(stream))
             .map_err(|e| transfer("cuEventRecord", e))?;
         let failed = lock(&self.failed[stream_index(stream)]).take();
         Ok(CudaCopyEvent {
-            event: Arc::new(event),
+            event: Arc::new(Recorded {
+                event: ManuallyDrop::new(event),
+                done: AtomicBool::new(false),
+                pool: Arc::downgrade(&self.events),
+            }),
             failed: failed.map(Arc::from),
-            done: Arc::new(AtomicBool::new(false)),
         })
     }
 
