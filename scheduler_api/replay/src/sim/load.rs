@@ -308,19 +308,29 @@ impl std::fmt::Display for LoadReport {
              {:.2} / {:.2}",
             self.compute, self.memory, self.estimated_compute, self.estimated_memory
         )?;
+        let scale = scale_text(self.arrival_scale);
         match self.target_load {
-            Some(l) => write!(
+            // `scale_for`'s smallest scale: even the starts packed that close stay under the
+            // target (the conversations' own timing bounds the load).
+            Some(l) if self.arrival_scale <= SCALE_RANGE.0 * (1.0 + 1e-9) => write!(
                 f,
-                "; conversation starts spread ×{:.3} for load {l})",
-                self.arrival_scale
+                "; conversation starts packed ×{scale}, the closest the load control goes, \
+                 and the load stays under {l})"
             ),
+            Some(l) => write!(f, "; conversation starts spread ×{scale} for load {l})"),
             None if self.arrival_scale == 1.0 => write!(f, "; the workload's own timing)"),
-            None => write!(
-                f,
-                "; conversation starts spread ×{:.3})",
-                self.arrival_scale
-            ),
+            None => write!(f, "; conversation starts spread ×{scale})"),
         }
+    }
+}
+
+/// An arrival scale with three decimals, or in scientific notation when those would show
+/// nothing (`scale_for` goes down to 10⁻⁴).
+fn scale_text(scale: f64) -> String {
+    if scale >= 0.01 {
+        format!("{scale:.3}")
+    } else {
+        format!("{scale:.1e}")
     }
 }
 
@@ -502,6 +512,31 @@ mod tests {
         assert_eq!(ideal.map(|i| i.len()), Some(4));
         assert!(matches!(timed, Cow::Borrowed(_)));
         assert_eq!((r.arrival_scale, r.target_load), (1.0, None));
+    }
+
+    #[test]
+    fn the_report_says_when_the_starts_cannot_be_packed_closer() {
+        let report = |scale: f64| LoadReport {
+            arrival_scale: scale,
+            target_load: Some(0.7),
+            estimated_compute: 0.29,
+            estimated_memory: 0.35,
+            ..Default::default()
+        };
+        let at_floor = report(SCALE_RANGE.0.ln().exp()).to_string();
+        assert!(
+            at_floor.contains(
+                "packed ×1.0e-4, the closest the load control goes, and the load stays under 0.7"
+            ),
+            "{at_floor}"
+        );
+        let spread = report(4.4871).to_string();
+        assert!(spread.ends_with("spread ×4.487 for load 0.7)"), "{spread}");
+        let small = LoadReport {
+            arrival_scale: 0.002,
+            ..Default::default()
+        };
+        assert!(small.to_string().ends_with("spread ×2.0e-3)"), "{small}");
     }
 
     #[test]
