@@ -9,7 +9,9 @@
 //! what every rank applies. A [`HiRadixCache`](crate::HiRadixCache) calls the hook
 //! unconditionally, in the same order on every rank, as long as the ranks call the cache's
 //! methods in the same order (the scheduler is deterministic), so a collective implementation
-//! (an all-reduce over a process group) never deadlocks on a skipped call.
+//! (an all-reduce over a process group) never deadlocks on a skipped call. The one exception
+//! is a single rank ([`Consensus::is_single_rank`]), which has nobody to agree with: its step
+//! with nothing to do returns without calling the hook.
 
 use std::fmt;
 
@@ -20,6 +22,13 @@ pub trait Consensus: Send + Sync + fmt::Debug {
     fn min(&self, value: u64) -> u64;
     /// The largest `value` over all ranks.
     fn max(&self, value: u64) -> u64;
+
+    /// True when this is the only rank, so every reduction is the identity and a call that
+    /// cannot change anything may be skipped (a cache's step with nothing queued, in flight or
+    /// stored). Not a collective; the default, `false`, keeps every call.
+    fn is_single_rank(&self) -> bool {
+        false
+    }
 }
 
 /// One rank: every reduction is the identity. The default.
@@ -33,5 +42,9 @@ impl Consensus for SingleRank {
 
     fn max(&self, value: u64) -> u64 {
         value
+    }
+
+    fn is_single_rank(&self) -> bool {
+        true
     }
 }

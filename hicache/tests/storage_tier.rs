@@ -380,6 +380,31 @@ fn a_store_failing_mid_fetch_keeps_the_fetched_prefix_only() {
     no_leaks(&b);
 }
 
+/// With no copy queued or in flight, a step still polls the storage tier: the backups an ack
+/// queued complete through steps alone (a single-rank step with nothing to do returns at
+/// once, but only without a storage tier).
+#[test]
+fn steps_alone_complete_storage_backups_when_no_copy_is_in_flight() {
+    let s = Setup::default();
+    let store = Arc::new(TestStore::new(1, 0));
+    let mut a = cached(&s, store, None);
+    let t = tokens(11, 64);
+    serve(&mut a, &t).unwrap();
+    a.flush().unwrap();
+    assert!(a.controller().is_idle(), "the host backup was acknowledged");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while a.stats().storage_backups == 0 && std::time::Instant::now() < deadline {
+        a.step().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        a.stats().storage_backups > 0,
+        "steps never completed the storage backup: {:?}",
+        a.stats()
+    );
+    no_leaks(&a);
+}
+
 #[test]
 fn storage_backups_protect_their_host_pages_from_host_eviction() {
     // A hung store: the backup job stays in flight, so its pages stay protected.

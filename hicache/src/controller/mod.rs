@@ -630,6 +630,13 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         res
     }
 
+    /// True when nothing is queued, in flight or unacknowledged, and no host page waits for
+    /// earlier loads to be freed (the poll that acknowledges the last load frees those): a
+    /// step boundary (`poll_acks`) would change nothing.
+    pub fn is_idle(&self) -> bool {
+        self.pending == (0, 0) && self.deferred_host.is_empty()
+    }
+
     /// Operations queued and not started: (writes, loads).
     pub fn queued(&self) -> (usize, usize) {
         (self.write_queue.len(), self.load_queue.len())
