@@ -129,6 +129,11 @@ impl HostSize {
     }
 }
 
+/// The word of [`SlotAllocator`]'s used bitmap that holds `slot`, and its bit there.
+fn used_bit(slot: u32) -> (usize, u64) {
+    (slot as usize / 64, 1 << (slot % 64))
+}
+
 /// A slot allocator with a LIFO free list and a used bitmap: `alloc` and `free` are all or
 /// nothing, and a double free or a foreign slot is an error instead of corruption.
 ///
@@ -178,9 +183,8 @@ impl SlotAllocator {
 
     /// True when `slot` is allocated.
     pub fn is_used(&self, slot: u32) -> bool {
-        self.used
-            .get(slot as usize / 64)
-            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+        let (w, bit) = used_bit(slot);
+        self.used.get(w).is_some_and(|&x| x & bit != 0)
     }
 
     /// Allocates `n` slots, or none when fewer are free (`None`).
@@ -205,7 +209,7 @@ impl SlotAllocator {
 
     /// Marks slot `s` (below `fresh`) allocated or free.
     fn set_used(&mut self, s: u32, used: bool) {
-        let (w, bit) = (s as usize / 64, 1u64 << (s % 64));
+        let (w, bit) = used_bit(s);
         if used {
             self.used[w] |= bit;
         } else {

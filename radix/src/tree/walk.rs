@@ -183,14 +183,13 @@ impl RadixTree {
         key: KeyRef<'_>,
         pos: usize,
     ) -> Option<(u32, usize)> {
+        if let Some(c) = self.child_by_end_hash(node, key, pos) {
+            // Accepted by the end hash it already holds: nothing to split or learn.
+            return Some((c, self.nodes[c as usize].key.len()));
+        }
         let p = self.page_size;
-        let (child, common) = match self.child_by_end_hash(node, key, pos) {
-            Some(c) => (c, self.nodes[c as usize].key.len()),
-            None => {
-                let child = self.find_child(node, key.namespace, &key.tokens[pos..pos + p])?;
-                (child, self.edge_match(child, key, pos))
-            }
-        };
+        let child = self.find_child(node, key.namespace, &key.tokens[pos..pos + p])?;
+        let common = self.edge_match(child, key, pos);
         let child = if common < self.nodes[child as usize].key.len() {
             self.split(child, common)
         } else {
@@ -228,21 +227,31 @@ impl RadixTree {
         let Children::Inline(children) = &self.nodes[node as usize].children else {
             return None;
         };
-        let child = children.iter().copied().find(|&c| {
-            let n = &self.nodes[c as usize];
-            let end = pos + n.key.len();
-            n.end_hash != 0 && end <= key.tokens.len() && self.end_hash_at(key, end) == n.end_hash
-        })?;
+        children
+            .iter()
+            .copied()
+            .find(|&c| self.hashes_accept_edge(c, key, pos))
+    }
+
+    /// True when `key`'s match hash at the end of `child`'s edge (from `pos`) is the child's
+    /// end hash: the whole edge matches without comparing tokens. Debug builds compare them
+    /// (and the namespace under the root) and report a hash that is not the tokens' chain,
+    /// which is then not trusted.
+    #[inline]
+    fn hashes_accept_edge(&self, child: u32, key: KeyRef<'_>, pos: usize) -> bool {
         let n = &self.nodes[child as usize];
-        if cfg!(debug_assertions)
-            && (n.key[..] != key.tokens[pos..pos + n.key.len()]
-                || (node == self.root && n.namespace != *key.namespace))
+        let end = pos + n.key.len();
+        let accepted =
+            n.end_hash != 0 && end <= key.tokens.len() && self.end_hash_at(key, end) == n.end_hash;
+        if accepted
+            && cfg!(debug_assertions)
+            && (n.key[..] != key.tokens[pos..end]
+                || (n.parent == self.root && n.namespace != *key.namespace))
         {
-            // A hash that is not the tokens' chain: match by tokens, report it.
             self.note_broken_hash();
-            return None;
+            return false;
         }
-        Some(child)
+        accepted
     }
 
     /// Records that a match hash accepted an edge whose tokens differ (debug builds).
@@ -257,14 +266,8 @@ impl RadixTree {
     #[inline]
     pub(super) fn edge_match(&self, child: u32, key: KeyRef<'_>, pos: usize) -> usize {
         let n = &self.nodes[child as usize];
-        let end = pos + n.key.len();
-        if n.end_hash != 0 && end <= key.tokens.len() && self.end_hash_at(key, end) == n.end_hash {
-            if cfg!(debug_assertions) && n.key[..] != key.tokens[pos..end] {
-                // A hash that is not the tokens' chain: match by tokens, report it.
-                self.note_broken_hash();
-            } else {
-                return n.key.len();
-            }
+        if self.hashes_accept_edge(child, key, pos) {
+            return n.key.len();
         }
         common_pages(&n.key, &key.tokens[pos..], self.page_size)
     }

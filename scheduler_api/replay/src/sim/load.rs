@@ -208,8 +208,8 @@ impl LoadEstimate {
         if floor > load {
             return Err(floor);
         }
-        if self.load_at(lo.exp()) <= load {
-            return Ok(lo.exp());
+        if self.load_at(SCALE_RANGE.0) <= load {
+            return Ok(SCALE_RANGE.0);
         }
         // The load falls as the scale grows: bisect on the logarithm of the scale.
         for _ in 0..60 {
@@ -312,7 +312,7 @@ impl std::fmt::Display for LoadReport {
         match self.target_load {
             // `scale_for`'s smallest scale: even the starts packed that close stay under the
             // target (the conversations' own timing bounds the load).
-            Some(l) if self.arrival_scale <= SCALE_RANGE.0 * (1.0 + 1e-9) => write!(
+            Some(l) if self.arrival_scale == SCALE_RANGE.0 => write!(
                 f,
                 "; conversation starts packed ×{scale}, the closest the load control goes, \
                  and the load stays under {l})"
@@ -523,7 +523,7 @@ mod tests {
             estimated_memory: 0.35,
             ..Default::default()
         };
-        let at_floor = report(SCALE_RANGE.0.ln().exp()).to_string();
+        let at_floor = report(SCALE_RANGE.0).to_string();
         assert!(
             at_floor.contains(
                 "packed ×1.0e-4, the closest the load control goes, and the load stays under 0.7"
