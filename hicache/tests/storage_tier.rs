@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -51,6 +51,8 @@ struct TestStore {
     /// Keys whose bytes `get` returns with one byte flipped.
     corrupt: Mutex<Vec<PageKey>>,
     gets: AtomicU64,
+    /// While set, `get` waits (the other operations go on).
+    hold_gets: AtomicBool,
 }
 
 impl TestStore {
@@ -62,6 +64,7 @@ impl TestStore {
             rng: Mutex::new(SplitMix64::seed_from_u64(seed)),
             corrupt: Mutex::new(Vec::new()),
             gets: AtomicU64::new(0),
+            hold_gets: AtomicBool::new(false),
         }
     }
 
@@ -108,6 +111,9 @@ impl StorageBackend for TestStore {
 
     fn get<'a>(&'a self, keys: &'a [PageKey]) -> StoreFuture<'a, Vec<Option<Vec<u8>>>> {
         Box::pin(async move {
+            while self.hold_gets.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             self.before().await?;
             self.gets.fetch_add(keys.len() as u64, Ordering::Relaxed);
             let mut got = self.inner.get(keys).await?;
@@ -427,6 +433,69 @@ fn storage_backups_protect_their_host_pages_from_host_eviction() {
     // Once the store answers (here: the reset cancels the job), the pages are free again.
     a.reset().unwrap();
     no_leaks(&a);
+}
+
+/// A reset refused because a request holds KV changes nothing: a prefetch whose fetch is in
+/// flight keeps its host pages and completes afterwards with the right KV. (The reset once
+/// dropped the storage tier's state before the tree refused, leaking the prefetch's pages;
+/// the `tier_ops` fuzz target found it.)
+#[test]
+fn a_refused_reset_keeps_prefetches_and_their_host_pages() {
+    let s = Setup::default();
+    let store = Arc::new(TestStore::new(6, 0));
+    let t = tokens(12, 48);
+    serve_and_store(&mut cached(&s, store.clone(), None), &t);
+    let mut b = cached(&s, store.clone(), None);
+    let held = tokens(13, 40);
+    serve(&mut b, &held).unwrap();
+    b.flush().unwrap();
+    // This request's row holds cached device pages: a reset must be refused.
+    let mut r = begin(&mut b, &held);
+    assert_eq!(r.prefix_len, 36);
+    store.hold_gets.store(true, Ordering::Relaxed);
+    assert!(b.prefetch(1, KeyRef::new(&t)));
+    let outside_tree = |c: &HiRadixCache<HostSim>| {
+        c.controller().host().used() - c.device_cache().tree().host_page_count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while outside_tree(&b) == 0 && std::time::Instant::now() < deadline {
+        b.step().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(outside_tree(&b), 11, "the fetch reserved its 11 host pages");
+    assert!(b.reset().is_err(), "a request holds KV");
+    b.check_invariants().unwrap();
+    assert_eq!(
+        outside_tree(&b),
+        11,
+        "the refused reset kept the reservation"
+    );
+    assert_eq!(b.check_prefetch(1).unwrap(), PrefetchStatus::Pending);
+    store.hold_gets.store(false, Ordering::Relaxed);
+    let hit = loop {
+        match b.check_prefetch(1).unwrap() {
+            PrefetchStatus::Done { tokens } => break tokens,
+            PrefetchStatus::Pending => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the prefetch never ended"
+                );
+                b.step().unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            PrefetchStatus::None => panic!("the refused reset dropped the prefetch"),
+        }
+    };
+    assert_eq!(hit, 44);
+    finish_loaded(&mut b, &mut r, &held);
+    // `serve` checks every byte of the prefix the prefetch brought.
+    assert_eq!(serve(&mut b, &t).unwrap().host_hit, 44);
+    b.flush().unwrap();
+    b.wait_storage().unwrap();
+    no_leaks(&b);
+    b.reset().unwrap();
+    no_leaks(&b);
+    assert_eq!(b.controller().host().used(), 0);
 }
 
 #[test]

@@ -383,7 +383,8 @@ pub trait PrefixCache {
     /// Drops every cached entry.
     ///
     /// # Errors
-    /// [`CacheError::Busy`] while locks or request rows are outstanding.
+    /// [`CacheError::Busy`] while locks or request rows are outstanding. A refused reset drops
+    /// nothing (a tiered cache may have completed the transfers it drained first).
     fn reset(&mut self) -> Result<()>;
     /// Audits every invariant of the cache and its pools. The cache does not know the
     /// requests it serves: their state is audited by [`PrefixCache::check_request`].

@@ -1237,8 +1237,11 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 return Err(e.into());
             }
         }
-        self.storage_reset();
+        // The tree's reset refuses while requests hold KV; the storage tier's state (the
+        // prefetches' host pages above all) goes only once it has gone through, so that a
+        // refused reset leaves the prefetches and backups in flight as they were.
         self.inner.reset()?;
+        self.storage_reset();
         self.host_leaves.clear();
         self.unrepaired.clear();
         self.ctrl.reset()?;
