@@ -14,7 +14,9 @@ use radixkv_hicache::{
     DeviceBackend, HiCacheConfig, HiCacheError, HiRadixCache, HostLayout, HostSim, HostSimConfig,
     HostSize, KvGeometry, PoolName, StreamKind, WritePolicy,
 };
-use radixkv_radix::{FinishKind, MambaPolicy, PrefixCache, RadixConfig, RadixKey, RequestKv};
+use radixkv_radix::{
+    CacheError, FinishKind, MambaPolicy, PrefixCache, RadixConfig, RadixKey, RequestKv,
+};
 
 fn round_trip(page_size: usize, layout: HostLayout) {
     let p = page_size;
@@ -117,12 +119,37 @@ fn config_errors_are_typed() {
             mamba_host_slots: Some(0),
             ..Default::default()
         },
+        // Refused after the pools' specs are built, with another slot count than the valid
+        // config below: the backend must not have registered the state pool (a registration
+        // outlives the refused cache, and another size is refused).
+        HiCacheConfig {
+            radix: RadixConfig {
+                mamba_slots: Some(6),
+                ..radix.clone()
+            },
+            mamba_state_bytes: Some(8),
+            max_pending_ops: 0,
+            ..Default::default()
+        },
+        HiCacheConfig {
+            radix: RadixConfig {
+                mamba_slots: Some(6),
+                max_rows: 0,
+                ..radix.clone()
+            },
+            mamba_state_bytes: Some(8),
+            ..Default::default()
+        },
     ];
     for cfg in bad {
-        assert!(matches!(
-            HiRadixCache::new(cfg, backend.clone()),
-            Err(HiCacheError::Config(_))
-        ));
+        let r = HiRadixCache::new(cfg, backend.clone());
+        assert!(
+            matches!(
+                r,
+                Err(HiCacheError::Config(_) | HiCacheError::Cache(CacheError::Config(_)))
+            ),
+            "{r:?}"
+        );
     }
     // The default host share: 4 slots × (16 host pages / 8 device pages).
     let c = HiRadixCache::new(

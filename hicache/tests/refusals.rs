@@ -1,6 +1,7 @@
 //! A backend that refuses a submission (`enqueue_copy` / `record_event` return an error) must
 //! not lose the operations: the controller re-queues them and the next start retries, and no
-//! KV is ever served from a copy that did not happen.
+//! KV is ever served from a copy that did not happen. And a request the cache refuses (no
+//! row left) changes nothing.
 
 mod common;
 
@@ -11,7 +12,9 @@ use radixkv_hicache::{
     HiCacheError, HiRadixCache, HostLayout, HostPool, HostSim, HostSimConfig, HostSize,
     HybridCacheController, KvGeometry, StreamKind, WritePolicy,
 };
-use radixkv_radix::{FinishKind, PageAllocator, PageId, PrefixCache};
+use radixkv_radix::{
+    CacheError, FinishKind, PageAllocator, PageId, PrefixCache, RadixKey, RequestKv,
+};
 
 fn controller() -> (Arc<HostSim>, HybridCacheController<HostSim>, KvGeometry) {
     let g = KvGeometry::new(LAYERS, 2, BYTES_PER_TOKEN).unwrap();
@@ -221,4 +224,54 @@ fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
     settled(&mut c);
     assert_eq!(c.stats().loads_acked, 1);
+}
+
+/// Out of request rows, a host hit's `begin_request` is refused before its load-back is
+/// queued: no device page is taken, nothing is queued and the prefix stays on the host. (It
+/// once queued the load and then failed on the row.)
+#[test]
+fn begin_out_of_rows_queues_no_load_back() {
+    let mut c = cache(
+        2,
+        128,
+        HostSize::Pages(64),
+        HostLayout::PageFirst,
+        WritePolicy::WriteThrough,
+    );
+    let t = tokens(1, 17);
+    demote_to_host(&mut c, &t);
+    let mut held: Vec<RequestKv> = (0..c.pools().rows.capacity() as u32)
+        .map(|i| begin(&mut c, &tokens(100 + i, 2)))
+        .collect();
+    let mut r = RequestKv::new(RadixKey::new(t.clone()));
+    c.match_request(&mut r).unwrap();
+    assert_eq!((r.prefix_len, r.host_hit_len), (0, 16));
+    let footprint = |c: &HiRadixCache<HostSim>| {
+        (
+            c.pools().pages.available(),
+            c.controller().queued(),
+            c.controller().pending(),
+            c.stats().loaded_tokens,
+            c.host_tokens(),
+            c.device_cache().tree().device_tokens(),
+        )
+    };
+    let before = footprint(&c);
+    assert!(matches!(
+        c.begin_request(&mut r),
+        Err(CacheError::OutOfRows { .. })
+    ));
+    assert_eq!(footprint(&c), before);
+    assert!(r.row.is_none() && r.lock.is_none());
+    assert_eq!((r.prefix_len, r.host_hit_len), (0, 16));
+    c.check_invariants().unwrap();
+    // Once a row is free the same request begins, loads its prefix back and reads it exact.
+    for mut h in held.drain(..) {
+        c.cache_finished_req(&mut h, FinishKind::Aborted).unwrap();
+    }
+    c.begin_request(&mut r).unwrap();
+    assert_eq!(c.stats().loaded_tokens, 16);
+    c.flush().unwrap();
+    finish_loaded(&mut c, &mut r, &t);
+    settled(&mut c);
 }

@@ -326,16 +326,26 @@ impl RowPool {
         self.capacity - self.live
     }
 
-    /// Allocates an empty row held by a request.
+    /// `Ok` when a row is available: callers that prepare a request's KV before allocating
+    /// its row check first, so that running out of rows changes nothing.
     ///
     /// # Errors
     /// [`CacheError::OutOfRows`] when all rows are in use.
-    pub fn alloc(&mut self) -> Result<RowId> {
+    pub fn ensure_available(&self) -> Result<()> {
         if self.live >= self.capacity {
             return Err(CacheError::OutOfRows {
                 capacity: self.capacity,
             });
         }
+        Ok(())
+    }
+
+    /// Allocates an empty row held by a request.
+    ///
+    /// # Errors
+    /// [`CacheError::OutOfRows`] when all rows are in use.
+    pub fn alloc(&mut self) -> Result<RowId> {
+        self.ensure_available()?;
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {

@@ -747,6 +747,8 @@ impl PrefixCache for RadixCache {
                 "begin_request on a request that already holds a Mamba slot",
             ));
         }
+        // Checked before the state slot is taken, which may evict cached states.
+        self.pools.rows.ensure_available()?;
         let root = self.tree.root();
         let anchor_ok = req.last_node.is_some_and(|n| {
             self.tree.contains(n)

@@ -131,6 +131,43 @@ fn abort_frees_the_slot_and_slot_pressure_evicts_unlocked_states_only() {
     audit(&c);
 }
 
+/// Out of request rows, `begin_request` is refused before it takes a state slot: slot pressure
+/// evicts no cached state for a request that cannot start. (It once evicted one, then failed
+/// on the row.)
+#[test]
+fn out_of_rows_evicts_no_cached_state() {
+    let mut c = RadixCache::new(RadixConfig {
+        page_size: 4,
+        total_pages: 64,
+        max_rows: 1,
+        mamba_slots: Some(2),
+        mamba_policy: MambaPolicy::Sglang,
+        mamba_track: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut x = run(&mut c, &[1, 2, 3, 4]);
+    c.cache_finished_req(&mut x, FinishKind::Finished).unwrap();
+    let mut y = run(&mut c, &[9, 9, 9, 9, 9]);
+    let acc = c.mamba_accounting().unwrap();
+    assert_eq!((acc.free, acc.evictable, acc.request_owned), (0, 1, 1));
+    let mut z = RequestKv::new(RadixKey::new(vec![7; 5]));
+    c.match_request(&mut z).unwrap();
+    assert_eq!(
+        c.begin_request(&mut z),
+        Err(CacheError::OutOfRows { capacity: 1 })
+    );
+    assert!(z.row.is_none() && z.lock.is_none() && z.mamba_slot.is_none());
+    assert_eq!(c.mamba_accounting().unwrap(), acc, "no state was evicted");
+    audit(&c);
+    // X's state is still a hit once the row is free.
+    c.cache_finished_req(&mut y, FinishKind::Aborted).unwrap();
+    let mut again = RequestKv::new(RadixKey::new(vec![1, 2, 3, 4, 5, 6]));
+    let m = c.match_request(&mut again).unwrap();
+    assert_eq!(m.prefix_len, 4);
+    audit(&c);
+}
+
 #[test]
 fn evicting_kv_evicts_its_state_and_a_locked_state_survives_slot_pressure() {
     let mut c = cache(2);

@@ -926,6 +926,15 @@ impl KvCacheManager {
             let a = self.cache.swa_accounting().unwrap_or_default();
             if swa_peak > a.total {
                 tracing::debug!(parent: &t.span, swa_peak, "never admissible: SWA pool");
+                // "Nothing is held": a lent turn gives its session's slot back, as when it waits.
+                if t.kv.kv_lent
+                    && t.kv
+                        .session
+                        .is_some_and(|s| self.sessions_open.contains(&s.id))
+                {
+                    self.cache
+                        .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+                }
                 return Ok(Admission::Never(NeverReason::WindowPoolTooSmall {
                     needed: swa_peak.saturating_mul(page),
                     capacity: a.total.saturating_mul(page),
@@ -1389,10 +1398,19 @@ impl KvCacheManager {
     /// [`ManagerError::SessionsOff`] on a manager without sessions; session-layer errors
     /// ([`ManagerError::Session`] for a session that is not open).
     pub fn close_session(&mut self, session: u64) -> Result<CloseOutcome> {
-        let outcome = self.cache.close_session(session)?;
-        self.sessions_open.remove(&session);
-        self.session_use.remove(&session);
-        Ok(outcome)
+        let outcome = self.cache.close_session(session);
+        // The session layer forgets a session whose release fails in the inner cache (only
+        // "not open" leaves it as it was): so does the manager, or its demotions would keep
+        // asking for a session the layer no longer knows.
+        if !matches!(
+            outcome,
+            Err(ManagerError::SessionsOff { .. }
+                | ManagerError::Session(radixkv_session::SessionError::Unknown(_)))
+        ) {
+            self.sessions_open.remove(&session);
+            self.session_use.remove(&session);
+        }
+        outcome
     }
 
     /// Drops every cached KV, on every tier (the device pool and the host tier), as after a

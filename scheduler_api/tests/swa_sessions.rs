@@ -9,7 +9,8 @@ mod common;
 use common::turns::{drained, next, turn};
 use common::{balanced, gemma, gemma_swa_page_bytes, session_budget, step};
 use radixkv_scheduler_api::{
-    Admission, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, Request, SessionBudget,
+    Admission, KvCacheManager, ManagerConfig, ManagerError, ModelGeometry, NeverReason, Request,
+    SessionBudget,
 };
 
 fn manager(swa_pages: u64) -> KvCacheManager {
@@ -91,6 +92,40 @@ fn admission_counts_the_idle_windows_and_allocation_demotes_them() {
     kv.end_step(s).unwrap();
     kv.finish(id).unwrap();
     balanced(&kv);
+    kv.close_session(7).unwrap();
+    drained(&mut kv);
+}
+
+/// A turn that can never fit the window pool holds nothing when told so: the session's slot,
+/// lent to the turn at its match, goes back to the session (it once stayed lent), and the
+/// session's next turn continues from it.
+#[test]
+fn a_never_admissible_turn_gives_its_sessions_slot_back() {
+    let mut kv = manager(24);
+    let t1: Vec<u32> = (0..30).collect();
+    turn(&mut kv, Some(7), t1.clone(), 6);
+    assert_eq!(kv.metrics().gauges.held_sessions, 1);
+    let huge = next(&t1, 6, 1_000..1_200);
+    let id = kv
+        .arrive(Request::new(huge).session(7).max_new_tokens(1))
+        .unwrap();
+    assert!(matches!(
+        kv.admit(id).unwrap(),
+        Admission::Never(NeverReason::WindowPoolTooSmall { .. })
+    ));
+    balanced(&kv);
+    assert_eq!(
+        kv.metrics().gauges.held_sessions,
+        1,
+        "the slot is the idle session's again"
+    );
+    kv.abort(id).unwrap();
+    balanced(&kv);
+    let a2 = turn(&mut kv, Some(7), next(&t1, 6, 100..104), 2);
+    assert_eq!(
+        a2.device_tokens, 35,
+        "the next turn continues from the slot"
+    );
     kv.close_session(7).unwrap();
     drained(&mut kv);
 }

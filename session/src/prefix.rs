@@ -679,7 +679,19 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
                     available,
                 }) if !window_tried => {
                     window_tried = true;
-                    self.reclaim_window(needed.saturating_sub(available))?
+                    // The new pages take as many full-KV pages: windows are reclaimed only when
+                    // those can be found too, so that a failing allocation demotes nothing.
+                    let kv = needed.saturating_mul(self.inner.page_size());
+                    if self
+                        .inner
+                        .available_tokens()
+                        .saturating_add(self.held_tokens)
+                        < kv
+                    {
+                        false
+                    } else {
+                        self.reclaim_window(needed.saturating_sub(available))?
+                    }
                 }
                 r => return r,
             };

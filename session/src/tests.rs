@@ -957,6 +957,57 @@ fn held_windows_are_capped_and_never_keep_a_request_from_window_pages() {
     assert_swa_drained(&c);
 }
 
+/// A request short of window pages and of full KV demotes no session when their window pages
+/// would cover the first but nothing covers the second: the allocation fails with the
+/// sessions as they were (it once demoted them for the window and then failed on full KV).
+#[test]
+fn a_window_shortage_demotes_nothing_when_full_kv_cannot_be_found_either() {
+    let (mut c, _) = swa_cache(12, SessionConfig::with_budget(1 << 20));
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..10).collect());
+    swa_turn(&mut c, &mut t1, &[100, 101]);
+    let held = c.held_window_pages();
+    assert!(held > 0);
+    // A running request takes the rest of the full-KV pool, one page at a time, sliding its
+    // window as a decode loop does.
+    let mut big = RequestKv::new(RadixKey::new(Vec::new()));
+    c.match_request(&mut big).unwrap();
+    c.begin_request(&mut big).unwrap();
+    while c.pools().pages.available() > 0 {
+        big.append_tokens(&[7; P]);
+        c.alloc_tokens(&mut big, P).unwrap();
+        big.commit(P).unwrap();
+        c.slide_window(&mut big).unwrap();
+    }
+    swa_ok(&c);
+    let a = swa(&c);
+    let need = a.free + a.evictable + 1;
+    assert!(
+        need <= a.free + a.evictable + held,
+        "the windows would cover it"
+    );
+    assert!(
+        c.inner().available_tokens() + c.session_held_tokens() < need * P,
+        "nothing covers its full KV"
+    );
+    let mut other = RequestKv::new(RadixKey::new((5000..5000 + (need * P) as u32).collect()));
+    c.match_request(&mut other).unwrap();
+    c.begin_request(&mut other).unwrap();
+    let before = (c.accounting(), swa(&c), c.held_window_pages());
+    assert!(matches!(
+        c.alloc_tokens(&mut other, need * P),
+        Err(CacheError::OutOfComponentPages { .. } | CacheError::OutOfPages { .. })
+    ));
+    assert_eq!((c.accounting(), swa(&c), c.held_window_pages()), before);
+    assert!(c.session_info(1).unwrap().slot_committed_len.is_some());
+    swa_ok(&c);
+    for r in [&mut other, &mut big] {
+        c.cache_finished_req(r, FinishKind::Aborted).unwrap();
+    }
+    c.close(1).unwrap();
+    assert_swa_drained(&c);
+}
+
 // ----- Mamba: a session slot keeps the running state across turns -----
 
 fn mamba(c: &Cache) -> radixkv_radix::ComponentAccounting {

@@ -118,6 +118,16 @@ impl<E: CopyEvent> InFlight<E> {
     }
 }
 
+/// [`HiCacheError::Config`] for a pending-operation limit of 0.
+pub(crate) fn check_max_pending_ops(limit: usize) -> Result<()> {
+    if limit == 0 {
+        return Err(HiCacheError::Config(
+            "the controller must allow at least one pending operation".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Merges, submits and tracks device↔host transfers. See the module docs.
 pub struct HybridCacheController<B: DeviceBackend> {
     backend: Arc<B>,
@@ -156,8 +166,9 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// [`HiCacheError::Config`] when the host pool's geometry differs from the device's or an
     /// extra pool is listed twice or is [`PoolName::Kv`].
     pub fn new(backend: Arc<B>, host: HostPool, extra: &[ExtraPoolSpec]) -> Result<Self> {
-        backend.register_host(host.memory())?;
-        let mut pools: Vec<ExtraPool> = Vec::new();
+        // Everything is checked and allocated before the backend registers anything (its
+        // registrations outlive a controller that fails to build).
+        let mut pools: Vec<ExtraPool> = Vec::with_capacity(extra.len());
         for s in extra {
             if s.name == PoolName::Kv || pools.iter().any(|p| p.name == s.name) {
                 return Err(HiCacheError::Config(format!(
@@ -165,7 +176,6 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                     s.name
                 )));
             }
-            backend.register_extra_pool(s.name, s.device_slots, s.item_bytes)?;
             pools.push(ExtraPool {
                 name: s.name,
                 owner: s.device_owner,
@@ -173,6 +183,10 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 device: SlotAllocator::new(s.device_slots),
                 host_mem: Arc::new(SlotMemory::new(s.name, s.host_slots, s.item_bytes)?),
             });
+        }
+        backend.register_host(host.memory())?;
+        for s in extra {
+            backend.register_extra_pool(s.name, s.device_slots, s.item_bytes)?;
         }
         let layers = Arc::new(LayerDoneCounter::new(backend.geometry().layers));
         Ok(HybridCacheController {
@@ -198,11 +212,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// # Errors
     /// [`HiCacheError::Config`] for 0.
     pub fn set_max_pending_ops(&mut self, limit: usize) -> Result<()> {
-        if limit == 0 {
-            return Err(HiCacheError::Config(
-                "the controller must allow at least one pending operation".into(),
-            ));
-        }
+        check_max_pending_ops(limit)?;
         self.max_pending = limit;
         Ok(())
     }

@@ -756,10 +756,14 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 )?))
             }
         };
+        // The controller registers the host memory and the extra pools with the backend: every
+        // check that may refuse the config runs first.
+        crate::controller::check_max_pending_ops(cfg.max_pending_ops)?;
+        let inner = RadixCache::new(cfg.radix)?;
         let mut ctrl = HybridCacheController::new(backend, host, &extra)?;
         ctrl.set_max_pending_ops(cfg.max_pending_ops)?;
         Ok(HiRadixCache {
-            inner: RadixCache::new(cfg.radix)?,
+            inner,
             ctrl,
             policy: cfg.write_policy,
             load_back_min_tokens: cfg.load_back_min_tokens,
@@ -996,8 +1000,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         let w = self.consensus.min(w as u64) as usize;
         let l = self.consensus.min(l as u64) as usize;
         let mut acks = self.ctrl.poll_acks_upto(w, l);
-        self.apply_acks(&mut acks)?;
-        self.storage_step()?;
+        // The acks are all applied even when one fails, and the storage step's collectives
+        // run whatever they gave: every rank makes the same consensus calls.
+        let applied = self.apply_acks(&mut acks);
+        let stored = self.storage_step();
+        applied?;
+        stored?;
         Ok(acks)
     }
 
@@ -1342,6 +1350,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
                 "begin_request called twice",
             ));
         }
+        // Checked before the load-back is queued (device pages taken, the host chain attached),
+        // so that running out of rows changes nothing.
+        self.pools().rows.ensure_available()?;
         let tree = self.inner.tree();
         let mamba = self.mamba;
         let anchor_ok = req.last_node.is_some_and(|n| {

@@ -265,6 +265,8 @@ impl RadixCache {
                 "begin_request on a request that already holds a Mamba slot",
             ));
         }
+        // Checked before the window pages and the state slot are taken, which may evict.
+        self.pools.rows.ensure_available()?;
         let root = self.tree.root();
         let anchor_ok = req.last_node.is_some_and(|n| {
             n == root
