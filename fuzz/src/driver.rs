@@ -487,6 +487,7 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
         if rematch {
             assert_rematch_idempotent(&mut self.cache, &mut req, m);
         }
+        let before = footprint(&self.cache);
         match self.cache.begin_request(&mut req) {
             Ok(()) => {
                 assert!(req.row.is_some());
@@ -518,6 +519,15 @@ impl<C: Backing, S: KvStore> Driver<C, S> {
                     "begin failed: {e}"
                 );
                 assert!(req.row.is_none() && req.lock.is_none());
+                if !matches!(e, CacheError::OutOfStateSlots { .. }) {
+                    // Refused before anything was taken: no load-back queued for a request
+                    // without a row, nothing evicted for it.
+                    assert_eq!(
+                        before,
+                        footprint(&self.cache),
+                        "a refused begin changed the pools: {e}"
+                    );
+                }
                 Ok(None)
             }
         }
