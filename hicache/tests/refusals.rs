@@ -226,6 +226,35 @@ fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     assert_eq!(c.stats().loads_acked, 1);
 }
 
+/// A reset while a request's load-back waits for a retry (its submission refused) is refused
+/// as `Busy`, as for any request holding KV, and drops nothing; the load then completes.
+/// (Found by fuzzing `hicache_ops`: the reset returned the refusal's own error.)
+#[test]
+fn reset_with_a_refused_load_queued_is_busy() {
+    let mut c = hi(WritePolicy::WriteThrough);
+    let a = tokens(1, 9);
+    demote_to_host(&mut c, &a);
+    let mut r = begin(&mut c, &a);
+    assert_eq!(r.prefix_len, 8);
+    c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    let host = c.host_tokens();
+    assert_eq!(
+        c.reset(),
+        Err(CacheError::Busy("a request's load-back is still queued"))
+    );
+    assert_eq!(c.controller().queued().1, 1, "the load waits for a retry");
+    assert_eq!(c.host_tokens(), host);
+    c.check_invariants().unwrap();
+    c.flush().unwrap();
+    check_pages(&**c.backend(), &row_prefix(&c, &r), &hashes(&a, 2)[..4]);
+    c.alloc_tokens(&mut r, 1).unwrap();
+    r.commit(1).unwrap();
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    settled(&mut c);
+    c.reset().unwrap();
+    settled(&mut c);
+}
+
 /// Out of request rows, a host hit's `begin_request` is refused before its load-back is
 /// queued: no device page is taken, nothing is queued and the prefix stays on the host. (It
 /// once queued the load and then failed on the row.)

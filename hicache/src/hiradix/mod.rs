@@ -1241,8 +1241,13 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             // retry: it is undone like a failed one.
             self.finish_writes_now()?;
             if self.ctrl.queued() != (0, 0) {
-                // A refused load: its request still holds the KV, so nothing may be dropped.
-                return Err(e.into());
+                // A refused load: its request still holds the KV, so nothing may be dropped,
+                // and the reset is refused as for any request holding KV. (It returned the
+                // refusal instead, which no caller could tell from a broken cache.)
+                tracing::debug!(error = %e, "reset refused: a request's load is still queued");
+                return Err(radixkv_radix::CacheError::Busy(
+                    "a request's load-back is still queued",
+                ));
             }
         }
         // The tree's reset refuses while requests hold KV; the storage tier's state (the
