@@ -226,8 +226,8 @@ fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
     assert_eq!(c.stats().loads_acked, 1);
 }
 
-/// A reset while a request's load-back waits for a retry (its submission refused) is refused
-/// as `Busy`, as for any request holding KV, and drops nothing; the load then completes.
+/// A reset while a load-back waits for the retry of its refused submission is refused as
+/// `Busy` (the load holds its lock until its ack) and drops nothing; the load then completes.
 /// (Found by fuzzing `hicache_ops`: the reset returned the refusal's own error.)
 #[test]
 fn reset_with_a_refused_load_queued_is_busy() {
@@ -240,7 +240,9 @@ fn reset_with_a_refused_load_queued_is_busy() {
     let host = c.host_tokens();
     assert_eq!(
         c.reset(),
-        Err(CacheError::Busy("a request's load-back is still queued"))
+        Err(CacheError::Busy(
+            "a load-back waits for the retry of its refused submission"
+        ))
     );
     assert_eq!(c.controller().queued().1, 1, "the load waits for a retry");
     assert_eq!(c.host_tokens(), host);
@@ -251,6 +253,19 @@ fn reset_with_a_refused_load_queued_is_busy() {
     r.commit(1).unwrap();
     c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
     settled(&mut c);
+    c.reset().unwrap();
+    settled(&mut c);
+    // The same once the request is gone: its load keeps its lock until the retry's ack.
+    demote_to_host(&mut c, &a);
+    let mut r = begin(&mut c, &a);
+    c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    assert!(c.start_loading().is_err());
+    c.cache_finished_req(&mut r, FinishKind::Aborted).unwrap();
+    c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    assert!(matches!(c.reset(), Err(CacheError::Busy(_))));
+    assert!(c.protected_tokens() > 0, "the queued load's lock");
+    c.check_invariants().unwrap();
+    c.step().unwrap();
     c.reset().unwrap();
     settled(&mut c);
 }

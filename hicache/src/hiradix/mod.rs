@@ -1241,12 +1241,13 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             // retry: it is undone like a failed one.
             self.finish_writes_now()?;
             if self.ctrl.queued() != (0, 0) {
-                // A refused load: its request still holds the KV, so nothing may be dropped,
-                // and the reset is refused as for any request holding KV. (It returned the
+                // A refused load: it keeps its lock until its retry (at the next step) is
+                // acknowledged, and its request may still hold the KV, so nothing may be
+                // dropped: the reset is refused as for any outstanding lock. (It returned the
                 // refusal instead, which no caller could tell from a broken cache.)
-                tracing::debug!(error = %e, "reset refused: a request's load is still queued");
+                tracing::debug!(error = %e, "reset refused: a load-back waits for its retry");
                 return Err(radixkv_radix::CacheError::Busy(
-                    "a request's load-back is still queued",
+                    "a load-back waits for the retry of its refused submission",
                 ));
             }
         }
