@@ -197,14 +197,21 @@ fn reset_of_an_idle_cache_succeeds_while_the_backend_refuses_backups() {
     settled(&mut c);
 }
 
-#[test]
-fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
+/// A write-through cache with `a` (9 tokens) host-only, a request begun on it (its 8-token
+/// load-back queued) and the next load submission refused.
+fn host_hit_with_a_refused_load() -> (HiRadixCache<HostSim>, Vec<u32>, RequestKv) {
     let mut c = hi(WritePolicy::WriteThrough);
     let a = tokens(1, 9);
     demote_to_host(&mut c, &a);
-    let mut r = begin(&mut c, &a);
+    let r = begin(&mut c, &a);
     assert_eq!(r.prefix_len, 8);
     c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    (c, a, r)
+}
+
+#[test]
+fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
+    let (mut c, a, mut r) = host_hit_with_a_refused_load();
     assert!(matches!(c.start_loading(), Err(HiCacheError::Transfer(_))));
     assert_eq!(c.controller().queued().1, 1);
     // The step boundary does not lose it either.
@@ -231,12 +238,7 @@ fn refused_load_is_retried_and_the_batch_is_told_not_to_run() {
 /// (Found by fuzzing `hicache_ops`: the reset returned the refusal's own error.)
 #[test]
 fn reset_with_a_refused_load_queued_is_busy() {
-    let mut c = hi(WritePolicy::WriteThrough);
-    let a = tokens(1, 9);
-    demote_to_host(&mut c, &a);
-    let mut r = begin(&mut c, &a);
-    assert_eq!(r.prefix_len, 8);
-    c.backend().refuse_next_submissions(StreamKind::Load, 1);
+    let (mut c, a, mut r) = host_hit_with_a_refused_load();
     let host = c.host_tokens();
     assert_eq!(
         c.reset(),

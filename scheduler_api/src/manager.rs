@@ -900,16 +900,7 @@ impl KvCacheManager {
         if needed > available {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, available, "admission waits: no room");
-            // A turn lent its session's slot at the match gives it back while it waits: held by
-            // a waiting request, the slot's row and KV could be demoted by nothing, and waiting
-            // turns of several sessions could then block each other for good. The next
-            // admission lends it again. (A session whose close waits for this turn keeps it
-            // lent: giving it back would complete the close and drop the KV.)
-            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
-            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
-                self.cache
-                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
-            }
+            give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         let mut swa_peak = 0;
@@ -926,15 +917,7 @@ impl KvCacheManager {
             let a = self.cache.swa_accounting().unwrap_or_default();
             if swa_peak > a.total {
                 tracing::debug!(parent: &t.span, swa_peak, "never admissible: SWA pool");
-                // "Nothing is held": a lent turn gives its session's slot back, as when it waits.
-                if t.kv.kv_lent
-                    && t.kv
-                        .session
-                        .is_some_and(|s| self.sessions_open.contains(&s.id))
-                {
-                    self.cache
-                        .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
-                }
+                give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
                 return Ok(Admission::Never(NeverReason::WindowPoolTooSmall {
                     needed: swa_peak.saturating_mul(page),
                     capacity: a.total.saturating_mul(page),
@@ -978,14 +961,8 @@ impl KvCacheManager {
             if swa_peak - lent > available {
                 self.metrics.counters.admission_waits += 1;
                 tracing::trace!(parent: &t.span, swa_peak, available, "admission waits: SWA room");
-                // As for full-KV room: a lent turn gives its session's slot back while it waits.
-                let give_back = t.kv.kv_lent
-                    && t.kv
-                        .session
-                        .is_some_and(|s| self.sessions_open.contains(&s.id));
-                if give_back && let Some(t) = self.requests.get_mut(id.0) {
-                    self.cache
-                        .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
+                if let Some(t) = self.requests.get_mut(id.0) {
+                    give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
                 }
                 return Ok(Admission::Wait(WaitReason::NoWindowRoom {
                     needed: (swa_peak - lent).saturating_mul(page),
@@ -1016,12 +993,7 @@ impl KvCacheManager {
         if !ready {
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, needed, "admission waits: write-back in flight");
-            // As for full-KV room: a lent turn gives its session's slot back while it waits.
-            let open = |s: SessionTag| self.sessions_open.contains(&s.id);
-            if t.kv.kv_lent && t.kv.session.is_some_and(open) {
-                self.cache
-                    .cache_finished_req(&mut t.kv, FinishKind::Aborted)?;
-            }
+            give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
             return Ok(Admission::Wait(WaitReason::RoomInFlight { needed }));
         }
         match self.cache.begin_request(&mut t.kv) {
@@ -1665,6 +1637,26 @@ impl LayerWait for LoadsNotStarted {
         // Complete, unsuccessfully: `wait_layer` says how.
         true
     }
+}
+
+/// A turn lent its session's slot at the match that leaves admission without running (it
+/// waits, or can never run) gives the slot back: held by a waiting request, the slot's row and
+/// KV could be demoted by nothing, and waiting turns of several sessions could then block each
+/// other for good; `Never` promises that nothing is held. The next admission lends it again.
+/// (A session whose close waits for this turn keeps it lent: giving it back would complete
+/// the close and drop the KV.)
+///
+/// # Errors
+/// Cache errors from the give-back.
+fn give_back_lent_slot(
+    cache: &mut dyn ManagedCache,
+    sessions_open: &HashSet<u64>,
+    kv: &mut RequestKv,
+) -> Result<()> {
+    if kv.kv_lent && kv.session.is_some_and(|s| sessions_open.contains(&s.id)) {
+        cache.cache_finished_req(kv, FinishKind::Aborted)?;
+    }
+    Ok(())
 }
 
 /// Demotes the open sessions' idle slots, least recently used first and never `except`'s
