@@ -146,6 +146,8 @@ pub struct HybridCacheController<B: DeviceBackend> {
     max_pending: usize,
     /// Operations queued or in flight, not yet returned by `poll_acks`: (writes, loads).
     pending: (usize, usize),
+    /// [`RunBuilder`]'s buffer between merges, at the room of the largest merge so far.
+    run_buffer: Vec<PageRun>,
 }
 
 impl<B: DeviceBackend> std::fmt::Debug for HybridCacheController<B> {
@@ -195,6 +197,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             extra: pools,
             write_queue: Vec::new(),
             load_queue: Vec::new(),
+            run_buffer: Vec::new(),
             write_acks: VecDeque::new(),
             load_acks: VecDeque::new(),
             layers,
@@ -659,16 +662,17 @@ impl<B: DeviceBackend> HybridCacheController<B> {
 
     fn merge(&mut self, ops: &[CacheOperation]) -> (Arc<[PageRun]>, TransferStats) {
         let pages = ops.iter().map(|o| o.device_pages.len()).sum();
-        let mut runs = RunBuilder::with_capacity(pages);
+        let mut builder = RunBuilder::reusing(std::mem::take(&mut self.run_buffer), pages);
         for op in ops {
-            runs.extend(
+            builder.extend(
                 op.device_pages
                     .iter()
                     .zip(&op.host_pages)
                     .map(|(d, &h)| (d.0, h)),
             );
         }
-        let runs = runs.finish();
+        let runs = builder.finish_shared();
+        self.run_buffer = builder.into_buffer();
         let mut stats = TransferStats {
             ops: ops.len(),
             pages,
@@ -683,7 +687,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
                 .sum();
             stats.bytes += slots * p.host_mem.item_bytes();
         }
-        (runs.into(), stats)
+        (runs, stats)
     }
 
     /// One slot copy per extra pool that `ops` move, with its slot pairs merged into runs.

@@ -1,5 +1,7 @@
 //! The operations the controller queues and reports, and how their page pairs merge into runs.
 
+use std::sync::Arc;
+
 use radixkv_radix::PageId;
 
 use crate::backend::PageRun;
@@ -235,21 +237,75 @@ impl RunBuilder {
         }
     }
 
-    /// The runs.
-    pub(crate) fn finish(mut self) -> Vec<PageRun> {
+    /// A builder with room for `pairs` pairs in `buf`, a buffer an earlier builder gave back
+    /// ([`RunBuilder::into_buffer`]). Its length is the room it had: a transfer no larger than
+    /// the largest before it neither allocates nor fills room (a fresh buffer of a load's
+    /// scattered pages was a tenth of the merge, in the allocation and the filling).
+    pub(crate) fn reusing(mut buf: Vec<PageRun>, pairs: usize) -> Self {
+        let open = PageRun {
+            device: 0,
+            host: 0,
+            pages: 0,
+        };
+        if buf.len() < pairs + 1 {
+            buf.resize(pairs + 1, open);
+        }
+        RunBuilder {
+            runs: buf,
+            len: 0,
+            open,
+            pairs: 0,
+        }
+    }
+
+    /// The buffer, its room kept (see [`RunBuilder::reusing`]).
+    pub(crate) fn into_buffer(self) -> Vec<PageRun> {
+        self.runs
+    }
+
+    /// Stores the open run after the finished ones; returns how many runs there are.
+    fn close(&mut self) -> usize {
         if self.pairs == 0 {
-            return Vec::new();
+            return 0;
         }
         if self.len == self.runs.len() {
             self.runs.push(self.open);
         } else {
             self.runs[self.len] = self.open;
         }
-        self.runs.truncate(self.len + 1);
-        let mut runs = self.runs;
-        if runs.len() > SORT_RUNS_UP_TO && runs.len() * SORT_RUNS_FROM_PAGES > self.pairs {
-            return runs;
+        self.len + 1
+    }
+
+    /// Whether [`RunBuilder::finish`] sorts and joins `runs` runs.
+    fn sorts(&self, runs: usize) -> bool {
+        runs <= SORT_RUNS_UP_TO || runs * SORT_RUNS_FROM_PAGES <= self.pairs
+    }
+
+    /// The runs, as [`RunBuilder::finish`] gives them, in a shared slice; the buffer stays
+    /// with the builder for [`RunBuilder::into_buffer`].
+    pub(crate) fn finish_shared(&mut self) -> Arc<[PageRun]> {
+        let n = self.close();
+        if self.sorts(n) {
+            self.sort_and_join(self.runs[..n].to_vec()).into()
+        } else {
+            self.runs[..n].into()
         }
+    }
+
+    /// The runs.
+    pub(crate) fn finish(mut self) -> Vec<PageRun> {
+        let n = self.close();
+        let mut runs = std::mem::take(&mut self.runs);
+        runs.truncate(n);
+        if self.sorts(n) {
+            self.sort_and_join(runs)
+        } else {
+            runs
+        }
+    }
+
+    /// Sorts `runs` by device page and joins them where they meet.
+    fn sort_and_join(&self, mut runs: Vec<PageRun>) -> Vec<PageRun> {
         // Runs in device order that share no device page (what greedy joining leaves unjoinable).
         let apart = |a: &PageRun, b: &PageRun| {
             u64::from(a.device) + u64::from(a.pages) <= u64::from(b.device)
@@ -400,6 +456,8 @@ mod tests {
     #[test]
     fn merged_runs_are_the_listed_runs_or_the_minimal_ones() {
         let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
+        // The controller's buffer, holding the runs of earlier (larger and smaller) cases.
+        let mut buffer = Vec::new();
         for case in 0..3000 {
             // Shuffled stretches of consecutive pages, sometimes adjacent to each other, and
             // (rarely) a device page listed twice.
@@ -450,7 +508,15 @@ mod tests {
                 rest = tail;
             }
             assert_eq!(pieces.finish(), want, "{pairs:?} in pieces");
+            // Through the reused buffer, told fewer pairs than come at times: the same runs.
+            let hint = rnd(pairs.len() as u64 + 1) as usize;
+            let mut reused = RunBuilder::reusing(std::mem::take(&mut buffer), hint);
+            reused.extend(pairs.iter().copied());
+            assert_eq!(&*reused.finish_shared(), &want[..], "{pairs:?} reused");
+            buffer = reused.into_buffer();
         }
+        assert!(!buffer.is_empty());
+        assert!(RunBuilder::reusing(buffer, 0).finish_shared().is_empty());
         assert!(merge_runs(std::iter::empty()).is_empty());
         // Runs that only touch once sorted are joined; pages past u32::MAX never wrap.
         let pairs = vec![(4, 14), (5, 15), (0, 10), (1, 11), (2, 12), (3, 13)];
