@@ -163,14 +163,14 @@ pub struct KvCacheManager {
     step_error: Option<ManagerError>,
     /// A step is open (between `begin_step` and `end_step`): the one numbered `step`.
     step_open: bool,
-    /// The loads of the step that is open, which an admission made meanwhile joins (`None`
-    /// between steps, and always for a cache that never loads).
-    open_loads: Option<Arc<StepLoadSet>>,
+    /// The load set of the open step, which an admission made meanwhile joins; between steps,
+    /// the last step's, kept for the next `begin_step` (`None` for a cache that never loads).
+    /// The manager keeps its own reference: a step then moves the reference count twice (the
+    /// handle's clone and its drop), and a set nobody else holds is emptied and reused, so a
+    /// step that loads nothing costs no allocation either.
+    step_loads: Option<Arc<StepLoadSet>>,
     /// The cache's [`ManagedCache::starts_loads`], read once.
     starts_loads: bool,
-    /// The last ended step's load set, emptied, for the next `begin_step` (a step that loads
-    /// nothing then costs no allocation).
-    spare_step: Option<Arc<StepLoadSet>>,
     /// The last step ended: its forward is over.
     ended_step: u64,
     /// The sliding window in tokens when the cache has the SWA component (read once).
@@ -264,9 +264,8 @@ impl KvCacheManager {
             use_seq: 0,
             step_error: None,
             step_open: false,
-            open_loads: None,
+            step_loads: None,
             starts_loads,
-            spare_step: None,
             ended_step: 0,
             swa_window,
             has_storage,
@@ -1014,7 +1013,9 @@ impl KvCacheManager {
             }
             Err(e) => return Err(e.into()),
         }
-        if let Some(set) = &self.open_loads {
+        if self.step_open
+            && let Some(set) = &self.step_loads
+        {
             // Admitted inside an open step: its load starts now and joins that step, so the
             // step's handle waits for it (see `begin_step`).
             let set = set.clone();
@@ -1498,11 +1499,22 @@ impl KvCacheManager {
         // A cache that never loads has nothing to start and nothing for the handle to wait
         // for: its steps share no set (no reference counts to move every step).
         let loads = self.starts_loads.then(|| {
-            let set = self.spare_step.take().unwrap_or_default();
+            // The last step's set when its handle is gone (end_step took it, or the caller
+            // dropped it): nobody can see it then, and it starts empty again.
+            let set = match self.step_loads.take() {
+                Some(set) if Arc::strong_count(&set) == 1 => {
+                    // Ordered after everything the handle's last holder did with the set
+                    // before its drop released it (as `Arc`'s own drop orders the free).
+                    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                    set.clear();
+                    set
+                }
+                _ => Arc::default(),
+            };
             self.start_loads(&set);
+            self.step_loads = Some(set.clone());
             set
         });
-        self.open_loads.clone_from(&loads);
         StepHandle {
             index: self.step,
             layers: self.cfg.model.layers,
@@ -1548,7 +1560,6 @@ impl KvCacheManager {
         // belong to the next step.
         if self.step_open && step.index == self.step {
             self.step_open = false;
-            self.open_loads = None;
             self.ended_step = self.ended_step.max(step.index);
         }
         // Acks are applied even after a failed `begin_step`: the transfers that did start
@@ -1584,16 +1595,10 @@ impl KvCacheManager {
         if self.check_every_step {
             self.check_invariants()?;
         }
-        // The handle is gone with this call: its set is kept for the next step when nothing
-        // else holds it (an open step's clone was dropped above).
+        // The handle goes with this call; the manager's reference to its set stays for the
+        // next step (see `step_loads`).
         drop(_g);
-        let StepHandle { loads, .. } = step;
-        if let Some(mut loads) = loads
-            && let Some(set) = Arc::get_mut(&mut loads)
-        {
-            set.reset();
-            self.spare_step = Some(loads);
-        }
+        drop(step);
         if let Some(e) = step_error {
             return Err(e);
         }

@@ -757,6 +757,32 @@ fn admission_inside_an_open_step_joins_that_steps_loads() {
 }
 
 #[test]
+fn a_step_handle_still_held_keeps_its_load_set_from_the_next_step() {
+    let (mut kv, a) = manager_with_host_copy();
+    let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let adm = admitted(&mut kv, id);
+    kv.extend(id, adm.extend_tokens).unwrap();
+    let first = kv.begin_step();
+    wait_covers(&kv, &first, 10);
+    // A step begun while the first one's handle is still held gets a set of its own: the
+    // manager reuses a set only once no handle holds it.
+    let second = kv.begin_step();
+    assert_eq!((second.load_pages(), second.load_bytes()), (0, 0));
+    wait_covers(&kv, &first, 10);
+    kv.end_step(second).unwrap();
+    wait_covers(&kv, &first, 10);
+    kv.chunk_done(id).unwrap();
+    kv.end_step(first).unwrap();
+    // A handle dropped without `end_step` gives its set back as well.
+    drop(kv.begin_step());
+    let next = kv.begin_step();
+    assert_eq!((next.load_pages(), next.load_bytes()), (0, 0));
+    kv.end_step(next).unwrap();
+    kv.finish(id).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
 fn a_request_larger_than_the_pool_is_never_admitted_and_holds_nothing() {
     let mut kv = manager(64, 4);
     // 60 prompt tokens + 1 output + one page > 64: no eviction or finish can make room.
