@@ -206,6 +206,10 @@ impl std::fmt::Display for StallCause {
             StallCause::Admission(WaitReason::TransfersBusy) => {
                 f.write_str("its admission waits for the host tier's pending loads")
             }
+            StallCause::Admission(WaitReason::OpenStepLoadsNothing) => f.write_str(
+                "its admission needs a load and waits for the next step (the open step began \
+                 with nothing to load)",
+            ),
             StallCause::Admission(WaitReason::NoStateSlot) => {
                 f.write_str("its admission waits for a Mamba state slot (every slot is in use)")
             }

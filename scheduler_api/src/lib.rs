@@ -90,8 +90,11 @@
 //!   host load; its handle says what the forward must wait for, per layer), the forward,
 //!   `chunk_done` / `finish`, `end_step` (acks, KV events, transfer counts; debug builds audit
 //!   every invariant there). An admission made while a step is open starts its load at once and
-//!   joins that step's handle: no order of calls leaves a load unstarted behind a handle that
-//!   says there is nothing to wait for.
+//!   joins that step's handle when the step began with loads of its own; in a step that began
+//!   with nothing to load (most steps, whose handle then shares nothing with the manager), an
+//!   admission that needs a load waits for the next step
+//!   ([`WaitReason::OpenStepLoadsNothing`]). No order of calls leaves a load behind a handle
+//!   that says there is nothing to wait for.
 //! - **Verdicts**: `admit` answers [`Admission::Ready`], [`Admission::Wait`] (not now) or
 //!   [`Admission::Never`] (larger than the whole device pool: reject it, waiting would never end).
 //! - **Retraction keeps what was computed**: `retract` caches the request's computed,

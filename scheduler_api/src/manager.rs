@@ -163,12 +163,14 @@ pub struct KvCacheManager {
     step_error: Option<ManagerError>,
     /// A step is open (between `begin_step` and `end_step`): the one numbered `step`.
     step_open: bool,
-    /// The load set of the open step, which an admission made meanwhile joins; between steps,
-    /// the last step's, kept for the next `begin_step` (`None` for a cache that never loads).
-    /// The manager keeps its own reference: a step then moves the reference count twice (the
-    /// handle's clone and its drop), and a set nobody else holds is emptied and reused, so a
-    /// step that loads nothing costs no allocation either.
+    /// The load set of the last step that loaded, kept for the next one: a set no handle
+    /// holds any more is emptied and reused, so loading steps cost no allocation.
     step_loads: Option<Arc<StepLoadSet>>,
+    /// The open step's handle shares `step_loads`: the step loads, and an admission made
+    /// meanwhile joins it. A step that began with nothing to load shares no set (its handle
+    /// and the manager then move no reference count: most steps), and an admission that
+    /// needs a load waits for the next step instead ([`WaitReason::OpenStepLoadsNothing`]).
+    step_shares_loads: bool,
     /// The cache's [`ManagedCache::starts_loads`], read once.
     starts_loads: bool,
     /// The last step ended: its forward is over.
@@ -265,6 +267,7 @@ impl KvCacheManager {
             step_error: None,
             step_open: false,
             step_loads: None,
+            step_shares_loads: false,
             starts_loads,
             ended_step: 0,
             swa_window,
@@ -902,6 +905,13 @@ impl KvCacheManager {
             give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
+        if m.host_hit_len > 0 && self.step_open && !self.step_shares_loads {
+            // A load started now would join no handle: the open step's waits nothing.
+            self.metrics.counters.admission_waits += 1;
+            tracing::trace!(parent: &t.span, "admission waits: the open step loads nothing");
+            give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
+            return Ok(Admission::Wait(WaitReason::OpenStepLoadsNothing));
+        }
         let mut swa_peak = 0;
         if let Some(window) = self.swa_window {
             let extend = len - m.prefix_len;
@@ -1014,6 +1024,7 @@ impl KvCacheManager {
             Err(e) => return Err(e.into()),
         }
         if self.step_open
+            && self.step_shares_loads
             && let Some(set) = &self.step_loads
         {
             // Admitted inside an open step: its load starts now and joins that step, so the
@@ -1498,23 +1509,12 @@ impl KvCacheManager {
         self.step_open = true;
         // A cache that never loads has nothing to start and nothing for the handle to wait
         // for: its steps share no set (no reference counts to move every step).
-        let loads = self.starts_loads.then(|| {
-            // The last step's set when its handle is gone (end_step took it, or the caller
-            // dropped it): nobody can see it then, and it starts empty again.
-            let set = match self.step_loads.take() {
-                Some(set) if Arc::strong_count(&set) == 1 => {
-                    // Ordered after everything the handle's last holder did with the set
-                    // before its drop released it (as `Arc`'s own drop orders the free).
-                    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-                    set.clear();
-                    set
-                }
-                _ => Arc::default(),
-            };
-            self.start_loads(&set);
-            self.step_loads = Some(set.clone());
-            set
-        });
+        self.step_shares_loads = false;
+        let loads = if self.starts_loads {
+            self.begin_loads()
+        } else {
+            None
+        };
         StepHandle {
             index: self.step,
             layers: self.cfg.model.layers,
@@ -1531,6 +1531,37 @@ impl KvCacheManager {
     /// The step whose forward computes what is allocated now: the open one, or the next.
     fn forward_step(&self) -> u64 {
         self.step + u64::from(!self.step_open)
+    }
+
+    /// Starts the queued loads for the step `begin_step` opens: the set its handle waits on,
+    /// or `None` when it starts none and waits for no earlier load (the handle then waits for
+    /// nothing, and no reference count moves).
+    fn begin_loads(&mut self) -> Option<Arc<StepLoadSet>> {
+        let (pages, bytes, wait) = match self.cache.on_begin_step() {
+            Ok(l) if l.pages == 0 && l.bytes == 0 && l.wait.is_none() => return None,
+            Ok(l) => (l.pages, l.bytes, l.wait),
+            Err(e) => {
+                let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
+                self.step_error.get_or_insert(e);
+                (0, 0, Some(wait))
+            }
+        };
+        // The last loading step's set when its handle is gone (end_step took it, or the
+        // caller dropped it): nobody can see it then, and it starts empty again.
+        let set = match self.step_loads.take() {
+            Some(set) if Arc::strong_count(&set) == 1 => {
+                // Ordered after everything the handle's last holder did with the set before
+                // its drop released it (as `Arc`'s own drop orders the free).
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                set.clear();
+                set
+            }
+            _ => Arc::default(),
+        };
+        set.add(pages, bytes, wait);
+        self.step_loads = Some(set.clone());
+        self.step_shares_loads = true;
+        Some(set)
     }
 
     /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.

@@ -422,6 +422,12 @@ pub enum WaitReason {
     /// The request needs a load from the host tier, and the tier already holds its limit of
     /// pending loads (`HiCacheConfig::max_pending_ops`); they complete by the next step.
     TransfersBusy,
+    /// The request needs a load from the host tier, and it is admitted while a step is open
+    /// that began with nothing to load: that step's handle waits for no load, so one started
+    /// now could not join it. Admit it before the next
+    /// [`KvCacheManager::begin_step`](crate::KvCacheManager::begin_step) (the documented order:
+    /// form the batch, then begin the step), which starts its load. Nothing is held meanwhile.
+    OpenStepLoadsNothing,
     /// Models with Mamba layers: every Mamba state slot is held by a running request or by a
     /// cached state a running request has locked, so the request cannot get its own slot (a
     /// hit also keeps the state it copies from). A running request holds its running slot
@@ -455,16 +461,20 @@ pub enum WaitReason {
 ///
 /// The handle covers every load the step's requests need: the loads queued by admissions
 /// before `begin_step`, which it starts, and those of admissions made while the step is open,
-/// which start at once and join it. So a request admitted at any point up to the forward is
-/// waited for by [`StepHandle::wait_layer`]; read the load figures and start the forward after
-/// the step's last admission.
+/// which start at once and join it when the step began with loads of its own. So a request
+/// admitted at any point up to the forward is waited for by [`StepHandle::wait_layer`]; read
+/// the load figures and start the forward after the step's last admission. In a step that
+/// began with nothing to load (most steps), the handle shares nothing with the manager, and an
+/// admission that needs a load waits for the next step
+/// ([`WaitReason::OpenStepLoadsNothing`]).
 #[derive(Debug)]
 pub struct StepHandle {
     pub(crate) index: u64,
     pub(crate) layers: u32,
-    /// The step's loads, shared with the manager while the step is open; `None` for a cache
-    /// that never loads ([`ManagedCache::starts_loads`](crate::ManagedCache::starts_loads)),
-    /// whose steps then cost no shared set.
+    /// The step's loads, shared with the manager while the step is open; `None` for a step
+    /// that began with nothing to load and for a cache that never loads
+    /// ([`ManagedCache::starts_loads`](crate::ManagedCache::starts_loads)): such steps cost no
+    /// shared set.
     pub(crate) loads: Option<Arc<StepLoadSet>>,
     /// Nanoseconds spent blocked in `wait_layer` (atomic: the forward may wait from another
     /// thread than the scheduler's), for the load-wait histogram.

@@ -731,54 +731,117 @@ fn documented_order_host_hit_is_loaded_by_the_step_it_runs_in() {
 }
 
 #[test]
-fn admission_inside_an_open_step_joins_that_steps_loads() {
+fn an_admission_inside_a_step_that_loads_nothing_waits_for_the_next_step() {
     let (mut kv, a) = manager_with_host_copy();
-    // The order the old rustdoc example used: the step is open before the admission. The load
-    // must not wait for a later step while this one's handle says there is nothing to wait for.
+    // The order the old rustdoc example used: the step is open before the admission. This
+    // step began with nothing to load, so its handle waits for nothing: a load started now
+    // could not join it, and the admission waits instead of running unloaded.
     let step = kv.begin_step();
-    assert_eq!(step.load_pages(), 0);
+    assert_eq!((step.load_pages(), step.load_bytes()), (0, 0));
     let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let before = kv.accounting();
+    assert_eq!(
+        kv.admit(id).unwrap(),
+        Admission::Wait(WaitReason::OpenStepLoadsNothing)
+    );
+    assert_eq!(kv.accounting(), before, "a waiting admission holds nothing");
+    assert_eq!((step.load_pages(), step.load_bytes()), (0, 0));
+    kv.end_step(step).unwrap();
+    // Admitted before the next step begins: that step starts its load and waits for it.
     let adm = admitted(&mut kv, id);
     assert_eq!(adm.host_tokens, 40, "{adm:?}");
     kv.extend(id, adm.extend_tokens).unwrap();
+    let step = kv.begin_step();
     wait_covers(&kv, &step, 10);
     kv.chunk_done(id).unwrap();
     let s = kv.end_step(step).unwrap();
+    assert_eq!(s.transfers.pages_loaded, 10);
+    kv.finish(id).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+/// A HiCache manager whose host tier holds the first 20 tokens of `(0..21)` and the first 12
+/// of `(1000..1013)`, pushed off the device by a longer request.
+fn manager_with_two_host_copies() -> (KvCacheManager, Vec<u32>, Vec<u32>) {
+    let mut kv = small_write_through_manager();
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..21).collect(), (1000..1013).collect());
+    for tokens in [a.clone(), b.clone(), (2000..2041).collect()] {
+        let id = kv.arrive(Request::new(tokens).max_new_tokens(1)).unwrap();
+        let n = ready(&mut kv, id);
+        finish_in_one_step(&mut kv, id, n);
+    }
+    (kv, a, b)
+}
+
+#[test]
+fn admission_inside_an_open_step_joins_that_steps_loads() {
+    let (mut kv, a, b) = manager_with_two_host_copies();
+    // The first is admitted before the step, which starts its load...
+    let first = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let adm = admitted(&mut kv, first);
+    assert_eq!(adm.host_tokens, 20, "{adm:?}");
+    kv.extend(first, adm.extend_tokens).unwrap();
+    let step = kv.begin_step();
+    assert_eq!(step.load_pages(), 5);
+    // ...and the second, admitted while that step is open, starts its own load at once and
+    // joins the step: the handle waits for both.
+    let second = kv.arrive(Request::new(b).max_new_tokens(1)).unwrap();
+    let adm = admitted(&mut kv, second);
+    assert_eq!(adm.host_tokens, 12, "{adm:?}");
+    kv.extend(second, adm.extend_tokens).unwrap();
+    wait_covers(&kv, &step, 8);
+    kv.chunk_done(first).unwrap();
+    kv.chunk_done(second).unwrap();
+    let s = kv.end_step(step).unwrap();
     assert_eq!(
-        s.transfers.pages_loaded, 10,
-        "the load started and completed in this step"
+        s.transfers.pages_loaded, 8,
+        "both loads started and completed in this step"
     );
-    // The next step has nothing left to load (it reuses the ended step's emptied load set).
+    // The next step has nothing left to load.
     let next = kv.begin_step();
     assert_eq!((next.load_pages(), next.load_bytes()), (0, 0));
-    kv.finish(id).unwrap();
+    kv.finish(first).unwrap();
+    kv.finish(second).unwrap();
     kv.end_step(next).unwrap();
     kv.check_invariants().unwrap();
 }
 
 #[test]
 fn a_step_handle_still_held_keeps_its_load_set_from_the_next_step() {
-    let (mut kv, a) = manager_with_host_copy();
-    let id = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
-    let adm = admitted(&mut kv, id);
-    kv.extend(id, adm.extend_tokens).unwrap();
-    let first = kv.begin_step();
-    wait_covers(&kv, &first, 10);
-    // A step begun while the first one's handle is still held gets a set of its own: the
-    // manager reuses a set only once no handle holds it.
-    let second = kv.begin_step();
-    assert_eq!((second.load_pages(), second.load_bytes()), (0, 0));
-    wait_covers(&kv, &first, 10);
-    kv.end_step(second).unwrap();
-    wait_covers(&kv, &first, 10);
-    kv.chunk_done(id).unwrap();
-    kv.end_step(first).unwrap();
-    // A handle dropped without `end_step` gives its set back as well.
+    let (mut kv, a, b) = manager_with_two_host_copies();
+    let first = kv.arrive(Request::new(a).max_new_tokens(1)).unwrap();
+    let adm = admitted(&mut kv, first);
+    kv.extend(first, adm.extend_tokens).unwrap();
+    let step1 = kv.begin_step();
+    wait_covers(&kv, &step1, 5);
+    // A later loading step begun while the first one's handle is still held (a stale handle:
+    // another step began meanwhile) gets a set of its own: the manager reuses a set only once
+    // no handle holds it.
+    let step2 = kv.begin_step();
+    let second = kv.arrive(Request::new(b).max_new_tokens(1)).unwrap();
+    assert_eq!(
+        kv.admit(second).unwrap(),
+        Admission::Wait(WaitReason::OpenStepLoadsNothing)
+    );
+    kv.end_step(step2).unwrap();
+    let adm = admitted(&mut kv, second);
+    kv.extend(second, adm.extend_tokens).unwrap();
+    let step3 = kv.begin_step();
+    wait_covers(&kv, &step3, 3);
+    wait_covers(&kv, &step1, 5);
+    kv.chunk_done(first).unwrap();
+    kv.chunk_done(second).unwrap();
+    kv.end_step(step3).unwrap();
+    wait_covers(&kv, &step1, 5);
+    kv.end_step(step1).unwrap();
+    // A handle dropped without `end_step` gives its set back as well; a step that loads
+    // nothing has none.
     drop(kv.begin_step());
     let next = kv.begin_step();
     assert_eq!((next.load_pages(), next.load_bytes()), (0, 0));
     kv.end_step(next).unwrap();
-    kv.finish(id).unwrap();
+    kv.finish(first).unwrap();
+    kv.finish(second).unwrap();
     kv.check_invariants().unwrap();
 }
 
