@@ -171,6 +171,9 @@ pub struct KvCacheManager {
     /// and the manager then move no reference count: most steps), and an admission that
     /// needs a load waits for the next step instead ([`WaitReason::OpenStepLoadsNothing`]).
     step_shares_loads: bool,
+    /// Ended steps of a cache with a host tier that moved no bytes either way, not yet in
+    /// the `step_load_bytes` / `step_write_bytes` histograms (`metrics` adds them).
+    idle_tier_steps: u64,
     /// The cache's [`ManagedCache::starts_loads`], read once.
     starts_loads: bool,
     /// The last step ended: its forward is over.
@@ -268,6 +271,7 @@ impl KvCacheManager {
             step_open: false,
             step_loads: None,
             step_shares_loads: false,
+            idle_tier_steps: 0,
             starts_loads,
             ended_step: 0,
             swa_window,
@@ -329,6 +333,12 @@ impl KvCacheManager {
     /// Counters and current gauges.
     pub fn metrics(&self) -> Metrics {
         let mut m = self.metrics;
+        m.histograms
+            .step_load_bytes
+            .observe_zeros(self.idle_tier_steps);
+        m.histograms
+            .step_write_bytes
+            .observe_zeros(self.idle_tier_steps);
         m.gauges.set_pool(&self.cache.accounting());
         m.gauges.reserved_tokens = self.reserved_total;
         m.gauges.host_tokens = self.cache.host_tokens();
@@ -1617,9 +1627,15 @@ impl KvCacheManager {
             h.step_load_pages.observe(load_pages);
             h.step_load_wait_ns.observe(step.waited_ns());
         }
-        if matches!(self.cfg.cache, crate::CacheKind::HiCache(_)) {
-            h.step_load_bytes.observe(transfers.bytes_loaded);
-            h.step_write_bytes.observe(transfers.bytes_written);
+        if self.starts_loads {
+            if transfers.bytes_loaded == 0 && transfers.bytes_written == 0 {
+                // Most steps move nothing: counted here, added to both histograms when the
+                // metrics are read (two observations a step touched four cache lines).
+                self.idle_tier_steps += 1;
+            } else {
+                h.step_load_bytes.observe(transfers.bytes_loaded);
+                h.step_write_bytes.observe(transfers.bytes_written);
+            }
         }
         self.metrics.counters.steps += 1;
         self.buffer_cache_events();

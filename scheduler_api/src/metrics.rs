@@ -260,6 +260,12 @@ impl Histogram {
         self.count += 1;
     }
 
+    /// Records `n` observations of 0 (the first bucket: every bound is at least 0).
+    pub(crate) fn observe_zeros(&mut self, n: u64) {
+        self.counts[0] += n;
+        self.count += n;
+    }
+
     /// Observations so far.
     pub fn count(&self) -> u64 {
         self.count

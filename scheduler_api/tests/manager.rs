@@ -685,6 +685,23 @@ fn hicache_loads_back_host_hits_and_counts_modeled_bytes() {
     assert_eq!(hit, 40.0);
     let loads = plain(&scrape, "radixkv_step_load_pages_sum");
     assert_eq!(loads, 10.0);
+    // Steps that move nothing count as zeros in both byte histograms.
+    for _ in 0..3 {
+        let s = kv.begin_step();
+        kv.end_step(s).unwrap();
+    }
+    let later = kv.metrics();
+    let first_bucket =
+        |h: &radixkv_scheduler_api::metrics::Histogram| h.cumulative().next().map(|b| b.1);
+    for (before, after) in [
+        (&h.step_load_bytes, &later.histograms.step_load_bytes),
+        (&h.step_write_bytes, &later.histograms.step_write_bytes),
+    ] {
+        assert_eq!(after.count(), later.counters.steps);
+        assert_eq!(after.count(), before.count() + 3);
+        assert_eq!(after.sum(), before.sum());
+        assert_eq!(first_bucket(after), first_bucket(before).map(|n| n + 3));
+    }
 }
 
 /// A HiCache manager whose host tier holds the first 40 tokens of `(0..41)` after a second
