@@ -25,7 +25,8 @@ pub trait Consensus: Send + Sync + fmt::Debug {
 
     /// True when this is the only rank, so every reduction is the identity and a call that
     /// cannot change anything may be skipped (a cache's step with nothing queued, in flight or
-    /// stored). Not a collective; the default, `false`, keeps every call.
+    /// stored). Not a collective; the default, `false`, keeps every call. A cache reads it
+    /// once, when it is built.
     fn is_single_rank(&self) -> bool {
         false
     }

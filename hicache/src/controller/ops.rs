@@ -164,77 +164,61 @@ pub const SORT_RUNS_UP_TO: usize = 64;
 pub const SORT_RUNS_FROM_PAGES: usize = 4;
 
 /// Builds [`merge_runs`]'s runs from pairs given in pieces (one piece an operation).
+///
+/// A pair continues the run before it when it follows the pair before it on both sides, a
+/// test of the pair and its predecessor alone: no pair waits for the run built so far. Each
+/// pair is written, as the first of a possible run, to the slot after the runs found so far,
+/// and only a pair that starts a run moves past it; a run holds its first pair's index in
+/// `pages` until [`RunBuilder::close`] turns the indices into lengths. (Built on the open run,
+/// each pair waited for the previous one's comparison and update: about 2.4 ns a pair.)
 pub(crate) struct RunBuilder {
-    /// Finished runs in `runs[..len]`; the rest is room, one slot per pair still to come.
+    /// Runs in `runs[..len]`; the rest is room, one slot per pair still to come.
     runs: Vec<PageRun>,
     len: usize,
-    /// The open run (`pages == 0` before the first pair).
-    open: PageRun,
+    /// The device and host page a pair must have to continue the last pair's run
+    /// (`u64::MAX`, which no page is, before the first pair).
+    next: (u64, u64),
     pairs: usize,
 }
 
 impl RunBuilder {
+    const EMPTY: PageRun = PageRun {
+        device: 0,
+        host: 0,
+        pages: 0,
+    };
+
     /// A builder with room for `pairs` pairs (it grows past them).
     pub(crate) fn with_capacity(pairs: usize) -> Self {
-        RunBuilder {
-            // `extend` keeps a slot past the pairs given so far for the open run: one more
-            // than the pairs, or the first extension reallocates.
-            runs: Vec::with_capacity(pairs + 1),
-            len: 0,
-            open: PageRun {
-                device: 0,
-                host: 0,
-                pages: 0,
-            },
-            pairs: 0,
-        }
+        Self::reusing(Vec::new(), pairs)
     }
 
-    /// Appends pairs. A full cache's pages are scattered, so whether a pair continues the open
-    /// run is a coin toss the branch predictor loses: the loop has no branch on it. The open
-    /// run is stored at `len` after every pair and `len` moves past it only when a new run
-    /// starts.
+    /// Appends pairs (fewer than 2^32 in all, as a run's length is a `u32`).
     pub(crate) fn extend(&mut self, pairs: impl Iterator<Item = (u32, u32)>) {
-        let mut pairs = pairs.peekable();
-        if self.pairs == 0 {
-            // The first pair continues the empty run at its own pages.
-            if let Some(&(d, h)) = pairs.peek() {
-                self.open = PageRun {
-                    device: d,
-                    host: h,
-                    pages: 0,
-                };
-            }
-        }
-        let room = self.len + pairs.size_hint().0 + 1;
+        let room = self.len + pairs.size_hint().0;
         if room > self.runs.len() {
-            self.runs.resize(room, self.open);
+            self.runs.resize(room, Self::EMPTY);
         }
+        // The state lives in locals through the loop and is stored back once.
+        let (mut len, mut next, mut count) = (self.len, self.next, self.pairs);
+        let runs = &mut self.runs;
         for (d, h) in pairs {
-            if self.len == self.runs.len() {
+            if len == runs.len() {
                 // More pairs than the iterator's lower bound said.
-                self.runs.resize(2 * self.len + 1, self.open);
+                runs.resize(2 * len + 1, Self::EMPTY);
             }
-            let o = self.open;
-            let end = u64::from(o.pages);
-            let joins = (u64::from(o.device) + end == u64::from(d))
-                & (u64::from(o.host) + end == u64::from(h));
-            self.runs[self.len] = o;
-            self.len += usize::from(!joins);
-            self.open = if joins {
-                PageRun {
-                    pages: o.pages + 1,
-                    ..o
-                }
-            } else {
-                PageRun {
-                    device: d,
-                    host: h,
-                    pages: 1,
-                }
+            let (d64, h64) = (u64::from(d), u64::from(h));
+            let joins = (next.0 == d64) & (next.1 == h64);
+            runs[len] = PageRun {
+                device: d,
+                host: h,
+                pages: count as u32,
             };
-            self.pairs += 1;
+            len += usize::from(!joins);
+            next = (d64 + 1, h64 + 1);
+            count += 1;
         }
+        (self.len, self.next, self.pairs) = (len, next, count);
     }
 
     /// A builder with room for `pairs` pairs in `buf`, a buffer an earlier builder gave back
@@ -242,18 +226,13 @@ impl RunBuilder {
     /// the largest before it neither allocates nor fills room (a fresh buffer of a load's
     /// scattered pages was a tenth of the merge, in the allocation and the filling).
     pub(crate) fn reusing(mut buf: Vec<PageRun>, pairs: usize) -> Self {
-        let open = PageRun {
-            device: 0,
-            host: 0,
-            pages: 0,
-        };
-        if buf.len() < pairs + 1 {
-            buf.resize(pairs + 1, open);
+        if buf.len() < pairs {
+            buf.resize(pairs, Self::EMPTY);
         }
         RunBuilder {
             runs: buf,
             len: 0,
-            open,
+            next: (u64::MAX, u64::MAX),
             pairs: 0,
         }
     }
@@ -263,17 +242,18 @@ impl RunBuilder {
         self.runs
     }
 
-    /// Stores the open run after the finished ones; returns how many runs there are.
+    /// Turns the runs' first-pair indices into lengths; returns how many runs there are.
+    /// Once, after the last [`RunBuilder::extend`].
     fn close(&mut self) -> usize {
-        if self.pairs == 0 {
+        let n = self.len;
+        if n == 0 {
             return 0;
         }
-        if self.len == self.runs.len() {
-            self.runs.push(self.open);
-        } else {
-            self.runs[self.len] = self.open;
+        for k in 0..n - 1 {
+            self.runs[k].pages = self.runs[k + 1].pages - self.runs[k].pages;
         }
-        self.len + 1
+        self.runs[n - 1].pages = self.pairs as u32 - self.runs[n - 1].pages;
+        n
     }
 
     /// Whether [`RunBuilder::finish`] sorts and joins `runs` runs.

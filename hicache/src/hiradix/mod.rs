@@ -669,6 +669,9 @@ pub struct HiRadixCache<B: DeviceBackend> {
     storage: Option<Box<storage::StorageState>>,
     /// How the ranks agree.
     consensus: Arc<dyn Consensus>,
+    /// `consensus.is_single_rank()`, read once: the idle-step test then makes no virtual
+    /// call (its vtable was a cache miss a step).
+    single_rank: bool,
     /// Device tokens of the victims of asynchronous write-backs not acknowledged yet (the sum
     /// of their [`PendingWrite::victim_tokens`]): room that arrives at their acks.
     write_back_tokens: usize,
@@ -780,6 +783,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             mamba,
             swa,
             storage,
+            single_rank: cfg.consensus.is_single_rank(),
             consensus: cfg.consensus,
             write_back_tokens: 0,
         })
@@ -976,7 +980,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// A stale lock (a bug), or a failed load that could not be repaired (see the module
     /// docs). A refused backup submission is not an error: it is retried at the next step.
     pub fn step(&mut self) -> HiResult<Acks> {
-        if self.consensus.is_single_rank()
+        if self.single_rank
             && self.ctrl.is_idle()
             && self.storage.is_none()
             && self.unrepaired.is_empty()
