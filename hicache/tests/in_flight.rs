@@ -156,3 +156,83 @@ fn backup_pinned_tokens_leave_out_kv_locked_by_a_request() {
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
 }
+
+/// Fails one layer of a load-back of `a` begun by a request, and waits until every copy of
+/// that load is done: the load is complete, failed and not acknowledged yet (no step boundary
+/// since). Returns the request, which still holds `a`'s nodes.
+fn load_with_a_failed_layer(
+    c: &mut radixkv_hicache::HiRadixCache<radixkv_hicache::HostSim>,
+    a: &[u32],
+) -> RequestKv {
+    let gate = c.backend().gate().unwrap().clone();
+    gate.open();
+    demote_to_host(c, a);
+    let r1 = begin(c, a);
+    c.backend().fail_next_copies(StreamKind::Load, 1);
+    let step = c.start_loading().unwrap().expect("the request loads A");
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    assert!(
+        counter.wait_until(0).is_err(),
+        "the first layer's copy failed"
+    );
+    c.backend().wait_settled(StreamKind::Load);
+    r1
+}
+
+#[test]
+fn a_later_batch_that_matched_a_load_known_to_have_failed_is_told_so() {
+    let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
+    let a = tokens(7, 9);
+    let mut r1 = load_with_a_failed_layer(&mut c, &a);
+    c.cache_finished_req(&mut r1, FinishKind::Aborted).unwrap();
+    // Before any step boundary, a later batch matches A on the device: its pages are garbage
+    // until the boundary repairs them, so the batch must not find nothing to wait for.
+    let mut r2 = RequestKv::new(RadixKey::new(a.clone()));
+    let m = c.match_request(&mut r2).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (8, 0));
+    c.begin_request(&mut r2).unwrap();
+    let step = c
+        .start_loading()
+        .unwrap()
+        .expect("batch 2 loads nothing but read a failed load's pages");
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    assert!(
+        counter.wait_until(0).is_err(),
+        "the failure reaches batch 2"
+    );
+    // The boundary repairs A from its host copy; then the batch reads the right bytes.
+    c.step().unwrap();
+    assert!(c.start_loading().unwrap().is_none());
+    finish_loaded(&mut c, &mut r2, &a);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.stats().repaired_loads, 1);
+}
+
+#[test]
+fn a_failed_load_whose_repair_fails_too_fails_every_batch_until_it_is_repaired() {
+    let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
+    let a = tokens(8, 9);
+    let mut r1 = load_with_a_failed_layer(&mut c, &a);
+    // The repair's copy fails as well, and the request still holds A's nodes: they can be
+    // neither repaired nor demoted, and their pages stay garbage.
+    c.backend().fail_next_copies(StreamKind::Load, 1);
+    assert!(c.step().is_err(), "the repair failed");
+    for _ in 0..2 {
+        assert!(
+            c.start_loading().is_err(),
+            "a batch may read the unrepaired pages: it must not run"
+        );
+    }
+    // The next boundary repairs it; batches run again, on the right bytes.
+    c.step().unwrap();
+    assert!(c.start_loading().unwrap().is_none());
+    finish_loaded(&mut c, &mut r1, &a);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.stats().repaired_loads, 1);
+}

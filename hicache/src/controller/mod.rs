@@ -805,7 +805,14 @@ impl<B: DeviceBackend> HybridCacheController<B> {
             ));
         }
         if self.load_queue.is_empty() {
-            if self.load_acks.iter().all(InFlight::is_complete) {
+            // An earlier load that completed with a failure is not nothing to wait for: its
+            // pages are garbage until the step boundary repairs them, and a request of this
+            // batch may have matched them. Its events make the batch's layer waits fail.
+            if self
+                .load_acks
+                .iter()
+                .all(|t| t.is_complete() && !t.failure_known())
+            {
                 return Ok(None);
             }
             let producer = self.layers.update_producer()?;

@@ -35,7 +35,11 @@
 //!   submitted); loads merely in flight are left to the layer waits. If the repair fails
 //!   too, `step` returns the error: abort the batch's requests; the loaded nodes are demoted
 //!   back to host-only as soon as they are unlocked (retried at every step), so their device
-//!   pages are never served again once demoted.
+//!   pages are never served again once demoted. Until the failed load is repaired or demoted,
+//!   [`HiRadixCache::start_loading`] refuses every batch (a later request may have matched
+//!   the garbage pages). Between the failed layer wait and the next `step`, a batch that
+//!   matched the failed load's nodes learns it from its own layer waits, which cover every
+//!   load not acknowledged yet, failed ones included.
 //!
 //! # Back-pressure and refused submissions
 //! The controller holds at most [`HiCacheConfig::max_pending_ops`] operations per direction
@@ -950,8 +954,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// The backend refused the copy or its stream is closed. The batch that needs the queued
     /// loads must not run its forward then: their device pages hold no KV yet. A refused load
     /// stays queued and the next call retries it; a load on a closed stream is reported as
-    /// failed at the next [`HiRadixCache::step`].
+    /// failed at the next [`HiRadixCache::step`]. Also while a failed load could not be
+    /// repaired (its repair copy failed too, and a request still holds its nodes, so they are
+    /// not demoted either): its pages are garbage, and a request of this batch may read them.
+    /// The next step retries the repair.
     pub fn start_loading(&mut self) -> HiResult<Option<LoadStep>> {
+        if !self.unrepaired.is_empty() {
+            return Err(HiCacheError::Transfer(
+                "a failed load is not repaired yet; its pages hold no KV".into(),
+            ));
+        }
         self.ctrl.start_loading()
     }
 
