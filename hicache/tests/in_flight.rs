@@ -227,6 +227,15 @@ fn a_failed_load_whose_repair_fails_too_fails_every_batch_until_it_is_repaired()
             "a batch may read the unrepaired pages: it must not run"
         );
     }
+    // A reset meanwhile is refused as for any KV a request holds (its drain retries the
+    // repair twice, which fails both times), and drops nothing.
+    c.backend().fail_next_copies(StreamKind::Load, 2);
+    let before = c.host_tokens();
+    assert!(
+        matches!(c.reset(), Err(CacheError::Busy(_))),
+        "reset with an unrepaired load held by a request"
+    );
+    assert_eq!(c.host_tokens(), before);
     // The next boundary repairs it; batches run again, on the right bytes.
     c.step().unwrap();
     assert!(c.start_loading().unwrap().is_none());

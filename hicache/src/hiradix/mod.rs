@@ -1255,7 +1255,14 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         if let Err(e) = self.flush() {
             // Every KV is about to go, so a backup the backend refused need not wait for a
             // retry: it is undone like a failed one.
-            self.finish_writes_now()?;
+            if let Err(e) = self.finish_writes_now()
+                && self.unrepaired.is_empty()
+            {
+                return Err(e.into());
+            }
+            // A failed load whose repair failed again is left: its nodes were not demoted
+            // because a request holds them, so the tree's reset below refuses (Busy), as for
+            // any KV a request holds. (It returned the repair's error instead.)
             if self.ctrl.queued() != (0, 0) {
                 // A refused load: it keeps its lock until its retry (at the next step) is
                 // acknowledged, and its request may still hold the KV, so nothing may be
