@@ -916,7 +916,7 @@ impl KvCacheManager {
             return Ok(Admission::Wait(WaitReason::NoRoom { needed, available }));
         }
         if m.host_hit_len > 0 && self.step_open && !self.step_shares_loads {
-            // A load started now would join no handle: the open step's waits nothing.
+            // A load started now would join no handle: the open step waits for no load.
             self.metrics.counters.admission_waits += 1;
             tracing::trace!(parent: &t.span, "admission waits: the open step loads nothing");
             give_back_lent_slot(self.cache.as_mut(), &self.sessions_open, &mut t.kv)?;
