@@ -8,6 +8,23 @@ use common::*;
 use radixkv_hicache::{DEFAULT_MAX_PENDING_OPS, StreamKind};
 use radixkv_radix::{CacheError, FinishKind, PrefixCache, RadixKey, RequestKv};
 
+/// A request of a later batch that finds `a` (8 tokens cached) on the device and loads
+/// nothing itself, begun; its batch's load step (`why` it must have one), whose layers the
+/// layer counter now reports.
+fn later_batch_on_device(
+    c: &mut radixkv_hicache::HiRadixCache<radixkv_hicache::HostSim>,
+    a: &[u32],
+    why: &str,
+) -> (RequestKv, radixkv_hicache::LoadStep) {
+    let mut r = RequestKv::new(RadixKey::new(a.to_vec()));
+    let m = c.match_request(&mut r).unwrap();
+    assert_eq!((m.prefix_len, m.host_hit_len), (8, 0));
+    c.begin_request(&mut r).unwrap();
+    let step = c.start_loading().unwrap().expect(why);
+    c.layer_counter().set_consumer(step.producer);
+    (r, step)
+}
+
 #[test]
 fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
     let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
@@ -21,16 +38,12 @@ fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
     c.start_loading().unwrap().expect("batch 1 loads A");
     c.cache_finished_req(&mut r1, FinishKind::Aborted).unwrap();
     // Batch 2 finds A on the device while its copy is still held.
-    let mut r2 = RequestKv::new(RadixKey::new(a.clone()));
-    let m = c.match_request(&mut r2).unwrap();
-    assert_eq!((m.prefix_len, m.host_hit_len), (8, 0));
-    c.begin_request(&mut r2).unwrap();
-    let step = c
-        .start_loading()
-        .unwrap()
-        .expect("batch 2 loads nothing but must wait for batch 1's load");
+    let (mut r2, step) = later_batch_on_device(
+        &mut c,
+        &a,
+        "batch 2 loads nothing but must wait for batch 1's load",
+    );
     let counter = c.layer_counter().clone();
-    counter.set_consumer(step.producer);
     assert!(!counter.is_layer_done(step.producer, 0));
     gate.release_on(StreamKind::Load, LAYERS as u64);
     wait_layers(&c, step.producer);
@@ -188,16 +201,12 @@ fn a_later_batch_that_matched_a_load_known_to_have_failed_is_told_so() {
     c.cache_finished_req(&mut r1, FinishKind::Aborted).unwrap();
     // Before any step boundary, a later batch matches A on the device: its pages are garbage
     // until the boundary repairs them, so the batch must not find nothing to wait for.
-    let mut r2 = RequestKv::new(RadixKey::new(a.clone()));
-    let m = c.match_request(&mut r2).unwrap();
-    assert_eq!((m.prefix_len, m.host_hit_len), (8, 0));
-    c.begin_request(&mut r2).unwrap();
-    let step = c
-        .start_loading()
-        .unwrap()
-        .expect("batch 2 loads nothing but read a failed load's pages");
+    let (mut r2, _) = later_batch_on_device(
+        &mut c,
+        &a,
+        "batch 2 loads nothing but read a failed load's pages",
+    );
     let counter = c.layer_counter().clone();
-    counter.set_consumer(step.producer);
     assert!(
         counter.wait_until(0).is_err(),
         "the failure reaches batch 2"
