@@ -25,6 +25,15 @@ fn later_batch_on_device(
     (r, step)
 }
 
+/// Flushes `c` and checks the end state of a failed-load scenario: invariants, no lock left,
+/// exactly one load repaired.
+fn drained_after_one_repair(c: &mut radixkv_hicache::HiRadixCache<radixkv_hicache::HostSim>) {
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.stats().repaired_loads, 1);
+}
+
 #[test]
 fn a_batch_that_matched_a_loading_prefix_waits_for_its_load() {
     let mut c = gated_cache(16, DEFAULT_MAX_PENDING_OPS);
@@ -86,10 +95,7 @@ fn a_failed_load_of_an_earlier_batch_fails_a_later_batch_that_matched_it() {
     c.step().unwrap();
     finish_loaded(&mut c, &mut r2, &a);
     finish_loaded(&mut c, &mut r3, &b);
-    c.flush().unwrap();
-    c.check_invariants().unwrap();
-    assert_eq!(c.protected_tokens(), 0);
-    assert_eq!(c.stats().repaired_loads, 1);
+    drained_after_one_repair(&mut c);
 }
 
 /// Write-through backups lock the KV they copy until their ack. When the device can only make
@@ -215,10 +221,7 @@ fn a_later_batch_that_matched_a_load_known_to_have_failed_is_told_so() {
     c.step().unwrap();
     assert!(c.start_loading().unwrap().is_none());
     finish_loaded(&mut c, &mut r2, &a);
-    c.flush().unwrap();
-    c.check_invariants().unwrap();
-    assert_eq!(c.protected_tokens(), 0);
-    assert_eq!(c.stats().repaired_loads, 1);
+    drained_after_one_repair(&mut c);
 }
 
 #[test]
@@ -249,8 +252,5 @@ fn a_failed_load_whose_repair_fails_too_fails_every_batch_until_it_is_repaired()
     c.step().unwrap();
     assert!(c.start_loading().unwrap().is_none());
     finish_loaded(&mut c, &mut r1, &a);
-    c.flush().unwrap();
-    c.check_invariants().unwrap();
-    assert_eq!(c.protected_tokens(), 0);
-    assert_eq!(c.stats().repaired_loads, 1);
+    drained_after_one_repair(&mut c);
 }

@@ -39,7 +39,7 @@ use crate::builder::ManagerBuilder;
 use crate::config::ManagerConfig;
 use crate::error::{ManagerError, Result};
 use crate::factory::{
-    GivenBackend, LayerWait, ManagedCache, StepTransfers, build_cache_with_store,
+    GivenBackend, LayerWait, ManagedCache, StepLoads, StepTransfers, build_cache_with_store,
 };
 use crate::metrics::Metrics;
 use crate::request::StepLoadSet;
@@ -1547,28 +1547,24 @@ impl KvCacheManager {
     /// or `None` when it starts none and waits for no earlier load (the handle then waits for
     /// nothing, and no reference count moves).
     fn begin_loads(&mut self) -> Option<Arc<StepLoadSet>> {
-        let (pages, bytes, wait) = match self.cache.on_begin_step() {
-            Ok(l) if l.pages == 0 && l.bytes == 0 && l.wait.is_none() => return None,
-            Ok(l) => (l.pages, l.bytes, l.wait),
-            Err(e) => {
-                let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
-                self.step_error.get_or_insert(e);
-                (0, 0, Some(wait))
-            }
-        };
+        let l = self.start_queued_loads();
+        if l.pages == 0 && l.bytes == 0 && l.wait.is_none() {
+            return None;
+        }
         // The last loading step's set when its handle is gone (end_step took it, or the
-        // caller dropped it): nobody can see it then, and it starts empty again.
+        // caller dropped it): nobody can see it then, and it starts empty again. Only loading
+        // steps get here, so `get_mut`'s atomics are no per-step cost.
         let set = match self.step_loads.take() {
-            Some(set) if Arc::strong_count(&set) == 1 => {
-                // Ordered after everything the handle's last holder did with the set before
-                // its drop released it (as `Arc`'s own drop orders the free).
-                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-                set.clear();
-                set
-            }
-            _ => Arc::default(),
+            Some(mut set) => match Arc::get_mut(&mut set) {
+                Some(s) => {
+                    s.reset();
+                    set
+                }
+                None => Arc::default(),
+            },
+            None => Arc::default(),
         };
-        set.add(pages, bytes, wait);
+        set.add(l.pages, l.bytes, l.wait);
         self.step_loads = Some(set.clone());
         self.step_shares_loads = true;
         Some(set)
@@ -1576,14 +1572,22 @@ impl KvCacheManager {
 
     /// Starts every queued load and adds it to `set`; a refusal makes `set`'s waits fail.
     fn start_loads(&mut self, set: &StepLoadSet) {
-        match self.cache.on_begin_step() {
-            Ok(l) => set.add(l.pages, l.bytes, l.wait),
-            Err(e) => {
-                let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
-                self.step_error.get_or_insert(e);
-                set.add(0, 0, Some(wait));
+        let l = self.start_queued_loads();
+        set.add(l.pages, l.bytes, l.wait);
+    }
+
+    /// The cache's loads started now, or, when they could not be started, a wait that fails
+    /// every layer (the error is kept for `end_step`).
+    fn start_queued_loads(&mut self) -> StepLoads {
+        self.cache.on_begin_step().unwrap_or_else(|e| {
+            let wait: Arc<dyn LayerWait> = Arc::new(LoadsNotStarted(e.clone()));
+            self.step_error.get_or_insert(e);
+            StepLoads {
+                pages: 0,
+                bytes: 0,
+                wait: Some(wait),
             }
-        }
+        })
     }
 
     fn count_transfers(&mut self, t: &StepTransfers) {

@@ -1,7 +1,7 @@
 //! The values the scheduler exchanges with [`crate::KvCacheManager`]: requests and their
 //! handles, admission outcomes, and the per-step handle with its per-layer load wait.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use radixkv_radix::{
@@ -488,8 +488,6 @@ pub struct StepHandle {
 pub(crate) struct StepLoadSet {
     pages: AtomicU64,
     bytes: AtomicU64,
-    /// Set when `waits` is not empty, so that emptying a set that has none takes no lock.
-    waited: AtomicBool,
     waits: Mutex<Vec<Arc<dyn LayerWait>>>,
 }
 
@@ -505,23 +503,18 @@ impl StepLoadSet {
         }
         if let Some(w) = wait {
             self.locked_waits().push(w);
-            self.waited.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Empties the set for the next step. The manager calls it on a set only it holds (the
-    /// step's handle is gone), so no reader sees it half-emptied; a set that loaded nothing
-    /// (most steps) costs three plain loads, no atomic read-modify-write and no lock.
-    pub(crate) fn clear(&self) {
-        for n in [&self.pages, &self.bytes] {
-            if n.load(Ordering::Relaxed) != 0 {
-                n.store(0, Ordering::Relaxed);
-            }
-        }
-        if self.waited.load(Ordering::Relaxed) {
-            self.locked_waits().clear();
-            self.waited.store(false, Ordering::Relaxed);
-        }
+    /// Empties a set nobody else holds, for the next step (`Arc::get_mut` proves that no
+    /// handle or admission can still see it).
+    pub(crate) fn reset(&mut self) {
+        *self.pages.get_mut() = 0;
+        *self.bytes.get_mut() = 0;
+        self.waits
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Modeled bytes added so far.
@@ -640,20 +633,20 @@ mod tests {
                 s.waits().len(),
             )
         };
-        let set = StepLoadSet::default();
-        set.clear();
+        let mut set = StepLoadSet::default();
+        set.reset();
         assert_eq!(totals(&set), (0, 0, 0));
         set.add(3, 300, Some(Arc::new(Stuck)));
         set.add(2, 0, None);
         assert_eq!(totals(&set), (5, 300, 1));
-        set.clear();
+        set.reset();
         assert_eq!(totals(&set), (0, 0, 0));
         // A wait added with no pages (an earlier load's, or a refusal's) is cleared too, and
-        // so again after a clear.
+        // so again after a reset.
         for _ in 0..2 {
             set.add(0, 0, Some(Arc::new(Stuck)));
             assert_eq!(totals(&set), (0, 0, 1));
-            set.clear();
+            set.reset();
             assert_eq!(totals(&set), (0, 0, 0));
         }
     }

@@ -224,7 +224,7 @@ impl RunBuilder {
     /// A builder with room for `pairs` pairs in `buf`, a buffer an earlier builder gave back
     /// ([`RunBuilder::into_buffer`]). Its length is the room it had: a transfer no larger than
     /// the largest before it neither allocates nor fills room (a fresh buffer of a load's
-    /// scattered pages was a tenth of the merge, in the allocation and the filling).
+    /// scattered pages was about a third of the merge, in the allocation and the filling).
     pub(crate) fn reusing(mut buf: Vec<PageRun>, pairs: usize) -> Self {
         if buf.len() < pairs {
             buf.resize(pairs, Self::EMPTY);
