@@ -159,6 +159,10 @@ pub trait ManagedCache: PrefixCache + Send {
     fn drain(&mut self) -> Result<StepTransfers> {
         Ok(StepTransfers::default())
     }
+    /// Blocks until every transfer started so far has completed, applying nothing (see
+    /// [`KvCacheManager::wait_transfers`](crate::KvCacheManager::wait_transfers)). The default
+    /// has no transfers.
+    fn wait_transfers(&self) {}
     /// Opens a session (`ttl_ms`: idle TTL overriding the configured one).
     ///
     /// # Errors

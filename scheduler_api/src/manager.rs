@@ -1492,6 +1492,19 @@ impl KvCacheManager {
         Ok(t)
     }
 
+    /// Blocks until every transfer started so far (loads and host backups) has completed, and
+    /// applies nothing: queued transfers stay queued, and the acks, a failed copy's included,
+    /// are applied by the next call that polls them (`end_step`, `drain`, an allocation).
+    ///
+    /// For a harness that needs the copies done at a known point (a deterministic replay, a
+    /// test) without charging the wait to the call that applies them: the `radixkv` replay
+    /// waits here after every step, then times `drain`'s ack work as the manager's. A serving
+    /// scheduler never needs it: its forward waits per layer ([`StepHandle::wait_layer`]), and
+    /// backups complete in the background. A cache without a host tier has nothing to wait for.
+    pub fn wait_transfers(&self) {
+        self.cache.wait_transfers();
+    }
+
     /// Counts the evictions applied with acks since the cumulative count was `before` (the
     /// allocation path counts those it waits for itself).
     fn count_acked_evictions(&mut self, before: u64) {

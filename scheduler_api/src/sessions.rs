@@ -54,6 +54,10 @@ impl<C: ManagedCache> ManagedCache for SessionAwareCache<C, SimClock> {
         self.inner_mut().drain()
     }
 
+    fn wait_transfers(&self) {
+        self.inner().wait_transfers();
+    }
+
     fn prepare_room(&mut self, tokens: usize) -> bool {
         self.inner_mut().prepare_room(tokens)
     }

@@ -381,6 +381,10 @@ impl<B: DeviceBackend> ManagedCache for Tiered<B> {
         Ok(self.transfers_since_last())
     }
 
+    fn wait_transfers(&self) {
+        self.cache.wait_transfers();
+    }
+
     fn host_tokens(&self) -> usize {
         self.cache.host_tokens()
     }

@@ -1452,3 +1452,44 @@ fn a_device_only_step_waits_for_nothing_and_a_stale_handle_leaves_the_open_step_
     kv.abort(id).unwrap();
     kv.check_invariants().unwrap();
 }
+
+/// `wait_transfers` completes the copies in flight and applies none of their acks: a
+/// write-back victim stays on the device (pinned) until the next poll frees it.
+#[test]
+fn wait_transfers_completes_the_copies_and_leaves_their_acks_to_the_next_poll() {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(4)
+        .max_rows(8)
+        .host_tier(HostTier::ratio(256, 4.0).write_policy(WritePolicy::WriteBack))
+        .build()
+        .unwrap();
+    for i in 0..3u32 {
+        let t: Vec<u32> = (i * 1000..i * 1000 + 80).collect();
+        let id = kv.arrive(Request::new(t).max_new_tokens(1)).unwrap();
+        let n = ready(&mut kv, id);
+        finish_in_one_step(&mut kv, id, n);
+    }
+    let id = kv
+        .arrive(Request::new((50_000..50_120).collect()).max_new_tokens(1))
+        .unwrap();
+    let Admission::Wait(WaitReason::RoomInFlight { needed }) = kv.admit(id).unwrap() else {
+        panic!("expected a wait for the write-back");
+    };
+    let (pinned, evicted) = (kv.accounting(), kv.metrics().counters.evicted_tokens);
+    assert!(pinned.free < needed, "{pinned:?}");
+    // The backups complete, but their victims are demoted only when the acks are applied.
+    kv.wait_transfers();
+    assert_eq!(kv.accounting(), pinned);
+    assert_eq!(kv.metrics().counters.evicted_tokens, evicted);
+    kv.check_invariants().unwrap();
+    kv.drain().unwrap();
+    let freed = kv.accounting();
+    assert!(freed.free >= needed, "{freed:?}");
+    assert!(freed.protected < pinned.protected, "{freed:?}");
+    assert!(kv.metrics().counters.evicted_tokens > evicted);
+    // Nothing in flight: the wait returns at once and changes nothing.
+    kv.wait_transfers();
+    assert_eq!(kv.accounting(), freed);
+    kv.check_invariants().unwrap();
+}

@@ -992,11 +992,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// A stale lock (a bug), or a failed load that could not be repaired (see the module
     /// docs). A refused backup submission is not an error: it is retried at the next step.
     pub fn step(&mut self) -> HiResult<Acks> {
-        if self.single_rank
-            && self.ctrl.is_idle()
-            && self.storage.is_none()
-            && self.unrepaired.is_empty()
-        {
+        if self.idle_boundary() && self.storage.is_none() {
             // Nothing to start, acknowledge, repair or store, and no rank to agree with: the
             // calls below would change nothing. Most steps of a replay are such steps (an
             // agentic request lives about 275 of them, and loads or backs up in one or two).
@@ -1025,11 +1021,34 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         Ok(acks)
     }
 
+    /// True when a step boundary of the host tier's transfers would change nothing: no
+    /// transfer is queued, in flight or unacknowledged, no failed load waits for its repair,
+    /// and there is no rank to agree with (every rank makes the same consensus calls, so a
+    /// multi-rank cache never skips them).
+    fn idle_boundary(&self) -> bool {
+        self.single_rank && self.ctrl.is_idle() && self.unrepaired.is_empty()
+    }
+
+    /// Blocks until every transfer started so far has completed, and applies nothing: queued
+    /// operations stay queued, and the acks (a failed copy's included) are applied by the next
+    /// call that polls them ([`HiRadixCache::step`], [`HiRadixCache::flush`], an allocation).
+    /// For a harness that needs the copies done at a known point without charging the wait to
+    /// the call that applies them; a serving scheduler never blocks on its copies.
+    pub fn wait_transfers(&self) {
+        // A failed copy has completed too: its failure is the polling call's to apply.
+        let _ = self.ctrl.wait_all();
+    }
+
     /// Starts everything queued, waits for every transfer and applies the acks.
     ///
     /// # Errors
     /// A failed copy, or a refused submission (its operations stay queued: flush again).
     pub fn flush(&mut self) -> HiResult<()> {
+        if self.idle_boundary() {
+            // Nothing to start, wait for, acknowledge or repair (a replay flushes after every
+            // step, most of which moved nothing).
+            return Ok(());
+        }
         let started = self
             .ctrl
             .start_writing()

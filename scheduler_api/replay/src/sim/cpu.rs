@@ -25,7 +25,9 @@ pub(super) enum Phase {
     Admit,
     Extend,
     Decode,
-    /// `begin_step`, `chunk_done`, `finish`, `end_step`, `take_events`, and the end's drain.
+    /// `begin_step`, `chunk_done`, `finish`, `end_step`, `take_events`, and the drain after
+    /// each step of a tiered replay (its ack work; the wait for the copies before it is not
+    /// the manager's and is not timed).
     Complete,
     /// A prompt source's token generation (the engine's prompt buffer's stand-in), timed
     /// inside an `arrive` or `admit` call.

@@ -280,6 +280,8 @@ pub(super) fn replay_with_ideal(
     // Nothing runs any more: let every transfer land and every session go (an interval of
     // its own: the drain waits).
     sim.cpu.tick();
+    kv.wait_transfers();
+    sim.cpu.tick();
     let t0 = Instant::now();
     kv.drain()?;
     kv.close_all_sessions()?;
@@ -809,10 +811,16 @@ impl Sim<'_> {
             // Every copy of a step completes within it (the cost model charged its time), so
             // the replay waits for them here: acks then land at the same simulated instant
             // in every run, whatever the host threads' speed, and the replay is deterministic.
-            // Waiting is not manager CPU: the copies run on the backend's streams. Its own
-            // interval, so that its wait is never taken for a call's.
-            kv.drain()?;
+            // Waiting is not manager CPU (the copies run on the backend's streams, and a
+            // serving scheduler never blocks on them), so the wait is untimed, in an interval
+            // of its own. Applying the acks is: a serving scheduler's next poll would do it.
+            kv.wait_transfers();
             self.cpu.tick();
+            // The drain's region joins the next step's interval (a wait in it is taken out
+            // of the longest region, as in every interval).
+            let t0 = Instant::now();
+            kv.drain()?;
+            self.cpu.add(Phase::Complete, t0);
         }
         let done = forward.done;
         let finished = done.len() as u64;
