@@ -277,8 +277,8 @@ pub(super) fn replay_with_ideal(
     };
     sim.report.load = load;
     sim.run(&mut kv, progress)?;
-    // Nothing runs any more: let every transfer land and every session go (an interval of
-    // its own: the drain waits).
+    // Nothing runs any more: let every transfer land (the wait untimed, in an interval of its
+    // own, as after every step), then apply them and let every session go.
     sim.cpu.tick();
     kv.wait_transfers();
     sim.cpu.tick();
