@@ -1355,6 +1355,25 @@ fn stall_errors_name_the_request_and_the_refusal() {
     );
 }
 
+/// A HiCache manager (256 device tokens, pages of 4) whose device holds 240 tokens of cached
+/// KV from three finished requests (under write-back, none of it backed up).
+fn device_full_of_cached_kv(policy: WritePolicy) -> KvCacheManager {
+    let mut kv = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(4)
+        .max_rows(8)
+        .host_tier(HostTier::ratio(256, 4.0).write_policy(policy))
+        .build()
+        .unwrap();
+    for i in 0..3u32 {
+        let t: Vec<u32> = (i * 1000..i * 1000 + 80).collect();
+        let id = kv.arrive(Request::new(t).max_new_tokens(1)).unwrap();
+        let n = ready(&mut kv, id);
+        finish_in_one_step(&mut kv, id, n);
+    }
+    kv
+}
+
 /// Write-back eviction is asynchronous: an admission that needs the room of cached KV without
 /// a host copy starts its backup and waits ([`WaitReason::RoomInFlight`]) instead of waiting
 /// for the copy; the victims stay on the device (pinned) until the ack, which a later step
@@ -1363,20 +1382,7 @@ fn stall_errors_name_the_request_and_the_refusal() {
 #[test]
 fn write_back_eviction_waits_a_step_at_admission_not_in_the_allocation() {
     for policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
-        let mut kv = KvCacheManager::builder()
-            .device_tokens(256)
-            .page_size(4)
-            .max_rows(8)
-            .host_tier(HostTier::ratio(256, 4.0).write_policy(policy))
-            .build()
-            .unwrap();
-        // Fill the device with cached KV (under write-back, none of it backed up).
-        for i in 0..3u32 {
-            let t: Vec<u32> = (i * 1000..i * 1000 + 80).collect();
-            let id = kv.arrive(Request::new(t).max_new_tokens(1)).unwrap();
-            let n = ready(&mut kv, id);
-            finish_in_one_step(&mut kv, id, n);
-        }
+        let mut kv = device_full_of_cached_kv(policy);
         let before = kv.accounting();
         let big: Vec<u32> = (50_000..50_120).collect();
         assert!(big.len() > before.free, "{policy}: {before:?}");
@@ -1457,19 +1463,7 @@ fn a_device_only_step_waits_for_nothing_and_a_stale_handle_leaves_the_open_step_
 /// write-back victim stays on the device (pinned) until the next poll frees it.
 #[test]
 fn wait_transfers_completes_the_copies_and_leaves_their_acks_to_the_next_poll() {
-    let mut kv = KvCacheManager::builder()
-        .device_tokens(256)
-        .page_size(4)
-        .max_rows(8)
-        .host_tier(HostTier::ratio(256, 4.0).write_policy(WritePolicy::WriteBack))
-        .build()
-        .unwrap();
-    for i in 0..3u32 {
-        let t: Vec<u32> = (i * 1000..i * 1000 + 80).collect();
-        let id = kv.arrive(Request::new(t).max_new_tokens(1)).unwrap();
-        let n = ready(&mut kv, id);
-        finish_in_one_step(&mut kv, id, n);
-    }
+    let mut kv = device_full_of_cached_kv(WritePolicy::WriteBack);
     let id = kv
         .arrive(Request::new((50_000..50_120).collect()).max_new_tokens(1))
         .unwrap();
