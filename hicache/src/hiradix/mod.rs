@@ -1092,6 +1092,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         pre: Option<TierWalk>,
         anchor: Option<NodeId>,
     ) -> HiResult<()> {
+        if pre.is_none() && self.backup_threshold().is_none() {
+            // Write-back with events off: an insert backs nothing up and reports nothing, so
+            // the walk of the key's path would be thrown away.
+            self.start_writes();
+            return Ok(());
+        }
         let walk = self.walk(key, anchor);
         if let Some(pre) = pre.filter(|p| p.host_len > 0) {
             let (lo, hi) = (pre.device_len, pre.device_len + pre.host_len);

@@ -13,7 +13,7 @@ use crate::error::{HiCacheError, Result};
 
 impl<B: DeviceBackend> HiRadixCache<B> {
     /// Inserts needed before a node is backed up at insert time (`None`: write-back).
-    fn backup_threshold(&self) -> Option<u32> {
+    pub(super) fn backup_threshold(&self) -> Option<u32> {
         match self.policy {
             WritePolicy::WriteThrough => Some(1),
             WritePolicy::WriteThroughSelective { hits } => Some(hits.max(1)),

@@ -247,11 +247,16 @@ impl CopyEvent for SimEvent {
     }
 
     fn wait(&self) -> Result<()> {
-        if !self.is_complete() {
-            self.sync.waiting();
-        }
         let (m, cv) = &*self.slot;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = &*g {
+            // Complete: one lock, as a GPU event that remembers its completion costs a read.
+            return r.clone();
+        }
+        // Tell the gate outside the slot's lock (a worker completes events under the gate's).
+        drop(g);
+        self.sync.waiting();
+        g = m.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             match &*g {
                 Some(r) => return r.clone(),
