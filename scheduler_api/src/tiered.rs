@@ -256,6 +256,11 @@ impl<B: DeviceBackend> Tiered<B> {
     /// Traffic since the last report, in pages and modeled bytes.
     fn transfers_since_last(&mut self) -> StepTransfers {
         let (now_loaded, now_written) = self.transfer_counters();
+        if (now_loaded, now_written) == self.seen {
+            // Most steps move nothing (and the divisions below are two of their costliest
+            // instructions).
+            return StepTransfers::default();
+        }
         let pages = |tokens: u64| tokens / self.page_size;
         let loaded = pages(now_loaded - self.seen.0);
         let written = pages(now_written - self.seen.1);
