@@ -10,10 +10,12 @@
 //! unconditionally, in the same order on every rank, as long as the ranks call the cache's
 //! methods in the same order (the scheduler is deterministic), so a collective implementation
 //! (an all-reduce over a process group) never deadlocks on a skipped call. The one exception
-//! is a single rank ([`Consensus::is_single_rank`]), which has nobody to agree with: its step
-//! with nothing to do returns without calling the hook.
+//! is a single rank ([`Consensus::is_single_rank`]), which has nobody to agree with: the cache
+//! then never calls the hook (every reduction is the identity), and its step with nothing to do
+//! returns at once.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// A reduction across the ranks of one model. Every method is a collective: each rank calls it
 /// once per decision, in the same order, and gets the same result.
@@ -47,5 +49,47 @@ impl Consensus for SingleRank {
 
     fn is_single_rank(&self) -> bool {
         true
+    }
+}
+
+/// A cache's view of its [`Consensus`]: on a single rank (read once, when the cache is built)
+/// every reduction is the identity without a call through the hook, so the per-step reductions
+/// cost no virtual call (its vtable was a cache miss a step).
+#[derive(Clone, Debug)]
+pub(crate) struct Ranks {
+    hook: Arc<dyn Consensus>,
+    single: bool,
+}
+
+impl Ranks {
+    pub(crate) fn new(hook: Arc<dyn Consensus>) -> Self {
+        let single = hook.is_single_rank();
+        Ranks { hook, single }
+    }
+
+    /// [`Consensus::min`].
+    #[inline]
+    pub(crate) fn min(&self, value: u64) -> u64 {
+        if self.single {
+            value
+        } else {
+            self.hook.min(value)
+        }
+    }
+
+    /// [`Consensus::max`].
+    #[inline]
+    pub(crate) fn max(&self, value: u64) -> u64 {
+        if self.single {
+            value
+        } else {
+            self.hook.max(value)
+        }
+    }
+
+    /// [`Consensus::is_single_rank`], as read when the cache was built.
+    #[inline]
+    pub(crate) fn is_single_rank(&self) -> bool {
+        self.single
     }
 }

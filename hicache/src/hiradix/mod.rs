@@ -286,7 +286,7 @@ use radixkv_radix::{
 };
 
 use crate::backend::DeviceBackend;
-use crate::consensus::{Consensus, SingleRank};
+use crate::consensus::{Consensus, Ranks, SingleRank};
 use crate::controller::{
     Acks, DEFAULT_MAX_PENDING_OPS, ExtraPoolSpec, HybridCacheController, LoadStep, OpId, PoolName,
     SlotOwner,
@@ -672,10 +672,7 @@ pub struct HiRadixCache<B: DeviceBackend> {
     /// The storage tier, if configured.
     storage: Option<Box<storage::StorageState>>,
     /// How the ranks agree.
-    consensus: Arc<dyn Consensus>,
-    /// `consensus.is_single_rank()`, read once: the idle-step test then makes no virtual
-    /// call (its vtable was a cache miss a step).
-    single_rank: bool,
+    consensus: Ranks,
     /// Device tokens of the victims of asynchronous write-backs not acknowledged yet (the sum
     /// of their [`PendingWrite::victim_tokens`]): room that arrives at their acks.
     write_back_tokens: usize,
@@ -787,8 +784,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             mamba,
             swa,
             storage,
-            single_rank: cfg.consensus.is_single_rank(),
-            consensus: cfg.consensus,
+            consensus: Ranks::new(cfg.consensus),
             write_back_tokens: 0,
         })
     }
@@ -1026,7 +1022,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// and there is no rank to agree with (every rank makes the same consensus calls, so a
     /// multi-rank cache never skips them).
     fn idle_boundary(&self) -> bool {
-        self.single_rank && self.ctrl.is_idle() && self.unrepaired.is_empty()
+        self.consensus.is_single_rank() && self.ctrl.is_idle() && self.unrepaired.is_empty()
     }
 
     /// Blocks until every transfer started so far has completed, and applies nothing: queued
@@ -1092,27 +1088,33 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         pre: Option<TierWalk>,
         anchor: Option<NodeId>,
     ) -> HiResult<()> {
-        if pre.is_none() && self.backup_threshold().is_none() {
-            // Write-back with events off: an insert backs nothing up and reports nothing, so
-            // the walk of the key's path would be thrown away.
-            self.start_writes();
-            return Ok(());
-        }
-        let walk = self.walk(key, anchor);
-        if let Some(pre) = pre.filter(|p| p.host_len > 0) {
-            let (lo, hi) = (pre.device_len, pre.device_len + pre.host_len);
-            let (tree, _) = self.inner.parts_mut();
-            let mut depth = 0;
-            for &n in &walk.nodes {
-                let len = tree.node_key(n).map_or(0, <[u32]>::len);
-                if depth >= lo && depth + len <= hi {
-                    tree.emit_stored_event(n, radixkv_radix::Medium::Device)?;
-                }
-                depth += len;
+        let readopted = pre.filter(|p| p.host_len > 0);
+        // The walk of the key's path feeds the events of re-adopted nodes and the
+        // write-through backups: under write-back with nothing re-adopted it is not made.
+        if readopted.is_some() || self.backup_threshold().is_some() {
+            let walk = self.walk(key, anchor);
+            if let Some(pre) = readopted {
+                self.report_readopted(&walk, &pre)?;
             }
+            self.backup_path(&walk.nodes)?;
         }
-        self.backup_path(&walk.nodes)?;
         self.start_writes();
+        Ok(())
+    }
+
+    /// Reports the nodes of `walk` (after an insert) that `pre` (before it) found on the host
+    /// only: the insert made them device-resident again.
+    fn report_readopted(&mut self, walk: &TierWalk, pre: &TierWalk) -> HiResult<()> {
+        let (lo, hi) = (pre.device_len, pre.device_len + pre.host_len);
+        let (tree, _) = self.inner.parts_mut();
+        let mut depth = 0;
+        for &n in &walk.nodes {
+            let len = tree.node_key(n).map_or(0, <[u32]>::len);
+            if depth >= lo && depth + len <= hi {
+                tree.emit_stored_event(n, radixkv_radix::Medium::Device)?;
+            }
+            depth += len;
+        }
         Ok(())
     }
 }

@@ -277,13 +277,10 @@ pub(super) fn replay_with_ideal(
     };
     sim.report.load = load;
     sim.run(&mut kv, progress)?;
-    // Nothing runs any more: let every transfer land (the wait untimed, in an interval of its
-    // own, as after every step), then apply them and let every session go.
+    // Nothing runs any more: let every transfer land and every session go.
     sim.cpu.tick();
-    kv.wait_transfers();
-    sim.cpu.tick();
+    sim.settle(&mut kv)?;
     let t0 = Instant::now();
-    kv.drain()?;
     kv.close_all_sessions()?;
     sim.cpu.add(Phase::Complete, t0);
     sim.cpu.tick();
@@ -811,16 +808,7 @@ impl Sim<'_> {
             // Every copy of a step completes within it (the cost model charged its time), so
             // the replay waits for them here: acks then land at the same simulated instant
             // in every run, whatever the host threads' speed, and the replay is deterministic.
-            // Waiting is not manager CPU (the copies run on the backend's streams, and a
-            // serving scheduler never blocks on them), so the wait is untimed, in an interval
-            // of its own. Applying the acks is: a serving scheduler's next poll would do it.
-            kv.wait_transfers();
-            self.cpu.tick();
-            // The drain's region joins the next step's interval (a wait in it is taken out
-            // of the longest region, as in every interval).
-            let t0 = Instant::now();
-            kv.drain()?;
-            self.cpu.add(Phase::Complete, t0);
+            self.settle(kv)?;
         }
         let done = forward.done;
         let finished = done.len() as u64;
@@ -866,6 +854,20 @@ impl Sim<'_> {
 
     /// A request of `session` is over (finished or dropped): the session closes after its
     /// last turn.
+    /// Lets every started copy complete, then applies the acks. The wait is not manager CPU
+    /// (the copies run on the backend's streams, and a serving scheduler never blocks on
+    /// them): untimed, in an interval of its own (call after a tick). Applying the acks is (a
+    /// serving scheduler's next poll would do it): the drain's region joins the next interval,
+    /// where a wait in it is taken out of the longest region, as in every interval.
+    fn settle(&mut self, kv: &mut KvCacheManager) -> Result<()> {
+        kv.wait_transfers();
+        self.cpu.tick();
+        let t0 = Instant::now();
+        kv.drain()?;
+        self.cpu.add(Phase::Complete, t0);
+        Ok(())
+    }
+
     fn turn_over(&mut self, kv: &mut KvCacheManager, session: Option<u64>) -> Result<()> {
         if let Some(s) = session
             && self.turns_left.over(s)
