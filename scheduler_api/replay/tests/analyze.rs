@@ -4,14 +4,12 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::{fails_with, radixkv, stderr, stdout};
 use radixkv_replay::analysis::{Analysis, PrefixAnalysis, analyze};
 use radixkv_replay::trace::{ReadOptions, TraceFormat, read_trace};
 
 /// `text` written to `name` in a fresh temp dir.
-fn temp_file(name: &str, text: &str) -> PathBuf {
+fn temp_file(name: &str, text: &str) -> common::TempFile {
     common::write_temp("analyze", name, text)
 }
 

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 use common::{fails_with, radixkv, stderr, stdout};
 
 /// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
-fn temp_dir() -> PathBuf {
+fn temp_dir() -> common::TempDir {
     common::temp_dir("cli")
 }
 
@@ -32,10 +32,8 @@ fn assert_contains_all(out: &str, lines: &[&str]) {
 }
 
 /// A generated Mooncake-format trace of 60 requests.
-fn mooncake() -> String {
+fn mooncake() -> common::TempFile {
     common::write_temp("cli", "moon.jsonl", &common::mooncake_jsonl(60, 300))
-        .display()
-        .to_string()
 }
 
 /// The arguments of `cmd` over the Mooncake-format trace at `trace`, then `extra`.
@@ -94,7 +92,6 @@ fn demo_runs_and_writes_json_svg_and_png() {
         let png = std::fs::read(dir.join(format!("{f}.png"))).unwrap();
         assert_png_decodes(&png);
     }
-    std::fs::remove_dir_all(dir).ok();
 }
 
 /// The SVG is one `<svg>` element with balanced text elements, and names its series in lower
@@ -201,14 +198,13 @@ fn compare_prints_one_table_with_every_configuration() {
         &["disabled", "hicache-lru-wb+host128K", "hit on device"],
     );
     assert_png_decodes(&std::fs::read(dir.join("hit_ratio.png")).unwrap());
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
 fn replays_a_trace_slice_as_json() {
     let o = radixkv(&on_mooncake(
         "replay",
-        &mooncake(),
+        mooncake().arg(),
         &["--limit", "50", "--json", "--device-tokens", "131072"],
     ));
     assert!(o.status.success(), "{}", stderr(&o));
@@ -340,12 +336,11 @@ fn malformed_line_names_the_line() {
         let o = radixkv(&["replay", "--trace", f.to_str().unwrap(), "--format", format]);
         fails_with(&o, needle);
     }
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
 fn unknown_format_policy_and_cache_kind_are_rejected() {
-    let o = radixkv(&["replay", "--trace", &mooncake(), "--format", "parquet"]);
+    let o = radixkv(&["replay", "--trace", mooncake().arg(), "--format", "parquet"]);
     fails_with(&o, "unknown trace format");
     let o = radixkv(&["demo", "--policy", "random-ish"]);
     fails_with(&o, "unknown eviction policy");
@@ -362,7 +357,7 @@ fn impossible_configs_are_rejected() {
     // Pool smaller than one request.
     let o = radixkv(&on_mooncake(
         "replay",
-        &mooncake(),
+        mooncake().arg(),
         &["--limit", "20", "--device-tokens", "4096"],
     ));
     fails_with(&o, "device pool holds only");
@@ -417,7 +412,6 @@ fn hicache_and_sessions_run_and_cuda_needs_its_feature_and_a_host_tier() {
         ]);
         fails_with(&o, "`cuda` cargo feature");
     }
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -453,7 +447,6 @@ fn config_files_with_an_incomplete_storage_tier_or_an_overflowing_geometry_are_r
         ]);
         exits_cleanly_with(&o, error);
     }
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -465,7 +458,6 @@ fn config_file_errors_name_the_file_or_field() {
     fails_with(&o, "device_tokens");
     let o = radixkv(&["demo", "--config", "/nonexistent/kv.toml"]);
     fails_with(&o, "/nonexistent/kv.toml");
-    std::fs::remove_dir_all(dir).ok();
 }
 
 /// A Mooncake trace of two requests sharing their first block, written into `dir`.
@@ -553,7 +545,6 @@ fn huge_pools_are_a_clean_error_not_an_abort() {
     // Within the cap, the same trace replays.
     let o = radixkv_in_4_gib(&on_mooncake("replay", trace, &["--quiet"]));
     assert!(o.status.success(), "{}", stderr(&o));
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -579,7 +570,6 @@ fn synthetic_workloads_are_bounded_and_never_empty() {
     }
     let o = radixkv(&["demo", "--max-running", "18446744073709551615"]);
     exits_cleanly_with(&o, "--max-running must be at most");
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -619,7 +609,6 @@ fn an_unwritable_out_dir_fails_before_the_replay() {
         .collect();
     assert!(names.iter().any(|n| n == "report.json"), "{names:?}");
     assert!(!names.iter().any(|n| n.starts_with('.')), "{names:?}");
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -627,7 +616,7 @@ fn soak_flags_audit_check_leaks_and_read_memory() {
     let trace = mooncake();
     let base = on_mooncake(
         "replay",
-        &trace,
+        trace.arg(),
         &[
             "--limit",
             "30",
@@ -667,7 +656,7 @@ fn soak_flags_audit_check_leaks_and_read_memory() {
     fails_with(
         &radixkv(&on_mooncake(
             "analyze",
-            &trace,
+            trace.arg(),
             &["--max-rss-growth-mib", "5"],
         )),
         "--max-rss-growth-mib applies to replays",
@@ -1159,7 +1148,7 @@ fn a_second_replay_over_a_file_store_starts_warm() {
     let trace = mooncake();
     let args = on_mooncake(
         "replay",
-        &trace,
+        trace.arg(),
         &[
             "--device-tokens",
             "32768",
@@ -1205,7 +1194,6 @@ fn a_second_replay_over_a_file_store_starts_warm() {
             "prefetches       ",
         ],
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]

@@ -31,7 +31,8 @@ fn mooncake(limit: usize) -> Trace {
 
 /// The first conversation of a generated agentic trace, cut to `requests` requests.
 fn agentic(requests: usize) -> Trace {
-    let path = common::temp_dir("replay").join("weka.jsonl.gz");
+    let dir = common::temp_dir("replay");
+    let path = dir.join("weka.jsonl.gz");
     common::write_weka_gz(&path, 3, 10, 4000);
     let opts = ReadOptions {
         limit: Some(1),

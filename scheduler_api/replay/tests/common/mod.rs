@@ -47,8 +47,24 @@ pub fn real_trace(rel: &str, test: &str) -> Option<PathBuf> {
     None
 }
 
-/// A fresh directory under the system temp dir.
-pub fn temp_dir(tag: &str) -> PathBuf {
+/// A fresh directory under the system temp dir, removed with everything in it when dropped.
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh directory under the system temp dir (the process and a counter make it unique).
+pub fn temp_dir(tag: &str) -> TempDir {
     static N: AtomicU32 = AtomicU32::new(0);
     let d = std::env::temp_dir().join(format!(
         "radixkv-{tag}-{}-{}",
@@ -56,7 +72,27 @@ pub fn temp_dir(tag: &str) -> PathBuf {
         N.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&d).expect("temp dir");
-    d
+    TempDir(d)
+}
+
+/// A file in a [`TempDir`] of its own; both are removed when it is dropped.
+pub struct TempFile {
+    path: PathBuf,
+    _dir: TempDir,
+}
+
+impl TempFile {
+    /// The path as a command-line argument.
+    pub fn arg(&self) -> &str {
+        self.path.to_str().expect("temp paths are UTF-8")
+    }
+}
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// A Mooncake-format conversation trace of `n` requests, shaped like the real one: 512-token
@@ -166,11 +202,12 @@ pub fn azure_csv(rows: usize, gap_ms: u64) -> String {
     out
 }
 
-/// Writes `text` to `name` in a fresh temp dir and returns its path.
-pub fn write_temp(tag: &str, name: &str, text: &str) -> PathBuf {
-    let p = temp_dir(tag).join(name);
-    std::fs::write(&p, text).expect("write a temp trace");
-    p
+/// Writes `text` to `name` in a fresh temp dir, removed when the file is dropped.
+pub fn write_temp(tag: &str, name: &str, text: &str) -> TempFile {
+    let dir = temp_dir(tag);
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write a temp trace");
+    TempFile { path, _dir: dir }
 }
 
 /// Runs the `radixkv` binary with `args`.
