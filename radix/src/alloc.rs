@@ -289,6 +289,9 @@ pub struct RowPool {
     free: Vec<u32>,
     capacity: usize,
     live: usize,
+    /// The page-table room a released row keeps for its next request, at most (see
+    /// [`RowPool::release`]).
+    retain_pages: usize,
 }
 
 impl RowPool {
@@ -307,7 +310,21 @@ impl RowPool {
             free: Vec::new(),
             capacity,
             live: 0,
+            retain_pages: usize::MAX,
         })
+    }
+
+    /// A pool of at most `capacity` rows over a KV pool of `pool_pages` pages: a released row
+    /// keeps room for at most its share of the pool's pages (`pool_pages / capacity`, at least
+    /// one), so that the page tables of rows not in use hold at most one entry per pool page in
+    /// all, whatever lengths the requests before had.
+    ///
+    /// # Errors
+    /// As [`RowPool::new`].
+    pub fn for_pool(capacity: usize, pool_pages: usize) -> Result<Self> {
+        let mut rows = Self::new(capacity)?;
+        rows.retain_pages = (pool_pages / capacity).max(1);
+        Ok(rows)
     }
 
     /// Maximum number of rows.
@@ -421,7 +438,12 @@ impl RowPool {
     }
 
     /// Releases a row whose owned pages were already freed. Its protected pages stay in the tree.
+    /// The row keeps its page table's room for the next request, up to its share of the pool
+    /// ([`RowPool::for_pool`]): a row that once served a long request would otherwise hold
+    /// that request's room for the rest of the run (on the Mooncake replay, the rows' tables
+    /// held ten entries per pool page).
     pub(crate) fn release(&mut self, row: RowId) -> Result<()> {
+        let retain = self.retain_pages;
         let s = self.slot_mut(row)?;
         if s.pages.len() != s.protected {
             return Err(CacheError::InvalidRequestState(
@@ -429,6 +451,9 @@ impl RowPool {
             ));
         }
         s.pages.clear();
+        if s.pages.capacity() > retain {
+            s.pages.shrink_to(retain);
+        }
         s.protected = 0;
         s.live = false;
         s.generation = s.generation.wrapping_add(1);
@@ -488,7 +513,7 @@ impl DevicePools {
         Ok(DevicePools {
             page_size,
             pages: PageAllocator::new(total_pages)?,
-            rows: RowPool::new(max_rows)?,
+            rows: RowPool::for_pool(max_rows, total_pages)?,
         })
     }
 
@@ -521,5 +546,38 @@ impl DevicePools {
     pub fn release_row(&mut self, row: RowId) -> Result<()> {
         self.truncate_row(row, 0)?;
         self.rows.release(row)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The room a row's page table keeps between requests.
+    fn room(pools: &DevicePools, row: RowId) -> usize {
+        pools.rows.rows[row.index()].pages.capacity()
+    }
+
+    #[test]
+    fn a_released_row_keeps_at_most_its_share_of_the_pool() {
+        // 64 pages over 4 rows: a share of 16 pages a row.
+        let mut pools = DevicePools::new(16, 64, 4).unwrap();
+        let long = pools.rows.alloc().unwrap();
+        let (pages, _) = pools.rows.parts_mut(long).unwrap();
+        pools.pages.alloc_into(60, pages).unwrap();
+        assert!(room(&pools, long) >= 60);
+        pools.release_row(long).unwrap();
+        assert_eq!(pools.pages.available(), 64);
+        // The free list is a stack: the next request gets the same row, with the share left.
+        let next = pools.rows.alloc().unwrap();
+        assert_eq!(next.index(), long.index());
+        assert!(room(&pools, next) <= 16, "kept {}", room(&pools, next));
+        // A short request's room is kept whole for the next one.
+        let (pages, _) = pools.rows.parts_mut(next).unwrap();
+        pools.pages.alloc_into(8, pages).unwrap();
+        let kept = room(&pools, next);
+        pools.release_row(next).unwrap();
+        let again = pools.rows.alloc().unwrap();
+        assert_eq!(room(&pools, again), kept);
     }
 }

@@ -237,11 +237,15 @@ impl<T: Copy> Recycled<T> {
     const MAX_CAPACITY: usize = 4096;
     const MAX_ELEMENTS: usize = 1 << 18;
 
-    fn put(&mut self, mut v: Vec<T>) {
+    /// Keeps `v` for reuse if it is small enough and the pool has room for it, where the pool
+    /// holds at most `MAX_ELEMENTS >> shift` elements. Page lists take `shift` = 4: an edge
+    /// holds one page id per page of tokens (16 or more tokens a page in practice), so a
+    /// sixteenth of the token bound keeps at least as many edges' worth of them.
+    fn put(&mut self, mut v: Vec<T>, shift: u32) {
         let cap = v.capacity();
         if (1..=Self::MAX_CAPACITY).contains(&cap)
             && self.free.len() < Self::MAX_BUFFERS
-            && self.elements + cap <= Self::MAX_ELEMENTS
+            && self.elements + cap <= Self::MAX_ELEMENTS >> shift
         {
             v.clear();
             self.elements += cap;
@@ -267,8 +271,8 @@ impl<T: Copy> Recycled<T> {
 
 impl BufferPool {
     fn recycle(&mut self, key: Vec<TokenId>, pages: Vec<PageId>) {
-        self.tokens.put(key);
-        self.pages.put(pages);
+        self.tokens.put(key, 0);
+        self.pages.put(pages, 4);
     }
 
     fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {

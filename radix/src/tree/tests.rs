@@ -475,3 +475,18 @@ fn hinted_walks_equal_the_walks_from_the_root() {
     assert_eq!((m.device_len, out.len()), (4, 2), "stale");
     t.check().unwrap();
 }
+
+#[test]
+fn recycled_page_lists_are_held_to_a_sixteenth_of_the_token_bound() {
+    let mut pool = BufferPool::default();
+    for _ in 0..1000 {
+        pool.recycle(Vec::with_capacity(4096), Vec::with_capacity(4096));
+    }
+    let tokens = Recycled::<TokenId>::MAX_ELEMENTS;
+    assert_eq!(pool.tokens.elements, tokens);
+    assert_eq!(pool.pages.elements, tokens >> 4);
+    // Reuse takes a kept list of the right size back out of the count.
+    let v = pool.pages(&[PageId(1); 3000]);
+    assert_eq!(v.capacity(), 4096);
+    assert_eq!(pool.pages.elements, (tokens >> 4) - 4096);
+}
