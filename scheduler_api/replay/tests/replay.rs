@@ -141,6 +141,18 @@ fn disabled_cache_recomputes_everything() {
 }
 
 #[test]
+fn a_read_trace_keeps_no_spare_room() {
+    // A trace is held for the whole replay: the readers' growing vectors give their spare
+    // room back.
+    for t in [mooncake(100), agentic(8)] {
+        assert_eq!(t.requests.capacity(), t.requests.len(), "{}", t.name);
+        for r in &t.requests {
+            assert_eq!(r.prompt.capacity(), r.prompt.len(), "{}", t.name);
+        }
+    }
+}
+
+#[test]
 fn agentic_slice_reuses_within_conversations() {
     // The first conversation, cut to its first 8 requests (3K-31K tokens, one of them a
     // sub-agent's).

@@ -589,10 +589,11 @@ fn run(cli: Cli) -> Result<()> {
         trace.name
     );
     let reports = if run.compare {
-        compare(&trace, &cfg, &run)?
+        compare(trace, &cfg, &run)?
     } else {
         let mut bar = bar(trace.requests.len() as u64, &cfg.manager.label(), run.quiet);
-        let r = sim::replay(&trace, &cfg, &mut bar)?;
+        // Given, not lent: a retimed replay then holds one copy of the trace, not two.
+        let r = sim::replay(trace, &cfg, &mut bar)?;
         drop(bar);
         if !run.json {
             println!("{r}");
@@ -932,7 +933,7 @@ fn manager_config(run: &ManagerArgs, running: Option<usize>) -> Result<ManagerCo
     Ok(m)
 }
 
-fn compare(trace: &Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>> {
+fn compare(trace: Trace, cfg: &SimConfig, run: &RunArgs) -> Result<Vec<Report>> {
     let configs = sim::compare_configs(&cfg.manager);
     let n = trace.requests.len() as u64;
     let quiet = run.quiet;

@@ -334,20 +334,21 @@ fn scale_text(scale: f64) -> String {
     }
 }
 
-/// `trace` timed as `cfg.arrivals` asks (borrowed when that is its own timing), the report's
-/// estimate fields, and, for a borrowed trace, its infinite-cache ideal at `cfg`'s page size
-/// (the estimate needed it; a retimed trace's order, and so its ideal, may differ).
+/// `trace` timed as `cfg.arrivals` asks (as given when that is its own timing), the report's
+/// estimate fields, and, for a trace left as given, its infinite-cache ideal at `cfg`'s page
+/// size (the estimate needed it; a retimed trace's order, and so its ideal, may differ). A
+/// retiming rewrites an owned trace's arrivals in place; a borrowed one is copied first.
 ///
 /// # Errors
 /// [`ManagerError::Config`] for a bad factor or load, or a target load that no spread of the
 /// conversations reaches.
 pub(super) fn retime<'t>(
-    trace: &'t Trace,
+    trace: Cow<'t, Trace>,
     cfg: &SimConfig,
 ) -> Result<(Cow<'t, Trace>, LoadReport, Option<Vec<u64>>)> {
     cfg.arrivals.validate()?;
-    let ideal = super::scheduler::ideal_hits(trace, cfg.manager.model.page_size);
-    let est = LoadEstimate::of(trace, cfg, &ideal);
+    let ideal = super::scheduler::ideal_hits(&trace, cfg.manager.model.page_size);
+    let est = LoadEstimate::of(&trace, cfg, &ideal);
     let (scale, target_load) = match cfg.arrivals {
         Arrivals::Trace => (1.0, None),
         Arrivals::Scale(s) => (s, None),
@@ -371,23 +372,19 @@ pub(super) fn retime<'t>(
         ..Default::default()
     };
     if scale == 1.0 {
-        return Ok((Cow::Borrowed(trace), report, Some(ideal)));
+        return Ok((trace, report, Some(ideal)));
     }
     let origin = trace.requests.first().map_or(0, |r| r.arrival_us) as f64;
-    let mut requests = trace.requests.clone();
-    for (r, start) in requests.iter_mut().zip(starts(trace)) {
+    let starts = starts(&trace);
+    // A borrowed trace is copied here; an owned one (a whole agentic trace is a few MB of
+    // requests and segments) is retimed where it is.
+    let mut timed = trace.into_owned();
+    for (r, start) in timed.requests.iter_mut().zip(starts) {
         r.arrival_us = spread(r.arrival_us as f64, start, origin, scale).max(0.0) as u64;
     }
     // Stable: requests of one conversation keep their order.
-    requests.sort_by_key(|r| r.arrival_us);
-    Ok((
-        Cow::Owned(Trace {
-            name: trace.name.clone(),
-            requests,
-        }),
-        report,
-        None,
-    ))
+    timed.requests.sort_by_key(|r| r.arrival_us);
+    Ok((Cow::Owned(timed), report, None))
 }
 
 #[cfg(test)]
@@ -474,7 +471,7 @@ mod tests {
         let s = e.scale_for(0.3).unwrap();
         assert!(s > 1.0);
         assert!((e.load_at(s) - 0.3).abs() < 1e-3, "{}", e.load_at(s));
-        let (timed, report, ideal) = retime(&t, &c).unwrap();
+        let (timed, report, ideal) = retime((&t).into(), &c).unwrap();
         assert!(ideal.is_none(), "a retimed trace needs its own ideal");
         assert_eq!((report.arrival_scale, report.target_load), (s, Some(0.3)));
         // Each conversation keeps its turns 30 s apart; the starts are spread by the scale.
@@ -500,15 +497,38 @@ mod tests {
     }
 
     #[test]
+    fn a_given_trace_is_retimed_in_place_and_a_lent_one_copied_the_same() {
+        let at: Vec<u64> = (0..30).collect();
+        let sess: Vec<Option<u64>> = (0..30).map(|i| Some(i % 10)).collect();
+        let t = trace(&at, &sess, 20_000, 200);
+        let c = cfg(Arrivals::Scale(3.0));
+        let (lent, ..) = retime((&t).into(), &c).unwrap();
+        assert!(matches!(lent, Cow::Owned(_)));
+        assert_ne!(
+            lent.requests, t.requests,
+            "the scale must move some arrivals"
+        );
+        let given = t.clone();
+        let buffer = given.requests.as_ptr();
+        let (given, ..) = retime(given.into(), &c).unwrap();
+        // The same requests in the same order, in the very list that was given: not a copy.
+        assert_eq!(given.requests, lent.requests);
+        assert_eq!(given.requests.as_ptr(), buffer);
+    }
+
+    #[test]
     fn a_conversation_too_busy_alone_makes_a_load_out_of_reach() {
         // One conversation whose turns overlap: no spread of starts thins it out.
         let t = trace(&[0, 1, 2, 3], &[Some(7); 4], 90_000, 2000);
         let c = cfg(Arrivals::Load(0.1));
         let e = LoadEstimate::of(&t, &c, &[0; 4]);
         assert!(e.scale_for(0.1).is_err());
-        assert!(matches!(retime(&t, &c), Err(ManagerError::Config(_))));
+        assert!(matches!(
+            retime((&t).into(), &c),
+            Err(ManagerError::Config(_))
+        ));
         // Its own timing still replays, borrowed and unchanged.
-        let (timed, r, ideal) = retime(&t, &cfg(Arrivals::Trace)).unwrap();
+        let (timed, r, ideal) = retime((&t).into(), &cfg(Arrivals::Trace)).unwrap();
         assert_eq!(ideal.map(|i| i.len()), Some(4));
         assert!(matches!(timed, Cow::Borrowed(_)));
         assert_eq!((r.arrival_scale, r.target_load), (1.0, None));

@@ -137,12 +137,13 @@ pub enum CompareOutcome {
 /// Replays `trace` under every configuration; `on_done` sees each outcome as it completes.
 ///
 /// The infinite-cache ideal is computed once per page size and shared by every replay, so all
-/// configurations with the same page size report the same `ideal_hit_tokens`.
+/// configurations with the same page size report the same `ideal_hit_tokens`. `trace` is
+/// lent or given, as to [`replay`].
 ///
 /// # Errors
 /// The first error other than a not-wired cache kind.
-pub fn compare(
-    trace: &Trace,
+pub fn compare<'t>(
+    trace: impl Into<std::borrow::Cow<'t, Trace>>,
     base: &SimConfig,
     configs: &[ManagerConfig],
     progress: &mut dyn FnMut(&ManagerConfig) -> Box<dyn Progress>,
@@ -150,7 +151,7 @@ pub fn compare(
 ) -> Result<Vec<CompareOutcome>> {
     let mut out = Vec::with_capacity(configs.len());
     // Every configuration shares the base's pool and costs, so one timing serves them all.
-    let (timed, load, ideal) = load::retime(trace, base)?;
+    let (timed, load, ideal) = load::retime(trace.into(), base)?;
     let trace = &*timed;
     let mut ideals: Vec<(usize, Vec<u64>)> = Vec::new();
     if let Some(i) = ideal {

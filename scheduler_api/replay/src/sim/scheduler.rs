@@ -4,6 +4,7 @@
 //! simulated by the [`CostModel`]; the manager's CPU time is measured around its calls (see
 //! [`super::cpu`]).
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -197,8 +198,16 @@ impl Progress for () {
 /// [`ManagerError::Stalled`] when the replay cannot progress although every request fits (a
 /// request is refused and nothing running could free memory), configuration errors, and any
 /// error of the manager (which would be a bug).
-pub fn replay(trace: &Trace, cfg: &SimConfig, progress: &mut dyn Progress) -> Result<Report> {
-    let (timed, load, ideal) = load::retime(trace, cfg)?;
+///
+/// `trace` is lent (`&trace`) or given (`trace`): a replay whose load control spreads the
+/// conversations ([`SimConfig::arrivals`]) retimes a given trace in place and copies a lent
+/// one.
+pub fn replay<'t>(
+    trace: impl Into<Cow<'t, Trace>>,
+    cfg: &SimConfig,
+    progress: &mut dyn Progress,
+) -> Result<Report> {
+    let (timed, load, ideal) = load::retime(trace.into(), cfg)?;
     let ideal = ideal.unwrap_or_else(|| ideal_hits(&timed, cfg.manager.model.page_size));
     replay_with_ideal(&timed, cfg, &ideal, load, progress)
 }
