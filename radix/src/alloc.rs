@@ -295,7 +295,9 @@ pub struct RowPool {
 }
 
 impl RowPool {
-    /// A pool of at most `capacity` rows. Rows are allocated as they are first used.
+    /// A pool of at most `capacity` rows. Rows are allocated as they are first used, and a
+    /// released row keeps all its page table's room for the next request
+    /// ([`RowPool::for_pool`] bounds it).
     ///
     /// # Errors
     /// [`CacheError::Config`] for a capacity outside `1..=u32::MAX`.
