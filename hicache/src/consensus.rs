@@ -70,20 +70,22 @@ impl Ranks {
     /// [`Consensus::min`].
     #[inline]
     pub(crate) fn min(&self, value: u64) -> u64 {
-        if self.single {
-            value
-        } else {
-            self.hook.min(value)
-        }
+        self.reduce(value, |hook, v| hook.min(v))
     }
 
     /// [`Consensus::max`].
     #[inline]
     pub(crate) fn max(&self, value: u64) -> u64 {
+        self.reduce(value, |hook, v| hook.max(v))
+    }
+
+    /// `op` through the hook, or `value` itself on a single rank.
+    #[inline]
+    fn reduce(&self, value: u64, op: impl FnOnce(&dyn Consensus, u64) -> u64) -> u64 {
         if self.single {
             value
         } else {
-            self.hook.max(value)
+            op(self.hook.as_ref(), value)
         }
     }
 

@@ -211,18 +211,21 @@ impl EventKeys {
 /// edge fits, would hold memory that follows the traffic's history, not the cache).
 #[derive(Debug, Default)]
 struct BufferPool {
-    tokens: Recycled<TokenId>,
-    pages: Recycled<PageId>,
+    tokens: Recycled<TokenId, 0>,
+    /// A sixteenth of the tokens' element bound: an edge holds one page id per page of tokens
+    /// (16 or more tokens a page in practice), so it keeps at least as many edges' worth.
+    pages: Recycled<PageId, 4>,
 }
 
+/// Recycled buffers of `T`, at most `2^18 >> SHIFT` elements in all.
 #[derive(Debug)]
-struct Recycled<T> {
+struct Recycled<T, const SHIFT: u32> {
     free: Vec<Vec<T>>,
     /// Sum of the capacities in `free`.
     elements: usize,
 }
 
-impl<T> Default for Recycled<T> {
+impl<T, const SHIFT: u32> Default for Recycled<T, SHIFT> {
     fn default() -> Self {
         Recycled {
             free: Vec::new(),
@@ -231,21 +234,18 @@ impl<T> Default for Recycled<T> {
     }
 }
 
-impl<T: Copy> Recycled<T> {
+impl<T: Copy, const SHIFT: u32> Recycled<T, SHIFT> {
     /// Buffers kept, the largest capacity worth keeping, and the most elements kept in all.
     const MAX_BUFFERS: usize = 4096;
     const MAX_CAPACITY: usize = 4096;
-    const MAX_ELEMENTS: usize = 1 << 18;
+    const MAX_ELEMENTS: usize = (1 << 18) >> SHIFT;
 
-    /// Keeps `v` for reuse if it is small enough and the pool has room for it, where the pool
-    /// holds at most `MAX_ELEMENTS >> shift` elements. Page lists take `shift` = 4: an edge
-    /// holds one page id per page of tokens (16 or more tokens a page in practice), so a
-    /// sixteenth of the token bound keeps at least as many edges' worth of them.
-    fn put(&mut self, mut v: Vec<T>, shift: u32) {
+    /// Keeps `v` for reuse if it is small enough and the pool has room for it.
+    fn put(&mut self, mut v: Vec<T>) {
         let cap = v.capacity();
         if (1..=Self::MAX_CAPACITY).contains(&cap)
             && self.free.len() < Self::MAX_BUFFERS
-            && self.elements + cap <= Self::MAX_ELEMENTS >> shift
+            && self.elements + cap <= Self::MAX_ELEMENTS
         {
             v.clear();
             self.elements += cap;
@@ -271,8 +271,8 @@ impl<T: Copy> Recycled<T> {
 
 impl BufferPool {
     fn recycle(&mut self, key: Vec<TokenId>, pages: Vec<PageId>) {
-        self.tokens.put(key, 0);
-        self.pages.put(pages, 4);
+        self.tokens.put(key);
+        self.pages.put(pages);
     }
 
     fn tokens(&mut self, src: &[TokenId]) -> Vec<TokenId> {

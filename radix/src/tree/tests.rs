@@ -482,7 +482,7 @@ fn recycled_page_lists_are_held_to_a_sixteenth_of_the_token_bound() {
     for _ in 0..1000 {
         pool.recycle(Vec::with_capacity(4096), Vec::with_capacity(4096));
     }
-    let tokens = Recycled::<TokenId>::MAX_ELEMENTS;
+    let tokens = Recycled::<TokenId, 0>::MAX_ELEMENTS;
     assert_eq!(pool.tokens.elements, tokens);
     assert_eq!(pool.pages.elements, tokens >> 4);
     // Reuse takes a kept list of the right size back out of the count.

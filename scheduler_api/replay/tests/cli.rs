@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 use common::{fails_with, radixkv, stderr, stdout};
 
-/// A fresh directory from the same counter as [`mooncake`]'s, so that no test removes another's.
+/// A fresh directory of this binary's tests, removed when dropped.
 fn temp_dir() -> common::TempDir {
     common::temp_dir("cli")
 }

@@ -861,8 +861,6 @@ impl Sim<'_> {
         }
     }
 
-    /// A request of `session` is over (finished or dropped): the session closes after its
-    /// last turn.
     /// Lets every started copy complete, then applies the acks. The wait is not manager CPU
     /// (the copies run on the backend's streams, and a serving scheduler never blocks on
     /// them): untimed, in an interval of its own (call after a tick). Applying the acks is (a
@@ -877,6 +875,8 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// A request of `session` is over (finished or dropped): the session closes after its
+    /// last turn.
     fn turn_over(&mut self, kv: &mut KvCacheManager, session: Option<u64>) -> Result<()> {
         if let Some(s) = session
             && self.turns_left.over(s)

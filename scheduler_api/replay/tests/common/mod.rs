@@ -14,7 +14,6 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The real trace files the tests know, relative to the traces directory.
 pub const MOONCAKE: &str = "mooncake/conversation_trace.jsonl";
@@ -48,31 +47,22 @@ pub fn real_trace(rel: &str, test: &str) -> Option<PathBuf> {
 }
 
 /// A fresh directory under the system temp dir, removed with everything in it when dropped.
-pub struct TempDir(PathBuf);
+pub struct TempDir(tempfile::TempDir);
 
 impl std::ops::Deref for TempDir {
     type Target = Path;
     fn deref(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A fresh directory under the system temp dir (the process and a counter make it unique).
+/// A fresh directory under the system temp dir, named `radixkv-{tag}-…`.
 pub fn temp_dir(tag: &str) -> TempDir {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "radixkv-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&d).expect("temp dir");
-    TempDir(d)
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("radixkv-{tag}-"))
+        .tempdir()
+        .expect("temp dir");
+    TempDir(dir)
 }
 
 /// A file in a [`TempDir`] of its own; both are removed when it is dropped.
