@@ -217,50 +217,76 @@ struct BufferPool {
     pages: Recycled<PageId, 4>,
 }
 
-/// Recycled buffers of `T`, at most `2^18 >> SHIFT` elements in all.
+/// Recycled buffers of `T`, at most `2^18 >> SHIFT` elements in all, kept by size class (the
+/// power of two below their capacity) so that an edge finds a buffer of its size whatever
+/// the order the sizes were freed in.
 #[derive(Debug)]
 struct Recycled<T, const SHIFT: u32> {
-    free: Vec<Vec<T>>,
-    /// Sum of the capacities in `free`.
+    /// `classes[k]` holds buffers whose capacity is in `[2^k, 2^(k+1))`.
+    classes: [Vec<Vec<T>>; CLASSES],
+    /// Buffers kept, in all classes.
+    buffers: usize,
+    /// Sum of the kept buffers' capacities.
     elements: usize,
 }
+
+/// Size classes of [`Recycled`]: capacities up to `2^18`.
+const CLASSES: usize = 19;
 
 impl<T, const SHIFT: u32> Default for Recycled<T, SHIFT> {
     fn default() -> Self {
         Recycled {
-            free: Vec::new(),
+            classes: std::array::from_fn(|_| Vec::new()),
+            buffers: 0,
             elements: 0,
         }
     }
 }
 
 impl<T: Copy, const SHIFT: u32> Recycled<T, SHIFT> {
-    /// Buffers kept, the largest capacity worth keeping, and the most elements kept in all.
+    /// Buffers kept, the largest capacity worth keeping (a quarter of the bound, so that one
+    /// long edge's buffer never crowds out the rest), and the most elements kept in all.
     const MAX_BUFFERS: usize = 4096;
-    const MAX_CAPACITY: usize = 4096;
     const MAX_ELEMENTS: usize = (1 << 18) >> SHIFT;
+    const MAX_CAPACITY: usize = Self::MAX_ELEMENTS / 4;
+
+    fn class(capacity: usize) -> usize {
+        capacity.ilog2() as usize
+    }
 
     /// Keeps `v` for reuse if it is small enough and the pool has room for it.
     fn put(&mut self, mut v: Vec<T>) {
         let cap = v.capacity();
         if (1..=Self::MAX_CAPACITY).contains(&cap)
-            && self.free.len() < Self::MAX_BUFFERS
+            && self.buffers < Self::MAX_BUFFERS
             && self.elements + cap <= Self::MAX_ELEMENTS
         {
             v.clear();
             self.elements += cap;
-            self.free.push(v);
+            self.buffers += 1;
+            self.classes[Self::class(cap)].push(v);
         }
     }
 
-    /// A buffer holding a copy of `src`. A recycled buffer too small for it stays in the pool
-    /// (growing it would reallocate, copying its whole old capacity for nothing: it is empty),
-    /// and so does one more than twice its size.
+    /// A buffer holding a copy of `src`: a kept one with room for it and at most twice its
+    /// size (the most recently kept of its class or the next), or a new one. A kept buffer
+    /// too small is never grown (that would copy its whole old capacity for nothing: it is
+    /// empty), and one more than twice the size is left for a longer edge.
     fn take(&mut self, src: &[T]) -> Vec<T> {
-        let fits = |v: &mut Vec<T>| v.capacity() >= src.len() && v.capacity() <= 2 * src.len();
-        match self.free.pop_if(fits) {
+        let len = src.len();
+        if len == 0 || len > Self::MAX_CAPACITY {
+            return src.to_vec();
+        }
+        let k = Self::class(len);
+        let fits = |v: &mut Vec<T>| v.capacity() >= len && v.capacity() <= 2 * len;
+        let found = match self.classes[k].pop_if(fits) {
+            Some(v) => Some(v),
+            None => self.classes.get_mut(k + 1).and_then(|c| c.pop_if(fits)),
+        };
+        match found {
             Some(mut v) => {
                 self.elements -= v.capacity();
+                self.buffers -= 1;
                 v.extend_from_slice(src);
                 v
             }

@@ -490,3 +490,48 @@ fn recycled_page_lists_are_held_to_a_sixteenth_of_the_token_bound() {
     assert_eq!(v.capacity(), 4096);
     assert_eq!(pool.pages.elements, (tokens >> 4) - 4096);
 }
+
+#[test]
+fn recycled_buffers_are_found_by_size_whatever_order_they_were_freed_in() {
+    let mut pool = Recycled::<TokenId, 0>::default();
+    for cap in [100, 5000, 300, 40_000] {
+        pool.put(Vec::with_capacity(cap));
+    }
+    assert_eq!((pool.buffers, pool.elements), (4, 45_400));
+    // Each edge finds the buffer of its size, not only the last one freed.
+    assert_eq!(pool.take(&[7; 90]).capacity(), 100);
+    assert_eq!(pool.take(&[7; 2600]).capacity(), 5000);
+    // A long edge's buffer is kept too (up to a quarter of the bound).
+    assert_eq!(pool.take(&[7; 30_000]).capacity(), 40_000);
+    // A buffer more than twice the edge is left for a longer one.
+    let small = pool.take(&[7; 100]);
+    assert_eq!(small.capacity(), 100, "a new buffer, exactly the edge");
+    assert_eq!((pool.buffers, pool.elements), (1, 300));
+    assert_eq!(small, vec![7; 100]);
+    // Past a quarter of the bound, a buffer is not kept.
+    pool.put(Vec::with_capacity(
+        Recycled::<TokenId, 0>::MAX_ELEMENTS / 4 + 1,
+    ));
+    assert_eq!(pool.buffers, 1);
+}
+
+#[test]
+fn a_host_leaf_evicted_gives_its_token_buffer_to_the_next_edge() {
+    let mut t = tree(2);
+    let key: Vec<TokenId> = (0..64).collect();
+    let root = t.root();
+    let host: Vec<u32> = (0..32).collect();
+    let r = t
+        .insert_host_only(root, 0, KeyRef::new(&key), &host, &mut Vec::new())
+        .unwrap();
+    let before = t.bufs.tokens.elements;
+    let mut freed = Vec::new();
+    assert_eq!(t.evict_host_leaf(r.last_node, &mut freed).unwrap(), 64);
+    assert_eq!(freed, host);
+    assert_eq!(t.bufs.tokens.elements, before + 64);
+    // The next edge of that size takes it.
+    let other: Vec<TokenId> = (100..164).collect();
+    ins(&mut t, &other, &mut pages(0..32));
+    assert_eq!(t.bufs.tokens.elements, before);
+    t.check().unwrap();
+}
