@@ -157,6 +157,18 @@ impl PageHashes {
     pub fn bytes(&self) -> usize {
         self.chunks.len() * Self::CHUNK * std::mem::size_of::<PageHash>()
     }
+
+    /// Bytes of hashes that `lists` hold together: a chunk that several of them share is
+    /// counted once (what a set of clones, such as a conversation's turns, costs).
+    pub fn bytes_together<'a>(lists: impl IntoIterator<Item = &'a PageHashes>) -> usize {
+        let mut chunks: Vec<*const Vec<PageHash>> = lists
+            .into_iter()
+            .flat_map(|l| l.chunks.iter().map(Arc::as_ptr))
+            .collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        chunks.len() * Self::CHUNK * std::mem::size_of::<PageHash>()
+    }
 }
 
 impl From<Vec<PageHash>> for PageHashes {

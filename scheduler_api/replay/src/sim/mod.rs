@@ -15,8 +15,9 @@ pub use load::{Arrivals, LoadEstimate, LoadReport};
 pub use memory::{MemoryUse, RssSample};
 pub(crate) use report::quantile;
 pub use report::{
-    CpuBreakdown, CpuWaits, MambaReport, OccupancySample, PrefillFlops, REPORT_SCHEMA_VERSION,
-    Report, ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes, fmt_count, fmt_pool,
+    CpuBreakdown, CpuWaits, MambaReport, MemoReport, OccupancySample, PrefillFlops,
+    REPORT_SCHEMA_VERSION, Report, ReportFile, SwaReport, TierRatios, TokenStoragePeak, fmt_bytes,
+    fmt_count, fmt_pool,
 };
 pub use scheduler::{PageHashMode, Progress, SimConfig, replay};
 

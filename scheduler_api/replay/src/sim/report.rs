@@ -149,6 +149,20 @@ pub struct CpuBreakdown {
     pub complete_us: f64,
 }
 
+/// The conversations' hash memos over a replay (see `page_hashes = "conversation"`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MemoReport {
+    /// Bytes of hashes the memos may hold in all: the pools' bookkeeping (a token id per
+    /// token and a page id per page of the device and host pools).
+    pub bound_bytes: usize,
+    /// The most bytes they held once held to the bound (whole chunks of hashes, a chunk
+    /// shared by a conversation's prompts counted once).
+    pub peak_bytes: usize,
+    /// Memos forgotten to stay within the bound (their conversations' next turns hashed
+    /// their whole prompts).
+    pub forgotten: u64,
+}
+
 /// The time the replay thread did not run (waited for a core, or blocked) inside the
 /// manager's timed calls, found by the thread's CPU clock and taken out of the figures.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -242,6 +256,8 @@ pub struct Report {
     /// `effective_config.page_hashes`): the engine's work, not counted in the manager's CPU
     /// above.
     pub page_hash_us_per_request: f64,
+    /// The conversations' hash memos (`page_hashes = "conversation"` only).
+    pub page_hash_memos: Option<MemoReport>,
     /// Wall-clock time of the whole replay (s).
     pub wall_s: f64,
     /// Device tokens still locked or owned after every request finished (must be 0).
@@ -710,6 +726,18 @@ impl fmt::Display for Report {
                 m.name(),
                 self.page_hash_us_per_request
             )?,
+        }
+        if let Some(m) = &self.page_hash_memos
+            && m.peak_bytes > 0
+        {
+            write!(
+                f,
+                "; the conversations' memos held at most {:.1} MiB of hashes (bound {:.1}: the \
+                 pools' bookkeeping), {} forgotten",
+                m.peak_bytes as f64 / 1048576.0,
+                m.bound_bytes as f64 / 1048576.0,
+                m.forgotten
+            )?;
         }
         write!(
             f,

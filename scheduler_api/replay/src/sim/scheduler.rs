@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ahash::HashMap;
@@ -21,9 +21,9 @@ use super::ideal::IdealCache;
 use super::load::{self, Arrivals, LoadMeter, LoadReport};
 use super::memory::MemoryUse;
 use super::report::{
-    CpuBreakdown, CpuWaits, MambaReport, OccupancySample, Report, SwaReport, quantile,
+    CpuBreakdown, CpuWaits, MambaReport, MemoReport, OccupancySample, Report, SwaReport, quantile,
 };
-use crate::trace::{HashMemo, PageHashing, Trace};
+use crate::trace::{HashMemo, MemoLedger, PageHashing, Trace};
 use radixkv_scheduler_api::config::{CacheKind, MambaPolicyKind, ManagerConfig};
 use radixkv_scheduler_api::error::{ManagerError, Result, StallCause};
 use radixkv_scheduler_api::{
@@ -268,7 +268,7 @@ pub(super) fn replay_with_ideal(
         cpu: CpuClock::new(),
         fill_ns: Arc::default(),
         hash_ns: Arc::default(),
-        hash_memos: HashMemos::of(trace),
+        hash_memos: HashMemos::of(trace, &cfg.manager),
         room_waits: 0,
         ttft_ms: Vec::with_capacity(trace.requests.len()),
         report: Report {
@@ -375,29 +375,103 @@ impl TurnsLeft {
 /// ([`PageHashMode::Conversation`]): a memo leaves the map when its conversation's last
 /// request arrives (that request's source keeps it while it needs it), so the memos held are
 /// those of the conversations in progress.
+///
+/// The memos hold at most as many bytes as the pools' bookkeeping ([`HashMemos::bound`]):
+/// past it, [`HashMemos::enforce`] drops the least recently used memos' prompts, and those
+/// conversations' next turns hash their whole prompts. An engine keeps hashes for what it
+/// may serve soon, not for every conversation it has seen: at saturation, with every
+/// conversation of the agentic trace live, unbounded memos were most of the replay's memory
+/// (41 MB, against pools whose bookkeeping is 4.5 MB).
 #[derive(Default)]
 struct HashMemos {
     memos: HashMap<u64, Arc<Mutex<HashMemo>>>,
     /// Requests of each conversation still to arrive.
     arrivals_left: TurnsLeft,
+    /// What every memo holds, counted by the memos themselves.
+    ledger: Arc<MemoLedger>,
+    /// Every memo made, so that those whose conversations have all arrived are held to the
+    /// bound too (dead ones are pruned as they are found).
+    all: Vec<Weak<Mutex<HashMemo>>>,
+    /// Bytes of hashes the memos may hold in all.
+    bound: usize,
+    /// The most bytes the memos held after an enforcement, and the memos forgotten.
+    peak: usize,
+    forgotten: u64,
 }
 
 impl HashMemos {
-    fn of(trace: &Trace) -> Self {
+    fn of(trace: &Trace, m: &ManagerConfig) -> Self {
         HashMemos {
             memos: HashMap::default(),
             arrivals_left: TurnsLeft::of(trace),
+            bound: Self::bound(m),
+            ..Default::default()
         }
+    }
+
+    /// The pools' bookkeeping in bytes: a token id per token and a page id per page of the
+    /// device and host pools.
+    fn bound(m: &ManagerConfig) -> usize {
+        let host = match &m.cache {
+            CacheKind::HiCache(h) => h.host_tokens,
+            CacheKind::Radix | CacheKind::Disabled => 0,
+        };
+        let tokens = m.device_tokens.saturating_add(host);
+        let ids = std::mem::size_of::<TokenId>();
+        let pages = tokens / m.model.page_size.max(1);
+        tokens.saturating_add(pages).saturating_mul(ids)
     }
 
     /// The memo of conversation `s` for a request of it that arrives now.
     fn arrive(&mut self, s: u64) -> Arc<Mutex<HashMemo>> {
-        let memo = self.memos.entry(s).or_default().clone();
+        let memo = match self.memos.get(&s) {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(Mutex::new(HashMemo::counted(self.ledger.clone())));
+                self.all.push(Arc::downgrade(&m));
+                self.memos.insert(s, m.clone());
+                m
+            }
+        };
         if self.arrivals_left.over(s) {
             self.memos.remove(&s);
         }
         memo
     }
+
+    /// Forgets the least recently used memos until what they hold is within the bound
+    /// (after the manager's calls that hash: the memos grow only there).
+    fn enforce(&mut self) {
+        if self.ledger.bytes() > self.bound {
+            self.all.retain(|w| w.strong_count() > 0);
+            let mut by_use: Vec<(u64, Arc<Mutex<HashMemo>>)> = self
+                .all
+                .iter()
+                .filter_map(Weak::upgrade)
+                .map(|m| {
+                    let t = lock(&m).last_use();
+                    (t, m)
+                })
+                .collect();
+            by_use.sort_unstable_by_key(|(t, _)| *t);
+            for (_, m) in by_use {
+                if self.ledger.bytes() <= self.bound {
+                    break;
+                }
+                let mut memo = lock(&m);
+                if memo.held() > 0 {
+                    memo.forget();
+                    self.forgotten += 1;
+                }
+            }
+        }
+        self.peak = self.peak.max(self.ledger.bytes());
+    }
+}
+
+/// A memo's lock; a poisoned one only means a panic elsewhere: its contents are whole.
+fn lock(m: &Mutex<HashMemo>) -> std::sync::MutexGuard<'_, HashMemo> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The outcome of an allocation the scheduler may see refused: its value when it succeeded, the
@@ -905,6 +979,8 @@ impl Sim<'_> {
         let ns = self.fill_ns.swap(0, Ordering::Relaxed);
         if ns > 0 {
             self.cpu.fill(phase, ns);
+            // The memos grow only where a source hashed, inside the call just timed.
+            self.hash_memos.enforce();
         }
     }
 
@@ -1033,6 +1109,14 @@ impl Sim<'_> {
         r.cache_cpu_clock = c.kind().to_string();
         r.page_hash_us_per_request =
             per(Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)));
+        if self.cfg.page_hashes == PageHashMode::Conversation {
+            let m = &self.hash_memos;
+            r.page_hash_memos = Some(MemoReport {
+                bound_bytes: m.bound,
+                peak_bytes: m.peak,
+                forgotten: m.forgotten,
+            });
+        }
         let (steps, waited) = c.waits();
         r.cache_cpu_waits = CpuWaits {
             regions: steps,
@@ -1044,5 +1128,90 @@ impl Sim<'_> {
         kv.check_invariants()?;
         r.invariant_checks += 1;
         Ok(self.report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{Segment, TraceRequest};
+
+    /// A request of conversation `s` whose prompt is `blocks` blocks of 512 tokens.
+    fn turn(s: u64, blocks: u64) -> TraceRequest {
+        TraceRequest {
+            arrival_us: 0,
+            prompt: vec![Segment {
+                first: s << 20,
+                block: 512,
+                len: blocks * 512,
+            }],
+            prompt_len: blocks * 512,
+            output_len: 1,
+            output_id: 1 << 40,
+            session: Some(s),
+        }
+    }
+
+    fn hash(r: &TraceRequest, memo: Arc<Mutex<HashMemo>>, hasher: &PageHasher) {
+        let source = r.prompt_source_with(PageHashing::Conversation(memo));
+        let mut tokens = Vec::new();
+        source.fill(&mut tokens).unwrap();
+        let mut out = PageHashes::new();
+        source.fill_page_hashes(hasher, &Namespace::default(), &tokens, &mut out);
+        assert_eq!(out.len(), tokens.len() / hasher.page_size());
+    }
+
+    #[test]
+    fn the_memos_are_held_to_their_bound_by_forgetting_the_least_recently_used() {
+        let mut m = ManagerConfig {
+            device_tokens: 1 << 14,
+            ..Default::default()
+        };
+        m.model.page_size = 16;
+        let trace = Trace {
+            name: "t".into(),
+            // Conversation 1 has two turns, the others three.
+            requests: (0..3)
+                .flat_map(|s| [turn(s, 8), turn(s, 9), turn(s, 10)])
+                .filter(|r| r.session != Some(1) || r.prompt_len < 10 * 512)
+                .collect(),
+        };
+        let mut memos = HashMemos::of(&trace, &m);
+        // The pools' bookkeeping: 16K token ids and 1K page ids.
+        assert_eq!(memos.bound, ((1 << 14) + (1 << 10)) * 4);
+        let hasher = KvCacheManager::new(m.clone()).unwrap().page_hasher();
+        let chunk = PageHashes::CHUNK * std::mem::size_of::<radixkv_radix::PageHash>();
+        // Three conversations of one chunk each (4,096 tokens, 256 pages) fit.
+        for s in 0..3 {
+            hash(&turn(s, 8), memos.arrive(s), &hasher);
+            memos.enforce();
+        }
+        assert_eq!((memos.ledger.bytes(), memos.forgotten), (3 * chunk, 0));
+        // Under a bound of two chunks, the least recently used conversation (0) is forgotten.
+        memos.bound = 2 * chunk;
+        memos.enforce();
+        assert_eq!((memos.ledger.bytes(), memos.forgotten), (2 * chunk, 1));
+        assert_eq!(memos.peak, 3 * chunk);
+        let held = |memos: &HashMemos, s: u64| lock(&memos.memos[&s]).held();
+        assert_eq!(
+            (held(&memos, 0), held(&memos, 1), held(&memos, 2)),
+            (0, chunk, chunk)
+        );
+        // Conversation 1's last turn arrives: its memo leaves the map but still counts, and
+        // is forgotten in its turn once the least recently used.
+        let last = memos.arrive(1);
+        assert!(!memos.memos.contains_key(&1));
+        hash(&turn(2, 9), memos.arrive(2), &hasher);
+        memos.enforce();
+        assert!(memos.ledger.bytes() <= memos.bound);
+        assert_eq!(lock(&last).held(), 0, "the least recently used");
+        assert_eq!(memos.forgotten, 2);
+        // Dropped with its last request, a memo takes its count back.
+        drop(last);
+        let before = memos.ledger.bytes();
+        let two = memos.memos.remove(&2).unwrap();
+        let had = lock(&two).held();
+        drop(two);
+        assert_eq!(memos.ledger.bytes(), before - had);
     }
 }

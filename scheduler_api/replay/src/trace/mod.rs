@@ -16,6 +16,7 @@ mod weka;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use radixkv_radix::{Namespace, PageHasher, PageHashes, TokenId};
@@ -175,11 +176,44 @@ pub enum PageHashing {
 /// keep theirs): their segments and hashes, under the hasher and namespace that made them.
 /// The hashes are [`PageHashes`], whose clones share their chunks: a turn takes the pages it
 /// shares with a kept prompt without copying them.
+///
+/// A memo made by [`HashMemo::counted`] reports what it holds to a [`MemoLedger`] shared
+/// with the other conversations' memos, so that their owner can hold them all to a bound
+/// ([`HashMemo::forget`] the least recently used); one made by `default` counts nowhere.
 #[derive(Debug, Default)]
 pub struct HashMemo {
     prompts: Vec<MemoPrompt>,
     made_by: Option<(PageHasher, Namespace)>,
     uses: u64,
+    ledger: Option<Arc<MemoLedger>>,
+    /// Bytes of hashes this memo has reported to the ledger.
+    held: usize,
+    /// The ledger's clock at this memo's last use.
+    last_use: u64,
+}
+
+/// What the memos sharing it hold in all, and a clock that orders their uses
+/// ([`HashMemo::counted`]).
+#[derive(Debug, Default)]
+pub struct MemoLedger {
+    /// Bytes of hashes the memos hold ([`PageHashes::bytes_together`] of each memo's
+    /// prompts: whole chunks, each once per memo).
+    bytes: AtomicUsize,
+    clock: AtomicU64,
+}
+
+impl MemoLedger {
+    /// Bytes of hashes the memos hold.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// A memo that goes (its conversation's last turn done) takes what it held off the count.
+impl Drop for HashMemo {
+    fn drop(&mut self) {
+        self.forget();
+    }
 }
 
 #[derive(Debug)]
@@ -192,6 +226,43 @@ struct MemoPrompt {
 impl HashMemo {
     /// Prompts kept per conversation.
     pub const PROMPTS: usize = 4;
+
+    /// An empty memo that reports what it holds to `ledger`.
+    pub fn counted(ledger: Arc<MemoLedger>) -> Self {
+        let mut m = HashMemo::default();
+        m.ledger = Some(ledger);
+        m
+    }
+
+    /// Bytes of hashes held (its kept prompts' chunks, each once).
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// When it was last used, on its ledger's clock (0 for a memo never used or uncounted).
+    pub fn last_use(&self) -> u64 {
+        self.last_use
+    }
+
+    /// Drops every kept prompt (the conversation's next turn hashes its whole prompt) and
+    /// takes them off the ledger's count.
+    pub fn forget(&mut self) {
+        self.prompts.clear();
+        self.recount();
+    }
+
+    /// Brings the ledger's count of this memo up to date.
+    fn recount(&mut self) {
+        let held = PageHashes::bytes_together(self.prompts.iter().map(|m| &m.hashes));
+        if let Some(l) = &self.ledger {
+            if held >= self.held {
+                l.bytes.fetch_add(held - self.held, Ordering::Relaxed);
+            } else {
+                l.bytes.fetch_sub(self.held - held, Ordering::Relaxed);
+            }
+        }
+        self.held = held;
+    }
 
     /// Gives `out` the hashes of `tokens` (whose segments are `segments`): the leading pages
     /// shared with the kept prompt that shares the most are taken from it, the rest are
@@ -250,6 +321,10 @@ impl HashMemo {
             self.prompts.push(entry);
         } else {
             self.prompts[slot] = entry;
+        }
+        self.recount();
+        if let Some(l) = &self.ledger {
+            self.last_use = l.clock.fetch_add(1, Ordering::Relaxed) + 1;
         }
     }
 }
@@ -556,6 +631,82 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request of conversation 1 whose prompt is blocks `0..blocks` (512 tokens each).
+    fn turn(blocks: u64) -> TraceRequest {
+        let mut prompt = Vec::new();
+        let ids: Vec<u64> = (0..blocks).collect();
+        segments_from_blocks(&ids, 512, blocks * 512, &mut prompt);
+        TraceRequest {
+            arrival_us: 0,
+            prompt,
+            prompt_len: blocks * 512,
+            output_len: 1,
+            output_id: 1 << 40,
+            session: Some(1),
+        }
+    }
+
+    /// The hashes `r`'s source gives through `memo`, checked against hashing it whole.
+    fn hashed(r: &TraceRequest, memo: &Arc<Mutex<HashMemo>>, hasher: &PageHasher) -> PageHashes {
+        let source = r.prompt_source_with(PageHashing::Conversation(memo.clone()));
+        let mut tokens = Vec::new();
+        source.fill(&mut tokens).unwrap();
+        let ns = Namespace::default();
+        let mut out = PageHashes::new();
+        source.fill_page_hashes(hasher, &ns, &tokens, &mut out);
+        assert_eq!(
+            out,
+            hasher.hashes(&ns, &tokens),
+            "a memo never changes the hashes"
+        );
+        out
+    }
+
+    #[test]
+    fn a_counted_memo_reports_its_chunks_once_and_takes_them_back_when_forgotten_or_dropped() {
+        let kv = radixkv_scheduler_api::KvCacheManager::builder()
+            .device_tokens(1 << 16)
+            .page_size(16)
+            .build()
+            .unwrap();
+        let hasher = kv.page_hasher();
+        let chunk = PageHashes::CHUNK * std::mem::size_of::<radixkv_radix::PageHash>();
+        let ledger = Arc::new(MemoLedger::default());
+        let memo = Arc::new(Mutex::new(HashMemo::counted(ledger.clone())));
+        // 10 blocks of 512 tokens: 320 pages of 16, two chunks.
+        let first = hashed(&turn(10), &memo, &hasher);
+        assert_eq!(first.len(), 320);
+        assert_eq!(ledger.bytes(), 2 * chunk);
+        // The next turn extends it: the memo keeps the longer prompt in its place, and the
+        // chunks the two share are counted once (the first is shared, the second was copied
+        // when it grew, the third is new).
+        let second = hashed(&turn(20), &memo, &hasher);
+        assert_eq!(second.len(), 640);
+        assert_eq!(ledger.bytes(), 3 * chunk);
+        assert_eq!(memo.lock().unwrap().held(), 3 * chunk);
+        let used = memo.lock().unwrap().last_use();
+        assert!(used > 0);
+        // Forgotten, it holds nothing, and the next turn hashes its whole prompt (still right).
+        memo.lock().unwrap().forget();
+        assert_eq!(ledger.bytes(), 0);
+        hashed(&turn(4), &memo, &hasher);
+        assert_eq!(ledger.bytes(), chunk);
+        assert!(memo.lock().unwrap().last_use() > used);
+        // A second conversation's memo counts on the same ledger; dropped, each takes its
+        // share back.
+        let other = Arc::new(Mutex::new(HashMemo::counted(ledger.clone())));
+        hashed(&turn(10), &other, &hasher);
+        assert_eq!(ledger.bytes(), 3 * chunk);
+        drop(memo);
+        assert_eq!(ledger.bytes(), 2 * chunk);
+        drop(other);
+        assert_eq!(ledger.bytes(), 0);
+        // An uncounted memo reports nowhere.
+        let free = Arc::new(Mutex::new(HashMemo::default()));
+        hashed(&turn(10), &free, &hasher);
+        assert_eq!((ledger.bytes(), free.lock().unwrap().last_use()), (0, 0));
+    }
 
     #[test]
     fn equal_ids_give_equal_tokens_and_partial_blocks_are_prefixes() {
