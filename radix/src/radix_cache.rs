@@ -779,6 +779,13 @@ impl PrefixCache for RadixCache {
         req.mamba_slot = slot;
         req.mamba_cow = cow;
         let (pages, protected) = self.pools.rows.parts_mut(row)?;
+        // Room for the whole key (the prompt, and the output room its buffer was given) at
+        // once: the chunks' and the decode's allocations then never regrow the page table,
+        // and it holds no more than the request will use (growing by doubling, a running
+        // request's table held up to twice its pages).
+        let page = self.tree.page_size();
+        let need = req.key.tokens.capacity().div_ceil(page);
+        pages.reserve_exact(need.saturating_sub(pages.len()));
         pages.extend_from_slice(&req.prefix_pages);
         *protected = req.prefix_pages.len();
         req.row = Some(row);

@@ -618,3 +618,36 @@ fn reinsert_updates_the_policy_order() {
     assert!(!c.tree().contains(b));
     check(&c);
 }
+
+#[test]
+fn a_row_is_given_room_for_its_whole_key_at_begin_and_never_regrows() {
+    let mut c = cache(4, 256);
+    // A cached prefix of 8 tokens, then a request over 40 prompt tokens with room for 24
+    // output tokens in its key's buffer: 64 tokens, 16 pages.
+    run(&mut c, &seq(8), FinishKind::Finished);
+    let mut tokens = Vec::with_capacity(64);
+    tokens.extend(seq(40));
+    let mut r = RequestKv::new(RadixKey::new(tokens));
+    assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 8);
+    c.begin_request(&mut r).unwrap();
+    let row = r.row.unwrap();
+    let table = c.pools().rows.pages(row).unwrap().as_ptr();
+    assert_eq!(c.pools().rows.pages(row).unwrap().len(), 2);
+    // The prompt in two chunks, then decode to the end of the key's room: the page table is
+    // the one allocation it got at begin.
+    for n in [16, 16] {
+        c.alloc_tokens(&mut r, n).unwrap();
+        r.commit(n).unwrap();
+        c.cache_unfinished_req(&mut r).unwrap();
+    }
+    for t in 0..24 {
+        r.key.tokens.push(1000 + t);
+        c.alloc_tokens(&mut r, 1).unwrap();
+        r.commit(1).unwrap();
+    }
+    assert_eq!(r.key.tokens.capacity(), 64, "the key itself did not grow");
+    assert_eq!(c.pools().rows.pages(row).unwrap().len(), 16);
+    assert_eq!(c.pools().rows.pages(row).unwrap().as_ptr(), table);
+    c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+    check(&c);
+}
