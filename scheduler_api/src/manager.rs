@@ -625,6 +625,8 @@ impl KvCacheManager {
     /// manager without sessions; [`ManagerError::TokenSource`] when a storage tier's prefetch
     /// needs a lazy request's tokens and its source fails (the request is not registered).
     pub fn arrive(&mut self, req: Request) -> Result<ReqId> {
+        // A drained backlog gives its records' room back (before any handle is named).
+        self.requests.compact();
         let prompt_len = req.prompt_len();
         let refuse = |engine_id, what| ManagerError::Lifecycle {
             id: self.requests.next_handle(),

@@ -4,30 +4,39 @@
 //! instead of a hash; slots are reused (their generation bumps, so a stale handle never finds
 //! the new occupant) and entries never move when the table grows past a rehash.
 //!
-//! A slot holds its value boxed: the table keeps the room of its busiest moment (a backlog of
-//! thousands of waiting requests), and a free slot then costs 16 bytes, not a whole record
-//! (544 bytes for the manager's).
+//! Free slots are reused lowest first, so the live entries gather at the front, and
+//! [`Table::compact`] cuts the free tail once the table holds at most a quarter of its slots:
+//! a drained backlog (thousands of waiting requests, 544 bytes a record in the manager) does
+//! not keep its room for the rest of the run.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 /// A slab of `T` addressed by `u64` handles: low 32 bits slot index, high 32 bits generation.
 #[derive(Debug)]
 pub(crate) struct Table<T> {
     slots: Vec<Slot<T>>,
-    free: Vec<u32>,
+    /// Free slots, lowest first.
+    free: BinaryHeap<Reverse<u32>>,
     len: usize,
+    /// The generation of a slot added from now on: above every generation a cut slot reached
+    /// (so a stale handle to a cut slot never finds the slot made in its place).
+    floor: u32,
 }
 
 #[derive(Debug)]
 struct Slot<T> {
     generation: u32,
-    value: Option<Box<T>>,
+    value: Option<T>,
 }
 
 impl<T> Default for Table<T> {
     fn default() -> Self {
         Table {
             slots: Vec::new(),
-            free: Vec::new(),
+            free: BinaryHeap::new(),
             len: 0,
+            floor: 0,
         }
     }
 }
@@ -39,9 +48,11 @@ fn split(id: u64) -> (usize, u32) {
 impl<T> Table<T> {
     /// The handle the next [`Self::insert`] will return.
     pub(crate) fn next_handle(&self) -> u64 {
-        match self.free.last() {
-            Some(&i) => (u64::from(self.slots[i as usize].generation) << 32) | u64::from(i),
-            None => self.slots.len() as u64,
+        match self.free.peek() {
+            Some(&Reverse(i)) => {
+                (u64::from(self.slots[i as usize].generation) << 32) | u64::from(i)
+            }
+            None => (u64::from(self.floor) << 32) | self.slots.len() as u64,
         }
     }
 
@@ -49,17 +60,17 @@ impl<T> Table<T> {
     pub(crate) fn insert(&mut self, value: T) -> u64 {
         self.len += 1;
         match self.free.pop() {
-            Some(i) => {
+            Some(Reverse(i)) => {
                 let s = &mut self.slots[i as usize];
-                s.value = Some(Box::new(value));
+                s.value = Some(value);
                 (u64::from(s.generation) << 32) | u64::from(i)
             }
             None => {
                 self.slots.push(Slot {
-                    generation: 0,
-                    value: Some(Box::new(value)),
+                    generation: self.floor,
+                    value: Some(value),
                 });
-                (self.slots.len() - 1) as u64
+                (u64::from(self.floor) << 32) | (self.slots.len() - 1) as u64
             }
         }
     }
@@ -69,7 +80,7 @@ impl<T> Table<T> {
         self.slots
             .get(i)
             .filter(|s| s.generation == g)
-            .and_then(|s| s.value.as_deref())
+            .and_then(|s| s.value.as_ref())
     }
 
     pub(crate) fn get_mut(&mut self, id: u64) -> Option<&mut T> {
@@ -77,7 +88,7 @@ impl<T> Table<T> {
         self.slots
             .get_mut(i)
             .filter(|s| s.generation == g)
-            .and_then(|s| s.value.as_deref_mut())
+            .and_then(|s| s.value.as_mut())
     }
 
     /// Takes the value out; its handle is dead from now on.
@@ -88,10 +99,10 @@ impl<T> Table<T> {
         // A slot whose generation would wrap is retired instead of reused.
         if let Some(next) = s.generation.checked_add(1) {
             s.generation = next;
-            self.free.push(i as u32);
+            self.free.push(Reverse(i as u32));
         }
         self.len -= 1;
-        Some(*v)
+        Some(v)
     }
 
     /// Puts a value back under the handle it was removed from (undoing a `remove`).
@@ -102,8 +113,8 @@ impl<T> Table<T> {
             && s.generation == g.wrapping_add(1)
         {
             s.generation = g;
-            s.value = Some(Box::new(value));
-            self.free.retain(|&f| f as usize != i);
+            s.value = Some(value);
+            self.free.retain(|&Reverse(f)| f as usize != i);
             self.len += 1;
         }
     }
@@ -112,24 +123,47 @@ impl<T> Table<T> {
         self.len
     }
 
+    /// Cuts the free slots at the end when the table holds at most a quarter of its slots and
+    /// they are at least half of it. Call it where no removed entry waits to be restored.
+    pub(crate) fn compact(&mut self) {
+        let n = self.slots.len();
+        if n < Self::MIN_COMPACT || self.len * 4 > n {
+            return;
+        }
+        // A retired slot (its generation would wrap) stays: it must never be made again.
+        let keep = self
+            .slots
+            .iter()
+            .rposition(|s| s.value.is_some() || s.generation == u32::MAX)
+            .map_or(0, |i| i + 1);
+        if keep > n / 2 {
+            return;
+        }
+        for s in &self.slots[keep..] {
+            self.floor = self.floor.max(s.generation);
+        }
+        self.slots.truncate(keep);
+        self.slots.shrink_to(2 * keep);
+        self.free.retain(|&Reverse(i)| (i as usize) < keep);
+        self.free.shrink_to_fit();
+    }
+
+    /// Tables smaller than this are never compacted (their room costs next to nothing).
+    const MIN_COMPACT: usize = 64;
+
+    #[cfg(test)]
+    fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> + '_ {
-        self.slots.iter().filter_map(|s| s.value.as_deref())
+        self.slots.iter().filter_map(|s| s.value.as_ref())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_slot_costs_sixteen_bytes_whatever_its_record() {
-        assert_eq!(std::mem::size_of::<Slot<[u8; 544]>>(), 16);
-        let mut t = Table::default();
-        let ids: Vec<u64> = (0..100u8).map(|i| t.insert([i; 544])).collect();
-        assert_eq!(t.get(ids[7]).map(|v| v[0]), Some(7));
-        assert_eq!(t.remove(ids[7]).map(|v| v[543]), Some(7));
-        assert_eq!(t.len(), 99);
-    }
 
     #[test]
     fn stale_handles_never_find_the_new_occupant() {
@@ -153,5 +187,51 @@ mod tests {
         assert_eq!(t.values().count(), 2);
         *t.get_mut(b).unwrap() = "bb";
         assert_eq!(t.get(b), Some(&"bb"));
+    }
+
+    #[test]
+    fn a_drained_table_gives_back_its_room_and_stale_handles_stay_dead() {
+        let mut t = Table::default();
+        let ids: Vec<u64> = (0..1000).map(|i| t.insert(i)).collect();
+        // Freed slots are reused lowest first.
+        t.remove(ids[500]).unwrap();
+        t.remove(ids[3]).unwrap();
+        let again = t.insert(1003);
+        assert_eq!(again & u64::from(u32::MAX), 3);
+        // Not a quarter live: nothing is cut.
+        for &id in &ids[600..] {
+            t.remove(id).unwrap();
+        }
+        t.compact();
+        assert_eq!(t.slots(), 1000);
+        // Drained to the first 100 (the backlog served): the tail goes.
+        for &id in &ids[100..600] {
+            t.remove(id);
+        }
+        assert_eq!(t.len(), 100);
+        t.compact();
+        assert_eq!(t.slots(), 100);
+        assert_eq!(t.get(again), Some(&1003));
+        assert_eq!(t.get(ids[99]), Some(&99));
+        // Slots made again in the cut range never answer a handle from before.
+        let next = t.next_handle();
+        let fresh: Vec<u64> = (0..1000).map(|i| t.insert(2000 + i)).collect();
+        assert_eq!(fresh[0], next);
+        for (k, &old) in ids[100..].iter().enumerate() {
+            assert_eq!(t.get(old), None, "stale handle {k}");
+        }
+        assert_eq!(t.get(fresh[999]), Some(&2999));
+        // A retired slot is never cut (it must not be made again).
+        let mut r = Table::default();
+        let h: Vec<u64> = (0..200).map(|i| r.insert(i)).collect();
+        r.slots[80].generation = u32::MAX;
+        let retired = (u64::from(u32::MAX) << 32) | 80;
+        assert_eq!(r.remove(retired), Some(80));
+        for &id in &h[1..] {
+            r.remove(id);
+        }
+        r.compact();
+        assert_eq!(r.slots(), 81);
+        assert_eq!(r.get(retired), None);
     }
 }
