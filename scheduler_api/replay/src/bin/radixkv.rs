@@ -392,7 +392,8 @@ struct RunArgs {
     arrival_scale: Option<f64>,
     /// How the prompts carry match hashes, as an engine hands them over: `off` (every match
     /// compares tokens), `whole` (each prompt hashed when admitted) or `conversation` (hashes
-    /// kept per conversation, a turn hashes its new pages only; prompts outside a
+    /// kept per conversation, a turn hashes its new pages only; the kept hashes are held to
+    /// the pools' bookkeeping in bytes, least recently used forgotten first; prompts outside a
     /// conversation carry none). Hashing is timed as the engine's work, apart from the
     /// manager's CPU [default: conversation]
     #[arg(long, value_name = "MODE", value_parser = page_hash_parser())]
