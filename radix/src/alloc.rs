@@ -439,6 +439,18 @@ impl RowPool {
         Ok((&mut s.pages, &mut s.protected))
     }
 
+    /// Starts a request on `row`: its page table gets the matched `prefix` (tree-owned, so
+    /// protected) and room for `pages` pages in all at once, so that the request's chunks and
+    /// decode never regrow it (growing by doubling, a running request's table held up to
+    /// twice its pages).
+    pub(crate) fn start(&mut self, row: RowId, prefix: &[PageId], pages: usize) -> Result<()> {
+        let s = self.slot_mut(row)?;
+        s.pages.reserve_exact(pages.saturating_sub(s.pages.len()));
+        s.pages.extend_from_slice(prefix);
+        s.protected = prefix.len();
+        Ok(())
+    }
+
     /// Releases a row whose owned pages were already freed. Its protected pages stay in the tree.
     /// The row keeps its page table's room for the next request, up to its share of the pool
     /// ([`RowPool::for_pool`]): a row that once served a long request would otherwise hold

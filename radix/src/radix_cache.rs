@@ -454,6 +454,13 @@ impl RadixCache {
         self.put_row_pages(row, buf, len, res)
     }
 
+    /// Gives `row` the request's matched pages and room for its whole key (the prompt and
+    /// the output room its buffer was given), as `RowPool::start` says.
+    fn start_row(&mut self, row: RowId, req: &RequestKv) -> Result<()> {
+        let pages = req.key.tokens.capacity().div_ceil(self.pools.page_size);
+        self.pools.rows.start(row, &req.prefix_pages, pages)
+    }
+
     /// Takes the row's page table out for an insert of its first `len` tokens, with the index
     /// of its first page the tree does not own yet.
     fn take_row_pages(&mut self, row: RowId, len: usize) -> Result<(Vec<PageId>, usize)> {
@@ -778,16 +785,7 @@ impl PrefixCache for RadixCache {
         };
         req.mamba_slot = slot;
         req.mamba_cow = cow;
-        let (pages, protected) = self.pools.rows.parts_mut(row)?;
-        // Room for the whole key (the prompt, and the output room its buffer was given) at
-        // once: the chunks' and the decode's allocations then never regrow the page table,
-        // and it holds no more than the request will use (growing by doubling, a running
-        // request's table held up to twice its pages).
-        let page = self.tree.page_size();
-        let need = req.key.tokens.capacity().div_ceil(page);
-        pages.reserve_exact(need.saturating_sub(pages.len()));
-        pages.extend_from_slice(&req.prefix_pages);
-        *protected = req.prefix_pages.len();
+        self.start_row(row, req)?;
         req.row = Some(row);
         req.lock = Some(receipt);
         req.committed_len = req.prefix_len;

@@ -314,12 +314,7 @@ impl RadixCache {
                 return Err(e);
             }
         };
-        let (pages, protected) = self.pools.rows.parts_mut(row)?;
-        // Room for the whole key at once, as `begin_request` gives it.
-        let need = req.key.tokens.capacity().div_ceil(self.tree.page_size());
-        pages.reserve_exact(need.saturating_sub(pages.len()));
-        pages.extend_from_slice(&req.prefix_pages);
-        *protected = req.prefix_pages.len();
+        self.start_row(row, req)?;
         req.row = Some(row);
         req.lock = Some(receipt);
         req.swa_pages = swa;

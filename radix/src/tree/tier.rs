@@ -228,14 +228,14 @@ impl RadixTree {
         self.emit_removed(idx, Medium::Host);
         let parent = self.nodes[idx as usize].parent;
         self.remove_child(parent, idx);
-        let mut node = self.free_node(idx);
-        if let Some(h) = node.host.take() {
+        let n = &mut self.nodes[idx as usize];
+        if let Some(h) = n.host.take() {
             out.extend_from_slice(&h);
         }
-        let len = node.key.len();
-        // Its token buffer serves the next edge inserted (the steady state of a full host
+        let len = n.key.len();
+        // Its edge buffers serve the next edge inserted (the steady state of a full host
         // tier: every device eviction writes back into room a host-leaf eviction made).
-        self.bufs.recycle(node.key, node.pages);
+        self.free_node_recycle(idx);
         // The parent's device-children count is unchanged (the leaf was not on device), but a
         // parent on device may be an evictable leaf only if it has no device child, which did
         // not change either.

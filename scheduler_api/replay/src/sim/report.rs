@@ -732,10 +732,10 @@ impl fmt::Display for Report {
         {
             write!(
                 f,
-                "; the conversations' memos held at most {:.1} MiB of hashes (bound {:.1}: the \
-                 pools' bookkeeping), {} forgotten",
-                m.peak_bytes as f64 / 1048576.0,
-                m.bound_bytes as f64 / 1048576.0,
+                "; the conversations' memos held at most {} of hashes (bound {}: the pools' \
+                 bookkeeping), {} forgotten",
+                fmt_bytes(m.peak_bytes as u64),
+                fmt_bytes(m.bound_bytes as u64),
                 m.forgotten
             )?;
         }

@@ -424,54 +424,55 @@ impl HashMemos {
 
     /// The memo of conversation `s` for a request of it that arrives now.
     fn arrive(&mut self, s: u64) -> Arc<Mutex<HashMemo>> {
-        let memo = match self.memos.get(&s) {
-            Some(m) => m.clone(),
-            None => {
-                let m = Arc::new(Mutex::new(HashMemo::counted(self.ledger.clone())));
-                self.all.push(Arc::downgrade(&m));
-                self.memos.insert(s, m.clone());
+        let (ledger, all) = (&self.ledger, &mut self.all);
+        let memo = self
+            .memos
+            .entry(s)
+            .or_insert_with(|| {
+                let m = Arc::new(Mutex::new(HashMemo::counted(ledger.clone())));
+                all.push(Arc::downgrade(&m));
                 m
-            }
-        };
+            })
+            .clone();
         if self.arrivals_left.over(s) {
             self.memos.remove(&s);
         }
         memo
     }
 
-    /// Forgets the least recently used memos until what they hold is within the bound
-    /// (after the manager's calls that hash: the memos grow only there).
+    /// Holds the memos to the bound (after the manager's calls that hash: the memos grow
+    /// only there).
     fn enforce(&mut self) {
         if self.ledger.bytes() > self.bound {
-            self.all.retain(|w| w.strong_count() > 0);
-            let mut by_use: Vec<(u64, Arc<Mutex<HashMemo>>)> = self
-                .all
-                .iter()
-                .filter_map(Weak::upgrade)
-                .map(|m| {
-                    let t = lock(&m).last_use();
-                    (t, m)
-                })
-                .collect();
-            by_use.sort_unstable_by_key(|(t, _)| *t);
-            for (_, m) in by_use {
-                if self.ledger.bytes() <= self.bound {
-                    break;
-                }
-                let mut memo = lock(&m);
-                if memo.held() > 0 {
-                    memo.forget();
-                    self.forgotten += 1;
-                }
-            }
+            self.forget_least_recent();
         }
         self.peak = self.peak.max(self.ledger.bytes());
     }
-}
 
-/// A memo's lock; a poisoned one only means a panic elsewhere: its contents are whole.
-fn lock(m: &Mutex<HashMemo>) -> std::sync::MutexGuard<'_, HashMemo> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    /// Forgets the least recently used memos until what they hold is within the bound.
+    fn forget_least_recent(&mut self) {
+        self.all.retain(|w| w.strong_count() > 0);
+        let mut by_use: Vec<(u64, Arc<Mutex<HashMemo>>)> = self
+            .all
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|m| {
+                let t = HashMemo::lock(&m).last_use();
+                (t, m)
+            })
+            .collect();
+        by_use.sort_unstable_by_key(|(t, _)| *t);
+        for (_, m) in by_use {
+            if self.ledger.bytes() <= self.bound {
+                break;
+            }
+            let mut memo = HashMemo::lock(&m);
+            if memo.held() > 0 {
+                memo.forget();
+                self.forgotten += 1;
+            }
+        }
+    }
 }
 
 /// The outcome of an allocation the scheduler may see refused: its value when it succeeded, the
@@ -1134,31 +1135,11 @@ impl Sim<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{Segment, TraceRequest};
+    use crate::trace::test_memo::{hashed, turn};
 
-    /// A request of conversation `s` whose prompt is `blocks` blocks of 512 tokens.
-    fn turn(s: u64, blocks: u64) -> TraceRequest {
-        TraceRequest {
-            arrival_us: 0,
-            prompt: vec![Segment {
-                first: s << 20,
-                block: 512,
-                len: blocks * 512,
-            }],
-            prompt_len: blocks * 512,
-            output_len: 1,
-            output_id: 1 << 40,
-            session: Some(s),
-        }
-    }
-
-    fn hash(r: &TraceRequest, memo: Arc<Mutex<HashMemo>>, hasher: &PageHasher) {
-        let source = r.prompt_source_with(PageHashing::Conversation(memo));
-        let mut tokens = Vec::new();
-        source.fill(&mut tokens).unwrap();
-        let mut out = PageHashes::new();
-        source.fill_page_hashes(hasher, &Namespace::default(), &tokens, &mut out);
-        assert_eq!(out.len(), tokens.len() / hasher.page_size());
+    fn hash(r: &crate::trace::TraceRequest, memo: Arc<Mutex<HashMemo>>, hasher: &PageHasher) {
+        let out = hashed(r, &memo, hasher);
+        assert_eq!(out.len(), r.prompt_len as usize / hasher.page_size());
     }
 
     #[test]
@@ -1192,7 +1173,7 @@ mod tests {
         memos.enforce();
         assert_eq!((memos.ledger.bytes(), memos.forgotten), (2 * chunk, 1));
         assert_eq!(memos.peak, 3 * chunk);
-        let held = |memos: &HashMemos, s: u64| lock(&memos.memos[&s]).held();
+        let held = |memos: &HashMemos, s: u64| HashMemo::lock(&memos.memos[&s]).held();
         assert_eq!(
             (held(&memos, 0), held(&memos, 1), held(&memos, 2)),
             (0, chunk, chunk)
@@ -1204,13 +1185,13 @@ mod tests {
         hash(&turn(2, 9), memos.arrive(2), &hasher);
         memos.enforce();
         assert!(memos.ledger.bytes() <= memos.bound);
-        assert_eq!(lock(&last).held(), 0, "the least recently used");
+        assert_eq!(HashMemo::lock(&last).held(), 0, "the least recently used");
         assert_eq!(memos.forgotten, 2);
         // Dropped with its last request, a memo takes its count back.
         drop(last);
         let before = memos.ledger.bytes();
         let two = memos.memos.remove(&2).unwrap();
-        let had = lock(&two).held();
+        let had = HashMemo::lock(&two).held();
         drop(two);
         assert_eq!(memos.ledger.bytes(), before - had);
     }

@@ -227,6 +227,12 @@ impl HashMemo {
     /// Prompts kept per conversation.
     pub const PROMPTS: usize = 4;
 
+    /// Locks a shared memo; a poisoned one only means a panic elsewhere: its contents are
+    /// whole.
+    pub fn lock(memo: &Mutex<HashMemo>) -> std::sync::MutexGuard<'_, HashMemo> {
+        memo.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// An empty memo that reports what it holds to `ledger`.
     pub fn counted(ledger: Arc<MemoLedger>) -> Self {
         let mut m = HashMemo::default();
@@ -378,9 +384,7 @@ impl TokenSource for PromptSource {
             PageHashing::Off => {}
             PageHashing::Whole => hasher.extend_chain(namespace, tokens, out),
             PageHashing::Conversation(memo) => {
-                // A poisoned memo only means a panic elsewhere: its contents are whole.
-                let mut m = memo.lock().unwrap_or_else(|e| e.into_inner());
-                m.hash(&self.segments, hasher, namespace, tokens, out);
+                HashMemo::lock(memo).hash(&self.segments, hasher, namespace, tokens, out);
             }
         }
     }
@@ -629,26 +633,33 @@ impl Rng {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_memo {
+    //! Conversation turns and their hashes through a memo, for the memo tests here and in
+    //! the scheduler.
     use super::*;
 
-    /// A request of conversation 1 whose prompt is blocks `0..blocks` (512 tokens each).
-    fn turn(blocks: u64) -> TraceRequest {
-        let mut prompt = Vec::new();
-        let ids: Vec<u64> = (0..blocks).collect();
-        segments_from_blocks(&ids, 512, blocks * 512, &mut prompt);
+    /// A request of conversation `s` whose prompt is `blocks` blocks of 512 tokens.
+    pub(crate) fn turn(s: u64, blocks: u64) -> TraceRequest {
         TraceRequest {
             arrival_us: 0,
-            prompt,
+            prompt: vec![Segment {
+                first: s << 20,
+                block: 512,
+                len: blocks * 512,
+            }],
             prompt_len: blocks * 512,
             output_len: 1,
             output_id: 1 << 40,
-            session: Some(1),
+            session: Some(s),
         }
     }
 
     /// The hashes `r`'s source gives through `memo`, checked against hashing it whole.
-    fn hashed(r: &TraceRequest, memo: &Arc<Mutex<HashMemo>>, hasher: &PageHasher) -> PageHashes {
+    pub(crate) fn hashed(
+        r: &TraceRequest,
+        memo: &Arc<Mutex<HashMemo>>,
+        hasher: &PageHasher,
+    ) -> PageHashes {
         let source = r.prompt_source_with(PageHashing::Conversation(memo.clone()));
         let mut tokens = Vec::new();
         source.fill(&mut tokens).unwrap();
@@ -662,6 +673,12 @@ mod tests {
         );
         out
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_memo::{hashed, turn};
+    use super::*;
 
     #[test]
     fn a_counted_memo_reports_its_chunks_once_and_takes_them_back_when_forgotten_or_dropped() {
@@ -675,13 +692,13 @@ mod tests {
         let ledger = Arc::new(MemoLedger::default());
         let memo = Arc::new(Mutex::new(HashMemo::counted(ledger.clone())));
         // 10 blocks of 512 tokens: 320 pages of 16, two chunks.
-        let first = hashed(&turn(10), &memo, &hasher);
+        let first = hashed(&turn(1, 10), &memo, &hasher);
         assert_eq!(first.len(), 320);
         assert_eq!(ledger.bytes(), 2 * chunk);
         // The next turn extends it: the memo keeps the longer prompt in its place, and the
         // chunks the two share are counted once (the first is shared, the second was copied
         // when it grew, the third is new).
-        let second = hashed(&turn(20), &memo, &hasher);
+        let second = hashed(&turn(1, 20), &memo, &hasher);
         assert_eq!(second.len(), 640);
         assert_eq!(ledger.bytes(), 3 * chunk);
         assert_eq!(memo.lock().unwrap().held(), 3 * chunk);
@@ -690,13 +707,13 @@ mod tests {
         // Forgotten, it holds nothing, and the next turn hashes its whole prompt (still right).
         memo.lock().unwrap().forget();
         assert_eq!(ledger.bytes(), 0);
-        hashed(&turn(4), &memo, &hasher);
+        hashed(&turn(1, 4), &memo, &hasher);
         assert_eq!(ledger.bytes(), chunk);
         assert!(memo.lock().unwrap().last_use() > used);
         // A second conversation's memo counts on the same ledger; dropped, each takes its
         // share back.
         let other = Arc::new(Mutex::new(HashMemo::counted(ledger.clone())));
-        hashed(&turn(10), &other, &hasher);
+        hashed(&turn(1, 10), &other, &hasher);
         assert_eq!(ledger.bytes(), 3 * chunk);
         drop(memo);
         assert_eq!(ledger.bytes(), 2 * chunk);
@@ -704,7 +721,7 @@ mod tests {
         assert_eq!(ledger.bytes(), 0);
         // An uncounted memo reports nowhere.
         let free = Arc::new(Mutex::new(HashMemo::default()));
-        hashed(&turn(10), &free, &hasher);
+        hashed(&turn(1, 10), &free, &hasher);
         assert_eq!((ledger.bytes(), free.lock().unwrap().last_use()), (0, 0));
     }
 
