@@ -210,6 +210,7 @@ fn an_empty_workload_is_an_error_like_an_empty_trace_file() {
     let empty = Trace {
         name: "empty".into(),
         requests: Vec::new(),
+        conversations_disjoint: false,
     };
     let e = replay(&empty, &sim(4096, 16), &mut ()).unwrap_err();
     assert!(e.to_string().contains("the trace has no requests"), "{e}");

@@ -61,7 +61,11 @@
 //!     output_id: 0,
 //!     session: None,
 //! };
-//! let trace = Trace { name: "tiny".into(), requests: vec![req(0, 2), req(1_000_000, 3)] };
+//! let trace = Trace {
+//!     name: "tiny".into(),
+//!     requests: vec![req(0, 2), req(1_000_000, 3)],
+//!     conversations_disjoint: false,
+//! };
 //! let a = analyze(&trace, &[8])?;
 //! let p = a.prefix.expect("hash blocks");
 //! assert_eq!((p.total_blocks, p.unique_blocks, p.ideal_hit_blocks), (5, 3, 2));

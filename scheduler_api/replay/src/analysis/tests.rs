@@ -45,6 +45,7 @@ fn random_trace(seed: u64, conversations: u64) -> Trace {
     Trace {
         name: "random".into(),
         requests,
+        conversations_disjoint: false,
     }
     .finish()
 }

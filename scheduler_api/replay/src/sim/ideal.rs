@@ -90,6 +90,13 @@ impl IdealCache {
         self.admit_units(req, Some(session))
     }
 
+    /// Forgets everything (keeping the room of its sets for what comes next).
+    pub fn clear(&mut self) {
+        self.runs.clear();
+        self.partial.clear();
+        self.sessions.clear();
+    }
+
     /// Forgets a closed session's sequences.
     pub fn close_session(&mut self, session: u64) {
         self.sessions.remove(&session);

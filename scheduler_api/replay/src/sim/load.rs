@@ -413,6 +413,7 @@ mod tests {
                     session,
                 })
                 .collect(),
+            conversations_disjoint: false,
         }
     }
 

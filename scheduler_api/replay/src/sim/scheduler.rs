@@ -320,7 +320,16 @@ fn chunk_flops(
 /// or not the configuration under test has sessions. So it bounds every configuration, and
 /// every row of a comparison reports the same figure (a configuration without sessions can
 /// then reach only the page-aligned part of it).
+///
+/// A trace whose conversations share no block ([`Trace::conversations_disjoint`], the agentic
+/// reader's) is followed one conversation at a time: a request can reuse only its own
+/// conversation's earlier requests, so the hits are those of the pass in arrival order, and
+/// the ideal holds one conversation's blocks at a time instead of the whole trace's (on the
+/// whole agentic trace that set was the replay's peak heap, 28 MB while it grew).
 pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
+    if trace.conversations_disjoint {
+        return ideal_hits_by_conversation(trace, page_size);
+    }
     let mut ideal = IdealCache::new(page_size);
     let mut left = TurnsLeft::of(trace);
     trace
@@ -337,6 +346,29 @@ pub(super) fn ideal_hits(trace: &Trace, page_size: usize) -> Vec<u64> {
             None => ideal.admit(r),
         })
         .collect()
+}
+
+/// [`ideal_hits`] of a trace whose conversations share no block: each conversation's
+/// requests in arrival order, against an ideal cache that holds that conversation alone.
+fn ideal_hits_by_conversation(trace: &Trace, page_size: usize) -> Vec<u64> {
+    let mut order: Vec<usize> = (0..trace.requests.len()).collect();
+    // Stable: a conversation's requests keep their arrival order.
+    order.sort_by_key(|&i| trace.requests[i].session);
+    let mut hits = vec![0; trace.requests.len()];
+    let mut ideal = IdealCache::new(page_size);
+    let mut current = None;
+    for i in order {
+        let r = &trace.requests[i];
+        if r.session != current {
+            ideal.clear();
+            current = r.session;
+        }
+        hits[i] = match r.session {
+            Some(s) => ideal.admit_turn(s, r),
+            None => ideal.admit(r),
+        };
+    }
+    hits
 }
 
 /// Requests left per conversation (session) of a trace: the replay closes a session, and the
@@ -1142,6 +1174,101 @@ mod tests {
         assert_eq!(out.len(), r.prompt_len as usize / hasher.page_size());
     }
 
+    /// An agentic trace, through the agentic reader, of `conversations` conversations whose
+    /// turns grow their history, branch into sub-agents on a shared head, and end in unhashed
+    /// tails; the conversations start 1 s apart, so their turns interleave.
+    fn agentic_jsonl(conversations: u64) -> Trace {
+        use std::fmt::Write;
+        let mut text = String::new();
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..conversations {
+            let mut history: Vec<u64> = (0..1 + next(4)).collect();
+            let mut fresh = 100;
+            let mut entries = Vec::new();
+            for turn in 0..6 + next(6) {
+                // Most turns extend the history; some cut it back first (an edited turn).
+                if next(4) == 0 {
+                    history.truncate(1 + next(history.len() as u64) as usize);
+                }
+                for _ in 0..1 + next(3) {
+                    history.push(fresh);
+                    fresh += 1;
+                }
+                let ids = |h: &[u64]| format!("{h:?}");
+                let tail = next(64);
+                let mut entry = format!(
+                    r#"{{"t":{turn},"in":{},"out":{},"hash_ids":{}}}"#,
+                    history.len() as u64 * 64 + tail,
+                    1 + next(50),
+                    ids(&history)
+                );
+                if next(3) == 0 {
+                    // A sub-agent on the conversation's first blocks.
+                    let mut sub = history[..1].to_vec();
+                    sub.push(10_000 + fresh);
+                    fresh += 1;
+                    entry = format!(
+                        r#"{entry},{{"t":{turn}.5,"type":"subagent","requests":[{{"t":0,"in":{},"out":3,"hash_ids":{}}}]}}"#,
+                        sub.len() * 64,
+                        ids(&sub)
+                    );
+                }
+                entries.push(entry);
+            }
+            writeln!(
+                text,
+                r#"{{"block_size":64,"requests":[{}]}}"#,
+                entries.join(",")
+            )
+            .unwrap();
+        }
+        let opts = crate::trace::ReadOptions {
+            conversation_gap_s: 1.0,
+            ..Default::default()
+        };
+        crate::trace::decode_trace(
+            text.as_bytes(),
+            crate::trace::Compression::None,
+            "agentic",
+            crate::trace::TraceFormat::Weka,
+            &opts,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_ideal_of_disjoint_conversations_one_at_a_time_is_the_ideal_in_arrival_order() {
+        let disjoint = agentic_jsonl(12);
+        assert!(
+            disjoint.conversations_disjoint,
+            "the agentic reader says so"
+        );
+        let sessions: std::collections::HashSet<_> =
+            disjoint.requests.iter().map(|r| r.session).collect();
+        assert_eq!(sessions.len(), 12);
+        // The conversations' turns interleave in arrival order.
+        let switches = disjoint
+            .requests
+            .windows(2)
+            .filter(|w| w[0].session != w[1].session)
+            .count();
+        assert!(switches > 12, "{switches} switches between conversations");
+        let mut whole = disjoint.clone();
+        whole.conversations_disjoint = false;
+        for page_size in [1, 16, 64] {
+            let by_conversation = ideal_hits(&disjoint, page_size);
+            let in_arrival_order = ideal_hits(&whole, page_size);
+            assert_eq!(by_conversation, in_arrival_order, "page size {page_size}");
+            assert!(by_conversation.iter().filter(|&&h| h > 0).count() > 24);
+        }
+    }
+
     #[test]
     fn the_memos_are_held_to_their_bound_by_forgetting_the_least_recently_used() {
         let mut m = ManagerConfig {
@@ -1156,6 +1283,7 @@ mod tests {
                 .flat_map(|s| [turn(s, 8), turn(s, 9), turn(s, 10)])
                 .filter(|r| r.session != Some(1) || r.prompt_len < 10 * 512)
                 .collect(),
+            conversations_disjoint: false,
         };
         let mut memos = HashMemos::of(&trace, &m);
         // The pools' bookkeeping: 16K token ids and 1K page ids.

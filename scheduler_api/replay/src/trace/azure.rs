@@ -105,6 +105,7 @@ pub(super) fn read(reader: impl Read, ctx: &Ctx<'_>, opts: &ReadOptions) -> Resu
     Ok(Trace {
         name: ctx.source.to_string(),
         requests,
+        conversations_disjoint: false,
     })
 }
 

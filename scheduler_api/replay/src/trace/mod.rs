@@ -397,6 +397,14 @@ pub struct Trace {
     pub name: String,
     /// The requests, sorted by arrival time.
     pub requests: Vec<TraceRequest>,
+    /// No block of one conversation's prompts appears in another conversation's, and every
+    /// request belongs to a conversation ([`TraceRequest::session`]). The agentic reader's
+    /// block ids are local to their conversation, so it sets this; the other readers and the
+    /// synthetic chat (whose conversations share a system prompt) do not. The replay's
+    /// infinite-cache ideal then follows one conversation at a time and holds one
+    /// conversation's blocks instead of the whole trace's. Set on a trace whose conversations
+    /// do share blocks, the ideal would miss those hits.
+    pub conversations_disjoint: bool,
 }
 
 /// A trace lent to [`crate::sim::replay`] or [`crate::sim::compare`]: they copy it only if they

@@ -59,5 +59,6 @@ pub(super) fn read(reader: impl BufRead, ctx: &Ctx<'_>, opts: &ReadOptions) -> R
     Ok(Trace {
         name: ctx.source.to_string(),
         requests,
+        conversations_disjoint: false,
     })
 }

@@ -175,6 +175,7 @@ impl SyntheticChat {
         Ok(Trace {
             name: "synthetic-chat".into(),
             requests,
+            conversations_disjoint: false,
         }
         .finish())
     }

@@ -71,6 +71,8 @@ pub(super) fn read(reader: impl BufRead, ctx: &Ctx<'_>, opts: &ReadOptions) -> R
     Ok(Trace {
         name: ctx.source.to_string(),
         requests,
+        // Every block id carries its conversation (`base`).
+        conversations_disjoint: true,
     })
 }
 
