@@ -34,6 +34,9 @@ struct Setup {
     write_policy: u8,
     clip: u8,
     budget_pages: u8,
+    /// Requests arrive lazy (their prompt in a source), and running ones release the prompt
+    /// the tree holds wherever the cache allows (`release_cached_prompts`).
+    lazy: bool,
 }
 
 #[derive(Arbitrary, Debug, Clone, Copy)]
@@ -105,6 +108,8 @@ struct Harness {
     other: KvCacheManager,
     p: usize,
     sessions: bool,
+    /// Requests arrive lazy ([`Setup::lazy`]).
+    lazy: bool,
     /// KV oracle memory (device-only kinds).
     model: Option<KvModel>,
     live: Vec<Tracked>,
@@ -167,6 +172,10 @@ impl Harness {
         let model = (!matches!(cfg.cache, CacheKind::HiCache(_))).then(|| KvModel::new(pages, p));
         let mut kv = KvCacheManager::new(cfg).expect("a small manager");
         kv.set_check_every_step(true);
+        if s.lazy && kv.can_release_cached_prompts() {
+            kv.set_release_cached_prompts(true)
+                .expect("the cache takes released prompts");
+        }
         let other = KvCacheManager::builder()
             .device_tokens(64)
             .page_size(1)
@@ -177,6 +186,7 @@ impl Harness {
             other,
             p,
             sessions: s.sessions,
+            lazy: s.lazy,
             model,
             live: Vec::new(),
             gone: Vec::new(),
@@ -241,7 +251,12 @@ impl Harness {
             ns = other.ns.clone();
         }
         t.extend_from_slice(&tokens.0);
-        let mut req = Request::new(t.clone())
+        let req = if self.lazy {
+            Request::shared(t.clone().into())
+        } else {
+            Request::new(t.clone())
+        };
+        let mut req = req
             .namespace(ns.clone())
             .max_new_tokens(usize::from(*max_new));
         req.session = session.map(|s| u64::from(s % 4));
@@ -250,7 +265,7 @@ impl Harness {
         match self.kv.arrive(req) {
             Ok(id) => {
                 assert!(!t.is_empty());
-                assert_eq!(self.kv.tokens(id).expect("a new request"), &t[..]);
+                self.check_tokens(id, &t);
                 self.live.push(Tracked {
                     id,
                     phase: Phase::Waiting,
@@ -367,7 +382,19 @@ impl Harness {
             Err(e) => assert!(!ready && matches!(e, ManagerError::Lifecycle { .. }), "{e}"),
         }
         let t = &self.live[i];
-        assert_eq!(self.kv.tokens(h).expect("live"), &t.tokens[..]);
+        self.check_tokens(h, &t.tokens);
+    }
+
+    /// The request's tokens are the model's; a lazy request may hold none (waiting) or only
+    /// those past its cached prefix (running, released), and says so.
+    fn check_tokens(&self, id: ReqId, tokens: &[TokenId]) {
+        match self.kv.tokens(id) {
+            Ok(held) => assert_eq!(held, tokens),
+            Err(e) => assert!(
+                self.lazy && matches!(e, ManagerError::Lifecycle { .. }),
+                "{e}"
+            ),
+        }
     }
 
     fn end(&mut self, id: Id, op: u8) {

@@ -70,6 +70,8 @@ enum Op {
         extra: Tokens,
         offset: Offset,
         priority: i8,
+        /// Only the key's tokens past `offset` (`insert_tail`).
+        tail: bool,
     },
     Lock {
         handle: u8,
@@ -444,6 +446,7 @@ impl Harness {
         extra: &[TokenId],
         offset: &Offset,
         priority: i8,
+        tail: bool,
     ) {
         if self.disabled {
             // The tree under a disabled cache is never consulted: nothing to check.
@@ -491,14 +494,23 @@ impl Harness {
         let mut replaced = Vec::new();
         let (tree, pools) = self.cache.parts_mut();
         pools.pages.mark_tree_owned(&new).expect("adopt my pages");
-        let r = tree.insert_from(
-            h,
-            offset,
-            KeyRef::with_namespace(&tokens, &ns),
-            &mut pages,
-            &mut replaced,
-            opts,
-        );
+        let r = if tail {
+            // The key without its first `offset` tokens, and its engine's hashes.
+            let from = offset.min(tokens.len());
+            let hashes = tree.page_hasher().hashes(&ns, &tokens);
+            let pages = &mut pages[(from / self.p).min(tokens.len() / self.p)..];
+            let key = KeyRef::with_namespace(&tokens[from..], &ns);
+            tree.insert_tail(h, offset, key, &hashes, pages, &mut replaced, opts)
+        } else {
+            tree.insert_from(
+                h,
+                offset,
+                KeyRef::with_namespace(&tokens, &ns),
+                &mut pages,
+                &mut replaced,
+                opts,
+            )
+        };
         match r {
             Ok(r) => {
                 assert!(live && offset == depth, "insert_from accepted a bad anchor");
@@ -948,7 +960,8 @@ impl Harness {
                 extra,
                 offset,
                 priority,
-            } => self.op_insert_from(*handle, *root_ns, &extra.0, offset, *priority),
+                tail,
+            } => self.op_insert_from(*handle, *root_ns, &extra.0, offset, *priority, *tail),
             Op::Lock { handle } => self.op_lock(*handle),
             Op::Unlock { which } => self.op_unlock(*which),
             Op::ForeignUnlock { which } => self.op_foreign_unlock(*which),

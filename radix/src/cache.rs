@@ -102,8 +102,17 @@ pub struct SessionTag {
 /// inspection; mutate them only through the cache and the methods here.
 #[derive(Debug, Default)]
 pub struct RequestKv {
-    /// Tokens so far (prompt, then prompt + outputs) and the namespace.
+    /// Tokens so far (prompt, then prompt + outputs) and the namespace; from token
+    /// [`RequestKv::key_start`] on, where [`RequestKv::drop_cached_prefix`] dropped what the
+    /// tree holds for the request.
     pub key: RadixKey,
+    /// Leading tokens of the request that `key.tokens` no longer holds (0 unless
+    /// [`RequestKv::drop_cached_prefix`] dropped them): `key.tokens[i]` is token
+    /// `key_start + i`. Positions elsewhere (`committed_len`, `cache_protected_len`, ...)
+    /// count from the request's first token as always; [`RequestKv::key_len`] is the whole
+    /// length. Only a cache whose [`PrefixCache::takes_windowed_keys`] is true accepts such a
+    /// request; the others refuse it with [`CacheError::InvalidRequestState`].
+    pub key_start: usize,
     /// Match hashes of the key's leading whole pages, from the cache's
     /// [`PrefixCache::page_hasher`] (optional: empty matches by tokens; see
     /// [`crate::page_hash`]). An engine that keeps its prompts' page hashes hands them over
@@ -230,20 +239,59 @@ impl RequestKv {
         }
     }
 
+    /// The request's length in tokens: the dropped prefix ([`RequestKv::key_start`]) and
+    /// the tokens held.
+    #[inline]
+    pub fn key_len(&self) -> usize {
+        self.key_start + self.key.len()
+    }
+
+    /// Drops the key's tokens that the tree holds for the request, those before
+    /// `cache_protected_len` (the path to its lock anchor: the lock keeps it from eviction,
+    /// and a split leaves its tokens as they were) and before `upto`, and gives back their
+    /// memory; returns how many were dropped. The tokens left are copied into a buffer with
+    /// the same room past them. A request without a lock drops nothing.
+    ///
+    /// A running request's prompt is then held once, by the tree, instead of also by the
+    /// request. Only for a cache whose [`PrefixCache::takes_windowed_keys`] is true: its
+    /// inserts start at the lock anchor and read the tokens past it only. Nothing but the
+    /// request's own source can give the dropped tokens back (a retracted request matches
+    /// again with its whole key).
+    pub fn drop_cached_prefix(&mut self, upto: usize) -> usize {
+        if self.lock.is_none() {
+            return 0;
+        }
+        let cut = self
+            .cache_protected_len
+            .min(upto)
+            .saturating_sub(self.key_start)
+            .min(self.key.tokens.len());
+        if cut == 0 {
+            return 0;
+        }
+        let mut kept = Vec::with_capacity(self.key.tokens.capacity() - cut);
+        kept.extend_from_slice(&self.key.tokens[cut..]);
+        self.key.tokens = kept;
+        self.key_start += cut;
+        cut
+    }
+
     /// The longest prefix a match may use: `len − 1` (at least one token is recomputed for
     /// logits), capped by `max_prefix_len`.
     pub fn max_match_len(&self) -> usize {
-        let n = self.key.len().saturating_sub(1);
+        let n = self.key_len().saturating_sub(1);
         self.max_prefix_len.map_or(n, |cap| n.min(cap))
     }
 
-    /// The whole key with the request's match hashes.
+    /// The whole key with the request's match hashes (a key that holds all its tokens:
+    /// `key_start` 0).
     #[inline]
     pub fn key_ref(&self) -> KeyRef<'_> {
         self.key.as_ref().with_hashes(&self.page_hashes)
     }
 
-    /// The key's first `len` tokens (clamped) with the request's match hashes.
+    /// The key's first `len` tokens (clamped) with the request's match hashes (a key that
+    /// holds all its tokens: `key_start` 0).
     #[inline]
     pub fn key_prefix(&self, len: usize) -> KeyRef<'_> {
         self.key.prefix(len).with_hashes(&self.page_hashes)
@@ -262,7 +310,7 @@ impl RequestKv {
     #[inline]
     pub fn commit(&mut self, n: usize) -> Result<()> {
         match self.committed_len.checked_add(n) {
-            Some(c) if c <= self.allocated_len && c <= self.key.len() => {
+            Some(c) if c <= self.allocated_len && c <= self.key_len() => {
                 self.committed_len = c;
                 Ok(())
             }
@@ -333,6 +381,12 @@ pub trait PrefixCache {
     /// (see [`PrefixCache::has_window_state`]); `None` otherwise.
     fn sliding_window(&self) -> Option<usize> {
         None
+    }
+    /// True when the cache takes a running request whose key no longer holds its cached
+    /// prefix ([`RequestKv::drop_cached_prefix`]): its inserts start at the request's lock
+    /// anchor and read no token before it. False (the default) refuses such a request.
+    fn takes_windowed_keys(&self) -> bool {
+        false
     }
 
     // ----- tree level -----

@@ -13,6 +13,12 @@ use crate::mamba_policy::{MambaAdmission, MambaPolicy, MambaStats};
 use crate::page_key::KvIdentity;
 use crate::policy::PolicyKind;
 use crate::slots::SlotState;
+
+/// A cache with the Mamba or sliding-window component refuses a request whose key lacks its
+/// cached prefix ([`RequestKv::drop_cached_prefix`]).
+const WINDOWED_KEY_REFUSED: CacheError = CacheError::InvalidRequestState(
+    "this cache needs the request's whole key (its Mamba or sliding-window component reads it)",
+);
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 use crate::types::{ComponentAccounting, KeyRef, NodeId, PageId, align_down};
@@ -442,6 +448,28 @@ impl RadixCache {
             req.cache_protected_len <= len && req.cache_protected_len == owned_from * p
         });
         let res = match anchor {
+            Some(anchor) if req.key_start > 0 => {
+                // The key holds its tokens from `key_start` on, which is at most the anchor's
+                // end (`drop_cached_prefix` drops no further).
+                let from = req.cache_protected_len;
+                let tail = from
+                    .checked_sub(req.key_start)
+                    .zip(len.checked_sub(req.key_start))
+                    .and_then(|(a, b)| req.key.tokens.get(a..b));
+                match tail {
+                    Some(tail) => {
+                        let tail = KeyRef::with_namespace(tail, &req.key.namespace);
+                        let hashes = &req.page_hashes;
+                        self.insert_owned_with(&mut buf[..len / p], owned_from, |tree, pages, r| {
+                            let pages = &mut pages[from / p..];
+                            tree.insert_tail(anchor, from, tail, hashes, pages, r, opts)
+                        })
+                    }
+                    None => Err(CacheError::InvalidRequestState(
+                        "the key's tokens start past its lock anchor",
+                    )),
+                }
+            }
             Some(anchor) => {
                 let from = req.cache_protected_len;
                 let key = req.key_prefix(len);
@@ -449,6 +477,9 @@ impl RadixCache {
                     tree.insert_from(anchor, from, key, pages, replaced, opts)
                 })
             }
+            None if req.key_start > 0 => Err(CacheError::InvalidRequestState(
+                "a key without its cached prefix needs the lock anchor that ends it",
+            )),
             None => self.insert_owned(req.key_prefix(len), &mut buf[..len / p], owned_from, opts),
         };
         self.put_row_pages(row, buf, len, res)
@@ -457,7 +488,8 @@ impl RadixCache {
     /// Gives `row` the request's matched pages and room for its whole key (the prompt and
     /// the output room its buffer was given), as `RowPool::start` says.
     fn start_row(&mut self, row: RowId, req: &RequestKv) -> Result<()> {
-        let pages = req.key.tokens.capacity().div_ceil(self.pools.page_size);
+        let room = req.key_start + req.key.tokens.capacity();
+        let pages = room.div_ceil(self.pools.page_size);
         self.pools.rows.start(row, &req.prefix_pages, pages)
     }
 
@@ -507,6 +539,11 @@ impl PrefixCache for RadixCache {
 
     fn has_window_state(&self) -> bool {
         self.tree.swa_enabled()
+    }
+
+    fn takes_windowed_keys(&self) -> bool {
+        // The Mamba and sliding-window components read the key before the anchor.
+        !self.tree.swa_enabled() && !self.tree.mamba_enabled()
     }
 
     fn sliding_window(&self) -> Option<usize> {
@@ -697,6 +734,11 @@ impl PrefixCache for RadixCache {
                 "match_request on a request that already holds KV",
             ));
         }
+        if req.key_start > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "match_request on a key without its leading tokens",
+            ));
+        }
         req.prefix_pages.clear();
         let limit = align_down(req.max_match_len(), self.pools.page_size);
         // The match appends a page per matched page: room for all of them at once, so that
@@ -740,6 +782,11 @@ impl PrefixCache for RadixCache {
     }
 
     fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
+        if req.key_start > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "begin_request on a key without its leading tokens",
+            ));
+        }
         if self.tree.swa_enabled() {
             return self.begin_request_swa(req);
         }
@@ -805,6 +852,9 @@ impl PrefixCache for RadixCache {
                 "cache_unfinished_req without a row",
             ));
         }
+        if req.key_start > 0 && !self.takes_windowed_keys() {
+            return Err(WINDOWED_KEY_REFUSED);
+        }
         if self.tree.swa_enabled() {
             return self.cache_unfinished_req_swa(req);
         }
@@ -840,6 +890,12 @@ impl PrefixCache for RadixCache {
     }
 
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
+        if req.key_start > 0 && !self.takes_windowed_keys() && kind == FinishKind::Finished {
+            // Released without its insert, so that nothing it holds is lost.
+            return self
+                .cache_finished_req(req, FinishKind::Aborted)
+                .and(Err(WINDOWED_KEY_REFUSED));
+        }
         if self.tree.swa_enabled() {
             return self.cache_finished_req_swa(req, kind);
         }

@@ -651,3 +651,74 @@ fn a_row_is_given_room_for_its_whole_key_at_begin_and_never_regrows() {
     c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
     check(&c);
 }
+
+/// A request that drops the tokens the tree holds for it (`drop_cached_prefix`) after its
+/// admission and after a chunk runs and finishes exactly as one that keeps its whole key: the
+/// same tree, the same pages, the same accounting. What it holds falls to its uncached tokens.
+#[test]
+fn a_request_without_its_cached_prefix_finishes_as_one_with_its_whole_key() {
+    let (mut whole, mut window) = (cache(4, 64), cache(4, 64));
+    let history = seq(24);
+    for c in [&mut whole, &mut window] {
+        run(c, &history, FinishKind::Finished);
+    }
+    let mut prompt = history.clone();
+    prompt.extend(100..110);
+    let mut reqs = Vec::new();
+    for (c, drop) in [(&mut whole, false), (&mut window, true)] {
+        let mut r = request(&prompt);
+        r.key.tokens.reserve_exact(3);
+        assert_eq!(c.match_request(&mut r).unwrap().prefix_len, 24);
+        // Nothing to drop before the request holds its lock.
+        assert_eq!(r.drop_cached_prefix(usize::MAX), 0);
+        c.begin_request(&mut r).unwrap();
+        if drop {
+            assert_eq!(r.drop_cached_prefix(usize::MAX), 24);
+            assert_eq!((r.key_start, r.key.len(), r.key_len()), (24, 10, 34));
+            // Its room for the output stays.
+            assert!(r.key.tokens.capacity() >= 13);
+        }
+        c.alloc_tokens(&mut r, 10).unwrap();
+        r.commit(10).unwrap();
+        c.cache_unfinished_req(&mut r).unwrap();
+        assert_eq!(r.cache_protected_len, 32);
+        if drop {
+            // Never past `upto`: a caller keeps what no source could give back.
+            assert_eq!(r.drop_cached_prefix(30), 6);
+            assert_eq!(r.drop_cached_prefix(usize::MAX), 2);
+            assert_eq!(r.key.tokens, vec![108, 109]);
+        }
+        for t in [7, 8, 9] {
+            r.append_tokens(&[t]);
+            c.alloc_tokens(&mut r, 1).unwrap();
+            r.commit(1).unwrap();
+        }
+        c.check_request(&r).unwrap();
+        check(c);
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        check(c);
+        reqs.push(r);
+    }
+    let mut seq_all = prompt.clone();
+    seq_all.extend([7, 8, 9]);
+    assert_eq!(
+        matched(&mut whole, &seq_all),
+        matched(&mut window, &seq_all)
+    );
+    assert_eq!(matched(&mut window, &seq_all).0, 36);
+    assert_eq!(whole.accounting(), window.accounting());
+    assert_eq!(whole.tree().node_count(), window.tree().node_count());
+
+    // A key without its leading tokens cannot be matched or begun again.
+    let r = &mut reqs[1];
+    assert_eq!(r.key_start, 32);
+    assert!(matches!(
+        window.match_request(r),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(matches!(
+        window.begin_request(r),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    check(&window);
+}

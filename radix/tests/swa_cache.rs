@@ -480,3 +480,36 @@ fn a_tree_level_insert_caches_no_window_kv_until_a_request_revives_it() {
     assert_eq!(swa(&c).evictable, 4);
     assert_eq!(usable(&mut c, &longer), 16);
 }
+
+/// The sliding-window component reads a request's whole key, so the cache refuses one that
+/// dropped its cached prefix (`drop_cached_prefix`): a chunk insert is refused with nothing
+/// changed, and the finish releases the request without inserting it, leaking nothing.
+#[test]
+fn a_key_without_its_cached_prefix_is_refused_and_released() {
+    let mut c = cache(32, 32);
+    assert!(!c.takes_windowed_keys());
+    let history: Vec<TokenId> = (0..16).collect();
+    let mut first = run(&mut c, &history);
+    c.cache_finished_req(&mut first, FinishKind::Finished)
+        .unwrap();
+    let mut prompt = history.clone();
+    prompt.extend(100..106);
+    let mut r = RequestKv::new(RadixKey::new(prompt));
+    c.match_request(&mut r).unwrap();
+    c.begin_request(&mut r).unwrap();
+    assert!(r.drop_cached_prefix(usize::MAX) > 0);
+    c.alloc_tokens(&mut r, 6).unwrap();
+    r.commit(6).unwrap();
+    assert!(matches!(
+        c.cache_unfinished_req(&mut r),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(matches!(
+        c.cache_finished_req(&mut r, FinishKind::Finished),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert_eq!((r.row, r.lock.is_none()), (None, true));
+    audit(&c, &[]);
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.pools().rows.available(), 8);
+}

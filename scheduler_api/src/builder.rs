@@ -210,6 +210,13 @@ impl ManagerBuilder {
         self
     }
 
+    /// Running lazy requests keep only the prompt tokens past their cached prefix (see
+    /// [`ManagerConfig::release_cached_prompts`]).
+    pub fn release_cached_prompts(mut self, on: bool) -> Self {
+        self.cfg.release_cached_prompts = on;
+        self
+    }
+
     /// The engine's own device backend for the host tier, instead of the built-in one the
     /// configuration names ([`ManagerConfig::backend`]; HostSim by default). Any
     /// [`DeviceBackend`] will do — HostSim, an engine's GPU backend, a wrapper around either.

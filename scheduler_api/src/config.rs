@@ -725,6 +725,18 @@ pub struct ManagerConfig {
     /// Refused on a model without Mamba layers, where it would mean nothing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mamba_policy: Option<MambaPolicyKind>,
+    /// A running lazy request ([`crate::Request::lazy`]) keeps only the prompt tokens past
+    /// its cached prefix: once its last prefill chunk is in (`chunk_done`), the prompt tokens
+    /// the tree holds on the request's locked path are dropped
+    /// ([`radixkv_radix::RequestKv::drop_cached_prefix`]), so a running prompt is held once,
+    /// by the tree, instead of also by the request. [`crate::KvCacheManager::tokens`] then
+    /// refuses such a request (its source has the prompt;
+    /// [`crate::KvCacheManager::held_tokens`] gives what it holds). A retracted request fills its
+    /// prompt from its source again, as any waiting lazy request. Needs a cache whose
+    /// inserts start at the request's lock (`cache = "radix"` without sessions, Mamba or
+    /// sliding-window layers); refused with any other. Off by default.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub release_cached_prompts: bool,
 }
 
 /// The Mamba state policy of a cache ([`ManagerConfig::mamba_policy`]), built from the model's
@@ -779,6 +791,7 @@ impl Default for ManagerConfig {
             event_page_keys: false,
             reserve_clip_tokens: 4096,
             mamba_policy: None,
+            release_cached_prompts: false,
         }
     }
 }

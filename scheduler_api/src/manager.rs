@@ -244,6 +244,9 @@ impl KvCacheManager {
             Some(b) => b.build_cache(&cfg, clock.clone(), store)?,
             None => build_cache_with_store::<HostSim>(&cfg, clock.clone(), None, store)?,
         };
+        if cfg.release_cached_prompts && !cache.takes_windowed_keys() {
+            return Err(ManagerError::Config(RELEASE_REFUSED.into()));
+        }
         let has_storage = cache.has_storage();
         let page_granular = cache.page_granular();
         let starts_loads = cache.starts_loads();
@@ -826,7 +829,7 @@ impl KvCacheManager {
             .ok_or(ManagerError::UnknownRequest(id.0))?;
         // `admit` checked the phase; filling or dropping tokens does not change it.
         debug_assert_eq!(t.phase, Phase::Waiting);
-        let len = t.kv.key.len();
+        let len = t.kv.key_len();
         let generated = len - t.prompt_len;
         let output_left = t.max_new.saturating_sub(generated).min(clip);
         let capacity = self.cache.pools().total_tokens();
@@ -1111,7 +1114,7 @@ impl KvCacheManager {
         let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         let start = t.kv.allocated_len;
-        if n > t.kv.key.len().saturating_sub(start) {
+        if n > t.kv.key_len().saturating_sub(start) {
             return Err(t.lifecycle(id, "extend past the prompt"));
         }
         alloc(
@@ -1143,6 +1146,15 @@ impl KvCacheManager {
             let freed = slide(self.cache.as_mut(), &mut t.kv)?;
             self.metrics.counters.swa_pages_slid_out += freed as u64;
         }
+        // Once the prompt is all in, when the tokens left to copy are the last partial page
+        // and the output room: released at the admission, or after every chunk, a prompt's
+        // uncached rest would be copied each time (+3 µs a request on the agentic replay).
+        if self.cfg.release_cached_prompts
+            && t.kv.committed_len >= t.prompt_len
+            && release_cached_prompt(t)
+        {
+            self.recount_tokens(id.0);
+        }
         Ok(())
     }
 
@@ -1155,7 +1167,7 @@ impl KvCacheManager {
         let forward_step = self.forward_step();
         let t = running_mut(&mut self.requests, id)?;
         commit_pending(&mut t.kv)?;
-        if t.kv.allocated_len < t.kv.key.len() {
+        if t.kv.allocated_len < t.kv.key_len() {
             return Err(t.lifecycle(id, "decode before the prompt is allocated"));
         }
         if self.swa_window.is_some() {
@@ -1218,11 +1230,32 @@ impl KvCacheManager {
         self.pages(id).map(PageId::as_u32_slice)
     }
 
+    /// Whether this manager's cache lets running lazy requests drop the prompt tokens the tree
+    /// holds for them ([`ManagerConfig::release_cached_prompts`]).
+    pub fn can_release_cached_prompts(&self) -> bool {
+        self.cache.takes_windowed_keys()
+    }
+
+    /// Turns [`ManagerConfig::release_cached_prompts`] on or off from the next admission or
+    /// chunk on (a running request that dropped its prompt already keeps it dropped).
+    ///
+    /// # Errors
+    /// [`ManagerError::Config`] turning it on where [`Self::can_release_cached_prompts`] is
+    /// false.
+    pub fn set_release_cached_prompts(&mut self, on: bool) -> Result<()> {
+        if on && !self.can_release_cached_prompts() {
+            return Err(ManagerError::Config(RELEASE_REFUSED.into()));
+        }
+        self.cfg.release_cached_prompts = on;
+        Ok(())
+    }
+
     /// Tokens of the request so far (prompt, then prompt + decoded tokens).
     ///
     /// # Errors
     /// Unknown request; a lazy request ([`Request::lazy`]) waiting without its tokens
-    /// ([`ManagerError::Lifecycle`]: they are in its source until an admission fills them).
+    /// ([`ManagerError::Lifecycle`]: they are in its source until an admission fills them),
+    /// or running without its cached prefix ([`ManagerConfig::release_cached_prompts`]).
     pub fn tokens(&self, id: ReqId) -> Result<&[TokenId]> {
         let t = self
             .requests
@@ -1231,7 +1264,32 @@ impl KvCacheManager {
         if !t.materialised {
             return Err(t.lifecycle(id, "a waiting lazy request holds no tokens"));
         }
+        if t.kv.key_start > 0 {
+            return Err(t.lifecycle(
+                id,
+                "a running lazy request holds only its tokens past its cached prefix",
+            ));
+        }
         Ok(t.kv.key.tokens.as_slice())
+    }
+
+    /// The tokens the request holds and the position of the first: all of them from 0, or,
+    /// for a running request that released its cached prefix
+    /// ([`ManagerConfig::release_cached_prompts`]), those past it (what a forward still
+    /// reads: the prompt's last partial page and the decoded tokens).
+    ///
+    /// # Errors
+    /// Unknown request; a waiting lazy request without its tokens
+    /// ([`ManagerError::Lifecycle`]).
+    pub fn held_tokens(&self, id: ReqId) -> Result<(usize, &[TokenId])> {
+        let t = self
+            .requests
+            .get(id.0)
+            .ok_or(ManagerError::UnknownRequest(id.0))?;
+        if !t.materialised {
+            return Err(t.lifecycle(id, "a waiting lazy request holds no tokens"));
+        }
+        Ok((t.kv.key_start, t.kv.key.tokens.as_slice()))
     }
 
     /// Finishes a request: its KV enters the cache (or its session), its lock and row go.
@@ -1306,7 +1364,7 @@ impl KvCacheManager {
         self.running -= 1;
         self.waiting += 1;
         self.metrics.counters.retracted += 1;
-        tracing::debug!(parent: &t.span, step = self.step, tokens = t.kv.key.len(), "retracted");
+        tracing::debug!(parent: &t.span, step = self.step, tokens = t.kv.key_len(), "retracted");
         // The forward that computes the latest allocation is over: the manager would learn it
         // at the request's next call, which is this one.
         let committed = if t.alloc_step <= ended {
@@ -1973,9 +2031,12 @@ fn dematerialise(t: &mut Tracked) {
         return;
     }
     let tokens = std::mem::take(&mut t.kv.key.tokens);
+    // A released prompt was dropped up to its length at most: the decoded tokens are all here.
+    let decoded_from = t.prompt_len.saturating_sub(t.kv.key_start);
+    t.kv.key_start = 0;
     t.kv.page_hashes = PageHashes::new();
     t.decoded = tokens
-        .get(t.prompt_len..)
+        .get(decoded_from..)
         .map_or_else(Vec::new, <[TokenId]>::to_vec);
     let kv = &mut t.kv;
     kv.prefix_pages = Vec::new();
@@ -1985,6 +2046,17 @@ fn dematerialise(t: &mut Tracked) {
     kv.load_anchor = None;
     kv.kv_match_len = 0;
     t.materialised = false;
+}
+
+/// Why [`ManagerConfig::release_cached_prompts`] is refused.
+const RELEASE_REFUSED: &str = "release_cached_prompts needs a cache whose inserts start at \
+     the request's lock: cache = \"radix\" without sessions, Mamba or sliding-window layers";
+
+/// [`ManagerConfig::release_cached_prompts`]: drops a running lazy request's prompt tokens
+/// that the tree holds on its locked path (never a decoded token: those are in no source).
+/// Returns whether any were dropped.
+fn release_cached_prompt(t: &mut Tracked) -> bool {
+    t.source.is_some() && t.kv.drop_cached_prefix(t.prompt_len) > 0
 }
 
 fn inv(msg: String) -> ManagerError {
@@ -2005,7 +2077,7 @@ fn running_mut(reqs: &mut Table<Tracked>, id: ReqId) -> Result<&mut Tracked> {
 
 /// Everything allocated so far was computed by the forward that just ended.
 fn commit_pending(kv: &mut RequestKv) -> Result<()> {
-    let n = kv.allocated_len.min(kv.key.len()) - kv.committed_len;
+    let n = kv.allocated_len.min(kv.key_len()) - kv.committed_len;
     Ok(kv.commit(n)?)
 }
 

@@ -599,3 +599,126 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
     kv.abort(id).unwrap();
     balanced(&kv);
 }
+
+/// A manager for the release tests: 256 tokens of device pool, pages of 4.
+fn release_manager(release: bool) -> KvCacheManager {
+    KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(PAGE)
+        .release_cached_prompts(release)
+        .build()
+        .unwrap()
+}
+
+/// Admits `id` and prefills it in one chunk.
+fn prefill(kv: &mut KvCacheManager, id: ReqId) -> radixkv_scheduler_api::Admitted {
+    let Admission::Ready(a) = kv.admit(id).unwrap() else {
+        panic!("not admitted")
+    };
+    kv.extend(id, a.extend_tokens).unwrap();
+    step(kv);
+    kv.chunk_done(id).unwrap();
+    a
+}
+
+/// `release_cached_prompts`: once its prompt is in, a running lazy request holds only its
+/// last partial page and its output, not the prompt the tree already holds; it is served
+/// exactly as without (the same hits, the same tree after it), including a retraction, whose
+/// re-admission fills the prompt from the source again and keeps the decoded tokens.
+#[test]
+fn a_running_lazy_request_releases_the_prompt_the_tree_holds() {
+    let history: Vec<TokenId> = (0..50).collect();
+    let mut prompt = history.clone();
+    prompt.extend(60..83);
+    let mut held = Vec::new();
+    let mut hits = Vec::new();
+    for release in [false, true] {
+        let mut kv = release_manager(release);
+        assert!(kv.can_release_cached_prompts());
+        let first = kv
+            .arrive(Request::lazy(counted(history.clone())).max_new_tokens(1))
+            .unwrap();
+        prefill(&mut kv, first);
+        kv.finish(first).unwrap();
+        let id = kv
+            .arrive(Request::lazy(counted(prompt.clone())).max_new_tokens(8))
+            .unwrap();
+        let a = prefill(&mut kv, id);
+        held.push(kv.token_storage().running_bytes);
+        assert_eq!(kv.tokens(id).is_ok(), !release);
+        // What it holds: the whole prompt, or its last partial page at position 72.
+        let (from, tokens) = kv.held_tokens(id).unwrap();
+        assert_eq!(
+            (from, tokens),
+            if release {
+                (72, &prompt[72..])
+            } else {
+                (0, &prompt[..])
+            }
+        );
+        for t in 0..3 {
+            kv.decode(id, 900 + t).unwrap();
+            step(&mut kv);
+        }
+        kv.check_invariants().unwrap();
+        kv.retract(id).unwrap();
+        assert_eq!(kv.token_storage().running_bytes, 0);
+        let mut expect = prompt.clone();
+        expect.extend([900, 901, 902]);
+        // Filled again from the source, with what it decoded before.
+        let Admission::Ready(b) = kv.admit(id).unwrap() else {
+            panic!("not admitted again")
+        };
+        assert_eq!(kv.tokens(id).unwrap(), &expect[..]);
+        kv.extend(id, b.extend_tokens).unwrap();
+        step(&mut kv);
+        kv.chunk_done(id).unwrap();
+        assert_eq!(kv.tokens(id).is_ok(), !release);
+        kv.decode(id, 903).unwrap();
+        step(&mut kv);
+        kv.finish(id).unwrap();
+        // The whole sequence is in the tree: a request that extends it reuses all of it.
+        expect.extend([903, 5000, 5001]);
+        let next = kv
+            .arrive(Request::lazy(counted(expect.clone())).max_new_tokens(1))
+            .unwrap();
+        let c = prefill(&mut kv, next);
+        kv.finish(next).unwrap();
+        hits.push((a.device_tokens, b.device_tokens, c.device_tokens));
+        assert_eq!(kv.token_storage(), TokenStorage::default());
+        balanced(&kv);
+    }
+    assert_eq!(hits[0], hits[1]);
+    assert_eq!(hits[1], (48, 72, 76));
+    // The whole prompt (73 tokens and its room) against its last partial page and room.
+    assert!(held[0] >= 73 * TOKEN, "{held:?}");
+    assert!(held[1] <= 16 * TOKEN, "{held:?}");
+}
+
+#[test]
+fn releasing_cached_prompts_is_refused_where_the_cache_reads_whole_keys() {
+    let hicache = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(PAGE)
+        .host_tier(HostTier::ratio(256, 2.0))
+        .release_cached_prompts(true)
+        .build();
+    assert!(matches!(hicache, Err(ManagerError::Config(_))));
+    let mut sessions = KvCacheManager::builder()
+        .device_tokens(256)
+        .page_size(PAGE)
+        .sessions(SessionBudget {
+            max_held_tokens: 128,
+            idle_ttl_ms: 60_000,
+            per_session_cap_tokens: 128,
+            max_held_window_pages: None,
+        })
+        .build()
+        .unwrap();
+    assert!(!sessions.can_release_cached_prompts());
+    assert!(matches!(
+        sessions.set_release_cached_prompts(true),
+        Err(ManagerError::Config(_))
+    ));
+    sessions.set_release_cached_prompts(false).unwrap();
+}

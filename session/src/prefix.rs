@@ -719,6 +719,13 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         let Route::Session(id) = self.route(req) else {
             return self.inner.cache_finished_req(req, kind);
         };
+        if req.key_start > 0 && kind == FinishKind::Finished {
+            // A session keeps the turn's whole key: one without its cached prefix
+            // (`RequestKv::drop_cached_prefix`) is released without being kept.
+            return self.cache_finished_req(req, FinishKind::Aborted).and(Err(
+                CacheError::InvalidRequestState("a session turn needs its whole key"),
+            ));
+        }
         if req.kv_lent {
             self.take_back(id, req, kind)
         } else {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::page_hash::PageHashes;
 use crate::types::RadixKey;
 
 fn pages(range: std::ops::Range<u32>) -> Vec<PageId> {
@@ -368,6 +369,137 @@ fn insert_from_anchor_skips_the_cached_prefix() {
     assert_eq!(out, vec![PageId(0), PageId(1), PageId(7)]);
     // The anchor's ancestors were counted as reused.
     assert_eq!(t.meta(m.last_device).unwrap().hit_count, 1);
+}
+
+/// Two trees built by the same requests: one inserts each key whole from the request's anchor
+/// (`insert_from`), the other only the key's tokens past it (`insert_tail`, the key without
+/// its cached prefix). Every node, its pages, whether it knows its end hash (what later
+/// matches by hash accept) and the results must agree, splits of the anchor's children
+/// included; each tree's audit checks every end hash is its path's chain.
+#[test]
+fn an_insert_of_the_tail_builds_the_tree_an_insert_of_the_whole_key_builds() {
+    let p = 2;
+    let mut a = tree(p);
+    let mut b = tree(p);
+    // Each tree has its own hasher: each gets its own chain of the same pages.
+    let (hasher_a, hasher_b) = (a.page_hasher(), b.page_hasher());
+    let ns = Namespace::default();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut rnd = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut next_page = 0u32;
+    let (mut below_root, mut learned) = (0, 0);
+    for _ in 0..2000 {
+        // A small alphabet, so that keys share prefixes and split each other's nodes.
+        let len = p * (1 + rnd(10) as usize);
+        let key: Vec<u32> = (0..len).map(|_| rnd(2) as u32).collect();
+        if rnd(6) == 0 {
+            let n = rnd(8) as usize;
+            let (mut oa, mut ob) = (Vec::new(), Vec::new());
+            assert_eq!(a.evict(n, &mut oa), b.evict(n, &mut ob));
+            assert_eq!(oa, ob);
+            continue;
+        }
+        // Hashes for some of the key's pages (an engine hashes its prompt, not its output).
+        let n = rnd(len as u64 / p as u64 + 1) as usize;
+        let (mut hashes, mut hashes_b) = (hasher_a.hashes(&ns, &key), hasher_b.hashes(&ns, &key));
+        hashes.truncate(n);
+        hashes_b.truncate(n);
+        // The request's match, cut back to some page of it: its lock anchor.
+        let mut out = Vec::new();
+        let m = a.match_prefix(KeyRef::new(&key).with_hashes(&hashes), &mut out);
+        let mut anchor = m.last_device;
+        let mut offset = m.device_len.min(len - p);
+        while a.depth_tokens(anchor).unwrap() > offset {
+            anchor = a.parent(anchor).unwrap().unwrap_or(a.root());
+        }
+        offset = a.depth_tokens(anchor).unwrap();
+        let mut out_b = Vec::new();
+        let m_b = b.match_prefix(KeyRef::new(&key).with_hashes(&hashes_b), &mut out_b);
+        assert_eq!((m, &out), (m_b, &out_b));
+        let mut pg: Vec<PageId> = out[..offset / p].to_vec();
+        pg.extend((0..(len - offset) as u32 / p as u32).map(|i| PageId(next_page + i)));
+        next_page += (len - offset) as u32;
+        let mut pg_b = pg.clone();
+        let (mut ra, mut rb) = (Vec::new(), Vec::new());
+        let o = InsertOptions::default();
+        let whole = KeyRef::new(&key).with_hashes(&hashes);
+        let x = a
+            .insert_from(anchor, offset, whole, &mut pg, &mut ra, o)
+            .unwrap();
+        let tail = KeyRef::new(&key[offset..]);
+        let y = b
+            .insert_tail(
+                anchor,
+                offset,
+                tail,
+                &hashes_b,
+                &mut pg_b[offset / p..],
+                &mut rb,
+                o,
+            )
+            .unwrap();
+        assert_eq!((x, ra, &pg), (y, rb, &pg_b), "key {key:?} from {offset}");
+        below_root += usize::from(offset > 0);
+        for ((i, n), (j, o)) in a.nodes.iter().zip(b.nodes.iter()) {
+            assert_eq!(i, j);
+            // The same nodes know their end hash (each tree's audit checks its chain).
+            assert_eq!(
+                (n.parent, &n.key[..], &n.pages[..], n.end_hash != 0),
+                (o.parent, &o.key[..], &o.pages[..], o.end_hash != 0),
+                "node {i}"
+            );
+        }
+        learned = learned.max(a.nodes.iter().filter(|(_, n)| n.end_hash != 0).count());
+        a.check().unwrap();
+        b.check().unwrap();
+    }
+    assert!(
+        below_root > 500 && learned > 10,
+        "{below_root} below the root, {learned} hashes"
+    );
+
+    // The anchor must end at the offset, and the tail must be whole pages with their pages.
+    let mut t = tree(2);
+    let (r, _) = ins(&mut t, &[1, 2, 3, 4], &mut pages(0..2));
+    let mut rep = Vec::new();
+    let o = InsertOptions::default();
+    let none = PageHashes::new();
+    let tail = KeyRef::new(&[5, 6]);
+    let mut pg = pages(7..8);
+    assert!(matches!(
+        t.insert_tail(r.last_node, 2, tail, &none, &mut pg, &mut rep, o),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(matches!(
+        t.insert_tail(
+            r.last_node,
+            4,
+            KeyRef::new(&[5]),
+            &none,
+            &mut pg,
+            &mut rep,
+            o
+        ),
+        Err(CacheError::Misaligned { .. })
+    ));
+    assert!(matches!(
+        t.insert_tail(t.root(), 0, KeyRef::new(&[]), &none, &mut [], &mut rep, o),
+        Err(CacheError::EmptyKey)
+    ));
+    let y = t
+        .insert_tail(r.last_node, 4, tail, &none, &mut pg, &mut rep, o)
+        .unwrap();
+    assert_eq!((y.prefix_len, y.adopted_len), (4, 2));
+    t.check().unwrap();
+    assert_eq!(
+        matched(&mut t, &[1, 2, 3, 4, 5, 6]).1,
+        vec![PageId(0), PageId(1), PageId(7)]
+    );
 }
 
 /// Two trees built by the same operations: one matches (and tier-walks) every key from the

@@ -439,6 +439,62 @@ impl RadixTree {
         self.insert_at(start, offset, key, pages, replaced, opts)
     }
 
+    /// [`RadixTree::insert_from`] of a key that holds only its tokens from `offset` on:
+    /// `tail` is tokens `offset..` of the key (whole pages), `pages` their device pages, and
+    /// `hashes` the match hashes of the whole key, by page from its first (any number of
+    /// them). The walk below `anchor` reads the tail only, so a request need not hold the
+    /// tokens the tree already holds on its locked path
+    /// ([`RequestKv::drop_cached_prefix`](crate::RequestKv::drop_cached_prefix)). The tree
+    /// ends as [`RadixTree::insert_from`] of the whole key leaves it, end hashes included;
+    /// positions in the result count from the key's first token.
+    ///
+    /// # Errors
+    /// As [`RadixTree::insert_from`]; [`CacheError::EmptyKey`] for an empty tail under the
+    /// root.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_tail(
+        &mut self,
+        anchor: NodeId,
+        offset: usize,
+        tail: KeyRef<'_>,
+        hashes: &crate::page_hash::PageHashes,
+        pages: &mut [PageId],
+        replaced: &mut Vec<PageId>,
+        opts: InsertOptions,
+    ) -> Result<TreeInsert> {
+        let start = self.resolve(anchor)?;
+        if self.depth_tokens(anchor)? != offset {
+            return Err(CacheError::InvalidRequestState(
+                "insert anchor does not end at the given offset",
+            ));
+        }
+        self.check_key_pages(tail.tokens, pages)?;
+        if tail.is_empty() && start == self.root {
+            return Err(CacheError::EmptyKey);
+        }
+        // The walk from the anchor is the same with positions counted from it; the hashes,
+        // counted from the key's first page, are learned on the way back up.
+        let key = KeyRef::with_namespace(tail.tokens, tail.namespace);
+        let mut r = self.insert_at(start, 0, key, pages, replaced, opts)?;
+        r.prefix_len += offset;
+        let p = self.page_size;
+        let mut node = self.resolve(r.last_node)?;
+        let mut end = offset + tail.len();
+        while node != start && node != self.root {
+            let (len, parent, known) = {
+                let n = &self.nodes[node as usize];
+                (n.key.len(), n.parent, n.end_hash != 0)
+            };
+            if !known && let Some(h) = (end / p).checked_sub(1).and_then(|i| hashes.get(i)) {
+                self.nodes[node as usize].end_hash = h.0;
+                self.verify_end_hash(node);
+            }
+            end -= len;
+            node = parent;
+        }
+        Ok(r)
+    }
+
     pub(super) fn insert_at(
         &mut self,
         start: u32,

@@ -1226,3 +1226,33 @@ fn bad_storage_flags_are_refused_with_the_flag_named() {
         fails_with(&o, says);
     }
 }
+
+#[test]
+fn running_prompts_are_released_unless_kept_and_a_config_file_cannot_ask_for_it() {
+    let trace = mooncake();
+    let f = common::write_temp("cli", "release.toml", "release_cached_prompts = true\n");
+    fails_with(
+        &radixkv(&on_mooncake(
+            "replay",
+            trace.arg(),
+            &["--config", f.to_str().unwrap()],
+        )),
+        "--keep-running-prompts",
+    );
+    let held = |extra: &[&str]| {
+        let mut args = vec!["--limit", "40", "--json", "--device-tokens", "131072"];
+        args.extend_from_slice(extra);
+        let o = radixkv(&on_mooncake("replay", trace.arg(), &args));
+        assert!(o.status.success(), "{}", stderr(&o));
+        let file: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let run = &file["runs"][0];
+        (
+            run["token_storage_peak"]["running_bytes"].as_u64().unwrap(),
+            run["hit_ratio"]["overall"].as_f64().unwrap(),
+        )
+    };
+    let (released, hit) = held(&[]);
+    let (kept, hit_kept) = held(&["--keep-running-prompts"]);
+    assert_eq!(hit, hit_kept);
+    assert!(released < kept, "{released} bytes against {kept}");
+}

@@ -630,3 +630,43 @@ fn a_target_load_spreads_conversation_starts_and_the_report_measures_it() {
         light.load
     );
 }
+
+#[test]
+fn released_prompts_change_nothing_but_the_running_tokens_held() {
+    // A synthetic chat with a small pool: turns extend their conversation and the tree
+    // evicts. (The manager's own tests retract released requests.)
+    let chat = SyntheticChat {
+        conversations: 12,
+        ..Default::default()
+    }
+    .generate()
+    .unwrap();
+    let mut keep = sim(24 << 10, 16);
+    keep.keep_running_prompts = true;
+    let released = sim(24 << 10, 16);
+    let a = replay(&chat, &keep, &mut ()).unwrap();
+    let b = replay(&chat, &released, &mut ()).unwrap();
+    check(&b, &chat);
+    assert!(a.hit_tokens_device > 0 && a.counters.evicted_tokens > 0);
+    assert_eq!(a.counters, b.counters);
+    assert_eq!(
+        (
+            a.hit_tokens_device,
+            a.recomputed_tokens,
+            a.ttft_p99_ms,
+            a.sim_duration_s
+        ),
+        (
+            b.hit_tokens_device,
+            b.recomputed_tokens,
+            b.ttft_p99_ms,
+            b.sim_duration_s
+        )
+    );
+    // Running requests held their whole prompts, and now hold their uncached tokens.
+    let (held, kept) = (
+        b.token_storage_peak.running_bytes,
+        a.token_storage_peak.running_bytes,
+    );
+    assert!(held * 2 < kept, "{held} bytes held against {kept}");
+}

@@ -398,6 +398,11 @@ struct RunArgs {
     /// manager's CPU [default: conversation]
     #[arg(long, value_name = "MODE", value_parser = page_hash_parser())]
     page_hashes: Option<PageHashMode>,
+    /// Running requests keep their whole prompts. By default a running request keeps only
+    /// the prompt tokens past its cached prefix wherever the cache allows (radix without
+    /// sessions, Mamba or sliding-window layers): the tree holds the rest
+    #[arg(long)]
+    keep_running_prompts: bool,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
     /// write policy, HiCache + sessions; with Mamba layers, the radix row under the other Mamba
     /// policy too) on the same workload and print one table.
@@ -781,6 +786,14 @@ fn sim_config(run: &RunArgs) -> Result<SimConfig> {
     cfg.max_rss_growth_mib = run.max_rss_growth_mib;
     if let Some(m) = run.page_hashes {
         cfg.page_hashes = m;
+    }
+    cfg.keep_running_prompts = run.keep_running_prompts;
+    if cfg.manager.release_cached_prompts {
+        return Err(ManagerError::Config(
+            "release_cached_prompts in --config: the replay releases running prompts wherever \
+             the cache allows, and --keep-running-prompts turns that off"
+                .into(),
+        ));
     }
     cfg.arrivals = match (run.load, run.arrival_scale) {
         (Some(l), _) => Arrivals::Load(l),

@@ -55,6 +55,11 @@ pub struct SimConfig {
     /// Whether the prompts carry match hashes, as an engine that keeps them would hand them
     /// over ([`radixkv_scheduler_api::TokenSource::fill_page_hashes`]).
     pub page_hashes: PageHashMode,
+    /// Running requests keep their whole prompts. By default the replay has the manager drop
+    /// a running request's prompt tokens that the tree holds for it wherever its cache allows
+    /// ([`ManagerConfig::release_cached_prompts`]: radix, without sessions, Mamba or
+    /// sliding-window layers), so that the running prompts are held once.
+    pub keep_running_prompts: bool,
 }
 
 /// How the replay's prompts carry match hashes (see [`radixkv_radix::page_hash`]). Hashing is
@@ -104,6 +109,7 @@ impl Default for SimConfig {
             max_rss_growth_mib: None,
             arrivals: Arrivals::Trace,
             page_hashes: PageHashMode::default(),
+            keep_running_prompts: false,
         }
     }
 }
@@ -250,6 +256,9 @@ pub(super) fn replay_with_ideal(
         ));
     }
     let mut kv = KvCacheManager::new(cfg.manager.clone())?;
+    if !cfg.keep_running_prompts && kv.can_release_cached_prompts() {
+        kv.set_release_cached_prompts(true)?;
+    }
     // Requests left per session: the last one's finish closes the session.
     let turns_left = if cfg.manager.sessions.is_some() {
         TurnsLeft::of(trace)
