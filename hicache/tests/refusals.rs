@@ -321,3 +321,46 @@ fn begin_out_of_rows_queues_no_load_back() {
     finish_loaded(&mut c, &mut r, &t);
     settled(&mut c);
 }
+
+/// The host tier's walks read a request's whole key: one that dropped its cached prefix
+/// (`RequestKv::drop_cached_prefix`) is refused, and its finish releases it, leaking nothing.
+#[test]
+fn a_key_without_its_cached_prefix_is_refused_and_released() {
+    let mut c = cache(
+        4,
+        32,
+        HostSize::Ratio(2.0),
+        HostLayout::PageFirst,
+        WritePolicy::WriteThrough,
+    );
+    assert!(!c.takes_windowed_keys());
+    let rows = c.pools().rows.available();
+    let history: Vec<u32> = (0..16).collect();
+    serve(&mut c, &history).unwrap();
+    let mut prompt = history.clone();
+    prompt.extend(100..106);
+    let mut r = begin(&mut c, &prompt);
+    assert!(r.drop_cached_prefix(usize::MAX) > 0);
+    c.alloc_tokens(&mut r, 6).unwrap();
+    r.commit(6).unwrap();
+    assert!(matches!(
+        c.cache_unfinished_req(&mut r),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(matches!(
+        c.match_request(&mut RequestKv {
+            key_start: 1,
+            ..RequestKv::new(RadixKey::new(vec![1, 2, 3]))
+        }),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(matches!(
+        c.cache_finished_req(&mut r, FinishKind::Finished),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert_eq!((r.row, r.lock.is_none()), (None, true));
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.pools().rows.available(), rows);
+}

@@ -1398,3 +1398,29 @@ fn turns_with_match_hashes_check_only_the_unhashed_tail_of_the_history() {
     c.close(1).unwrap();
     assert_drained(&c);
 }
+
+/// A session keeps a turn's whole key: a turn whose key lacks its leading tokens
+/// (`RequestKv::key_start`) is refused at its finish and released as an abort, leaking
+/// nothing.
+#[test]
+fn a_turn_without_its_cached_prefix_is_refused_and_released() {
+    let (mut c, _) = cache();
+    assert!(!c.takes_windowed_keys());
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..30).collect());
+    turn(&mut c, &mut t1, &[1, 2]);
+    let mut t2 = req(Some(1), extend(&t1, 0..8));
+    start(&mut c, &mut t2, &[3]);
+    // The turn runs in its session's row (lent, no lock of its own), so nothing would drop
+    // its tokens: give its key a start by hand, as a caller could.
+    t2.key_start = 1;
+    t2.key.tokens.remove(0);
+    assert!(matches!(
+        c.cache_finished_req(&mut t2, FinishKind::Finished),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(t2.row.is_none() && t2.lock.is_none() && !t2.kv_lent);
+    ok(&c);
+    assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
+    assert_drained(&c);
+}
