@@ -734,6 +734,16 @@ pub(crate) fn check_request_kv<C: PrefixCache + ?Sized>(
         );
         return Ok(());
     };
+    ensure_inv!(
+        req.key_start == 0
+            || (cache.takes_windowed_keys()
+                && req.lock.is_some()
+                && req.key_start <= req.cache_protected_len),
+        "request row {row:?}: its key starts at {} past its cached prefix ({}) or in a cache \
+         that needs whole keys",
+        req.key_start,
+        req.cache_protected_len
+    );
     let pools = cache.pools();
     let pages = pools
         .rows
