@@ -1257,13 +1257,7 @@ impl KvCacheManager {
     /// ([`ManagerError::Lifecycle`]: they are in its source until an admission fills them),
     /// or running without its cached prefix ([`ManagerConfig::release_cached_prompts`]).
     pub fn tokens(&self, id: ReqId) -> Result<&[TokenId]> {
-        let t = self
-            .requests
-            .get(id.0)
-            .ok_or(ManagerError::UnknownRequest(id.0))?;
-        if !t.materialised {
-            return Err(t.lifecycle(id, "a waiting lazy request holds no tokens"));
-        }
+        let t = self.holding_tokens(id)?;
         if t.kv.key_start > 0 {
             return Err(t.lifecycle(
                 id,
@@ -1282,6 +1276,12 @@ impl KvCacheManager {
     /// Unknown request; a waiting lazy request without its tokens
     /// ([`ManagerError::Lifecycle`]).
     pub fn held_tokens(&self, id: ReqId) -> Result<(usize, &[TokenId])> {
+        let t = self.holding_tokens(id)?;
+        Ok((t.kv.key_start, t.kv.key.tokens.as_slice()))
+    }
+
+    /// Request `id`, which holds tokens (not a waiting lazy request without them).
+    fn holding_tokens(&self, id: ReqId) -> Result<&Tracked> {
         let t = self
             .requests
             .get(id.0)
@@ -1289,7 +1289,7 @@ impl KvCacheManager {
         if !t.materialised {
             return Err(t.lifecycle(id, "a waiting lazy request holds no tokens"));
         }
-        Ok((t.kv.key_start, t.kv.key.tokens.as_slice()))
+        Ok(t)
     }
 
     /// Finishes a request: its KV enters the cache (or its session), its lock and row go.
