@@ -276,6 +276,19 @@ impl RequestKv {
         cut
     }
 
+    /// `Ok` for a key that holds all its tokens; [`CacheError::InvalidRequestState`] for one
+    /// that dropped its cached prefix, which a match, a `begin_request` and a cache that reads
+    /// whole keys (`!`[`PrefixCache::takes_windowed_keys`]) refuse.
+    pub fn check_whole_key(&self) -> Result<()> {
+        if self.key_start > 0 {
+            return Err(CacheError::InvalidRequestState(
+                "the request's key lacks its leading tokens (drop_cached_prefix), and this \
+                 call needs the whole key",
+            ));
+        }
+        Ok(())
+    }
+
     /// The longest prefix a match may use: `len − 1` (at least one token is recomputed for
     /// logits), capped by `max_prefix_len`.
     pub fn max_match_len(&self) -> usize {
@@ -721,6 +734,25 @@ pub fn make_room_by_evicting<C: PrefixCache + ?Sized>(cache: &mut C, n: usize) -
 ///
 /// # Errors
 /// The first violated invariant.
+/// The finish of a cache that reads whole keys: `None` (go on) unless `req` finishes with a
+/// key that lacks its leading tokens ([`RequestKv::check_whole_key`]); then it is released as
+/// an abort, so that nothing it holds is lost, and the refusal is returned.
+pub fn refuse_partial_key_finish<C: PrefixCache + ?Sized>(
+    cache: &mut C,
+    req: &mut RequestKv,
+    kind: FinishKind,
+) -> Option<Result<()>> {
+    let refused = req
+        .check_whole_key()
+        .err()
+        .filter(|_| kind == FinishKind::Finished)?;
+    Some(
+        cache
+            .cache_finished_req(req, FinishKind::Aborted)
+            .and(Err(refused)),
+    )
+}
+
 pub(crate) fn check_request_kv<C: PrefixCache + ?Sized>(
     cache: &C,
     req: &RequestKv,

@@ -169,7 +169,7 @@ pub use alloc::{
 };
 pub use cache::{
     FinishKind, InsertResult, PoolAccounting, PrefixCache, RequestKv, RequestMatch, SessionTag,
-    make_room_by_evicting, pages_to_alloc,
+    make_room_by_evicting, pages_to_alloc, refuse_partial_key_finish,
 };
 pub use error::{CacheError, InvariantViolation, Result, SessionFault};
 pub use events::{EventBuffer, KvEvent, KvEventBatch};

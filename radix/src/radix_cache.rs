@@ -4,7 +4,7 @@ use crate::RowId;
 use crate::alloc::{DevicePools, PageState, RowHolder};
 use crate::cache::{
     FinishKind, InsertResult, PrefixCache, RequestKv, RequestMatch, alloc_tokens_kv,
-    check_request_kv,
+    check_request_kv, refuse_partial_key_finish,
 };
 use crate::ensure_inv;
 use crate::error::{CacheError, InvariantViolation, Result};
@@ -13,12 +13,6 @@ use crate::mamba_policy::{MambaAdmission, MambaPolicy, MambaStats};
 use crate::page_key::KvIdentity;
 use crate::policy::PolicyKind;
 use crate::slots::SlotState;
-
-/// A cache with the Mamba or sliding-window component refuses a request whose key lacks its
-/// cached prefix ([`RequestKv::drop_cached_prefix`]).
-const WINDOWED_KEY_REFUSED: CacheError = CacheError::InvalidRequestState(
-    "this cache needs the request's whole key (its Mamba or sliding-window component reads it)",
-);
 use crate::tree::mamba::MambaCow;
 use crate::tree::{InsertOptions, LockReceipt, RadixTree, TreeInsert, TreeMatch};
 use crate::types::{ComponentAccounting, KeyRef, NodeId, PageId, align_down};
@@ -448,9 +442,10 @@ impl RadixCache {
             req.cache_protected_len <= len && req.cache_protected_len == owned_from * p
         });
         let res = match anchor {
-            Some(anchor) if req.key_start > 0 => {
-                // The key holds its tokens from `key_start` on, which is at most the anchor's
-                // end (`drop_cached_prefix` drops no further).
+            Some(anchor) => {
+                // Only the tokens past the anchor are read: the key holds them from
+                // `key_start` on, which is at most the anchor's end (`drop_cached_prefix`
+                // drops no further).
                 let from = req.cache_protected_len;
                 let tail = from
                     .checked_sub(req.key_start)
@@ -470,13 +465,6 @@ impl RadixCache {
                     )),
                 }
             }
-            Some(anchor) => {
-                let from = req.cache_protected_len;
-                let key = req.key_prefix(len);
-                self.insert_owned_with(&mut buf[..len / p], owned_from, |tree, pages, replaced| {
-                    tree.insert_from(anchor, from, key, pages, replaced, opts)
-                })
-            }
             None if req.key_start > 0 => Err(CacheError::InvalidRequestState(
                 "a key without its cached prefix needs the lock anchor that ends it",
             )),
@@ -488,8 +476,8 @@ impl RadixCache {
     /// Gives `row` the request's matched pages and room for its whole key (the prompt and
     /// the output room its buffer was given), as `RowPool::start` says.
     fn start_row(&mut self, row: RowId, req: &RequestKv) -> Result<()> {
-        let room = req.key_start + req.key.tokens.capacity();
-        let pages = room.div_ceil(self.pools.page_size);
+        // A begun key holds all its tokens (`begin_request` refuses any other).
+        let pages = req.key.tokens.capacity().div_ceil(self.pools.page_size);
         self.pools.rows.start(row, &req.prefix_pages, pages)
     }
 
@@ -734,11 +722,7 @@ impl PrefixCache for RadixCache {
                 "match_request on a request that already holds KV",
             ));
         }
-        if req.key_start > 0 {
-            return Err(CacheError::InvalidRequestState(
-                "match_request on a key without its leading tokens",
-            ));
-        }
+        req.check_whole_key()?;
         req.prefix_pages.clear();
         let limit = align_down(req.max_match_len(), self.pools.page_size);
         // The match appends a page per matched page: room for all of them at once, so that
@@ -782,11 +766,7 @@ impl PrefixCache for RadixCache {
     }
 
     fn begin_request(&mut self, req: &mut RequestKv) -> Result<()> {
-        if req.key_start > 0 {
-            return Err(CacheError::InvalidRequestState(
-                "begin_request on a key without its leading tokens",
-            ));
-        }
+        req.check_whole_key()?;
         if self.tree.swa_enabled() {
             return self.begin_request_swa(req);
         }
@@ -852,8 +832,8 @@ impl PrefixCache for RadixCache {
                 "cache_unfinished_req without a row",
             ));
         }
-        if req.key_start > 0 && !self.takes_windowed_keys() {
-            return Err(WINDOWED_KEY_REFUSED);
+        if !self.takes_windowed_keys() {
+            req.check_whole_key()?;
         }
         if self.tree.swa_enabled() {
             return self.cache_unfinished_req_swa(req);
@@ -890,11 +870,10 @@ impl PrefixCache for RadixCache {
     }
 
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
-        if req.key_start > 0 && !self.takes_windowed_keys() && kind == FinishKind::Finished {
-            // Released without its insert, so that nothing it holds is lost.
-            return self
-                .cache_finished_req(req, FinishKind::Aborted)
-                .and(Err(WINDOWED_KEY_REFUSED));
+        if !self.takes_windowed_keys()
+            && let Some(refused) = refuse_partial_key_finish(self, req, kind)
+        {
+            return refused;
         }
         if self.tree.swa_enabled() {
             return self.cache_finished_req_swa(req, kind);

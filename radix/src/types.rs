@@ -191,6 +191,7 @@ impl RadixKey {
             tokens: &self.tokens,
             namespace: &self.namespace,
             hashes: &NO_HASHES,
+            pages_before: 0,
         }
     }
 
@@ -200,6 +201,7 @@ impl RadixKey {
             tokens: &self.tokens[..len.min(self.tokens.len())],
             namespace: &self.namespace,
             hashes: &NO_HASHES,
+            pages_before: 0,
         }
     }
 }
@@ -216,6 +218,10 @@ pub struct KeyRef<'a> {
     /// [`crate::page_hash`]): where given, a match accepts a cached edge by its last page's
     /// hash instead of comparing its tokens.
     pub hashes: &'a PageHashes,
+    /// Whole pages of the key before `tokens` (0 but for a key given from a lock anchor on,
+    /// [`crate::RadixTree::insert_tail`]): `hashes` count from the key's first page, so the
+    /// page `tokens` start with has hash `pages_before`.
+    pub(crate) pages_before: usize,
 }
 
 impl<'a> KeyRef<'a> {
@@ -225,6 +231,7 @@ impl<'a> KeyRef<'a> {
             tokens,
             namespace: &Namespace::DEFAULT,
             hashes: &NO_HASHES,
+            pages_before: 0,
         }
     }
 
@@ -234,6 +241,7 @@ impl<'a> KeyRef<'a> {
             tokens,
             namespace,
             hashes: &NO_HASHES,
+            pages_before: 0,
         }
     }
 

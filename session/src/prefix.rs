@@ -4,7 +4,7 @@
 use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
     KvEvent, LockReceipt, MambaTrack, NodeId, PageId, PrefixCache, RequestKv, RequestMatch, Result,
-    RowHolder, TreeMatch, align_down, ensure_inv, pages_for,
+    RowHolder, TreeMatch, align_down, ensure_inv, pages_for, refuse_partial_key_finish,
 };
 
 use crate::cache::{SessionAwareCache, adopt_history};
@@ -719,12 +719,9 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         let Route::Session(id) = self.route(req) else {
             return self.inner.cache_finished_req(req, kind);
         };
-        if req.key_start > 0 && kind == FinishKind::Finished {
-            // A session keeps the turn's whole key: one without its cached prefix
-            // (`RequestKv::drop_cached_prefix`) is released without being kept.
-            return self.cache_finished_req(req, FinishKind::Aborted).and(Err(
-                CacheError::InvalidRequestState("a session turn needs its whole key"),
-            ));
+        // A session keeps the turn's whole key.
+        if let Some(refused) = refuse_partial_key_finish(self, req, kind) {
+            return refused;
         }
         if req.kv_lent {
             self.take_back(id, req, kind)

@@ -282,7 +282,7 @@ use radixkv_radix::{
     CacheError, DevicePools, FinishKind, InsertOptions, InsertResult, InvariantViolation, KeyRef,
     KvEvent, LockReceipt, NodeId, PageId, PolicyKind, PrefixCache, RadixCache, RadixConfig,
     RequestKv, RequestMatch, TierWalk, TreeMatch, align_down, make_room_by_evicting,
-    pages_to_alloc,
+    pages_to_alloc, refuse_partial_key_finish,
 };
 
 use crate::backend::DeviceBackend;
@@ -296,11 +296,6 @@ use crate::geometry::HostLayout;
 use crate::host_pool::{HostPool, HostSize};
 use crate::layer_counter::LayerDoneCounter;
 use host_leaves::HostLeaves;
-
-/// The host tier's walks read a request's whole key: a key without its cached prefix
-/// ([`RequestKv::drop_cached_prefix`]) is refused.
-const WINDOWED_KEY_REFUSED: CacheError =
-    CacheError::InvalidRequestState("a tiered cache needs the request's whole key");
 
 /// When device KV is backed up to the host.
 ///
@@ -1396,9 +1391,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     /// same with the window rule, and both validators with both components (see the module
     /// docs, "Extra pools").
     fn match_request(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<RequestMatch> {
-        if req.key_start > 0 {
-            return Err(WINDOWED_KEY_REFUSED);
-        }
+        req.check_whole_key()?;
         if self.inner.is_disabled() || !(self.mamba || self.swa) {
             return self.inner.match_request(req);
         }
@@ -1438,9 +1431,8 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     }
 
     fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
-        if req.key_start > 0 {
-            return Err(WINDOWED_KEY_REFUSED);
-        }
+        // The host tier's walks read the whole key.
+        req.check_whole_key()?;
         let aligned = align_down(req.committed_len, self.page_size());
         // The request's lock ends on its key's path: the walks compare only what lies past it.
         let before = req.lock.as_ref().map(LockReceipt::anchor);
@@ -1459,11 +1451,8 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         req: &mut RequestKv,
         kind: FinishKind,
     ) -> radixkv_radix::Result<()> {
-        if req.key_start > 0 && kind == FinishKind::Finished {
-            // Released without its insert, so that nothing it holds is lost.
-            return self
-                .cache_finished_req(req, FinishKind::Aborted)
-                .and(Err(WINDOWED_KEY_REFUSED));
+        if let Some(refused) = refuse_partial_key_finish(self, req, kind) {
+            return refused;
         }
         let aligned = align_down(req.committed_len, self.page_size());
         let inserted = kind == FinishKind::Finished && req.row.is_some() && aligned > 0;

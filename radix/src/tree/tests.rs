@@ -19,6 +19,16 @@ fn ins(t: &mut RadixTree, toks: &[u32], pg: &mut [PageId]) -> (TreeInsert, Vec<P
     (r, rep)
 }
 
+/// A seeded xorshift draw below `n`, for the randomized tests.
+fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |n| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    }
+}
+
 fn matched(t: &mut RadixTree, toks: &[u32]) -> (TreeMatch, Vec<PageId>) {
     let mut out = Vec::new();
     let m = t.match_prefix(KeyRef::new(toks), &mut out);
@@ -371,9 +381,9 @@ fn insert_from_anchor_skips_the_cached_prefix() {
     assert_eq!(t.meta(m.last_device).unwrap().hit_count, 1);
 }
 
-/// Two trees built by the same requests: one inserts each key whole from the request's anchor
-/// (`insert_from`), the other only the key's tokens past it (`insert_tail`, the key without
-/// its cached prefix). Every node, its pages, whether it knows its end hash (what later
+/// Two trees built by the same requests: one inserts each key whole from the root
+/// (`insert`), the other only the key's tokens past the request's anchor (`insert_tail`, the
+/// key without its cached prefix). Every node, its pages, whether it knows its end hash (what later
 /// matches by hash accept) and the results must agree, splits of the anchor's children
 /// included; each tree's audit checks every end hash is its path's chain.
 #[test]
@@ -384,13 +394,7 @@ fn an_insert_of_the_tail_builds_the_tree_an_insert_of_the_whole_key_builds() {
     // Each tree has its own hasher: each gets its own chain of the same pages.
     let (hasher_a, hasher_b) = (a.page_hasher(), b.page_hasher());
     let ns = Namespace::default();
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let mut rnd = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
     let mut next_page = 0u32;
     let (mut below_root, mut learned) = (0, 0);
     for _ in 0..2000 {
@@ -428,9 +432,7 @@ fn an_insert_of_the_tail_builds_the_tree_an_insert_of_the_whole_key_builds() {
         let (mut ra, mut rb) = (Vec::new(), Vec::new());
         let o = InsertOptions::default();
         let whole = KeyRef::new(&key).with_hashes(&hashes);
-        let x = a
-            .insert_from(anchor, offset, whole, &mut pg, &mut ra, o)
-            .unwrap();
+        let x = a.insert(whole, &mut pg, &mut ra, o).unwrap();
         let tail = KeyRef::new(&key[offset..]);
         let y = b
             .insert_tail(
@@ -509,13 +511,7 @@ fn an_insert_of_the_tail_builds_the_tree_an_insert_of_the_whole_key_builds() {
 fn hinted_walks_equal_the_walks_from_the_root() {
     let mut a = tree(2);
     let mut b = tree(2);
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut rnd = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15);
     let (mut next_page, mut next_host) = (0u32, 0u32);
     let (mut hinted, mut host_hits) = (0, 0);
     for _ in 0..3000 {

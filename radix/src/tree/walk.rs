@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// An anchor that does not end where the caller says its key's tokens start.
+const ANCHOR_OFF: CacheError =
+    CacheError::InvalidRequestState("insert anchor does not end at the given offset");
+
 /// Where a match walk stands: the node it reached, ending at token `pos`.
 struct MatchAt {
     node: u32,
@@ -207,7 +211,7 @@ impl RadixTree {
     /// it): the end hash of a node that ends there.
     #[inline]
     pub(super) fn end_hash_at(&self, key: KeyRef<'_>, end: usize) -> u128 {
-        (end / self.page_size)
+        (key.pages_before + end / self.page_size)
             .checked_sub(1)
             .and_then(|i| key.hashes.get(i))
             .map_or(0, |h| h.0)
@@ -221,7 +225,7 @@ impl RadixTree {
     /// the child by its first page), or no child's edge is wholly matched.
     #[inline]
     fn child_by_end_hash(&self, node: u32, key: KeyRef<'_>, pos: usize) -> Option<u32> {
-        if key.hashes.len() <= pos / self.page_size {
+        if key.hashes.len() <= key.pages_before + pos / self.page_size {
             return None;
         }
         let Children::Inline(children) = &self.nodes[node as usize].children else {
@@ -384,7 +388,7 @@ impl RadixTree {
             return Err(CacheError::EmptyKey);
         }
         self.check_key_pages(key.tokens, pages)?;
-        self.insert_at(self.root, 0, key, pages, replaced, opts)
+        self.insert_at(self.root, key, pages, replaced, opts)
     }
 
     /// A key must be whole pages with one page per page of tokens.
@@ -411,7 +415,8 @@ impl RadixTree {
     /// `key[..offset]` and its pages are already the caller's first `offset / P` pages). The
     /// cached prefix is not compared again, which makes finishing a request cost its new tokens
     /// only; the anchor's ancestors still get their reuse statistics. `prefix_len` counts from
-    /// `offset` on top of it.
+    /// `offset` on top of it. It is [`RadixTree::insert_tail`] of the key's tokens from
+    /// `offset` on.
     ///
     /// # Errors
     /// [`CacheError::Misaligned`], [`CacheError::LengthMismatch`], [`CacheError::StaleNode`] for a dead anchor and
@@ -425,28 +430,25 @@ impl RadixTree {
         replaced: &mut Vec<PageId>,
         opts: InsertOptions,
     ) -> Result<TreeInsert> {
-        let start = self.resolve(anchor)?;
-        let tokens = key.tokens;
-        self.check_key_pages(tokens, pages)?;
-        if offset > tokens.len() || self.depth_tokens(anchor)? != offset {
-            return Err(CacheError::InvalidRequestState(
-                "insert anchor does not end at the given offset",
-            ));
-        }
-        if offset == tokens.len() && start == self.root {
-            return Err(CacheError::EmptyKey);
-        }
-        self.insert_at(start, offset, key, pages, replaced, opts)
+        self.check_key_pages(key.tokens, pages)?;
+        let (Some(tail), Some(pages)) = (
+            key.tokens.get(offset..),
+            pages.get_mut(offset / self.page_size..),
+        ) else {
+            return Err(ANCHOR_OFF);
+        };
+        let tail = KeyRef::with_namespace(tail, key.namespace);
+        self.insert_tail(anchor, offset, tail, key.hashes, pages, replaced, opts)
     }
 
-    /// [`RadixTree::insert_from`] of a key that holds only its tokens from `offset` on:
-    /// `tail` is tokens `offset..` of the key (whole pages), `pages` their device pages, and
-    /// `hashes` the match hashes of the whole key, by page from its first (any number of
-    /// them). The walk below `anchor` reads the tail only, so a request need not hold the
-    /// tokens the tree already holds on its locked path
-    /// ([`RequestKv::drop_cached_prefix`](crate::RequestKv::drop_cached_prefix)). The tree
-    /// ends as [`RadixTree::insert_from`] of the whole key leaves it, end hashes included;
-    /// positions in the result count from the key's first token.
+    /// [`RadixTree::insert_from`] of a key given only from `offset` on: `tail` is tokens
+    /// `offset..` of the key (whole pages), `pages` their device pages, and `hashes` the match
+    /// hashes of the whole key, by page from its first (any number of them). The walk below
+    /// `anchor` reads the tail only, and the hashes from the key's page `offset / P` on
+    /// (accepting edges by them and giving new nodes their end hashes, as a walk of the whole
+    /// key does), so a request need not hold the tokens the tree already holds on its locked
+    /// path ([`RequestKv::drop_cached_prefix`](crate::RequestKv::drop_cached_prefix)).
+    /// Positions in the result count from the key's first token.
     ///
     /// # Errors
     /// As [`RadixTree::insert_from`]; [`CacheError::EmptyKey`] for an empty tail under the
@@ -463,42 +465,30 @@ impl RadixTree {
         opts: InsertOptions,
     ) -> Result<TreeInsert> {
         let start = self.resolve(anchor)?;
+        // The anchor's depth is whole pages, so the tail starts a page.
         if self.depth_tokens(anchor)? != offset {
-            return Err(CacheError::InvalidRequestState(
-                "insert anchor does not end at the given offset",
-            ));
+            return Err(ANCHOR_OFF);
         }
         self.check_key_pages(tail.tokens, pages)?;
         if tail.is_empty() && start == self.root {
             return Err(CacheError::EmptyKey);
         }
-        // The walk from the anchor is the same with positions counted from it; the hashes,
-        // counted from the key's first page, are learned on the way back up.
-        let key = KeyRef::with_namespace(tail.tokens, tail.namespace);
-        let mut r = self.insert_at(start, 0, key, pages, replaced, opts)?;
+        // The walk counts positions from the anchor, and the hashes from the key's first page.
+        let key = KeyRef {
+            hashes,
+            pages_before: offset / self.page_size,
+            ..tail
+        };
+        let mut r = self.insert_at(start, key, pages, replaced, opts)?;
         r.prefix_len += offset;
-        let p = self.page_size;
-        let mut node = self.resolve(r.last_node)?;
-        let mut end = offset + tail.len();
-        while node != start && node != self.root {
-            let (len, parent, known) = {
-                let n = &self.nodes[node as usize];
-                (n.key.len(), n.parent, n.end_hash != 0)
-            };
-            if !known && let Some(h) = (end / p).checked_sub(1).and_then(|i| hashes.get(i)) {
-                self.nodes[node as usize].end_hash = h.0;
-                self.verify_end_hash(node);
-            }
-            end -= len;
-            node = parent;
-        }
         Ok(r)
     }
 
+    /// Inserts `key` below `start` (the root, or an anchor whose path is the key's
+    /// `key.pages_before` pages): positions count from `start`, and `prefix_len` from it.
     pub(super) fn insert_at(
         &mut self,
         start: u32,
-        start_pos: usize,
         key: KeyRef<'_>,
         pages: &mut [PageId],
         replaced: &mut Vec<PageId>,
@@ -514,8 +504,8 @@ impl RadixTree {
             up = self.nodes[up as usize].parent;
         }
         let mut node = start;
-        let mut pos = start_pos;
-        let mut prefix_len = start_pos;
+        let mut pos = 0;
+        let mut prefix_len = 0;
         let mut adopted = 0;
         let mut prefix_done = false;
         while pos < tokens.len() {

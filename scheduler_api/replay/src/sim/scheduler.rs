@@ -1189,13 +1189,8 @@ mod tests {
     fn agentic_jsonl(conversations: u64) -> Trace {
         use std::fmt::Write;
         let mut text = String::new();
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rng = crate::trace::Rng::new(7);
+        let mut next = |n: u64| rng.range(0, n - 1);
         for _ in 0..conversations {
             let mut history: Vec<u64> = (0..1 + next(4)).collect();
             let mut fresh = 100;
