@@ -189,22 +189,31 @@ impl SlotAllocator {
 
     /// Allocates `n` slots, or none when fewer are free (`None`).
     pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        let mut out = Vec::new();
+        self.alloc_into(n, &mut out).then_some(out)
+    }
+
+    /// Appends `n` newly allocated slots to `out`; false (and nothing appended) when fewer
+    /// are free.
+    pub fn alloc_into(&mut self, n: usize, out: &mut Vec<u32>) -> bool {
         if n > self.available() {
-            return None;
+            return false;
         }
+        let from = out.len();
+        out.reserve(n);
         let reused = n.min(self.free.len());
         let start = self.free.len() - reused;
-        let mut out: Vec<u32> = self.free[start..].iter().rev().copied().collect();
+        out.extend(self.free[start..].iter().rev());
         self.free.truncate(start);
         // `n - reused <= total - fresh`, checked above, so this stays within `total`.
         let fresh_end = self.fresh + (n - reused) as u32;
         out.extend(self.fresh..fresh_end);
         self.used.resize((fresh_end as usize).div_ceil(64), 0);
         self.fresh = fresh_end;
-        for &s in &out {
+        for &s in &out[from..] {
             self.set_used(s, true);
         }
-        Some(out)
+        true
     }
 
     /// Marks slot `s` (below `fresh`) allocated or free.
@@ -328,10 +337,24 @@ impl HostPool {
     /// # Errors
     /// [`HiCacheError::HostFull`]; nothing allocated then.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<u32>> {
-        self.alloc.alloc(n).ok_or(HiCacheError::HostFull {
-            needed: n,
-            available: self.alloc.available(),
-        })
+        let mut out = Vec::new();
+        self.alloc_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends `n` newly allocated pages to `out`.
+    ///
+    /// # Errors
+    /// [`HiCacheError::HostFull`]; nothing allocated or appended then.
+    pub fn alloc_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        if self.alloc.alloc_into(n, out) {
+            Ok(())
+        } else {
+            Err(HiCacheError::HostFull {
+                needed: n,
+                available: self.alloc.available(),
+            })
+        }
     }
 
     /// Frees pages.

@@ -499,16 +499,54 @@ impl<B: DeviceBackend> HybridCacheController<B> {
         &mut self,
         device_pages: &[PageId],
         priority: i32,
+        extra: Vec<PoolTransfer>,
+    ) -> Result<&CacheOperation> {
+        self.write_reusing(device_pages, &[], priority, extra)
+    }
+
+    /// [`HybridCacheController::write`] into host pages that are allocated already and that
+    /// the caller gives up (a host-tier eviction that made room for this backup): the backup
+    /// writes to the first of them (as many as it has device pages) and to newly allocated
+    /// pages after them, and the rest of `reused` is freed. The pages go from one owner to the
+    /// next without leaving the allocator, so the backup that follows a host eviction does
+    /// not free and allocate again every page it writes. `reused` must be allocated, each
+    /// page once, and held by nothing else (checked in debug builds).
+    ///
+    /// # Errors
+    /// As `write`; every page of `reused` is freed then (nothing else allocated or queued).
+    pub(crate) fn write_reusing(
+        &mut self,
+        device_pages: &[PageId],
+        reused: &[u32],
+        priority: i32,
         mut extra: Vec<PoolTransfer>,
     ) -> Result<&CacheOperation> {
-        self.check_room(StreamKind::Write)?;
-        let n = self.backend.device_pages();
-        if let Some(&p) = device_pages.iter().find(|p| p.index() >= n) {
-            return Err(HiCacheError::DevicePageOutOfRange(p));
+        debug_assert!(
+            reused.iter().all(|&h| self.host.is_used(h)),
+            "a reused host page is not allocated"
+        );
+        let (take, rest) = reused.split_at(reused.len().min(device_pages.len()));
+        if let Err(e) = self.host.free(rest) {
+            let _ = self.host.free(take);
+            return Err(e);
         }
-        let host_pages = self.host.alloc(device_pages.len())?;
-        if let Err(e) = self.alloc_extra(&mut extra, Direction::DeviceToHost) {
-            self.host.free(&host_pages)?;
+        let mut host_pages = Vec::with_capacity(device_pages.len());
+        host_pages.extend_from_slice(take);
+        let queued = self.check_room(StreamKind::Write).and_then(|()| {
+            let n = self.backend.device_pages();
+            if let Some(&p) = device_pages.iter().find(|p| p.index() >= n) {
+                return Err(HiCacheError::DevicePageOutOfRange(p));
+            }
+            self.host
+                .alloc_into(device_pages.len() - take.len(), &mut host_pages)?;
+            if let Err(e) = self.alloc_extra(&mut extra, Direction::DeviceToHost) {
+                self.host.free(&host_pages[take.len()..])?;
+                return Err(e);
+            }
+            Ok(())
+        });
+        if let Err(e) = queued {
+            self.host.free(take)?;
             return Err(e);
         }
         let id = self.fresh_id();
@@ -1050,5 +1088,69 @@ fn drain_done_upto<E: CopyEvent>(
         } else {
             done.extend(t.ids);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{HostLayout, HostSim, HostSimConfig, KvGeometry};
+
+    fn controller(pages: usize) -> HybridCacheController<HostSim> {
+        let g = KvGeometry::new(2, 2, 4).unwrap();
+        let dev = Arc::new(HostSim::new(g, pages, HostSimConfig::default()).unwrap());
+        let pool = HostPool::new(g, pages, HostLayout::LayerFirst).unwrap();
+        HybridCacheController::new(dev, pool, &[]).unwrap()
+    }
+
+    #[test]
+    fn a_backup_writes_to_the_reused_pages_first_and_frees_the_rest() {
+        let mut c = controller(8);
+        // Host pages held by an earlier backup, now given up by a host eviction.
+        let held = c.host.alloc(5).unwrap();
+        let dev = [PageId(0), PageId(1), PageId(2)];
+        let op = c.write_reusing(&dev, &held[..2], 0, Vec::new()).unwrap();
+        assert_eq!(&op.host_pages[..2], &held[..2]);
+        assert_eq!(op.host_pages.len(), 3);
+        assert!(!held.contains(&op.host_pages[2]), "a fresh page after them");
+        // 5 held: 2 reused, 3 still held; 1 fresh.
+        assert_eq!(c.host().used(), 6);
+        // More reused pages than device pages: the excess is freed, nothing is allocated.
+        let op = c
+            .write_reusing(&[PageId(3)], &held[2..], 0, Vec::new())
+            .unwrap();
+        assert_eq!(op.host_pages, [held[2]]);
+        assert_eq!(c.host().used(), 4);
+        for p in &held[3..] {
+            assert!(!c.host().is_used(*p), "excess page {p} still held");
+        }
+    }
+
+    #[test]
+    fn a_refused_reusing_backup_frees_every_reused_page() {
+        let mut c = controller(8);
+        let held = c.host.alloc(4).unwrap();
+        // Out of range: refused before anything is queued.
+        let err = c
+            .write_reusing(&[PageId(0), PageId(99)], &held[..3], 0, Vec::new())
+            .unwrap_err();
+        assert_eq!(err, HiCacheError::DevicePageOutOfRange(PageId(99)));
+        assert_eq!(c.host().used(), 1, "the three reused pages are freed");
+        assert_eq!(c.queued(), (0, 0));
+        // The host is short of fresh pages: refused, and the reused ones are freed too.
+        let rest = c.host.alloc(7).unwrap();
+        let err = c
+            .write_reusing(
+                &[PageId(0), PageId(1), PageId(2)],
+                &rest[..1],
+                0,
+                Vec::new(),
+            )
+            .unwrap_err();
+        assert!(matches!(err, HiCacheError::HostFull { .. }), "{err:?}");
+        assert_eq!(c.host().used(), 7);
+        assert_eq!(c.queued(), (0, 0));
     }
 }

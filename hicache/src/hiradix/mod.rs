@@ -664,6 +664,9 @@ pub struct HiRadixCache<B: DeviceBackend> {
     stats: HiCacheStats,
     pages: Vec<PageId>,
     host_scratch: Vec<u32>,
+    /// Host pages a host eviction kept for the backup that needed the room (see
+    /// `backup_chain`); empty between calls.
+    host_reuse: Vec<u32>,
     mutations: TestMutations,
     /// The tree carries the Mamba component: states move with the KV.
     mamba: bool,
@@ -780,6 +783,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             stats: HiCacheStats::default(),
             pages: Vec::new(),
             host_scratch: Vec::new(),
+            host_reuse: Vec::new(),
             mutations: TestMutations::default(),
             mamba,
             swa,

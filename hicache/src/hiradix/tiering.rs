@@ -83,22 +83,29 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 .extend_from_slice(self.inner.tree().device_pages(n)?);
         }
         let need = self.pages.len();
-        let free = self.ctrl.host().available();
-        if free < need {
-            self.evict_host((need - free) * p);
-        }
         // Shallowest first, so that a shortage of host slots drops the shallowest states.
         let mut states = self.states_to_back_up(above)?;
         states.extend(self.states_to_back_up(chain)?);
-        self.make_room_for_states(&mut states);
         // The chain's window pages (root first, so a shortage drops the shallowest).
         let mut windows = if need > 0 {
             self.swa_to_back_up(chain)?
         } else {
             Vec::new()
         };
+        // Nothing fails from here to the write, which takes the kept pages either way: the
+        // host pages of the leaves evicted to make room go straight to this backup
+        // (`write_reusing`). Freeing them and allocating them again was a fifth of the
+        // write-back eviction's time on the Mooncake replay.
+        let free = self.ctrl.host().available();
+        let mut reused = std::mem::take(&mut self.host_reuse);
+        reused.clear();
+        if free < need {
+            self.evict_host_leaves_into((need - free) * p, 0, 0, Some(&mut reused));
+        }
+        self.make_room_for_states(&mut states);
         self.make_room_for_windows(&mut windows);
         if need == 0 && states.is_empty() {
+            self.give_back_host_pages(reused);
             return Ok(None);
         }
         let mut extra = Vec::new();
@@ -120,18 +127,24 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             });
         }
         let pages = std::mem::take(&mut self.pages);
-        let res = self.ctrl.write(&pages, 0, extra).map(|op| {
-            let of = |name| {
-                op.extra
-                    .iter()
-                    .find(|t| t.name == name)
-                    .map(|t| t.host_indices.clone())
-                    .unwrap_or_default()
-            };
-            let (slots, swa) = (of(PoolName::Mamba), of(PoolName::Swa));
-            (op.id, op.host_pages.clone(), slots, swa)
-        });
+        let res = self
+            .ctrl
+            .write_reusing(&pages, &reused, 0, extra)
+            .map(|op| {
+                let of = |name| {
+                    op.extra
+                        .iter()
+                        .find(|t| t.name == name)
+                        .map(|t| t.host_indices.clone())
+                        .unwrap_or_default()
+                };
+                let (slots, swa) = (of(PoolName::Mamba), of(PoolName::Swa));
+                (op.id, op.host_pages.clone(), slots, swa)
+            });
         self.pages = pages;
+        // `write_reusing` took the pages whether it queued the backup or not.
+        reused.clear();
+        self.host_reuse = reused;
         let (id, host, host_slots, swa_host) = match res {
             Ok(v) => v,
             Err(HiCacheError::HostFull { .. } | HiCacheError::ExtraPoolFull { .. }) => {
@@ -482,6 +495,16 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.evict_host_leaves(tokens, 0).0
     }
 
+    /// Frees host pages an eviction kept for a backup that did not take them, and keeps the
+    /// buffer for the next backup.
+    fn give_back_host_pages(&mut self, mut pages: Vec<u32>) {
+        if let Err(e) = self.ctrl.free_host(&pages) {
+            debug_assert!(false, "kept host pages were not allocated: {e}");
+        }
+        pages.clear();
+        self.host_reuse = pages;
+    }
+
     /// Host eviction until `tokens` are freed and `states` host Mamba states with them (or no
     /// host-only leaf is left). Returns both counts.
     pub(super) fn evict_host_leaves(&mut self, tokens: usize, states: usize) -> (usize, usize) {
@@ -495,6 +518,20 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         tokens: usize,
         states: usize,
         windows: usize,
+    ) -> (usize, usize) {
+        self.evict_host_leaves_into(tokens, states, windows, None)
+    }
+
+    /// [`HiRadixCache::evict_host_leaves_for`], appending the evicted leaves' KV host pages
+    /// to `keep` instead of freeing them when it is given: they stay allocated, for a caller
+    /// that hands them on ([`HybridCacheController::write_reusing`]) or frees them
+    /// ([`HiRadixCache::give_back_host_pages`]).
+    pub(super) fn evict_host_leaves_into(
+        &mut self,
+        tokens: usize,
+        states: usize,
+        windows: usize,
+        mut keep: Option<&mut Vec<u32>>,
     ) -> (usize, usize) {
         let mut done = 0;
         let mut done_states = 0;
@@ -532,7 +569,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let Ok(n) = tree.evict_host_leaf(v, &mut self.host_scratch) else {
                 continue;
             };
-            if let Err(e) = self.ctrl.free_host(&self.host_scratch) {
+            if let Some(keep) = keep.as_deref_mut() {
+                keep.extend_from_slice(&self.host_scratch);
+            } else if let Err(e) = self.ctrl.free_host(&self.host_scratch) {
                 debug_assert!(false, "host pages of a node were not allocated: {e}");
             }
             done += n;
