@@ -583,6 +583,19 @@ pub trait PrefixCache {
     fn available_tokens(&self) -> usize {
         self.pools().pages.available() * self.page_size() + self.evictable_tokens()
     }
+    /// What [`PrefixCache::available_tokens`] would say while `node`'s root path is locked
+    /// (the budget of an admission that locks its match), without keeping a lock. The default
+    /// takes the lock, reads and releases it; a cache whose lock only moves the path's unlocked
+    /// tokens out of `evictable` reads them off the path instead (one walk, nothing written).
+    ///
+    /// # Errors
+    /// As [`PrefixCache::inc_lock_ref`].
+    fn available_tokens_if_locked(&mut self, node: NodeId) -> Result<usize> {
+        let receipt = self.inc_lock_ref(node)?;
+        let available = self.available_tokens();
+        self.dec_lock_ref(receipt)?;
+        Ok(available)
+    }
     /// Where every token of the device pool is.
     fn accounting(&self) -> PoolAccounting {
         let pools = self.pools();

@@ -630,6 +630,23 @@ impl PrefixCache for RadixCache {
         self.tree.evictable_tokens()
     }
 
+    /// A lock moves the path's unlocked device tokens from evictable to protected and
+    /// changes nothing else `available_tokens` reads: one read-only walk instead of a lock
+    /// and its release (two walks that write every node, and an admission that waits retries
+    /// every step). Debug builds check it against the lock.
+    fn available_tokens_if_locked(&mut self, node: NodeId) -> Result<usize> {
+        let unlocked = self.tree.unlocked_device_tokens_on_path(node)?;
+        let available = self.available_tokens() - unlocked;
+        #[cfg(debug_assertions)]
+        {
+            let receipt = self.tree.inc_lock_ref(node)?;
+            let locked = self.available_tokens();
+            self.tree.dec_lock_ref(receipt)?;
+            debug_assert_eq!(available, locked, "the path's unlocked tokens");
+        }
+        Ok(available)
+    }
+
     fn protected_tokens(&self) -> usize {
         self.tree.protected_tokens()
     }

@@ -1827,19 +1827,15 @@ fn demote_idle_sessions(
 }
 
 /// Admission budget for a matched request. Locking the matched path takes it out of
-/// `evictable`, so the budget is read under a temporary lock, as the real admission will see it.
+/// `evictable`, so the budget is read as if under the lock the real admission will take
+/// ([`PrefixCache::available_tokens_if_locked`](radixkv_radix::PrefixCache::available_tokens_if_locked)).
 fn admission_available(
     cache: &mut dyn ManagedCache,
     kv: &RequestKv,
     reserved_total: usize,
 ) -> Result<usize> {
     let a = match kv.last_node {
-        Some(node) => {
-            let receipt = cache.inc_lock_ref(node)?;
-            let a = cache.available_tokens();
-            cache.dec_lock_ref(receipt)?;
-            a
-        }
+        Some(node) => cache.available_tokens_if_locked(node)?,
         None => cache.available_tokens(),
     };
     Ok(a.saturating_sub(reserved_total))

@@ -567,6 +567,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn available_tokens(&self) -> usize {
         self.cache.available_tokens()
     }
+    fn available_tokens_if_locked(&mut self, node: NodeId) -> radixkv_radix::Result<usize> {
+        self.cache.available_tokens_if_locked(node)
+    }
     fn accounting(&self) -> PoolAccounting {
         self.cache.accounting()
     }

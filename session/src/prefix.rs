@@ -405,6 +405,12 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         self.inner.dec_lock_ref(receipt)
     }
 
+    /// The inner cache's, plus what idle sessions hold (a lock changes neither that nor
+    /// anything else this adds).
+    fn available_tokens_if_locked(&mut self, node: NodeId) -> Result<usize> {
+        Ok(self.inner.available_tokens_if_locked(node)? + self.held_tokens)
+    }
+
     fn evictable_tokens(&self) -> usize {
         self.inner.evictable_tokens()
     }

@@ -34,6 +34,24 @@ impl RadixTree {
         })
     }
 
+    /// Device tokens on `node`'s root path that no lock holds: what
+    /// [`RadixTree::inc_lock_ref`] of `node` would move from evictable to protected.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`].
+    pub fn unlocked_device_tokens_on_path(&self, node: NodeId) -> Result<usize> {
+        let mut i = self.resolve(node)?;
+        let mut tokens = 0;
+        while i != self.root {
+            let n = &self.nodes[i as usize];
+            if n.lock_ref == 0 && n.on_device() {
+                tokens += n.key.len();
+            }
+            i = n.parent;
+        }
+        Ok(tokens)
+    }
+
     /// Releases the lock proven by `receipt`.
     ///
     /// # Errors

@@ -120,6 +120,35 @@ fn locks_protect_the_path_and_receipts_are_checked() {
 }
 
 #[test]
+fn a_paths_unlocked_tokens_are_what_its_lock_would_protect() {
+    let mut t = tree(1);
+    ins(&mut t, &[1, 2, 3], &mut pages(0..3));
+    ins(&mut t, &[1, 2, 4, 5], &mut pages(3..7));
+    ins(&mut t, &[1, 2, 4, 6], &mut pages(7..11));
+    let (a, _) = matched(&mut t, &[1, 2, 3]);
+    let (b, _) = matched(&mut t, &[1, 2, 4, 5]);
+    // Nothing locked: the whole path of each leaf.
+    assert_eq!(t.unlocked_device_tokens_on_path(a.last_device).unwrap(), 3);
+    assert_eq!(t.unlocked_device_tokens_on_path(b.last_device).unwrap(), 4);
+    // [1, 2] locked through `a`: only what lies below it counts for `b`, and nothing for `a`.
+    let ra = t.inc_lock_ref(a.last_device).unwrap();
+    assert_eq!(t.unlocked_device_tokens_on_path(a.last_device).unwrap(), 0);
+    let before = t.evictable_tokens();
+    let unlocked = t.unlocked_device_tokens_on_path(b.last_device).unwrap();
+    assert_eq!(unlocked, 2, "[4] and [5]");
+    let rb = t.inc_lock_ref(b.last_device).unwrap();
+    assert_eq!(before - t.evictable_tokens(), unlocked);
+    t.dec_lock_ref(rb).unwrap();
+    t.dec_lock_ref(ra).unwrap();
+    // The root holds nothing; a stale handle is an error.
+    assert_eq!(t.unlocked_device_tokens_on_path(t.root()).unwrap(), 0);
+    let mut out = Vec::new();
+    t.evict(100, &mut out);
+    assert!(t.unlocked_device_tokens_on_path(b.last_device).is_err());
+    t.check().unwrap();
+}
+
+#[test]
 fn receipts_from_other_trees_or_after_reset_are_stale() {
     let mut a = tree(1);
     let mut b = tree(1);
