@@ -742,14 +742,10 @@ pub fn make_room_by_evicting<C: PrefixCache + ?Sized>(cache: &mut C, n: usize) -
     Ok(())
 }
 
-/// The request audit every [`PrefixCache`] shares ([`PrefixCache::check_request`]'s default): a
-/// cache that audits more of a request (its own per-request state) calls it first.
-///
-/// # Errors
-/// The first violated invariant.
-/// The finish of a cache that reads whole keys: `None` (go on) unless `req` finishes with a
-/// key that lacks its leading tokens ([`RequestKv::check_whole_key`]); then it is released as
-/// an abort, so that nothing it holds is lost, and the refusal is returned.
+/// The start of a finish in a cache that may read whole keys: `None` (go on) unless `req`
+/// finishes with a key that lacks its leading tokens ([`RequestKv::check_whole_key`]) and
+/// `cache` does not take such keys ([`PrefixCache::takes_windowed_keys`]); then it is released
+/// as an abort, so that nothing it holds is lost, and the refusal is returned.
 pub fn refuse_partial_key_finish<C: PrefixCache + ?Sized>(
     cache: &mut C,
     req: &mut RequestKv,
@@ -758,7 +754,7 @@ pub fn refuse_partial_key_finish<C: PrefixCache + ?Sized>(
     let refused = req
         .check_whole_key()
         .err()
-        .filter(|_| kind == FinishKind::Finished)?;
+        .filter(|_| kind == FinishKind::Finished && !cache.takes_windowed_keys())?;
     Some(
         cache
             .cache_finished_req(req, FinishKind::Aborted)
@@ -766,6 +762,11 @@ pub fn refuse_partial_key_finish<C: PrefixCache + ?Sized>(
     )
 }
 
+/// The request audit every [`PrefixCache`] shares ([`PrefixCache::check_request`]'s default): a
+/// cache that audits more of a request (its own per-request state) calls it first.
+///
+/// # Errors
+/// The first violated invariant.
 pub(crate) fn check_request_kv<C: PrefixCache + ?Sized>(
     cache: &C,
     req: &RequestKv,

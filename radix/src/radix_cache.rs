@@ -887,9 +887,7 @@ impl PrefixCache for RadixCache {
     }
 
     fn cache_finished_req(&mut self, req: &mut RequestKv, kind: FinishKind) -> Result<()> {
-        if !self.takes_windowed_keys()
-            && let Some(refused) = refuse_partial_key_finish(self, req, kind)
-        {
+        if let Some(refused) = refuse_partial_key_finish(self, req, kind) {
             return refused;
         }
         if self.tree.swa_enabled() {

@@ -97,6 +97,11 @@ impl Node {
     fn on_device(&self) -> bool {
         !self.pages.is_empty()
     }
+
+    /// Its tokens count as evictable (on device, no lock): a lock moves them to protected.
+    fn counts_evictable(&self) -> bool {
+        self.lock_ref == 0 && self.on_device()
+    }
 }
 
 /// Result of a prefix match.

@@ -510,7 +510,7 @@ impl<B: DeviceBackend> HybridCacheController<B> {
     /// pages after them, and the rest of `reused` is freed. The pages go from one owner to the
     /// next without leaving the allocator, so the backup that follows a host eviction does
     /// not free and allocate again every page it writes. `reused` must be allocated, each
-    /// page once, and held by nothing else (checked in debug builds).
+    /// page once, and held by nothing else (debug builds check that each is allocated).
     ///
     /// # Errors
     /// As `write`; every page of `reused` is freed then (nothing else allocated or queued).

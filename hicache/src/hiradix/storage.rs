@@ -756,7 +756,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let need = self.window_pages().min(n);
             let free = self.swa_host_free();
             if free < need {
-                self.evict_host_leaves_for(0, 0, need - free);
+                self.evict_host_leaves_for(0, 0, need - free, None);
             }
             let k = self.swa_host_free().min(n);
             if k > 0

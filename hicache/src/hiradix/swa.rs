@@ -147,7 +147,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         }
         let free = self.swa_host_free();
         if free < need {
-            self.evict_host_leaves_for(0, 0, need - free);
+            self.evict_host_leaves_for(0, 0, need - free, None);
         }
         let free = self.swa_host_free();
         let mut need = need;

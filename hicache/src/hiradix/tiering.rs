@@ -98,14 +98,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // write-back eviction's time on the Mooncake replay.
         let free = self.ctrl.host().available();
         let mut reused = std::mem::take(&mut self.host_reuse);
-        reused.clear();
+        debug_assert!(reused.is_empty());
         if free < need {
-            self.evict_host_leaves_into((need - free) * p, 0, 0, Some(&mut reused));
+            self.evict_host_leaves_for((need - free) * p, 0, 0, Some(&mut reused));
         }
         self.make_room_for_states(&mut states);
         self.make_room_for_windows(&mut windows);
         if need == 0 && states.is_empty() {
-            self.give_back_host_pages(reused);
+            // Nothing to write, so nothing was evicted for it: `reused` is empty.
+            self.host_reuse = reused;
             return Ok(None);
         }
         let mut extra = Vec::new();
@@ -495,38 +496,18 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         self.evict_host_leaves(tokens, 0).0
     }
 
-    /// Frees host pages an eviction kept for a backup that did not take them, and keeps the
-    /// buffer for the next backup.
-    fn give_back_host_pages(&mut self, mut pages: Vec<u32>) {
-        if let Err(e) = self.ctrl.free_host(&pages) {
-            debug_assert!(false, "kept host pages were not allocated: {e}");
-        }
-        pages.clear();
-        self.host_reuse = pages;
-    }
-
     /// Host eviction until `tokens` are freed and `states` host Mamba states with them (or no
     /// host-only leaf is left). Returns both counts.
     pub(super) fn evict_host_leaves(&mut self, tokens: usize, states: usize) -> (usize, usize) {
-        self.evict_host_leaves_for(tokens, states, 0)
+        self.evict_host_leaves_for(tokens, states, 0, None)
     }
 
     /// Host eviction until `tokens` are freed, `states` host Mamba states and `windows` host
     /// SWA pages with them (or no host-only leaf is left). Returns the tokens and states freed.
+    /// With `keep`, the evicted leaves' KV host pages are appended to it instead of freed: they
+    /// stay allocated for the backup that needed the room
+    /// ([`HybridCacheController::write_reusing`]).
     pub(super) fn evict_host_leaves_for(
-        &mut self,
-        tokens: usize,
-        states: usize,
-        windows: usize,
-    ) -> (usize, usize) {
-        self.evict_host_leaves_into(tokens, states, windows, None)
-    }
-
-    /// [`HiRadixCache::evict_host_leaves_for`], appending the evicted leaves' KV host pages
-    /// to `keep` instead of freeing them when it is given: they stay allocated, for a caller
-    /// that hands them on ([`HybridCacheController::write_reusing`]) or frees them
-    /// ([`HiRadixCache::give_back_host_pages`]).
-    pub(super) fn evict_host_leaves_into(
         &mut self,
         tokens: usize,
         states: usize,
@@ -565,15 +546,23 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             done_windows += w;
             self.stats.swa_host_pages_evicted += w as u64;
             let (tree, _) = self.inner.parts_mut();
-            self.host_scratch.clear();
-            let Ok(n) = tree.evict_host_leaf(v, &mut self.host_scratch) else {
+            // Kept pages go straight into `keep` (the leaf's list is appended there on
+            // success only); the others through the scratch list to the free.
+            let n = if let Some(keep) = keep.as_deref_mut() {
+                tree.evict_host_leaf(v, keep)
+            } else {
+                self.host_scratch.clear();
+                let n = tree.evict_host_leaf(v, &mut self.host_scratch);
+                if n.is_ok()
+                    && let Err(e) = self.ctrl.free_host(&self.host_scratch)
+                {
+                    debug_assert!(false, "host pages of a node were not allocated: {e}");
+                }
+                n
+            };
+            let Ok(n) = n else {
                 continue;
             };
-            if let Some(keep) = keep.as_deref_mut() {
-                keep.extend_from_slice(&self.host_scratch);
-            } else if let Err(e) = self.ctrl.free_host(&self.host_scratch) {
-                debug_assert!(false, "host pages of a node were not allocated: {e}");
-            }
             done += n;
             self.stats.host_evicted_tokens += n as u64;
             let tree = self.inner.tree();

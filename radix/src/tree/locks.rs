@@ -14,7 +14,7 @@ impl RadixTree {
         let mut i = self.resolve(node)?;
         while i != self.root {
             let n = &mut self.nodes[i as usize];
-            if n.lock_ref == 0 && n.on_device() {
+            if n.counts_evictable() {
                 self.evictable -= n.key.len();
                 self.protected += n.key.len();
             }
@@ -44,7 +44,7 @@ impl RadixTree {
         let mut tokens = 0;
         while i != self.root {
             let n = &self.nodes[i as usize];
-            if n.lock_ref == 0 && n.on_device() {
+            if n.counts_evictable() {
                 tokens += n.key.len();
             }
             i = n.parent;
