@@ -7,6 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
+use common::hybrid::{self, Setup, build};
 use common::*;
 use radixkv_hicache::{
     HiCacheError, HiRadixCache, HostLayout, HostPool, HostSim, HostSimConfig, HostSize,
@@ -322,10 +323,68 @@ fn begin_out_of_rows_queues_no_load_back() {
     settled(&mut c);
 }
 
-/// The host tier's walks read a request's whole key: one that dropped its cached prefix
-/// (`RequestKv::drop_cached_prefix`) is refused, and its finish releases it, leaking nothing.
+/// A KV-only tree takes a key that dropped the prefix its lock covers
+/// (`RequestKv::drop_cached_prefix`): the host tier's walks (the events' pre-insert walk and
+/// the write-through backups) start at the lock anchor, and the cache ends exactly as with the
+/// whole key: the same events, the same backups, the same host hit, nothing held.
 #[test]
-fn a_key_without_its_cached_prefix_is_refused_and_released() {
+fn a_key_without_its_cached_prefix_is_walked_from_its_lock_anchor() {
+    let history: Vec<u32> = (0..16).collect();
+    let mut prompt = history.clone();
+    prompt.extend(100..106);
+    let decoded: Vec<u32> = (200..206).collect();
+    let mut whole = prompt.clone();
+    whole.extend(&decoded);
+    let mut seen = Vec::new();
+    for release in [false, true] {
+        let mut c = cache(
+            4,
+            32,
+            HostSize::Ratio(2.0),
+            HostLayout::PageFirst,
+            WritePolicy::WriteThrough,
+        );
+        assert!(c.takes_windowed_keys());
+        let rows = c.pools().rows.available();
+        serve(&mut c, &history).unwrap();
+        c.flush().unwrap();
+        c.take_events();
+        let mut r = begin(&mut c, &prompt);
+        assert_eq!(r.prefix_len, 16);
+        c.alloc_tokens(&mut r, 6).unwrap();
+        r.commit(6).unwrap();
+        c.cache_unfinished_req(&mut r).unwrap();
+        if release {
+            // The lock now ends at token 20: the key keeps its last partial page.
+            assert_eq!(r.drop_cached_prefix(usize::MAX), 20);
+            assert_eq!((r.key_start, r.key.len()), (20, 2));
+        }
+        c.check_request(&r).unwrap();
+        r.append_tokens(&decoded);
+        c.alloc_tokens(&mut r, 6).unwrap();
+        r.commit(6).unwrap();
+        c.cache_finished_req(&mut r, FinishKind::Finished).unwrap();
+        assert_eq!((r.row, r.lock.is_none()), (None, true));
+        c.flush().unwrap();
+        c.check_invariants().unwrap();
+        assert_eq!(c.protected_tokens(), 0);
+        assert_eq!(c.pools().rows.available(), rows);
+        let events: Vec<String> = c.take_events().iter().map(|e| format!("{e:?}")).collect();
+        // Everything was backed up: off the device, the whole sequence is a host hit.
+        c.evict(usize::MAX / 2);
+        let mut m = RequestKv::new(RadixKey::new(whole.clone()));
+        let hit = c.match_request(&mut m).unwrap();
+        seen.push((events, c.stats().backed_up_tokens, hit.host_hit_len));
+    }
+    assert_eq!(seen[0], seen[1]);
+    assert_eq!((seen[1].1, seen[1].2), (28, 24), "{:?}", seen[1]);
+}
+
+/// A windowed key that does not reach back to its lock anchor (it dropped tokens past the
+/// anchor's end) cannot be walked: its finish is refused with a typed error and releases the
+/// request, leaking nothing.
+#[test]
+fn a_key_that_starts_past_its_lock_anchor_is_refused_and_released() {
     let mut c = cache(
         4,
         32,
@@ -333,27 +392,18 @@ fn a_key_without_its_cached_prefix_is_refused_and_released() {
         HostLayout::PageFirst,
         WritePolicy::WriteThrough,
     );
-    assert!(!c.takes_windowed_keys());
     let rows = c.pools().rows.available();
     let history: Vec<u32> = (0..16).collect();
     serve(&mut c, &history).unwrap();
     let mut prompt = history.clone();
-    prompt.extend(100..106);
+    prompt.extend(100..110);
     let mut r = begin(&mut c, &prompt);
-    assert!(r.drop_cached_prefix(usize::MAX) > 0);
-    c.alloc_tokens(&mut r, 6).unwrap();
-    r.commit(6).unwrap();
-    assert!(matches!(
-        c.cache_unfinished_req(&mut r),
-        Err(CacheError::InvalidRequestState(_))
-    ));
-    assert!(matches!(
-        c.match_request(&mut RequestKv {
-            key_start: 1,
-            ..RequestKv::new(RadixKey::new(vec![1, 2, 3]))
-        }),
-        Err(CacheError::InvalidRequestState(_))
-    ));
+    assert_eq!(r.drop_cached_prefix(usize::MAX), 16);
+    // Four tokens past the anchor's end go too, as no correct caller drops them.
+    r.key.tokens.drain(..4);
+    r.key_start += 4;
+    c.alloc_tokens(&mut r, 10).unwrap();
+    r.commit(10).unwrap();
     assert!(matches!(
         c.cache_finished_req(&mut r, FinishKind::Finished),
         Err(CacheError::InvalidRequestState(_))
@@ -363,4 +413,44 @@ fn a_key_without_its_cached_prefix_is_refused_and_released() {
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
     assert_eq!(c.pools().rows.available(), rows);
+}
+
+/// The Mamba and SWA components read a request's whole key: such a cache refuses a key that
+/// dropped its cached prefix, and its finish releases it, leaking nothing.
+#[test]
+fn a_key_without_its_cached_prefix_is_refused_with_a_mamba_or_swa_component() {
+    for setup in [Setup::mamba(), Setup::swa()] {
+        let mut c = build(&setup);
+        assert!(!c.takes_windowed_keys());
+        let p = c.page_size();
+        let rows = c.pools().rows.available();
+        let history = tokens(7, 4 * p);
+        hybrid::serve(&mut c, &history);
+        let mut prompt = history.clone();
+        prompt.extend(tokens(8, p + 2));
+        let mut r = begin(&mut c, &prompt);
+        assert!(r.drop_cached_prefix(usize::MAX) > 0);
+        c.alloc_tokens(&mut r, p + 2).unwrap();
+        r.commit(p + 2).unwrap();
+        assert!(matches!(
+            c.cache_unfinished_req(&mut r),
+            Err(CacheError::InvalidRequestState(_))
+        ));
+        assert!(matches!(
+            c.match_request(&mut RequestKv {
+                key_start: 1,
+                ..RequestKv::new(RadixKey::new(vec![1, 2, 3]))
+            }),
+            Err(CacheError::InvalidRequestState(_))
+        ));
+        assert!(matches!(
+            c.cache_finished_req(&mut r, FinishKind::Finished),
+            Err(CacheError::InvalidRequestState(_))
+        ));
+        assert_eq!((r.row, r.lock.is_none()), (None, true));
+        c.flush().unwrap();
+        c.check_invariants().unwrap();
+        assert_eq!(c.protected_tokens(), 0);
+        assert_eq!(c.pools().rows.available(), rows);
+    }
 }

@@ -476,6 +476,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn sliding_window(&self) -> Option<usize> {
         self.cache.sliding_window()
     }
+    fn takes_windowed_keys(&self) -> bool {
+        self.cache.takes_windowed_keys()
+    }
     fn check_parked(
         &self,
         req: &RequestKv,

@@ -600,14 +600,19 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
     balanced(&kv);
 }
 
-/// A manager for the release tests: 256 tokens of device pool, pages of 4.
-fn release_manager(release: bool) -> KvCacheManager {
-    KvCacheManager::builder()
+/// A manager for the release tests: 256 tokens of device pool, pages of 4, events on; with
+/// `hicache`, a host tier of twice that under write-through (every insert is walked and
+/// backed up).
+fn release_manager(release: bool, hicache: bool) -> KvCacheManager {
+    let mut b = KvCacheManager::builder()
         .device_tokens(256)
         .page_size(PAGE)
-        .release_cached_prompts(release)
-        .build()
-        .unwrap()
+        .events(true)
+        .release_cached_prompts(release);
+    if hicache {
+        b = b.host_tier(HostTier::ratio(256, 2.0).write_policy(WritePolicy::WriteThrough));
+    }
+    b.build().unwrap()
 }
 
 /// Admits `id` and prefills it in one chunk.
@@ -624,16 +629,24 @@ fn prefill(kv: &mut KvCacheManager, id: ReqId) -> radixkv_scheduler_api::Admitte
 /// `release_cached_prompts`: once its prompt is in, a running lazy request holds only its
 /// last partial page and its output, not the prompt the tree already holds; it is served
 /// exactly as without (the same hits, the same tree after it), including a retraction, whose
-/// re-admission fills the prompt from the source again and keeps the decoded tokens.
+/// re-admission fills the prompt from the source again and keeps the decoded tokens. With a
+/// host tier too (its walks start at the lock anchor): the same events and backups.
 #[test]
 fn a_running_lazy_request_releases_the_prompt_the_tree_holds() {
+    for hicache in [false, true] {
+        releases_the_prompt_the_tree_holds(hicache);
+    }
+}
+
+fn releases_the_prompt_the_tree_holds(hicache: bool) {
     let history: Vec<TokenId> = (0..50).collect();
     let mut prompt = history.clone();
     prompt.extend(60..83);
     let mut held = Vec::new();
     let mut hits = Vec::new();
+    let mut events = Vec::new();
     for release in [false, true] {
-        let mut kv = release_manager(release);
+        let mut kv = release_manager(release, hicache);
         assert!(kv.can_release_cached_prompts());
         let first = kv
             .arrive(Request::lazy(counted(history.clone())).max_new_tokens(1))
@@ -687,8 +700,18 @@ fn a_running_lazy_request_releases_the_prompt_the_tree_holds() {
         hits.push((a.device_tokens, b.device_tokens, c.device_tokens));
         assert_eq!(kv.token_storage(), TokenStorage::default());
         balanced(&kv);
+        kv.drain().unwrap();
+        let seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
+        assert!(!seen.is_empty());
+        assert_eq!(
+            seen.iter().any(|e| e.contains("Host")),
+            hicache,
+            "host copies are reported where there is a host tier"
+        );
+        events.push(seen);
     }
     assert_eq!(hits[0], hits[1]);
+    assert_eq!(events[0], events[1]);
     assert_eq!(hits[1], (48, 72, 76));
     // The whole prompt (73 tokens and its room) against its last partial page and room.
     assert!(held[0] >= 73 * TOKEN, "{held:?}");
@@ -697,13 +720,21 @@ fn a_running_lazy_request_releases_the_prompt_the_tree_holds() {
 
 #[test]
 fn releasing_cached_prompts_is_refused_where_the_cache_reads_whole_keys() {
-    let hicache = KvCacheManager::builder()
+    let hicache = release_manager(true, true);
+    assert!(hicache.can_release_cached_prompts());
+    let hicache_sessions = KvCacheManager::builder()
         .device_tokens(256)
         .page_size(PAGE)
         .host_tier(HostTier::ratio(256, 2.0))
+        .sessions(SessionBudget {
+            max_held_tokens: 128,
+            idle_ttl_ms: 60_000,
+            per_session_cap_tokens: 128,
+            max_held_window_pages: None,
+        })
         .release_cached_prompts(true)
         .build();
-    assert!(matches!(hicache, Err(ManagerError::Config(_))));
+    assert!(matches!(hicache_sessions, Err(ManagerError::Config(_))));
     let mut sessions = KvCacheManager::builder()
         .device_tokens(256)
         .page_size(PAGE)

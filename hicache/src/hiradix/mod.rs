@@ -1069,26 +1069,50 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// Pre-insert view of `key`, kept only when events are on (to report nodes an insert makes
     /// device-resident again).
     /// `anchor`: a node on `key`'s path (see [`HiRadixCache::walk`]).
-    fn pre_walk(&self, key: KeyRef<'_>, anchor: Option<NodeId>) -> Option<TierWalk> {
+    fn pre_walk(
+        &self,
+        key: WalkKey<'_>,
+        anchor: Option<NodeId>,
+    ) -> radixkv_radix::Result<Option<TierWalk>> {
         let t = self.inner.tree();
-        t.events_enabled().then(|| self.walk(key, anchor))
+        if !t.events_enabled() {
+            return Ok(None);
+        }
+        self.walk(key, anchor).map(Some)
     }
 
     /// [`RadixTree::tier_walk`] of `key`; with `anchor`, a node whose path from the root is a
-    /// prefix of `key` (the node a request locked), only the tokens past it are compared.
-    fn walk(&self, key: KeyRef<'_>, anchor: Option<NodeId>) -> TierWalk {
+    /// prefix of `key` (the node a request locked), only the tokens past it are compared. A
+    /// key without its leading tokens needs that anchor, ending where it holds tokens or past.
+    fn walk(&self, key: WalkKey<'_>, anchor: Option<NodeId>) -> radixkv_radix::Result<TierWalk> {
         let t = self.inner.tree();
-        match anchor.map(|a| (a, t.depth_tokens(a))) {
-            Some((a, Ok(depth))) => t.tier_walk_from(a, depth, key),
-            _ => t.tier_walk(key),
+        if key.start == 0 {
+            return Ok(match anchor.map(|a| (a, t.depth_tokens(a))) {
+                Some((a, Ok(depth))) => t.tier_walk_from(a, depth, key.held),
+                _ => t.tier_walk(key.held),
+            });
         }
+        let Some(anchor) = anchor else {
+            return Err(CacheError::InvalidRequestState(
+                "a key without its cached prefix needs the lock anchor that ends it",
+            ));
+        };
+        let depth = t.depth_tokens(anchor)?;
+        let tail = depth
+            .checked_sub(key.start)
+            .and_then(|from| key.held.tokens.get(from..))
+            .ok_or(CacheError::InvalidRequestState(
+                "the key's tokens start past its lock anchor",
+            ))?;
+        let tail = KeyRef::with_namespace(tail, key.held.namespace);
+        t.tier_walk_tail(anchor, depth, tail, key.held.hashes)
     }
 
     /// After an insert of `key`: report re-adopted nodes, back up per policy, start writes.
     /// `anchor` as for [`HiRadixCache::walk`].
     fn after_insert(
         &mut self,
-        key: KeyRef<'_>,
+        key: WalkKey<'_>,
         pre: Option<TierWalk>,
         anchor: Option<NodeId>,
     ) -> HiResult<()> {
@@ -1096,7 +1120,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // The walk of the key's path feeds the events of re-adopted nodes and the
         // write-through backups: under write-back with nothing re-adopted it is not made.
         if readopted.is_some() || self.backup_threshold().is_some() {
-            let walk = self.walk(key, anchor);
+            let walk = self.walk(key, anchor)?;
             if let Some(pre) = readopted {
                 self.report_readopted(&walk, &pre)?;
             }
@@ -1213,9 +1237,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         pages: &[PageId],
         opts: InsertOptions,
     ) -> radixkv_radix::Result<InsertResult> {
-        let pre = self.pre_walk(key, None);
+        let pre = self.pre_walk(WalkKey::whole(key), None)?;
         let r = self.inner.insert(key, pages, opts)?;
-        self.after_insert(key, pre, None)?;
+        self.after_insert(WalkKey::whole(key), pre, None)?;
         Ok(r)
     }
 
@@ -1435,17 +1459,18 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     }
 
     fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
-        // The host tier's walks read the whole key.
-        req.check_whole_key()?;
+        // With the Mamba or SWA component the host tier's walks read the whole key.
+        if !self.takes_windowed_keys() {
+            req.check_whole_key()?;
+        }
         let aligned = align_down(req.committed_len, self.page_size());
         // The request's lock ends on its key's path: the walks compare only what lies past it.
         let before = req.lock.as_ref().map(LockReceipt::anchor);
-        let pre = self.pre_walk(req.key_prefix(aligned), before);
+        let pre = self.pre_walk(WalkKey::of(req, aligned), before)?;
         self.inner.cache_unfinished_req(req)?;
-        let key = req.key_prefix(req.cache_protected_len);
-        if !key.is_empty() {
+        if req.cache_protected_len > 0 {
             let after = req.lock.as_ref().map(LockReceipt::anchor).or(before);
-            self.after_insert(key, pre, after)?;
+            self.after_insert(WalkKey::of(req, req.cache_protected_len), pre, after)?;
         }
         Ok(())
     }
@@ -1464,16 +1489,61 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         // splits below it only): the walks compare only what lies past it.
         let anchor = req.lock.as_ref().map(LockReceipt::anchor);
         let pre = if inserted {
-            self.pre_walk(req.key_prefix(aligned), anchor)
+            match self.pre_walk(WalkKey::of(req, aligned), anchor) {
+                Ok(pre) => pre,
+                Err(e) => {
+                    // A key the walk cannot read (a windowed one whose anchor does not end
+                    // where it holds tokens): release the request as an abort, then say why.
+                    self.inner.cache_finished_req(req, FinishKind::Aborted)?;
+                    return Err(e);
+                }
+            }
         } else {
             None
         };
         self.inner.cache_finished_req(req, kind)?;
         if inserted && !self.inner.is_disabled() {
             // The request state is cleared but its key is kept.
-            self.after_insert(req.key_prefix(aligned), pre, anchor)?;
+            self.after_insert(WalkKey::of(req, aligned), pre, anchor)?;
         }
         Ok(())
+    }
+
+    fn takes_windowed_keys(&self) -> bool {
+        // The Mamba and SWA components' walks read the key before the anchor.
+        !self.mamba && !self.swa && self.inner.takes_windowed_keys()
+    }
+}
+
+/// What the host tier's walks read of a request's key: its first tokens, of which it holds
+/// those from `start` on (0 unless it dropped the prefix its lock covers,
+/// [`RequestKv::drop_cached_prefix`]).
+#[derive(Clone, Copy)]
+struct WalkKey<'a> {
+    /// The tokens held (from `start`), the namespace, and the whole key's match hashes.
+    held: KeyRef<'a>,
+    start: usize,
+}
+
+impl<'a> WalkKey<'a> {
+    fn whole(key: KeyRef<'a>) -> Self {
+        WalkKey {
+            held: key,
+            start: 0,
+        }
+    }
+
+    /// The request's first `len` tokens.
+    fn of(req: &'a RequestKv, len: usize) -> Self {
+        if req.key_start == 0 {
+            return Self::whole(req.key_prefix(len));
+        }
+        let held = len.saturating_sub(req.key_start).min(req.key.tokens.len());
+        WalkKey {
+            held: KeyRef::with_namespace(&req.key.tokens[..held], &req.key.namespace)
+                .with_hashes(&req.page_hashes),
+            start: req.key_start,
+        }
     }
 }
 

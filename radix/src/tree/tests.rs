@@ -600,6 +600,14 @@ fn hinted_walks_equal_the_walks_from_the_root() {
                     a.tier_walk(KeyRef::new(&key)),
                     b.tier_walk_from(h.last_node, depth, KeyRef::new(&key))
                 );
+                // And from the anchor with only the tokens past it (a released prompt's key).
+                let tail = KeyRef::new(&key[depth..]);
+                let no_hashes = crate::page_hash::PageHashes::new();
+                assert_eq!(
+                    a.tier_walk(KeyRef::new(&key)),
+                    b.tier_walk_tail(h.last_node, depth, tail, &no_hashes)
+                        .unwrap()
+                );
             }
         }
         a.check().unwrap();
@@ -630,6 +638,33 @@ fn hinted_walks_equal_the_walks_from_the_root() {
     out.clear();
     let m = t.match_prefix_from(deep, KeyRef::new(&[1, 2, 3, 4, 5, 6]), &mut out);
     assert_eq!((m.device_len, out.len()), (4, 2), "stale");
+    // A tail walk has no whole key to fall back on: a stale anchor, one that does not end at
+    // the offset, and one in another namespace are errors.
+    let no_hashes = crate::page_hash::PageHashes::new();
+    assert!(matches!(
+        t.tier_walk_tail(deep, 4, KeyRef::new(&[5, 6]), &no_hashes),
+        Err(CacheError::StaleNode(_))
+    ));
+    let (four, _) = matched(&mut t, &[1, 2, 3, 4]);
+    assert!(matches!(
+        t.tier_walk_tail(four.last_node, 2, KeyRef::new(&[3, 4]), &no_hashes),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    let ns = Namespace::new("other");
+    assert!(matches!(
+        t.tier_walk_tail(
+            four.last_node,
+            4,
+            KeyRef::with_namespace(&[5, 6], &ns),
+            &no_hashes
+        ),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    let walk = t
+        .tier_walk_tail(four.last_node, 4, KeyRef::new(&[5, 6]), &no_hashes)
+        .unwrap();
+    assert_eq!(walk, t.tier_walk(KeyRef::new(&[1, 2, 3, 4, 5, 6])));
+    assert_eq!(walk.device_len, 4);
     t.check().unwrap();
 }
 

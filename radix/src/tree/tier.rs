@@ -328,15 +328,96 @@ impl RadixTree {
             Ok(i) if offset <= whole && offset.is_multiple_of(p) && self.depth_of(i) == offset => i,
             _ => return self.tier_walk(key),
         };
+        let (mut walk, on_device, keep) = self.tier_walk_to(start);
+        if let Some(top) = walk.nodes.first()
+            && self.nodes[top.idx as usize].namespace != *key.namespace
+        {
+            return self.tier_walk(key);
+        }
+        if keep < walk.nodes.len() {
+            walk.nodes.truncate(keep);
+        } else {
+            self.tier_walk_down(key, start, offset, on_device, &mut walk);
+        }
+        debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_from disagrees");
+        walk
+    }
+
+    /// [`RadixTree::tier_walk`] of a key given from a lock anchor on: `anchor` ends at token
+    /// `offset` of the key (a whole number of pages), `tail` holds the key's tokens from
+    /// `offset` on, and `hashes` are the whole key's match hashes, counted from its first
+    /// page (or none). For a request that dropped the tokens its lock covers
+    /// ([`crate::RequestKv::drop_cached_prefix`]): the path down to the anchor is read through
+    /// the parent links, and only `tail` is compared.
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the anchor does not
+    /// end at `offset` or lies in another namespace than `tail` (the tokens before `offset`
+    /// are not there to walk from the root instead).
+    pub fn tier_walk_tail(
+        &self,
+        anchor: NodeId,
+        offset: usize,
+        tail: KeyRef<'_>,
+        hashes: &crate::page_hash::PageHashes,
+    ) -> Result<TierWalk> {
+        let start = self.resolve(anchor)?;
+        if self.depth_of(start) != offset {
+            return Err(CacheError::InvalidRequestState(
+                "walk anchor does not end at the given offset",
+            ));
+        }
+        let (mut walk, on_device, keep) = self.tier_walk_to(start);
+        if let Some(top) = walk.nodes.first()
+            && self.nodes[top.idx as usize].namespace != *tail.namespace
+        {
+            return Err(CacheError::InvalidRequestState(
+                "walk anchor lies in another namespace than the key",
+            ));
+        }
+        if keep < walk.nodes.len() {
+            walk.nodes.truncate(keep);
+        } else {
+            // Positions count from the anchor, and the hashes from the key's first page.
+            let key = KeyRef {
+                hashes,
+                pages_before: offset / self.page_size,
+                ..tail
+            };
+            self.tier_walk_down(key, start, 0, on_device, &mut walk);
+        }
+        #[cfg(debug_assertions)]
+        {
+            // The same walk from the root over the whole key: the path's tokens, then the tail.
+            let mut whole: Vec<u32> = Vec::with_capacity(offset + tail.len());
+            let mut up = start;
+            let mut edges = Vec::new();
+            while up != self.root {
+                edges.push(up);
+                up = self.nodes[up as usize].parent;
+            }
+            for &e in edges.iter().rev() {
+                whole.extend_from_slice(&self.nodes[e as usize].key);
+            }
+            whole.extend_from_slice(tail.tokens);
+            let key = KeyRef::with_namespace(&whole, tail.namespace);
+            debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_tail disagrees");
+        }
+        Ok(walk)
+    }
+
+    /// The start of a walk that reaches `start`: its path from the root (root excluded),
+    /// classified exactly as the walk down would (device nodes first, then host copies), with
+    /// whether the walk is still on device there and how many of the path's nodes it keeps
+    /// (a node with neither copy ends the walk: the caller cuts the path there).
+    fn tier_walk_to(&self, start: u32) -> (TierWalk, bool, usize) {
         let mut walk = TierWalk::default();
-        // The anchor's path, root first.
         let mut up = start;
         while up != self.root {
             walk.nodes.push(self.id_of(up));
             up = self.nodes[up as usize].parent;
         }
         walk.nodes.reverse();
-        // Classify it exactly as the walk down would: device nodes first, then host copies.
         let mut on_device = true;
         let mut keep = walk.nodes.len();
         for (k, id) in walk.nodes.iter().enumerate() {
@@ -351,18 +432,7 @@ impl RadixTree {
                 break;
             }
         }
-        if let Some(top) = walk.nodes.first()
-            && self.nodes[top.idx as usize].namespace != *key.namespace
-        {
-            return self.tier_walk(key);
-        }
-        if keep < walk.nodes.len() {
-            walk.nodes.truncate(keep);
-        } else {
-            self.tier_walk_down(key, start, offset, on_device, &mut walk);
-        }
-        debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_from disagrees");
-        walk
+        (walk, on_device, keep)
     }
 
     /// The walk of [`RadixTree::tier_walk`] from `node`, which ends at token `pos` of `key`.

@@ -399,8 +399,8 @@ struct RunArgs {
     #[arg(long, value_name = "MODE", value_parser = page_hash_parser())]
     page_hashes: Option<PageHashMode>,
     /// Running requests keep their whole prompts. By default a running request keeps only
-    /// the prompt tokens past its cached prefix wherever the cache allows (radix without
-    /// sessions, Mamba or sliding-window layers): the tree holds the rest
+    /// the prompt tokens past its cached prefix wherever the cache allows (radix or hicache,
+    /// without sessions, Mamba or sliding-window layers): the tree holds the rest
     #[arg(long)]
     keep_running_prompts: bool,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each
