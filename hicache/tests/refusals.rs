@@ -404,15 +404,7 @@ fn a_key_that_starts_past_its_lock_anchor_is_refused_and_released() {
     r.key_start += 4;
     c.alloc_tokens(&mut r, 10).unwrap();
     r.commit(10).unwrap();
-    assert!(matches!(
-        c.cache_finished_req(&mut r, FinishKind::Finished),
-        Err(CacheError::InvalidRequestState(_))
-    ));
-    assert_eq!((r.row, r.lock.is_none()), (None, true));
-    c.flush().unwrap();
-    c.check_invariants().unwrap();
-    assert_eq!(c.protected_tokens(), 0);
-    assert_eq!(c.pools().rows.available(), rows);
+    finish_is_refused_and_released(&mut c, &mut r, rows);
 }
 
 /// The Mamba and SWA components read a request's whole key: such a cache refuses a key that
@@ -443,14 +435,20 @@ fn a_key_without_its_cached_prefix_is_refused_with_a_mamba_or_swa_component() {
             }),
             Err(CacheError::InvalidRequestState(_))
         ));
-        assert!(matches!(
-            c.cache_finished_req(&mut r, FinishKind::Finished),
-            Err(CacheError::InvalidRequestState(_))
-        ));
-        assert_eq!((r.row, r.lock.is_none()), (None, true));
-        c.flush().unwrap();
-        c.check_invariants().unwrap();
-        assert_eq!(c.protected_tokens(), 0);
-        assert_eq!(c.pools().rows.available(), rows);
+        finish_is_refused_and_released(&mut c, &mut r, rows);
     }
+}
+
+/// `r`'s finish is refused with a typed error and still releases it: no row or lock left,
+/// nothing protected, every one of the cache's `rows` back, the invariants whole.
+fn finish_is_refused_and_released(c: &mut HiRadixCache<HostSim>, r: &mut RequestKv, rows: usize) {
+    assert!(matches!(
+        c.cache_finished_req(r, FinishKind::Finished),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert_eq!((r.row, r.lock.is_none()), (None, true));
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.pools().rows.available(), rows);
 }
