@@ -701,7 +701,10 @@ fn releases_the_prompt_the_tree_holds(hicache: bool) {
         assert_eq!(kv.token_storage(), TokenStorage::default());
         balanced(&kv);
         kv.drain().unwrap();
-        let seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
+        let mut seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
+        // The same events; a backup's host event comes at the step that finds its copy done,
+        // which the copy threads' timing decides.
+        seen.sort();
         assert!(!seen.is_empty());
         assert_eq!(
             seen.iter().any(|e| e.contains("Host")),
