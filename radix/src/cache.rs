@@ -303,6 +303,15 @@ impl RequestKv {
         self.key.as_ref().with_hashes(&self.page_hashes)
     }
 
+    /// The request's tokens at positions `from..to` (counted from its first token), where its
+    /// key still holds them: `None` when `from` lies before [`RequestKv::key_start`] (dropped,
+    /// [`RequestKv::drop_cached_prefix`]) or the range passes the key's end.
+    #[inline]
+    pub fn key_tokens(&self, from: usize, to: usize) -> Option<&[TokenId]> {
+        let start = from.checked_sub(self.key_start)?;
+        self.key.tokens.get(start..to.checked_sub(self.key_start)?)
+    }
+
     /// The key's first `len` tokens (clamped) with the request's match hashes (a key that
     /// holds all its tokens: `key_start` 0).
     #[inline]

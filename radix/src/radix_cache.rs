@@ -447,11 +447,7 @@ impl RadixCache {
                 // `key_start` on, which is at most the anchor's end (`drop_cached_prefix`
                 // drops no further).
                 let from = req.cache_protected_len;
-                let tail = from
-                    .checked_sub(req.key_start)
-                    .zip(len.checked_sub(req.key_start))
-                    .and_then(|(a, b)| req.key.tokens.get(a..b));
-                match tail {
+                match req.key_tokens(from, len) {
                     Some(tail) => {
                         let tail = KeyRef::with_namespace(tail, &req.key.namespace);
                         let hashes = &req.page_hashes;

@@ -1074,38 +1074,39 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         key: WalkKey<'_>,
         anchor: Option<NodeId>,
     ) -> radixkv_radix::Result<Option<TierWalk>> {
-        let t = self.inner.tree();
-        if !t.events_enabled() {
-            return Ok(None);
-        }
-        self.walk(key, anchor).map(Some)
+        let events = self.inner.tree().events_enabled();
+        events.then(|| self.walk(key, anchor)).transpose()
     }
 
     /// [`RadixTree::tier_walk`] of `key`; with `anchor`, a node whose path from the root is a
     /// prefix of `key` (the node a request locked), only the tokens past it are compared. A
-    /// key without its leading tokens needs that anchor, ending where it holds tokens or past.
+    /// request's key that dropped its cached prefix is walked from that anchor
+    /// ([`RadixTree::tier_walk_tail`]), which it needs.
     fn walk(&self, key: WalkKey<'_>, anchor: Option<NodeId>) -> radixkv_radix::Result<TierWalk> {
         let t = self.inner.tree();
-        if key.start == 0 {
-            return Ok(match anchor.map(|a| (a, t.depth_tokens(a))) {
-                Some((a, Ok(depth))) => t.tier_walk_from(a, depth, key.held),
-                _ => t.tier_walk(key.held),
-            });
-        }
-        let Some(anchor) = anchor else {
-            return Err(CacheError::InvalidRequestState(
-                "a key without its cached prefix needs the lock anchor that ends it",
-            ));
+        let whole = match key {
+            WalkKey::Whole(k) => k,
+            WalkKey::Request(req, len) if req.key_start == 0 => req.key_prefix(len),
+            WalkKey::Request(req, len) => {
+                let Some(anchor) = anchor else {
+                    return Err(CacheError::InvalidRequestState(
+                        "a key without its cached prefix needs the lock anchor that ends it",
+                    ));
+                };
+                let depth = t.depth_tokens(anchor)?;
+                let tail = req
+                    .key_tokens(depth, len)
+                    .ok_or(CacheError::InvalidRequestState(
+                        "the key's tokens start past its lock anchor",
+                    ))?;
+                let tail = KeyRef::with_namespace(tail, &req.key.namespace);
+                return t.tier_walk_tail(anchor, depth, tail, &req.page_hashes);
+            }
         };
-        let depth = t.depth_tokens(anchor)?;
-        let tail = depth
-            .checked_sub(key.start)
-            .and_then(|from| key.held.tokens.get(from..))
-            .ok_or(CacheError::InvalidRequestState(
-                "the key's tokens start past its lock anchor",
-            ))?;
-        let tail = KeyRef::with_namespace(tail, key.held.namespace);
-        t.tier_walk_tail(anchor, depth, tail, key.held.hashes)
+        Ok(match anchor.map(|a| (a, t.depth_tokens(a))) {
+            Some((a, Ok(depth))) => t.tier_walk_from(a, depth, whole),
+            _ => t.tier_walk(whole),
+        })
     }
 
     /// After an insert of `key`: report re-adopted nodes, back up per policy, start writes.
@@ -1237,9 +1238,9 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         pages: &[PageId],
         opts: InsertOptions,
     ) -> radixkv_radix::Result<InsertResult> {
-        let pre = self.pre_walk(WalkKey::whole(key), None)?;
+        let pre = self.pre_walk(WalkKey::Whole(key), None)?;
         let r = self.inner.insert(key, pages, opts)?;
-        self.after_insert(WalkKey::whole(key), pre, None)?;
+        self.after_insert(WalkKey::Whole(key), pre, None)?;
         Ok(r)
     }
 
@@ -1459,18 +1460,16 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
     }
 
     fn cache_unfinished_req(&mut self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
-        // With the Mamba or SWA component the host tier's walks read the whole key.
-        if !self.takes_windowed_keys() {
-            req.check_whole_key()?;
-        }
+        // A key without its cached prefix is refused by the inner cache where the components
+        // read the whole key (before anything changes: the walk below only reads).
         let aligned = align_down(req.committed_len, self.page_size());
         // The request's lock ends on its key's path: the walks compare only what lies past it.
         let before = req.lock.as_ref().map(LockReceipt::anchor);
-        let pre = self.pre_walk(WalkKey::of(req, aligned), before)?;
+        let pre = self.pre_walk(WalkKey::Request(req, aligned), before)?;
         self.inner.cache_unfinished_req(req)?;
         if req.cache_protected_len > 0 {
             let after = req.lock.as_ref().map(LockReceipt::anchor).or(before);
-            self.after_insert(WalkKey::of(req, req.cache_protected_len), pre, after)?;
+            self.after_insert(WalkKey::Request(req, req.cache_protected_len), pre, after)?;
         }
         Ok(())
     }
@@ -1489,62 +1488,34 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         // splits below it only): the walks compare only what lies past it.
         let anchor = req.lock.as_ref().map(LockReceipt::anchor);
         let pre = if inserted {
-            match self.pre_walk(WalkKey::of(req, aligned), anchor) {
-                Ok(pre) => pre,
-                Err(e) => {
-                    // A key the walk cannot read (a windowed one whose anchor does not end
-                    // where it holds tokens): release the request as an abort, then say why.
-                    self.inner.cache_finished_req(req, FinishKind::Aborted)?;
-                    return Err(e);
-                }
-            }
+            self.pre_walk(WalkKey::Request(req, aligned), anchor)
         } else {
-            None
+            Ok(None)
         };
+        // The inner finish releases the request whatever happens. A key the walk cannot read
+        // (a dropped prefix whose anchor does not end where the key's tokens start) is one
+        // its insert refuses too, and that refusal is the error returned.
         self.inner.cache_finished_req(req, kind)?;
+        let pre = pre?;
         if inserted && !self.inner.is_disabled() {
             // The request state is cleared but its key is kept.
-            self.after_insert(WalkKey::of(req, aligned), pre, anchor)?;
+            self.after_insert(WalkKey::Request(req, aligned), pre, anchor)?;
         }
         Ok(())
     }
 
     fn takes_windowed_keys(&self) -> bool {
-        // The Mamba and SWA components' walks read the key before the anchor.
-        !self.mamba && !self.swa && self.inner.takes_windowed_keys()
+        // The host tier's walks take them; the inner cache's components may not.
+        self.inner.takes_windowed_keys()
     }
 }
 
-/// What the host tier's walks read of a request's key: its first tokens, of which it holds
-/// those from `start` on (0 unless it dropped the prefix its lock covers,
-/// [`RequestKv::drop_cached_prefix`]).
+/// The key of a host-tier walk: a whole key, or a request's first `len` tokens (of which it
+/// may hold only those from [`RequestKv::key_start`] on).
 #[derive(Clone, Copy)]
-struct WalkKey<'a> {
-    /// The tokens held (from `start`), the namespace, and the whole key's match hashes.
-    held: KeyRef<'a>,
-    start: usize,
-}
-
-impl<'a> WalkKey<'a> {
-    fn whole(key: KeyRef<'a>) -> Self {
-        WalkKey {
-            held: key,
-            start: 0,
-        }
-    }
-
-    /// The request's first `len` tokens.
-    fn of(req: &'a RequestKv, len: usize) -> Self {
-        if req.key_start == 0 {
-            return Self::whole(req.key_prefix(len));
-        }
-        let held = len.saturating_sub(req.key_start).min(req.key.tokens.len());
-        WalkKey {
-            held: KeyRef::with_namespace(&req.key.tokens[..held], &req.key.namespace)
-                .with_hashes(&req.page_hashes),
-            start: req.key_start,
-        }
-    }
+enum WalkKey<'a> {
+    Whole(KeyRef<'a>),
+    Request(&'a RequestKv, usize),
 }
 
 /// The controller's SWA pool for a tree of `pages` device SWA pages (see

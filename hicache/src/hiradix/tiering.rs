@@ -548,21 +548,21 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             let (tree, _) = self.inner.parts_mut();
             // Kept pages go straight into `keep` (the leaf's list is appended there on
             // success only); the others through the scratch list to the free.
-            let n = if let Some(keep) = keep.as_deref_mut() {
-                tree.evict_host_leaf(v, keep)
-            } else {
-                self.host_scratch.clear();
-                let n = tree.evict_host_leaf(v, &mut self.host_scratch);
-                if n.is_ok()
-                    && let Err(e) = self.ctrl.free_host(&self.host_scratch)
-                {
-                    debug_assert!(false, "host pages of a node were not allocated: {e}");
+            let out = match keep.as_deref_mut() {
+                Some(keep) => keep,
+                None => {
+                    self.host_scratch.clear();
+                    &mut self.host_scratch
                 }
-                n
             };
-            let Ok(n) = n else {
+            let Ok(n) = tree.evict_host_leaf(v, out) else {
                 continue;
             };
+            if keep.is_none()
+                && let Err(e) = self.ctrl.free_host(&self.host_scratch)
+            {
+                debug_assert!(false, "host pages of a node were not allocated: {e}");
+            }
             done += n;
             self.stats.host_evicted_tokens += n as u64;
             let tree = self.inner.tree();

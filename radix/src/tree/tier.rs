@@ -318,29 +318,29 @@ impl RadixTree {
     /// anchor is read through the parent links, without comparing its tokens again, so the
     /// walk costs the anchor's depth in nodes plus the tokens of `key` past `offset`.
     ///
-    /// An anchor that is stale, or does not end at `offset` (or `offset` past `key`'s whole
-    /// pages), is not an error: the walk then compares `key` from the root, as
-    /// [`RadixTree::tier_walk`] does.
+    /// An anchor that is stale, does not end at `offset` or lies in another namespace (or
+    /// `offset` past `key`'s whole pages) is not an error: the walk then compares `key` from
+    /// the root, as [`RadixTree::tier_walk`] does. Otherwise it is
+    /// [`RadixTree::tier_walk_tail`] of `key`'s tokens past `offset`.
     pub fn tier_walk_from(&self, anchor: NodeId, offset: usize, key: KeyRef<'_>) -> TierWalk {
         let p = self.page_size;
         let whole = key.tokens.len() - key.tokens.len() % p;
-        let start = match self.resolve(anchor) {
-            Ok(i) if offset <= whole && offset.is_multiple_of(p) && self.depth_of(i) == offset => i,
-            _ => return self.tier_walk(key),
-        };
-        let (mut walk, on_device, keep) = self.tier_walk_to(start);
-        if let Some(top) = walk.nodes.first()
-            && self.nodes[top.idx as usize].namespace != *key.namespace
-        {
+        if offset > whole || !offset.is_multiple_of(p) {
             return self.tier_walk(key);
         }
-        if keep < walk.nodes.len() {
-            walk.nodes.truncate(keep);
-        } else {
-            self.tier_walk_down(key, start, offset, on_device, &mut walk);
+        let tail = KeyRef {
+            tokens: &key.tokens[offset..],
+            ..key
+        };
+        match self.tier_walk_tail(anchor, offset, tail, key.hashes) {
+            Ok(walk) => {
+                // The tail walk checks itself against its anchor's own path; this checks that
+                // the path is `key`'s.
+                debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_from disagrees");
+                walk
+            }
+            Err(_) => self.tier_walk(key),
         }
-        debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_from disagrees");
-        walk
     }
 
     /// [`RadixTree::tier_walk`] of a key given from a lock anchor on: `anchor` ends at token
@@ -367,13 +367,35 @@ impl RadixTree {
                 "walk anchor does not end at the given offset",
             ));
         }
-        let (mut walk, on_device, keep) = self.tier_walk_to(start);
+        let mut walk = TierWalk::default();
+        // The anchor's path, root first.
+        let mut up = start;
+        while up != self.root {
+            walk.nodes.push(self.id_of(up));
+            up = self.nodes[up as usize].parent;
+        }
+        walk.nodes.reverse();
         if let Some(top) = walk.nodes.first()
             && self.nodes[top.idx as usize].namespace != *tail.namespace
         {
             return Err(CacheError::InvalidRequestState(
                 "walk anchor lies in another namespace than the key",
             ));
+        }
+        // Classify it exactly as the walk down would: device nodes first, then host copies.
+        let mut on_device = true;
+        let mut keep = walk.nodes.len();
+        for (k, id) in walk.nodes.iter().enumerate() {
+            let n = &self.nodes[id.idx as usize];
+            if on_device && n.on_device() {
+                walk.device_len += n.key.len();
+            } else if n.host.is_some() {
+                on_device = false;
+                walk.host_len += n.key.len();
+            } else {
+                keep = k;
+                break;
+            }
         }
         if keep < walk.nodes.len() {
             walk.nodes.truncate(keep);
@@ -389,50 +411,20 @@ impl RadixTree {
         #[cfg(debug_assertions)]
         {
             // The same walk from the root over the whole key: the path's tokens, then the tail.
-            let mut whole: Vec<u32> = Vec::with_capacity(offset + tail.len());
+            let mut deepest_first = Vec::new();
             let mut up = start;
-            let mut edges = Vec::new();
             while up != self.root {
-                edges.push(up);
+                deepest_first.push(up);
                 up = self.nodes[up as usize].parent;
             }
-            for &e in edges.iter().rev() {
-                whole.extend_from_slice(&self.nodes[e as usize].key);
-            }
-            whole.extend_from_slice(tail.tokens);
+            let whole: Vec<u32> = self
+                .path_tokens(&deepest_first)
+                .chain(tail.tokens.iter().copied())
+                .collect();
             let key = KeyRef::with_namespace(&whole, tail.namespace);
             debug_assert_eq!(walk, self.tier_walk(key), "tier_walk_tail disagrees");
         }
         Ok(walk)
-    }
-
-    /// The start of a walk that reaches `start`: its path from the root (root excluded),
-    /// classified exactly as the walk down would (device nodes first, then host copies), with
-    /// whether the walk is still on device there and how many of the path's nodes it keeps
-    /// (a node with neither copy ends the walk: the caller cuts the path there).
-    fn tier_walk_to(&self, start: u32) -> (TierWalk, bool, usize) {
-        let mut walk = TierWalk::default();
-        let mut up = start;
-        while up != self.root {
-            walk.nodes.push(self.id_of(up));
-            up = self.nodes[up as usize].parent;
-        }
-        walk.nodes.reverse();
-        let mut on_device = true;
-        let mut keep = walk.nodes.len();
-        for (k, id) in walk.nodes.iter().enumerate() {
-            let n = &self.nodes[id.idx as usize];
-            if on_device && n.on_device() {
-                walk.device_len += n.key.len();
-            } else if n.host.is_some() {
-                on_device = false;
-                walk.host_len += n.key.len();
-            } else {
-                keep = k;
-                break;
-            }
-        }
-        (walk, on_device, keep)
     }
 
     /// The walk of [`RadixTree::tier_walk`] from `node`, which ends at token `pos` of `key`.

@@ -116,7 +116,7 @@ impl RadixTree {
     }
 
     /// The tokens of `path` (deepest first), root first.
-    fn path_tokens<'a>(&'a self, path: &'a [u32]) -> impl Iterator<Item = TokenId> + 'a {
+    pub(super) fn path_tokens<'a>(&'a self, path: &'a [u32]) -> impl Iterator<Item = TokenId> + 'a {
         path.iter()
             .rev()
             .flat_map(|&i| self.nodes[i as usize].key.iter().copied())
