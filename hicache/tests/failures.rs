@@ -27,6 +27,7 @@ for_each_backend! {
     failed_backup_leaves_the_node_device_only => failed_backup_leaves_the_node_device_only(),
     failed_load_is_repaired_and_not_reported_as_loaded => failed_load_is_repaired_and_not_reported_as_loaded(),
     unrepairable_load_is_demoted_back_to_the_host => unrepairable_load_is_demoted_back_to_the_host(),
+    reset_demotes_failed_loads_whose_repairs_fail => reset_demotes_failed_loads_whose_repairs_fail(),
 }
 
 /// A write-through cache of page size 2 over 16 device pages of `F`'s backend.
@@ -209,6 +210,58 @@ fn unrepairable_load_is_demoted_back_to_the_host<F: Factory>() {
     c.flush().unwrap();
     c.check_invariants().unwrap();
     assert_eq!(c.protected_tokens(), 0);
+}
+
+/// A reset drains the tier, repairing failed loads or demoting them to the host. Two failed
+/// loads, one above the other: the first drain's repairs fail, and the upper load cannot be
+/// demoted while the lower one's nodes are on device below it (the lower one can). The second
+/// drain's repair fails too, and demotes the upper load. Nothing is left to repair, so the
+/// reset goes through. (Found by fuzzing `hicache_ops`: the reset returned the last repair's
+/// error, folded into an invalid request state, though its load had been demoted.)
+fn reset_demotes_failed_loads_whose_repairs_fail<F: Factory>() {
+    let Some(mut c) = cache_of::<F>(HostLayout::PageFirst) else {
+        return;
+    };
+    let a = toks(1, 9);
+    let ab: Vec<u32> = a[..8].iter().copied().chain(toks(2, 9)).collect();
+    serve(&mut c, &ab).unwrap();
+    c.flush().unwrap();
+    c.evict(100);
+    // r1 loads A's 8 host tokens back; r2, begun after it, loads the 8 host tokens below.
+    let mut r1 = begin(&mut c, &a);
+    let mut r2 = begin(&mut c, &ab);
+    assert_eq!((r1.prefix_len, r2.prefix_len), (8, 16));
+    // The merged load fails at every layer; the first drain's two repairs and the second
+    // drain's one fail too.
+    c.backend()
+        .fail_next_copies(StreamKind::Load, LAYERS as u32 + 3);
+    let step = c.start_loading().unwrap().unwrap();
+    let counter = c.layer_counter().clone();
+    counter.set_consumer(step.producer);
+    assert!((0..LAYERS).any(|l| counter.wait_until(l).is_err()));
+    // The scheduler aborts both before a step reports the failure.
+    c.cache_finished_req(&mut r1, FinishKind::Aborted).unwrap();
+    c.cache_finished_req(&mut r2, FinishKind::Aborted).unwrap();
+    c.reset().unwrap();
+    let s = c.stats();
+    assert_eq!(
+        (s.failed_loads, s.repaired_loads, s.demoted_failed_loads),
+        (2, 0, 2),
+        "{s:?}"
+    );
+    assert_eq!(c.protected_tokens(), 0);
+    assert_eq!(c.host_tokens(), 0);
+    assert_eq!(c.pools().pages.tree_pages(), 0);
+    assert_eq!(host_hit(&mut c, &ab), (0, 0));
+    c.check_invariants().unwrap();
+    // The faults are used up, and the cache works after the reset: a backup and its load-back
+    // round-trip byte-exactly.
+    serve(&mut c, &a).unwrap();
+    c.flush().unwrap();
+    c.evict(100);
+    assert_eq!(serve(&mut c, &a).unwrap().loaded, 8);
+    c.flush().unwrap();
+    c.check_invariants().unwrap();
 }
 
 /// The forward pass stops at the first failed layer, and the step boundary comes while the
