@@ -250,7 +250,9 @@ impl RequestKv {
     /// `cache_protected_len` (the path to its lock anchor: the lock keeps it from eviction,
     /// and a split leaves its tokens as they were) and before `upto`, and gives back their
     /// memory; returns how many were dropped. The tokens left are copied into a buffer with
-    /// the same room past them. A request without a lock drops nothing.
+    /// the same room past them. A request without a lock drops nothing, unless it runs in a
+    /// session's row (`kv_lent`): the session's slot holds the lock on that path for it, and
+    /// the session's history holds the tokens.
     ///
     /// A running request's prompt is then held once, by the tree, instead of also by the
     /// request. Only for a cache whose [`PrefixCache::takes_windowed_keys`] is true: its
@@ -258,7 +260,7 @@ impl RequestKv {
     /// request's own source can give the dropped tokens back (a retracted request matches
     /// again with its whole key).
     pub fn drop_cached_prefix(&mut self, upto: usize) -> usize {
-        if self.lock.is_none() {
+        if self.lock.is_none() && !self.kv_lent {
             return 0;
         }
         let cut = self
@@ -274,6 +276,25 @@ impl RequestKv {
         self.key.tokens = kept;
         self.key_start += cut;
         cut
+    }
+
+    /// Gives the key back the tokens [`RequestKv::drop_cached_prefix`] dropped: `prefix` must
+    /// hold exactly the first [`RequestKv::key_start`] tokens, and the key's held tokens are
+    /// appended to it. The key is whole again (`key_start` 0).
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidRequestState`] when `prefix` is not `key_start` tokens long
+    /// (nothing changes).
+    pub fn restore_key_prefix(&mut self, mut prefix: Vec<TokenId>) -> Result<()> {
+        if prefix.len() != self.key_start {
+            return Err(CacheError::InvalidRequestState(
+                "the restored prefix is not as long as the dropped one",
+            ));
+        }
+        prefix.extend_from_slice(&self.key.tokens);
+        self.key.tokens = prefix;
+        self.key_start = 0;
+        Ok(())
     }
 
     /// `Ok` for a key that holds all its tokens; [`CacheError::InvalidRequestState`] for one
@@ -409,6 +430,21 @@ pub trait PrefixCache {
     /// anchor and read no token before it. False (the default) refuses such a request.
     fn takes_windowed_keys(&self) -> bool {
         false
+    }
+
+    /// Gives a running request whose key dropped its cached prefix
+    /// ([`RequestKv::drop_cached_prefix`]) its whole key back, read from the tree's path to its
+    /// lock anchor (the lock keeps that path, and so the dropped tokens, in the tree). For a
+    /// caller that needs the whole key of such a request: a session's finish, which makes the
+    /// turn the session's history. A whole key is left as it is.
+    ///
+    /// # Errors
+    /// [`CacheError::InvalidRequestState`] for a key that lacks its prefix where the cache
+    /// cannot give it back (the default: only a cache that
+    /// [takes such keys](PrefixCache::takes_windowed_keys) can), or where the request holds
+    /// no lock or its anchor's path is shorter than what was dropped; nothing changes then.
+    fn restore_key(&self, req: &mut RequestKv) -> Result<()> {
+        req.check_whole_key()
     }
 
     // ----- tree level -----
@@ -792,10 +828,10 @@ pub(crate) fn check_request_kv<C: PrefixCache + ?Sized>(
     ensure_inv!(
         req.key_start == 0
             || (cache.takes_windowed_keys()
-                && req.lock.is_some()
+                && (req.lock.is_some() || req.kv_lent)
                 && req.key_start <= req.cache_protected_len),
-        "request row {row:?}: its key starts at {} past its cached prefix ({}) or in a cache \
-         that needs whole keys",
+        "request row {row:?}: its key starts at {} past its cached prefix ({}), without a lock \
+         on it, or in a cache that needs whole keys",
         req.key_start,
         req.cache_protected_len
     );

@@ -530,6 +530,34 @@ impl PrefixCache for RadixCache {
         !self.tree.swa_enabled() && !self.tree.mamba_enabled()
     }
 
+    fn restore_key(&self, req: &mut RequestKv) -> Result<()> {
+        if req.key_start == 0 {
+            return Ok(());
+        }
+        let anchor =
+            req.lock
+                .as_ref()
+                .map(LockReceipt::anchor)
+                .ok_or(CacheError::InvalidRequestState(
+                    "a request without a lock lacks its key's prefix",
+                ))?;
+        let mut tokens = Vec::with_capacity(req.key_len());
+        self.tree
+            .path_prefix_tokens(anchor, req.key_start, &mut tokens)?;
+        debug_assert!(
+            {
+                // The path past the dropped prefix (up to the anchor) is the key's too.
+                let mut path = Vec::new();
+                let depth = self.tree.depth_tokens(anchor).unwrap_or(0);
+                let _ = self.tree.path_prefix_tokens(anchor, depth, &mut path);
+                let held = (depth - req.key_start).min(req.key.tokens.len());
+                path[req.key_start..req.key_start + held] == req.key.tokens[..held]
+            },
+            "the lock anchor's path is not the request's key"
+        );
+        req.restore_key_prefix(tokens)
+    }
+
     fn sliding_window(&self) -> Option<usize> {
         self.tree.swa_window().ok()
     }

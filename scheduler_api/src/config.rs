@@ -733,8 +733,9 @@ pub struct ManagerConfig {
     /// refuses such a request (its source has the prompt;
     /// [`crate::KvCacheManager::held_tokens`] gives what it holds). A retracted request fills its
     /// prompt from its source again, as any waiting lazy request. Needs a cache whose
-    /// inserts start at the request's lock (`cache = "radix"` or `"hicache"`, without
-    /// sessions, Mamba or sliding-window layers); refused with any other. Off by default.
+    /// inserts start at the request's lock (`cache = "radix"` or `"hicache"`, with or without
+    /// sessions, but without Mamba or sliding-window layers); refused with any other. Off by
+    /// default.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub release_cached_prompts: bool,
 }

@@ -2047,8 +2047,8 @@ fn dematerialise(t: &mut Tracked) {
 
 /// Why [`ManagerConfig::release_cached_prompts`] is refused.
 const RELEASE_REFUSED: &str = "release_cached_prompts needs a cache whose inserts start at \
-     the request's lock: cache = \"radix\" or \"hicache\" without sessions, Mamba or \
-     sliding-window layers";
+     the request's lock: cache = \"radix\" or \"hicache\" (sessions or not) without Mamba \
+     or sliding-window layers";
 
 /// [`ManagerConfig::release_cached_prompts`]: drops a running lazy request's prompt tokens
 /// that the tree holds on its locked path (never a decoded token: those are in no source).

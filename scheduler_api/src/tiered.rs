@@ -479,6 +479,9 @@ impl<B: DeviceBackend> PrefixCache for Tiered<B> {
     fn takes_windowed_keys(&self) -> bool {
         self.cache.takes_windowed_keys()
     }
+    fn restore_key(&self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        self.cache.restore_key(req)
+    }
     fn check_parked(
         &self,
         req: &RequestKv,

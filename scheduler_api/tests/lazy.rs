@@ -14,9 +14,9 @@ use common::{balanced, step};
 use radixkv_hicache::storage::{MemStore, StorageBackend};
 use radixkv_radix::{Namespace, TokenId};
 use radixkv_scheduler_api::{
-    Admission, HostTier, KvCacheManager, ManagerError, PageHasher, PageHashes, PrefetchStopPolicy,
-    ReqId, Request, SessionBudget, StorageBackendKind, StorageTier, TokenSource, TokenSourceError,
-    TokenStorage, WaitReason, WritePolicy,
+    Admission, CloseOutcome, HostTier, KvCacheManager, ManagerError, PageHasher, PageHashes,
+    PrefetchStopPolicy, ReqId, Request, SessionBudget, StorageBackendKind, StorageTier,
+    TokenSource, TokenSourceError, TokenStorage, WaitReason, WritePolicy,
 };
 
 const PAGE: usize = 4;
@@ -604,6 +604,10 @@ fn page_hashes_that_cannot_be_the_prompts_are_refused() {
 /// `hicache`, a host tier of twice that under write-through (every insert is walked and
 /// backed up).
 fn release_manager(release: bool, hicache: bool) -> KvCacheManager {
+    release_builder(release, hicache).build().unwrap()
+}
+
+fn release_builder(release: bool, hicache: bool) -> radixkv_scheduler_api::ManagerBuilder {
     let mut b = KvCacheManager::builder()
         .device_tokens(256)
         .page_size(PAGE)
@@ -612,7 +616,16 @@ fn release_manager(release: bool, hicache: bool) -> KvCacheManager {
     if hicache {
         b = b.host_tier(HostTier::ratio(256, 2.0).write_policy(WritePolicy::WriteThrough));
     }
-    b.build().unwrap()
+    b
+}
+
+fn budget() -> SessionBudget {
+    SessionBudget {
+        max_held_tokens: 128,
+        idle_ttl_ms: 60_000,
+        per_session_cap_tokens: 128,
+        max_held_window_pages: None,
+    }
 }
 
 /// Admits `id` and prefills it in one chunk.
@@ -721,34 +734,121 @@ fn releases_the_prompt_the_tree_holds(hicache: bool) {
     assert!(held[1] <= 16 * TOKEN, "{held:?}");
 }
 
+/// `release_cached_prompts` with sessions: a streaming session's turns run without the prompt
+/// tokens the tree (an unlent first turn) or the session's slot (a lent turn) holds, and the
+/// session ends exactly as with whole prompts: the same hits, the same events, the same tree.
+/// With a host tier too.
+#[test]
+fn session_turns_release_the_prompt_the_tree_holds() {
+    for hicache in [false, true] {
+        session_turns_release(hicache);
+    }
+}
+
+fn session_turns_release(hicache: bool) {
+    let mut held = Vec::new();
+    let mut hits = Vec::new();
+    let mut events = Vec::new();
+    for release in [false, true] {
+        let mut kv = release_builder(release, hicache)
+            .sessions(budget())
+            .build()
+            .unwrap();
+        assert!(kv.can_release_cached_prompts());
+        kv.open_session(1, true, None).unwrap();
+        let mut history: Vec<TokenId> = (0..50).collect();
+        let mut got = Vec::new();
+        let mut holds = Vec::new();
+        for (t, more) in [(0u32, 0..0), (1, 60..83), (2, 100..110)] {
+            history.extend(more);
+            let id = kv
+                .arrive(
+                    Request::lazy(counted(history.clone()))
+                        .session(1)
+                        .max_new_tokens(8),
+                )
+                .unwrap();
+            let a = prefill(&mut kv, id);
+            got.push((a.device_tokens, a.host_tokens));
+            holds.push(kv.held_tokens(id).unwrap().0);
+            assert_eq!(kv.tokens(id).is_ok(), !release || holds[t as usize] == 0);
+            if t == 2 {
+                // Closed while its last turn runs: that turn's finish caches the session's
+                // KV under its history, as an ordinary finished request's.
+                assert_eq!(kv.close_session(1).unwrap(), CloseOutcome::Deferred);
+            }
+            for d in 0..3 {
+                let tok = 900 + 10 * t + d;
+                kv.decode(id, tok).unwrap();
+                history.push(tok);
+                step(&mut kv);
+            }
+            kv.finish(id).unwrap();
+            kv.check_invariants().unwrap();
+        }
+        assert_eq!(kv.open_sessions(), 0);
+        // The whole conversation is in the tree: a request that extends it reuses it all.
+        history.extend([5000, 5001]);
+        let next = kv
+            .arrive(Request::lazy(counted(history.clone())).max_new_tokens(1))
+            .unwrap();
+        let c = prefill(&mut kv, next);
+        got.push((c.device_tokens, c.host_tokens));
+        kv.finish(next).unwrap();
+        assert_eq!(kv.token_storage(), TokenStorage::default());
+        balanced(&kv);
+        kv.drain().unwrap();
+        let mut seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
+        seen.sort();
+        assert!(!seen.is_empty());
+        events.push(seen);
+        hits.push(got);
+        held.push(holds);
+    }
+    assert_eq!(hits[0], hits[1]);
+    assert_eq!(events[0], events[1]);
+    eprintln!("hits {:?} held {:?}", hits[1], held);
+    // The turns after the first continue in the session's row; the last request reuses the
+    // whole conversation (94 tokens, the last page recomputed).
+    assert_eq!(hits[1], vec![(0, 0), (53, 0), (79, 0), (92, 0)]);
+    // Released: each turn holds its tokens from 48 on, the first turn's cached pages (the
+    // tree holds them, under the slot's lock for the lent turns).
+    assert_eq!(held, vec![vec![0, 0, 0], vec![48, 48, 48]]);
+}
+
 #[test]
 fn releasing_cached_prompts_is_refused_where_the_cache_reads_whole_keys() {
     let hicache = release_manager(true, true);
     assert!(hicache.can_release_cached_prompts());
-    let hicache_sessions = KvCacheManager::builder()
-        .device_tokens(256)
-        .page_size(PAGE)
-        .host_tier(HostTier::ratio(256, 2.0))
-        .sessions(SessionBudget {
-            max_held_tokens: 128,
-            idle_ttl_ms: 60_000,
-            per_session_cap_tokens: 128,
-            max_held_window_pages: None,
-        })
-        .release_cached_prompts(true)
-        .build();
-    assert!(matches!(hicache_sessions, Err(ManagerError::Config(_))));
-    let mut sessions = KvCacheManager::builder()
-        .device_tokens(256)
-        .page_size(PAGE)
-        .sessions(SessionBudget {
-            max_held_tokens: 128,
-            idle_ttl_ms: 60_000,
-            per_session_cap_tokens: 128,
-            max_held_window_pages: None,
-        })
-        .build()
-        .unwrap();
+    // Sessions take it over either cache (a turn's finish restores what it reads).
+    for host in [false, true] {
+        let kv = release_builder(true, host)
+            .sessions(budget())
+            .build()
+            .unwrap();
+        assert!(kv.can_release_cached_prompts());
+    }
+    // Mamba layers read the key before the lock anchor, with or without sessions.
+    let mamba = || {
+        let model = common::jamba();
+        let slot = model.checked_mamba_slot_bytes().unwrap();
+        KvCacheManager::builder()
+            .model(model)
+            .device_tokens(1024)
+            .mamba_bytes(16 * slot)
+    };
+    assert!(matches!(
+        mamba().release_cached_prompts(true).build(),
+        Err(ManagerError::Config(_))
+    ));
+    assert!(matches!(
+        mamba()
+            .sessions(budget())
+            .release_cached_prompts(true)
+            .build(),
+        Err(ManagerError::Config(_))
+    ));
+    let mut sessions = mamba().sessions(budget()).build().unwrap();
     assert!(!sessions.can_release_cached_prompts());
     assert!(matches!(
         sessions.set_release_cached_prompts(true),

@@ -161,6 +161,11 @@ pub(crate) struct Session {
 /// whole key, and so does a shorter key, which also drops the history hash (it named the
 /// replaced history's pages). The turn's match hashes, where they reach further than the
 /// history hash, become it: they are its key's chain, and the key is now the history.
+///
+/// A key that dropped its cached prefix ([`RequestKv::drop_cached_prefix`]) must still hold
+/// the tokens past the history (a lent turn's key does: it dropped its slot's cached prefix,
+/// which the history holds); the finish restores any other key first
+/// ([`PrefixCache::restore_key`](radixkv_radix::PrefixCache::restore_key)).
 pub(crate) fn adopt_history(
     history: &mut RadixKey,
     history_hash: &mut Option<(usize, PageHash)>,
@@ -169,13 +174,21 @@ pub(crate) fn adopt_history(
 ) {
     let key = &req.key;
     let have = history.len();
-    if have == 0 || key.len() < have {
+    let len = req.key_len();
+    if have == 0 || len < have {
+        if req.key_start > 0 {
+            debug_assert!(false, "a history taken from a key that lacks its prefix");
+            return;
+        }
         *history = key.clone();
         *history_hash = None;
+    } else if let Some(tail) = req.key_tokens(have, len) {
+        history.tokens.extend_from_slice(tail);
     } else {
-        history.tokens.extend_from_slice(&key.tokens[have..]);
+        debug_assert!(false, "a key that lacks tokens of the history's extension");
+        return;
     }
-    let k = req.page_hashes.len().min(key.len() / p);
+    let k = req.page_hashes.len().min(len / p);
     if let Some(h) = k.checked_sub(1).and_then(|i| req.page_hashes.get(i))
         && history_hash.is_none_or(|(old, _)| old < k)
     {
@@ -439,6 +452,10 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         req: &RequestKv,
         p: usize,
     ) -> Result<(), SessionError> {
+        debug_assert_eq!(
+            req.key_start, 0,
+            "a turn's extension is checked on its whole key"
+        );
         let h = &s.history;
         let ok = h.is_empty()
             || (req.key.namespace == h.namespace && req.key.len() >= h.len() && {
@@ -679,7 +696,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
         let row = req
             .row
             .ok_or(CacheError::InvalidRequestState("request has no row"))?;
-        let committed = req.committed_len.min(req.allocated_len).min(req.key.len());
+        let committed = req.committed_len.min(req.allocated_len).min(req.key_len());
         let p = self.inner.page_size();
         // The row and the window table go together (the window before `committed` is held).
         self.inner.truncate_request(req, committed)?;

@@ -178,7 +178,7 @@ impl<C: PrefixCache, K: Clock> SessionAwareCache<C, K> {
             return self.drop_windowless(id, req, previous);
         }
         let keep_len = match kind {
-            FinishKind::Finished => req.committed_len.min(req.allocated_len).min(req.key.len()),
+            FinishKind::Finished => req.committed_len.min(req.allocated_len).min(req.key_len()),
             FinishKind::Aborted => previous,
         };
         // The row and the window table go back to what the slot keeps.
@@ -368,6 +368,16 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
 
     fn has_state_slots(&self) -> bool {
         self.inner.has_state_slots()
+    }
+
+    /// The inner cache's: a turn's finish restores a key it needs whole
+    /// ([`PrefixCache::restore_key`]), and the session's own calls read none before the lock.
+    fn takes_windowed_keys(&self) -> bool {
+        self.inner.takes_windowed_keys()
+    }
+
+    fn restore_key(&self, req: &mut RequestKv) -> Result<()> {
+        self.inner.restore_key(req)
     }
 
     fn pools(&self) -> &DevicePools {
@@ -725,9 +735,26 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         let Route::Session(id) = self.route(req) else {
             return self.inner.cache_finished_req(req, kind);
         };
-        // A session keeps the turn's whole key.
+        // A session keeps the turn's whole key as its history: a key that dropped its cached
+        // prefix is refused where the inner cache cannot give it back.
         if let Some(refused) = refuse_partial_key_finish(self, req, kind) {
             return refused;
+        }
+        // A lent turn dropped at most its slot's cached prefix, which the history holds: its
+        // finish reads only the tokens past the history. Any other turn's finish reads the
+        // whole key (the extension check from the start of the history, or a first turn's key
+        // taken whole), so it gets it back from the tree.
+        let history = self.sessions.get(&id).map_or(0, |s| s.history.len());
+        if req.key_start > 0
+            && !(req.kv_lent && req.key_start <= history)
+            && let Err(e) = self.inner.restore_key(req)
+        {
+            let released = if req.kv_lent {
+                self.take_back(id, req, FinishKind::Aborted)
+            } else {
+                self.inner.cache_finished_req(req, FinishKind::Aborted)
+            };
+            return released.and(Err(e));
         }
         if req.kv_lent {
             self.take_back(id, req, kind)

@@ -1399,20 +1399,103 @@ fn turns_with_match_hashes_check_only_the_unhashed_tail_of_the_history() {
     assert_drained(&c);
 }
 
-/// A session keeps a turn's whole key: a turn whose key lacks its leading tokens
-/// (`RequestKv::key_start`) is refused at its finish and released as an abort, leaking
-/// nothing.
+/// A turn may run without the prompt tokens the tree holds for it
+/// (`RequestKv::drop_cached_prefix`, the manager's `release_cached_prompts`): an unlent turn's
+/// finish gets its whole key back from the tree (`PrefixCache::restore_key`), a lent turn's
+/// reads only the tokens past the history, and the session ends exactly as with whole keys:
+/// the same histories, the same held KV, the same hits of the next turns.
 #[test]
-fn a_turn_without_its_cached_prefix_is_refused_and_released() {
+fn turns_without_their_cached_prefix_make_the_same_histories() {
+    let mut seen = Vec::new();
+    for release in [false, true] {
+        let (mut c, _) = cache();
+        assert!(c.takes_windowed_keys());
+        c.open(1, true, None).unwrap();
+        // An unlent first turn, prefilled as one chunk: the tree holds its whole pages, locked.
+        let mut t1 = req(Some(1), (0..30).collect());
+        c.match_request(&mut t1).unwrap();
+        c.begin_request(&mut t1).unwrap();
+        c.alloc_tokens(&mut t1, 30).unwrap();
+        t1.commit(30).unwrap();
+        c.cache_unfinished_req(&mut t1).unwrap();
+        let dropped = if release {
+            t1.drop_cached_prefix(30)
+        } else {
+            0
+        };
+        assert_eq!(dropped, if release { 28 } else { 0 });
+        t1.append_tokens(&[100, 101]);
+        c.alloc_tokens(&mut t1, 1).unwrap();
+        t1.commit(1).unwrap();
+        c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
+        ok(&c);
+        let h1 = c.sessions[&1].history.tokens.clone();
+        // A lent second turn drops its slot's cached prefix (the first turn's 28 tokens).
+        let mut t2 = req(Some(1), h1.iter().copied().chain(40..50).collect());
+        let m2 = start(&mut c, &mut t2, &[200, 201]);
+        assert!(m2.from_session && t2.kv_lent);
+        let dropped = if release {
+            t2.drop_cached_prefix(t2.key_len())
+        } else {
+            0
+        };
+        assert_eq!(dropped, if release { 28 } else { 0 });
+        c.cache_finished_req(&mut t2, FinishKind::Finished).unwrap();
+        ok(&c);
+        let h2 = c.sessions[&1].history.tokens.clone();
+        let held = c.session_held_tokens();
+        // A third turn continues the history in the session's row.
+        let mut t3 = req(Some(1), h2.iter().copied().chain(60..64).collect());
+        let m3 = turn(&mut c, &mut t3, &[300]);
+        assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
+        assert_drained(&c);
+        seen.push((h1, h2, held, m3.prefix_len, m3.from_session));
+    }
+    assert_eq!(seen[0], seen[1]);
+    let (h1, h2, ..) = &seen[1];
+    assert_eq!(h1[..], (0..30).chain([100, 101]).collect::<Vec<_>>()[..]);
+    assert_eq!(h2.len(), 32 + 10 + 2);
+}
+
+/// An unlent turn whose key lacks a prefix its lock does not cover (a caller's doing) cannot
+/// get it back: its finish is refused and releases the turn, leaking nothing; the session
+/// keeps its history.
+#[test]
+fn a_turn_whose_prefix_cannot_be_restored_is_refused_and_released() {
     let (mut c, _) = cache();
+    c.open(1, true, None).unwrap();
+    let mut t1 = req(Some(1), (0..30).collect());
+    start(&mut c, &mut t1, &[1]);
+    assert!(!t1.kv_lent && t1.lock.is_some());
+    // Nothing was cached for it (no chunk insert): its lock is on the root's path.
+    t1.key_start = 8;
+    t1.key.tokens.drain(..8);
+    assert!(matches!(
+        c.cache_finished_req(&mut t1, FinishKind::Finished),
+        Err(CacheError::InvalidRequestState(_))
+    ));
+    assert!(t1.row.is_none() && t1.lock.is_none() && !t1.kv_lent);
+    assert!(c.sessions[&1].history.is_empty());
+    ok(&c);
+    assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
+    assert_drained(&c);
+}
+
+/// A session over a cache that reads whole keys (Mamba layers here) refuses a turn whose key
+/// lacks its leading tokens at its finish, releasing it as an abort and leaking nothing.
+#[test]
+fn a_turn_without_its_cached_prefix_is_refused_over_a_cache_that_reads_whole_keys() {
+    let (mut c, _) = mamba_cache(
+        8,
+        MambaPolicy::default(),
+        SessionConfig::with_budget(1 << 20),
+    );
     assert!(!c.takes_windowed_keys());
     c.open(1, true, None).unwrap();
     let mut t1 = req(Some(1), (0..30).collect());
     turn(&mut c, &mut t1, &[1, 2]);
     let mut t2 = req(Some(1), extend(&t1, 0..8));
     start(&mut c, &mut t2, &[3]);
-    // The turn runs in its session's row (lent, no lock of its own), so nothing would drop
-    // its tokens: give its key a start by hand, as a caller could.
     t2.key_start = 1;
     t2.key.tokens.remove(0);
     assert!(matches!(

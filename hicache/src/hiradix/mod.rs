@@ -1513,6 +1513,10 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         // The host tier's walks take them; the inner cache's components may not.
         self.inner.takes_windowed_keys()
     }
+
+    fn restore_key(&self, req: &mut RequestKv) -> radixkv_radix::Result<()> {
+        self.inner.restore_key(req)
+    }
 }
 
 /// The key of a host-tier walk: a whole key, or a request's first `len` tokens (of which it

@@ -115,6 +115,44 @@ impl RadixTree {
         self.match_down(key, now, at, out)
     }
 
+    /// Appends the first `n` tokens of the path from the root to `node` to `out`: the tokens
+    /// a request locked at `node` dropped from its key ([`RequestKv::drop_cached_prefix`]),
+    /// for [`PrefixCache::restore_key`].
+    ///
+    /// # Errors
+    /// [`CacheError::StaleNode`]; [`CacheError::InvalidRequestState`] when the path holds
+    /// fewer than `n` tokens (`out` is left as it was).
+    ///
+    /// [`RequestKv::drop_cached_prefix`]: crate::RequestKv::drop_cached_prefix
+    /// [`PrefixCache::restore_key`]: crate::PrefixCache::restore_key
+    pub fn path_prefix_tokens(&self, node: NodeId, n: usize, out: &mut Vec<TokenId>) -> Result<()> {
+        let mut path = Vec::new();
+        let mut depth = 0;
+        let mut up = self.resolve(node)?;
+        while up != self.root {
+            path.push(up);
+            depth += self.nodes[up as usize].key.len();
+            up = self.nodes[up as usize].parent;
+        }
+        if depth < n {
+            return Err(CacheError::InvalidRequestState(
+                "the lock anchor's path holds fewer tokens than the key dropped",
+            ));
+        }
+        out.reserve(n);
+        let mut left = n;
+        for &i in path.iter().rev() {
+            let key = &self.nodes[i as usize].key;
+            let take = left.min(key.len());
+            out.extend_from_slice(&key[..take]);
+            left -= take;
+            if left == 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// The tokens of `path` (deepest first), root first.
     pub(super) fn path_tokens<'a>(&'a self, path: &'a [u32]) -> impl Iterator<Item = TokenId> + 'a {
         path.iter()

@@ -400,7 +400,7 @@ struct RunArgs {
     page_hashes: Option<PageHashMode>,
     /// Running requests keep their whole prompts. By default a running request keeps only
     /// the prompt tokens past its cached prefix wherever the cache allows (radix or hicache,
-    /// without sessions, Mamba or sliding-window layers): the tree holds the rest
+    /// sessions or not, without Mamba or sliding-window layers): the tree holds the rest
     #[arg(long)]
     keep_running_prompts: bool,
     /// Run every configuration (no cache, each eviction policy, + sessions, HiCache under each

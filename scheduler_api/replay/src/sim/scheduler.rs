@@ -57,8 +57,8 @@ pub struct SimConfig {
     pub page_hashes: PageHashMode,
     /// Running requests keep their whole prompts. By default the replay has the manager drop
     /// a running request's prompt tokens that the tree holds for it wherever its cache allows
-    /// ([`ManagerConfig::release_cached_prompts`]: radix or HiCache, without sessions, Mamba
-    /// or sliding-window layers), so that the running prompts are held once.
+    /// ([`ManagerConfig::release_cached_prompts`]: radix or HiCache, sessions or not, without
+    /// Mamba or sliding-window layers), so that the running prompts are held once.
     pub keep_running_prompts: bool,
 }
 
