@@ -628,6 +628,19 @@ fn budget() -> SessionBudget {
     }
 }
 
+/// Checks that nothing holds tokens or KV, drains the manager and returns its events, sorted:
+/// a backup's host event comes at the step that finds its copy done, which the copy threads'
+/// timing decides, so only the set of events is the same from run to run.
+fn drained_events(kv: &mut KvCacheManager) -> Vec<String> {
+    assert_eq!(kv.token_storage(), TokenStorage::default());
+    balanced(kv);
+    kv.drain().unwrap();
+    let mut seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
+    seen.sort();
+    assert!(!seen.is_empty());
+    seen
+}
+
 /// Admits `id` and prefills it in one chunk.
 fn prefill(kv: &mut KvCacheManager, id: ReqId) -> radixkv_scheduler_api::Admitted {
     let Admission::Ready(a) = kv.admit(id).unwrap() else {
@@ -711,14 +724,7 @@ fn releases_the_prompt_the_tree_holds(hicache: bool) {
         let c = prefill(&mut kv, next);
         kv.finish(next).unwrap();
         hits.push((a.device_tokens, b.device_tokens, c.device_tokens));
-        assert_eq!(kv.token_storage(), TokenStorage::default());
-        balanced(&kv);
-        kv.drain().unwrap();
-        let mut seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
-        // The same events; a backup's host event comes at the step that finds its copy done,
-        // which the copy threads' timing decides.
-        seen.sort();
-        assert!(!seen.is_empty());
+        let seen = drained_events(&mut kv);
         assert_eq!(
             seen.iter().any(|e| e.contains("Host")),
             hicache,
@@ -795,19 +801,12 @@ fn session_turns_release(hicache: bool) {
         let c = prefill(&mut kv, next);
         got.push((c.device_tokens, c.host_tokens));
         kv.finish(next).unwrap();
-        assert_eq!(kv.token_storage(), TokenStorage::default());
-        balanced(&kv);
-        kv.drain().unwrap();
-        let mut seen: Vec<String> = kv.take_events().iter().map(|e| format!("{e:?}")).collect();
-        seen.sort();
-        assert!(!seen.is_empty());
-        events.push(seen);
+        events.push(drained_events(&mut kv));
         hits.push(got);
         held.push(holds);
     }
     assert_eq!(hits[0], hits[1]);
     assert_eq!(events[0], events[1]);
-    eprintln!("hits {:?} held {:?}", hits[1], held);
     // The turns after the first continue in the session's row; the last request reuses the
     // whole conversation (94 tokens, the last page recomputed).
     assert_eq!(hits[1], vec![(0, 0), (53, 0), (79, 0), (92, 0)]);

@@ -98,6 +98,16 @@ fn start(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatc
     m
 }
 
+/// Matches and begins a turn, then prefills its first `n` tokens as one chunk: the tree holds
+/// their whole pages, locked for the turn.
+fn chunk(c: &mut Cache, r: &mut RequestKv, n: usize) {
+    c.match_request(r).unwrap();
+    c.begin_request(r).unwrap();
+    c.alloc_tokens(r, n).unwrap();
+    r.commit(n).unwrap();
+    c.cache_unfinished_req(r).unwrap();
+}
+
 fn turn(c: &mut Cache, r: &mut RequestKv, generated: &[TokenId]) -> RequestMatch {
     let m = start(c, r, generated);
     c.cache_finished_req(r, FinishKind::Finished).unwrap();
@@ -347,11 +357,7 @@ fn a_match_below_the_protected_prefix_falls_back_to_the_tree() {
     c.open(1, true, None).unwrap();
     // Turn 1 publishes its 8-token prompt in the tree (as after a prefill chunk).
     let mut t1 = req(Some(1), (0..8).collect());
-    c.match_request(&mut t1).unwrap();
-    c.begin_request(&mut t1).unwrap();
-    c.alloc_tokens(&mut t1, 8).unwrap();
-    t1.commit(8).unwrap();
-    c.cache_unfinished_req(&mut t1).unwrap();
+    chunk(&mut c, &mut t1, 8);
     assert_eq!(t1.cache_protected_len, 8);
     t1.append_tokens(&[100]);
     c.cache_finished_req(&mut t1, FinishKind::Finished).unwrap();
@@ -1413,11 +1419,7 @@ fn turns_without_their_cached_prefix_make_the_same_histories() {
         c.open(1, true, None).unwrap();
         // An unlent first turn, prefilled as one chunk: the tree holds its whole pages, locked.
         let mut t1 = req(Some(1), (0..30).collect());
-        c.match_request(&mut t1).unwrap();
-        c.begin_request(&mut t1).unwrap();
-        c.alloc_tokens(&mut t1, 30).unwrap();
-        t1.commit(30).unwrap();
-        c.cache_unfinished_req(&mut t1).unwrap();
+        chunk(&mut c, &mut t1, 30);
         let dropped = if release {
             t1.drop_cached_prefix(30)
         } else {
