@@ -1456,7 +1456,15 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             self.match_request(req)?;
         }
         if self.mamba {
-            self.unpin_states_if_short()?;
+            match self.unpin_states_if_short() {
+                // Completing the backups applies their acks, which retries the repair of an
+                // earlier failed load. Its failing again is not this request's: the load
+                // stays unrepaired (`start_loading` refuses every batch until it is), and
+                // the next step retries and reports it. (It refused this begin as an invalid
+                // request state, after the acks had changed the pools.)
+                Ok(()) | Err(HiCacheError::Transfer(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
         if self.load_back_on_begin && req.host_hit_len > 0 {
             self.init_load_back(req, self.load_back_quota_tokens)?;
