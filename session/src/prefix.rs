@@ -741,11 +741,12 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
             return refused;
         }
         // A lent turn dropped at most its slot's cached prefix, which the history holds: its
-        // finish reads only the tokens past the history. Any other turn's finish reads the
-        // whole key (the extension check from the start of the history, or a first turn's key
-        // taken whole), so it gets it back from the tree.
+        // finish reads only the tokens past the history. Any other finished turn's finish reads
+        // the whole key (the extension check from the start of the history, or a first turn's
+        // key taken whole), so it gets it back from the tree. An aborted turn's reads none.
         let history = self.sessions.get(&id).map_or(0, |s| s.history.len());
-        if req.key_start > 0
+        if kind == FinishKind::Finished
+            && req.key_start > 0
             && !(req.kv_lent && req.key_start <= history)
             && let Err(e) = self.inner.restore_key(req)
         {

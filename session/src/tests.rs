@@ -1461,7 +1461,7 @@ fn turns_without_their_cached_prefix_make_the_same_histories() {
 
 /// An unlent turn whose key lacks a prefix its lock does not cover (a caller's doing) cannot
 /// get it back: its finish is refused and releases the turn, leaking nothing; the session
-/// keeps its history.
+/// keeps its history. Aborted, such a turn is released without a restore.
 #[test]
 fn a_turn_whose_prefix_cannot_be_restored_is_refused_and_released() {
     let (mut c, _) = cache();
@@ -1477,6 +1477,15 @@ fn a_turn_whose_prefix_cannot_be_restored_is_refused_and_released() {
         Err(CacheError::InvalidRequestState(_))
     ));
     assert!(t1.row.is_none() && t1.lock.is_none() && !t1.kv_lent);
+    assert!(c.sessions[&1].history.is_empty());
+    ok(&c);
+    // An abort reads no key: the same turn aborted is released without a restore.
+    let mut t2 = req(Some(1), (0..30).collect());
+    start(&mut c, &mut t2, &[1]);
+    t2.key_start = 8;
+    t2.key.tokens.drain(..8);
+    c.cache_finished_req(&mut t2, FinishKind::Aborted).unwrap();
+    assert!(t2.row.is_none() && t2.lock.is_none());
     assert!(c.sessions[&1].history.is_empty());
     ok(&c);
     assert_eq!(c.close(1), Ok(CloseOutcome::Closed));
