@@ -893,9 +893,10 @@ impl<B: DeviceBackend> HiRadixCache<B> {
 
     /// [`HiRadixCache::finish_pinned_backups`] for a call that makes room (an allocation, a
     /// begin). The acks it applies retry the repair of an earlier failed load, and that repair
-    /// failing again is not the caller's failure: the load stays unrepaired
-    /// ([`HiRadixCache::start_loading`] refuses every batch until it is) or was demoted, and
-    /// the next [`HiRadixCache::step`] retries and reports it. (Such a call returned the
+    /// failing again is not the caller's failure. Either the load was demoted (no request held
+    /// its nodes: nothing reads them) or it stays unrepaired: [`HiRadixCache::start_loading`]
+    /// refuses every batch until it is, and the next [`HiRadixCache::step`] retries the
+    /// repair and reports it. (Such a call returned the
     /// repair's error, folded into an invalid request state, after the acks had changed the
     /// pools: found by fuzzing `hicache_ops`, at a begin and at an allocation.)
     pub(super) fn finish_pinned_backups_for_room(&mut self) -> HiResult<()> {
