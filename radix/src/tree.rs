@@ -583,6 +583,18 @@ impl RadixTree {
         Ok(self.depth_of(self.resolve(id)?))
     }
 
+    /// Pushes the path from the root to the resolved node index `i` (root excluded) onto
+    /// `out`, deepest first; returns its length in tokens.
+    fn push_path(&self, mut i: u32, out: &mut Vec<u32>) -> usize {
+        let mut depth = 0;
+        while i != self.root {
+            out.push(i);
+            depth += self.nodes[i as usize].key.len();
+            i = self.nodes[i as usize].parent;
+        }
+        depth
+    }
+
     /// [`RadixTree::depth_tokens`] of a resolved node index.
     fn depth_of(&self, mut i: u32) -> usize {
         let mut d = 0;

@@ -744,10 +744,13 @@ impl<C: PrefixCache, K: Clock> PrefixCache for SessionAwareCache<C, K> {
         // finish reads only the tokens past the history. Any other finished turn's finish reads
         // the whole key (the extension check from the start of the history, or a first turn's
         // key taken whole), so it gets it back from the tree. An aborted turn's reads none.
-        let history = self.sessions.get(&id).map_or(0, |s| s.history.len());
         if kind == FinishKind::Finished
             && req.key_start > 0
-            && !(req.kv_lent && req.key_start <= history)
+            && !(req.kv_lent
+                && self
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| req.key_start <= s.history.len()))
             && let Err(e) = self.inner.restore_key(req)
         {
             let released = if req.kv_lent {

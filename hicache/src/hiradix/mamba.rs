@@ -98,7 +98,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
             .any(|w| !w.state_locks.is_empty());
         if a.free + a.evictable == 0 && pinned {
             self.stats.backups_awaited_for_room += 1;
-            self.finish_pinned_backups_for_room()?;
+            self.finish_pinned_backups()?;
         }
         Ok(())
     }

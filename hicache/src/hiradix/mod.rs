@@ -879,7 +879,9 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// undone the same way. Loads in flight are not waited for.
     ///
     /// # Errors
-    /// A stale lock (a bug) or an unrepairable failed load found among the acks.
+    /// A stale lock (a bug). A failed load whose repair fails again among the acks is not this
+    /// call's failure: the next [`HiRadixCache::step`] reports it, and
+    /// [`HiRadixCache::start_loading`] refuses every batch until it is repaired.
     pub fn finish_pinned_backups(&mut self) -> HiResult<()> {
         self.start_writes();
         self.ctrl.fail_queued_writes();
@@ -888,25 +890,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         // Only the backups: every rank has finished the same ones now, while which loads are
         // complete depends on the rank's timing (the next step applies them, agreed).
         let mut acks = self.ctrl.poll_acks_upto(usize::MAX, 0);
-        self.apply_acks(&mut acks)
-    }
-
-    /// [`HiRadixCache::finish_pinned_backups`] for a call that makes room (an allocation, a
-    /// begin). The acks it applies retry the repair of an earlier failed load, and that repair
-    /// failing again is not the caller's failure. Either the load was demoted (no request held
-    /// its nodes: nothing reads them) or it stays unrepaired: [`HiRadixCache::start_loading`]
-    /// refuses every batch until it is, and the next [`HiRadixCache::step`] retries the
-    /// repair and reports it. (Such a call returned the
-    /// repair's error, folded into an invalid request state, after the acks had changed the
-    /// pools: found by fuzzing `hicache_ops`, at a begin and at an allocation.)
-    pub(super) fn finish_pinned_backups_for_room(&mut self) -> HiResult<()> {
-        match self.finish_pinned_backups() {
-            Err(HiCacheError::Transfer(e)) => {
-                tracing::debug!(error = %e, "a failed load's repair failed again; the next step retries it");
-                Ok(())
-            }
-            r => r,
-        }
+        self.apply_acks_leaving_repairs(&mut acks)
     }
 
     /// Starts making `tokens` device tokens free without waiting, for a scheduler about to
@@ -1213,7 +1197,7 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             .is_some_and(|a| a.free + a.evictable < need);
         if short && self.pending_writes.values().any(|w| !w.swa_pins.is_empty()) {
             self.stats.backups_awaited_for_room += 1;
-            self.finish_pinned_backups_for_room()?;
+            self.finish_pinned_backups()?;
         }
         // Short of SWA pages, the device tier refuses before anything is evicted.
         let swa_ok = self
@@ -1297,13 +1281,13 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
             let pinned = self.backup_pinned_tokens();
             if pinned > 0 && free + (self.inner.evictable_tokens() + pinned) / p >= n {
                 self.stats.backups_awaited_for_room += 1;
-                self.finish_pinned_backups_for_room()?;
+                self.finish_pinned_backups()?;
             }
         } else if free < n && self.policy == WritePolicy::WriteBack {
             self.evict_device_async((n - free) * p);
             if self.pools().pages.available() < n && self.write_back_tokens > 0 {
                 self.stats.backups_awaited_for_room += 1;
-                self.finish_pinned_backups_for_room()?;
+                self.finish_pinned_backups()?;
             }
         }
         make_room_by_evicting(self, n)
@@ -1329,15 +1313,12 @@ impl<B: DeviceBackend> PrefixCache for HiRadixCache<B> {
         if let Err(e) = self.flush() {
             // Every KV is about to go, so a backup the backend refused need not wait for a
             // retry: it is undone like a failed one.
-            match self.finish_writes_now() {
-                // A repair that failed again is resolved once its load is demoted (its nodes
-                // were unlocked, by the failed backups' acks for one): the reset drops that KV
-                // with the rest. (It returned the repair's error, folded into an invalid
-                // request state, though nothing was left to repair.)
-                Ok(()) | Err(HiCacheError::Transfer(_)) => {}
-                // A stale lock or pin: a bug, not a state the reset may drop.
-                Err(e) if self.unrepaired.is_empty() => return Err(e.into()),
-                Err(_) => {}
+            // A repair that fails again here is not the reset's failure: its load was demoted
+            // (dropped below with the rest) or a request still holds it (refused below).
+            if let Err(e) = self.finish_writes_now()
+                && self.unrepaired.is_empty()
+            {
+                return Err(e.into());
             }
             // A failed load whose repair failed again is left: its nodes were not demoted
             // because a request holds them, so the tree's reset below refuses (Busy), as for

@@ -26,6 +26,33 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// that succeeded here is repaired, which copies the same bytes again). Operation ids are
     /// the same on every rank, which submit the same operations in the same order.
     pub(super) fn apply_acks(&mut self, acks: &mut Acks) -> Result<()> {
+        let (applied, repaired) = self.apply_acks_apart(acks);
+        applied.and(repaired)
+    }
+
+    /// [`HiRadixCache::apply_acks`] for a call that completes transfers without being the
+    /// step boundary that reports failed loads (a reset, a write-back eviction, completing the
+    /// backups that pin the room an allocation or a begin needs): a failed load whose repair
+    /// fails again is not its failure. The load was demoted (no request held its nodes:
+    /// nothing reads them) or stays unrepaired: [`HiRadixCache::start_loading`] refuses every
+    /// batch until it is, and the next [`HiRadixCache::step`] retries the repair and reports
+    /// it. (Such calls returned the repair's error, folded into an invalid request state,
+    /// after the acks had changed the pools: found by fuzzing `hicache_ops` at a reset, a
+    /// begin and an allocation.)
+    ///
+    /// # Errors
+    /// A stale lock or pin (a bug).
+    pub(super) fn apply_acks_leaving_repairs(&mut self, acks: &mut Acks) -> Result<()> {
+        let (applied, repaired) = self.apply_acks_apart(acks);
+        if let Err(e) = repaired {
+            tracing::debug!(error = %e, "a failed load's repair failed again; the next step retries it");
+        }
+        applied
+    }
+
+    /// The body of [`HiRadixCache::apply_acks`]: returns the errors of applying the acks
+    /// (stale locks or pins: bugs) apart from the outcome of repairing failed loads.
+    fn apply_acks_apart(&mut self, acks: &mut Acks) -> (Result<()>, Result<()>) {
         if self.consensus.max(u64::from(acks.has_failures())) == 1 {
             // The wait's error is the failure being handled here.
             let _ = self.ctrl.wait_all();
@@ -72,9 +99,13 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                 self.unrepaired.push(l);
             }
         }
-        if !self.unrepaired.is_empty() {
-            res = res.and(self.repair_loads());
-        }
+        let repaired = if self.unrepaired.is_empty() {
+            Ok(())
+        } else {
+            let (released, repaired) = self.repair_loads();
+            res = res.and(released);
+            repaired
+        };
         let mut failed = Vec::new();
         for id in &acks.failed_writes {
             self.stats.failed_writes += 1;
@@ -91,7 +122,7 @@ impl<B: DeviceBackend> HiRadixCache<B> {
         if !failed.is_empty() {
             self.drop_failed_backups(&failed);
         }
-        res
+        (res, repaired)
     }
 
     /// Makes `acks` fail every operation that failed on any rank: the union of the ranks'
@@ -137,11 +168,15 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// still queued (the backend refused their submission) as failed: for a caller that cannot
     /// wait for a retry (write-back eviction reuses the source pages at once, a reset discards
     /// everything). A failed copy is handled by the acks, so the wait's own error adds nothing.
+    ///
+    /// # Errors
+    /// A stale lock or pin (a bug). A failed load's repair that fails again is the next step's
+    /// to report ([`HiRadixCache::apply_acks_leaving_repairs`]).
     pub(super) fn finish_writes_now(&mut self) -> Result<()> {
         self.ctrl.fail_queued_writes();
         let _ = self.ctrl.wait_all();
         let mut acks = self.ctrl.poll_acks();
-        self.apply_acks(&mut acks)
+        self.apply_acks_leaving_repairs(&mut acks)
     }
 
     fn release(&mut self, lock: Option<radixkv_radix::LockReceipt>) -> Result<()> {
@@ -291,10 +326,12 @@ impl<B: DeviceBackend> HiRadixCache<B> {
     /// repair fails is demoted to host-only once its nodes are unlocked, retried at every step
     /// until then.
     ///
-    /// # Errors
-    /// [`HiCacheError::Transfer`] when some failed load is neither repaired nor demoted.
-    fn repair_loads(&mut self) -> Result<()> {
+    /// Returns the errors of releasing the loads' pins and locks (stale: bugs) apart from the
+    /// repairs' outcome: [`HiCacheError::Transfer`] when some failed load's repair failed
+    /// (whether or not it was then demoted).
+    fn repair_loads(&mut self) -> (Result<()>, Result<()>) {
         let mut res = Ok(());
+        let mut outcome = Ok(());
         for mut l in std::mem::take(&mut self.unrepaired) {
             // No copy is in flight any more: the pins go (before the KV lock they need).
             res = res.and(self.unpin_windows(&std::mem::take(&mut l.swa_pins)));
@@ -358,11 +395,11 @@ impl<B: DeviceBackend> HiRadixCache<B> {
                     } else {
                         self.unrepaired.push(l);
                     }
-                    res = res.and(Err(e));
+                    outcome = outcome.and(Err(e));
                 }
             }
         }
-        res
+        (res, outcome)
     }
 
     /// Demotes the nodes of a failed load back to host-only (a node whose host copy was

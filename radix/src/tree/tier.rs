@@ -412,11 +412,7 @@ impl RadixTree {
         {
             // The same walk from the root over the whole key: the path's tokens, then the tail.
             let mut deepest_first = Vec::new();
-            let mut up = start;
-            while up != self.root {
-                deepest_first.push(up);
-                up = self.nodes[up as usize].parent;
-            }
+            self.push_path(start, &mut deepest_first);
             let whole: Vec<u32> = self
                 .path_tokens(&deepest_first)
                 .chain(tail.tokens.iter().copied())

@@ -71,13 +71,7 @@ impl RadixTree {
         };
         let mut path = std::mem::take(&mut self.path_scratch);
         path.clear();
-        let mut depth = 0;
-        let mut up = start;
-        while up != self.root {
-            path.push(up);
-            depth += self.nodes[up as usize].key.len();
-            up = self.nodes[up as usize].parent;
-        }
+        let depth = self.push_path(start, &mut path);
         let usable = match path.last() {
             Some(&top) if depth <= whole && depth >= p => {
                 let n = &self.nodes[start as usize];
@@ -127,14 +121,7 @@ impl RadixTree {
     /// [`PrefixCache::restore_key`]: crate::PrefixCache::restore_key
     pub fn path_prefix_tokens(&self, node: NodeId, n: usize, out: &mut Vec<TokenId>) -> Result<()> {
         let mut path = Vec::new();
-        let mut depth = 0;
-        let mut up = self.resolve(node)?;
-        while up != self.root {
-            path.push(up);
-            depth += self.nodes[up as usize].key.len();
-            up = self.nodes[up as usize].parent;
-        }
-        if depth < n {
+        if self.push_path(self.resolve(node)?, &mut path) < n {
             return Err(CacheError::InvalidRequestState(
                 "the lock anchor's path holds fewer tokens than the key dropped",
             ));
