@@ -73,6 +73,10 @@ impl LockReceipt {
 struct Node {
     parent: u32,
     key: Vec<TokenId>,
+    /// Tokens from the root to the end of `key` (the path's length): set when the node is
+    /// made, and only a split, which puts a node above it, leaves it as it is. An anchored
+    /// insert or walk checks its offset against it without reading the path.
+    depth: usize,
     /// Device pages, one per page of `key`; empty when the node is not on device.
     pages: Vec<PageId>,
     /// Host pages (tiered caches only).
@@ -372,6 +376,7 @@ impl RadixTree {
         t.root = t.alloc_node(Node {
             parent: NIL,
             key: Vec::new(),
+            depth: 0,
             pages: Vec::new(),
             host: None,
             children: Children::default(),
@@ -578,7 +583,8 @@ impl RadixTree {
         Ok((p != NIL).then(|| self.id_of(p)))
     }
 
-    /// Depth of `id` in tokens (length of the key from the root to the end of the node).
+    /// Depth of `id` in tokens (length of the key from the root to the end of the node). The
+    /// node keeps it, so this reads no path.
     pub fn depth_tokens(&self, id: NodeId) -> Result<usize> {
         Ok(self.depth_of(self.resolve(id)?))
     }
@@ -586,23 +592,18 @@ impl RadixTree {
     /// Pushes the path from the root to the resolved node index `i` (root excluded) onto
     /// `out`, deepest first; returns its length in tokens.
     fn push_path(&self, mut i: u32, out: &mut Vec<u32>) -> usize {
-        let mut depth = 0;
+        let depth = self.depth_of(i);
         while i != self.root {
             out.push(i);
-            depth += self.nodes[i as usize].key.len();
             i = self.nodes[i as usize].parent;
         }
         depth
     }
 
     /// [`RadixTree::depth_tokens`] of a resolved node index.
-    fn depth_of(&self, mut i: u32) -> usize {
-        let mut d = 0;
-        while i != self.root {
-            d += self.nodes[i as usize].key.len();
-            i = self.nodes[i as usize].parent;
-        }
-        d
+    #[inline]
+    fn depth_of(&self, i: u32) -> usize {
+        self.nodes[i as usize].depth
     }
 
     // ---------------------------------------------------------------------------------------

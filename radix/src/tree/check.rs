@@ -99,6 +99,13 @@ impl RadixTree {
             }
             let parent = &self.nodes[n.parent as usize];
             ensure_inv!(
+                n.depth == parent.depth + n.key.len(),
+                "node {k} ends at {} tokens, its parent at {} with {} more",
+                n.depth,
+                parent.depth,
+                n.key.len()
+            );
+            ensure_inv!(
                 !n.on_device() || n.parent == self.root || parent.on_device(),
                 "node {k} on device under an evicted parent"
             );

@@ -563,9 +563,11 @@ impl RadixTree {
         }
         let page_keys = self.chain_page_keys(node, key.namespace, seg);
         let node_key = self.bufs.tokens(seg);
+        let depth = self.nodes[node as usize].depth + node_key.len();
         let idx = self.alloc_node(Node {
             parent: node,
             key: node_key,
+            depth,
             pages: Vec::new(),
             host: Some(host[(pos - offset) / p..].to_vec()),
             children: Children::default(),

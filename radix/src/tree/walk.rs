@@ -350,9 +350,11 @@ impl RadixTree {
             std::mem::replace(&mut c.page_keys, tail)
         };
         let parent = c.parent;
+        let depth = c.depth - c.key.len();
         let mid_node = Node {
             parent,
             key: head_key,
+            depth,
             pages: head_pages,
             host: head_host,
             children: Children::default(),
@@ -607,9 +609,11 @@ impl RadixTree {
         let page_keys = self.chain_page_keys(parent, ns, tokens);
         let key = self.bufs.tokens(tokens);
         let node_pages = self.bufs.pages(pages);
+        let depth = self.nodes[parent as usize].depth + key.len();
         let idx = self.alloc_node(Node {
             parent,
             key,
+            depth,
             pages: node_pages,
             host: None,
             children: Children::default(),
