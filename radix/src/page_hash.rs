@@ -68,11 +68,26 @@ pub struct PageHash(pub u128);
 /// [`PageHashes::CHUNK`]: a clone shares them (`O(pages / CHUNK)`), and growing or cutting a
 /// clone copies at most its last chunk. So an engine that keeps a conversation's hashes hands
 /// each turn a clone of them, extended by the turn's new pages, without copying the history's.
-#[derive(Clone, Default, PartialEq, Eq)]
+///
+/// A chunk is one allocation holding its hashes inline, so reading a hash follows one pointer
+/// (a match reads one at each node it passes, scattered over the prompt). Slots past `len`
+/// in the last chunk are stale and never read.
+#[derive(Clone, Default)]
 pub struct PageHashes {
-    chunks: Vec<Arc<Vec<PageHash>>>,
+    chunks: Vec<Arc<Chunk>>,
     len: usize,
 }
+
+/// [`PageHashes::CHUNK`] hash slots.
+type Chunk = [PageHash; PageHashes::CHUNK];
+
+impl PartialEq for PageHashes {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for PageHashes {}
 
 /// No hashes.
 pub(crate) static NO_HASHES: PageHashes = PageHashes::new();
@@ -121,34 +136,34 @@ impl PageHashes {
 
     /// The hashes in page order.
     pub fn iter(&self) -> impl Iterator<Item = PageHash> + '_ {
-        self.chunks.iter().flat_map(|c| c.iter().copied())
+        self.chunks
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .take(self.len)
     }
 
     /// Appends a page's hash (copies the last chunk first if another clone shares it).
     pub fn push(&mut self, h: PageHash) {
+        let at = self.len % Self::CHUNK;
         match self.chunks.last_mut() {
-            Some(c) if c.len() < Self::CHUNK => Arc::make_mut(c).push(h),
+            Some(c) if at > 0 => Arc::make_mut(c)[at] = h,
             _ => {
-                let mut c = Vec::with_capacity(Self::CHUNK);
-                c.push(h);
-                self.chunks.push(Arc::new(c));
+                let mut c = Arc::new([PageHash(0); Self::CHUNK]);
+                Arc::make_mut(&mut c)[0] = h;
+                self.chunks.push(c);
             }
         }
         self.len += 1;
     }
 
-    /// Keeps the first `n` hashes (copies the last kept chunk if it is cut and shared).
+    /// Keeps the first `n` hashes.
     pub fn truncate(&mut self, n: usize) {
         if n >= self.len {
             return;
         }
+        // The last kept chunk's slots past `n` go stale: a push writes them anew (after
+        // copying the chunk if a clone still reads them).
         self.chunks.truncate(n.div_ceil(Self::CHUNK));
-        if let Some(c) = self.chunks.last_mut() {
-            let keep = n - (n - 1) / Self::CHUNK * Self::CHUNK;
-            if c.len() > keep {
-                Arc::make_mut(c).truncate(keep);
-            }
-        }
         self.len = n;
     }
 
@@ -161,7 +176,7 @@ impl PageHashes {
     /// Bytes of hashes that `lists` hold together: a chunk that several of them share is
     /// counted once (what a set of clones, such as a conversation's turns, costs).
     pub fn bytes_together<'a>(lists: impl IntoIterator<Item = &'a PageHashes>) -> usize {
-        let mut chunks: Vec<*const Vec<PageHash>> = lists
+        let mut chunks: Vec<*const Chunk> = lists
             .into_iter()
             .flat_map(|l| l.chunks.iter().map(Arc::as_ptr))
             .collect();
