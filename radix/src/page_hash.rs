@@ -360,6 +360,17 @@ mod tests {
         assert!(c.is_empty() && c.last().is_none());
         assert_eq!(a.iter().collect::<PageHashes>(), a);
         assert_eq!(a.bytes(), 4 * PageHashes::CHUNK * 16);
+        // A cut clone equals the same hashes built afresh (its last chunk's stale slots are
+        // not compared), and differs once it grows apart.
+        let mut d = a.clone();
+        d.truncate(PageHashes::CHUNK + 5);
+        let mut e: PageHashes = all[..PageHashes::CHUNK + 5].iter().copied().collect();
+        assert_eq!(d, e);
+        assert_eq!(d.iter().count(), PageHashes::CHUNK + 5);
+        e.push(PageHash(7));
+        assert_ne!(d, e);
+        d.push(PageHash(7));
+        assert_eq!(d, e);
     }
 
     #[test]
