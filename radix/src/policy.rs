@@ -328,10 +328,11 @@ const NO: u32 = u32::MAX;
 /// A node is in at most one list at a time (its `class`); every list keeps ascending ticks.
 ///
 /// A node that enters with an older tick than the newest (a parent whose last child was
-/// evicted, an unlocked path) is placed at its exact position by a search that starts from
-/// both ends of its list at once, so it costs `O(min(distance from head, distance from tail))`
-/// — a handful of steps in practice, since such nodes are either among the oldest or among
-/// the newest.
+/// evicted, an unlocked path, a leaf demoted to the host tier) is placed at its exact position
+/// by a search from the list's finger, the node the last such insert placed: nodes demoted in
+/// eviction order enter with ascending old ticks, each right after the one before. A finger
+/// more than [`TickLists::FINGER_STEPS`] from the position gives way to a search from both
+/// ends of the list at once, `O(min(distance from head, distance from tail))`.
 #[derive(Debug)]
 struct TickLists {
     prev: Vec<u32>,
@@ -345,6 +346,9 @@ struct TickLists {
     tail: Vec<u32>,
     /// Nodes in each list.
     count: Vec<usize>,
+    /// Per list: the node the last insert at an old tick placed (`NO`: none), a node of that
+    /// list; when it leaves the list, the node before it takes its place.
+    finger: Vec<u32>,
     len: usize,
 }
 
@@ -360,9 +364,13 @@ impl TickLists {
             head_tick: vec![u64::MAX; lists],
             tail: vec![NO; lists],
             count: vec![0; lists],
+            finger: vec![NO; lists],
             len: 0,
         }
     }
+
+    /// Steps a search from the finger takes before it gives way to the search from both ends.
+    const FINGER_STEPS: usize = 16;
 
     fn ensure(&mut self, i: usize) {
         if i >= self.prev.len() {
@@ -395,6 +403,9 @@ impl TickLists {
     fn unlink(&mut self, i: u32) {
         let c = self.class[i as usize] as usize;
         let (p, n) = (self.prev[i as usize], self.next[i as usize]);
+        if self.finger[c] == i {
+            self.finger[c] = p;
+        }
         if p == NO {
             self.head[c] = n;
             self.head_tick[c] = if n == NO {
@@ -441,6 +452,15 @@ impl TickLists {
     /// Inserts `i` with access tick `t` at its sorted position in list `c` (ties after).
     fn insert_sorted(&mut self, i: u32, t: u64, c: usize) {
         let (mut back, mut front) = (self.tail[c], self.head[c]);
+        // The common case: the newest tick goes last.
+        if back == NO || self.tick[back as usize] <= t {
+            return self.link_after(i, back, c);
+        }
+        if let Some(p) = self.place_by_finger(t, c) {
+            self.finger[c] = i;
+            return self.link_after(i, p, c);
+        }
+        self.finger[c] = i;
         loop {
             if back == NO || self.tick[back as usize] <= t {
                 return self.link_after(i, back, c);
@@ -452,6 +472,36 @@ impl TickLists {
             back = self.prev[back as usize];
             front = self.next[front as usize];
         }
+    }
+
+    /// The node after which tick `t` goes in list `c` (`Some(NO)`: at the head), found from
+    /// the list's finger within [`TickLists::FINGER_STEPS`] steps; `None` without a finger or
+    /// past them.
+    fn place_by_finger(&self, t: u64, c: usize) -> Option<u32> {
+        let mut at = self.finger[c];
+        if at == NO {
+            return None;
+        }
+        if self.tick[at as usize] <= t {
+            // Forward to the last node whose tick is at most `t` (ties after).
+            for _ in 0..Self::FINGER_STEPS {
+                let n = self.next[at as usize];
+                if n == NO || self.tick[n as usize] > t {
+                    return Some(at);
+                }
+                at = n;
+            }
+        } else {
+            // Back to the first node whose tick is at most `t`, or the head.
+            for _ in 0..Self::FINGER_STEPS {
+                let p = self.prev[at as usize];
+                if p == NO || self.tick[p as usize] <= t {
+                    return Some(p);
+                }
+                at = p;
+            }
+        }
+        None
     }
 
     /// Moves node `i` (held) into list `c`, at the place of its tick there.
@@ -468,6 +518,7 @@ impl TickLists {
         self.head.fill(NO);
         self.head_tick.fill(u64::MAX);
         self.tail.fill(NO);
+        self.finger.fill(NO);
         self.count.fill(0);
         self.len = 0;
     }
@@ -908,6 +959,56 @@ mod tests {
         let order: Vec<u32> = std::iter::from_fn(|| p.pop().map(|n| n.idx)).collect();
         assert_eq!(order, vec![4, 0, 1, 5, 2, 3]);
         assert!(p.is_empty());
+    }
+
+    #[test]
+    fn recency_list_places_old_leaves_exactly_wherever_its_finger_is() {
+        // Old-tick inserts near the last one (the finger's case), far from it (past the
+        // finger's steps), removals of the finger itself and touches, against a model sorted
+        // by (tick, arrival): ties go after.
+        let mut p = PolicyKind::Lru.build();
+        let mut model: Vec<(u64, u64, u32)> = Vec::new();
+        let (mut seq, mut now, mut x) = (0u64, 1000u64, 0x2545_f491_4f6c_dd1du64);
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut tokens = std::collections::HashMap::new();
+        for step in 0..4000u32 {
+            let id = step % 300;
+            if let Some(pos) = model.iter().position(|e| e.2 == id) {
+                model.remove(pos);
+                p.remove(nid(id), tokens.remove(&id).unwrap());
+                continue;
+            }
+            let t = match rnd(4) {
+                // The newest, an old tick near the last old one, or anywhere.
+                0 => {
+                    now += 1;
+                    now
+                }
+                1 => 500 + u64::from(step) / 64,
+                _ => rnd(now),
+            };
+            tokens.insert(id, p.insert(nid(id), &meta(t, 0, 0, 0)));
+            model.push((t, seq, id));
+            seq += 1;
+            if rnd(8) == 0
+                && let Some(&(_, _, tid)) = model.get(rnd(model.len() as u64) as usize)
+            {
+                now += 1;
+                let tok = tokens[&tid];
+                tokens.insert(tid, p.touch(nid(tid), tok, &meta(now, 0, 0, 0)));
+                let e = model.iter_mut().find(|e| e.2 == tid).unwrap();
+                *e = (now, seq, tid);
+                seq += 1;
+            }
+        }
+        model.sort_unstable();
+        let order: Vec<u32> = std::iter::from_fn(|| p.pop().map(|n| n.idx)).collect();
+        assert_eq!(order, model.iter().map(|e| e.2).collect::<Vec<_>>());
     }
 
     #[test]
