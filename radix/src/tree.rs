@@ -69,30 +69,36 @@ impl LockReceipt {
     }
 }
 
+/// A tree node. `repr(C)` keeps the fields in the order written: what every walk up or down
+/// the tree reads (the parent link, the lock count, the depth, the key and the device pages)
+/// first and together, then what a match or an insert reads at the nodes it passes, then the
+/// rest. (In the compiler's own order the lock count and the parent link came last, behind
+/// the fields only events and the host tier read.)
 #[derive(Debug)]
+#[repr(C)]
 struct Node {
     parent: u32,
-    key: Vec<TokenId>,
+    lock_ref: u32,
     /// Tokens from the root to the end of `key` (the path's length): set when the node is
     /// made, and only a split, which puts a node above it, leaves it as it is. An anchored
     /// insert or walk checks its offset against it without reading the path.
     depth: usize,
+    key: Vec<TokenId>,
     /// Device pages, one per page of `key`; empty when the node is not on device.
     pages: Vec<PageId>,
-    /// Host pages (tiered caches only).
-    host: Option<Vec<u32>>,
-    children: Children,
-    child_hash: u64,
-    namespace: Namespace,
-    lock_ref: u32,
-    device_children: u32,
-    meta: NodeMeta,
-    leaf: Option<LeafToken>,
-    /// Chain hash per page (only kept when events are enabled).
-    page_hashes: Vec<u64>,
     /// Match hash of the node's last page (its whole path's chain, see [`crate::page_hash`]),
     /// 0 while unknown: set by an insert or a match that carries hashes that far.
     end_hash: u128,
+    meta: NodeMeta,
+    leaf: Option<LeafToken>,
+    /// Host pages (tiered caches only).
+    host: Option<Vec<u32>>,
+    device_children: u32,
+    children: Children,
+    child_hash: u64,
+    namespace: Namespace,
+    /// Chain hash per page (only kept when events are enabled).
+    page_hashes: Vec<u64>,
     /// Storage key per page (only kept when events carry page keys).
     page_keys: Vec<PageKey>,
 }
