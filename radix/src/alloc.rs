@@ -2,9 +2,8 @@
 //!
 //! Every page is in exactly one state: `Free` (in the allocator), `Tree` (owned by a tree node)
 //! or `Owned` (allocated to a request, a session or a caller, not yet given to the tree). The
-//! state per page (two bits) is what makes double frees, frees of tree pages and inserts of
-//! free pages typed errors instead of silent corruption, and what the invariant checker
-//! audits.
+//! state byte per page is what makes double frees, frees of tree pages and inserts of free pages
+//! typed errors instead of silent corruption, and what the invariant checker audits.
 
 use crate::error::{CacheError, Result};
 use crate::types::{PageId, RowId};
@@ -52,55 +51,7 @@ pub enum PageState {
     Tree = 2,
 }
 
-/// One [`PageState`] per page in two bits: a million-token pool of 16-token pages keeps its
-/// table in 16 KiB, which stays in a core's L1 data cache, where a byte a page (64 KiB) did not
-/// (every eviction and load reads and writes a state per page).
-#[derive(Debug, Clone)]
-struct PageStates {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl PageStates {
-    const PER_WORD: usize = 32;
-
-    fn new(len: usize, what: &str) -> Result<Self> {
-        // `Free` is 0: zeroed words are a table of free pages.
-        const _: () = assert!(PageState::Free as u8 == 0);
-        Ok(PageStates {
-            words: try_filled(len.div_ceil(Self::PER_WORD), 0, what)?,
-            len,
-        })
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    #[inline]
-    fn get(&self, i: usize) -> Option<PageState> {
-        if i >= self.len {
-            return None;
-        }
-        let bits = (self.words[i / Self::PER_WORD] >> (2 * (i % Self::PER_WORD))) & 3;
-        Some(match bits {
-            0 => PageState::Free,
-            1 => PageState::Owned,
-            _ => PageState::Tree,
-        })
-    }
-
-    /// Sets page `i`'s state (`i` in range: the callers checked it or took it from the
-    /// allocator's own lists).
-    #[inline]
-    fn set(&mut self, i: usize, s: PageState) {
-        let w = &mut self.words[i / Self::PER_WORD];
-        let shift = 2 * (i % Self::PER_WORD);
-        *w = (*w & !(3 << shift)) | ((s as u64) << shift);
-    }
-}
-
-/// Page allocator of one device pool: a LIFO free list plus two bits of state per page.
+/// Page allocator of one device pool: a LIFO free list plus one state byte per page.
 ///
 /// Pages freed together come back in the order they were freed in: a free pushes its list
 /// last page first, so the next allocation pops it first page first. A node's pages, allocated
@@ -113,7 +64,7 @@ impl PageStates {
 #[derive(Debug, Clone)]
 pub struct PageAllocator {
     free: Vec<PageId>,
-    state: PageStates,
+    state: Vec<PageState>,
     tree_pages: usize,
 }
 
@@ -133,7 +84,7 @@ impl PageAllocator {
         free.extend((0..total as u32).rev().map(PageId));
         Ok(PageAllocator {
             free,
-            state: PageStates::new(total, "the page pool's state table")?,
+            state: try_filled(total, PageState::Free, "the page pool's state table")?,
             tree_pages: 0,
         })
     }
@@ -166,6 +117,7 @@ impl PageAllocator {
     pub fn state(&self, page: PageId) -> Result<PageState> {
         self.state
             .get(page.index())
+            .copied()
             .ok_or(CacheError::PageOutOfRange(page))
     }
 
@@ -184,7 +136,7 @@ impl PageAllocator {
         // The free list is a stack; take its top in pop order so fresh pools hand out ascending ids.
         let taken = &self.free[start..];
         for &p in taken {
-            self.state.set(p.index(), PageState::Owned);
+            self.state[p.index()] = PageState::Owned;
         }
         out.extend(taken.iter().rev());
         self.free.truncate(start);
@@ -234,17 +186,17 @@ impl PageAllocator {
         expected: &'static str,
     ) -> Result<()> {
         for (i, &p) in pages.iter().enumerate() {
-            let ok = self.state.get(p.index()) == Some(from);
+            let ok = matches!(self.state.get(p.index()), Some(s) if *s == from);
             if !ok {
                 for &q in &pages[..i] {
-                    self.state.set(q.index(), from);
+                    self.state[q.index()] = from;
                 }
                 return Err(match self.state.get(p.index()) {
                     None => CacheError::PageOutOfRange(p),
                     Some(_) => CacheError::PageState { page: p, expected },
                 });
             }
-            self.state.set(p.index(), to);
+            self.state[p.index()] = to;
         }
         Ok(())
     }
@@ -264,8 +216,8 @@ impl PageAllocator {
     /// Frees pages that the tree released (eviction, reset). Trusted internal path.
     pub(crate) fn free_tree_pages(&mut self, pages: &[PageId]) {
         for &p in pages {
-            debug_assert_eq!(self.state.get(p.index()), Some(PageState::Tree), "{p:?}");
-            self.state.set(p.index(), PageState::Free);
+            debug_assert_eq!(self.state[p.index()], PageState::Tree, "{p:?}");
+            self.state[p.index()] = PageState::Free;
         }
         self.tree_pages -= pages.len();
         self.free.extend(pages.iter().rev());
@@ -274,8 +226,8 @@ impl PageAllocator {
     /// Hands tree-owned pages back to a caller (a tiered cache demoting a node keeps nothing).
     pub(crate) fn release_from_tree(&mut self, pages: &[PageId]) {
         for &p in pages {
-            debug_assert_eq!(self.state.get(p.index()), Some(PageState::Tree), "{p:?}");
-            self.state.set(p.index(), PageState::Owned);
+            debug_assert_eq!(self.state[p.index()], PageState::Tree, "{p:?}");
+            self.state[p.index()] = PageState::Owned;
         }
         self.tree_pages -= pages.len();
     }
@@ -621,33 +573,6 @@ impl DevicePools {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn page_states_keep_each_page_apart() {
-        // Across word boundaries, and a last word only partly used.
-        let n = 3 * PageStates::PER_WORD + 5;
-        let mut t = PageStates::new(n, "test").unwrap();
-        assert_eq!(t.words.len(), 4);
-        assert!((0..n).all(|i| t.get(i) == Some(PageState::Free)));
-        let want = |i: usize| match i % 3 {
-            0 => PageState::Tree,
-            1 => PageState::Owned,
-            _ => PageState::Free,
-        };
-        for i in 0..n {
-            t.set(i, PageState::Tree);
-            t.set(i, want(i));
-        }
-        assert!((0..n).all(|i| t.get(i) == Some(want(i))));
-        assert_eq!((t.get(n), t.len()), (None, n));
-        // Changing one page leaves its neighbours.
-        let i = PageStates::PER_WORD;
-        t.set(i, PageState::Free);
-        assert_eq!(
-            (t.get(i - 1), t.get(i), t.get(i + 1)),
-            (Some(want(i - 1)), Some(PageState::Free), Some(want(i + 1)))
-        );
-    }
 
     /// The room a row's page table keeps between requests.
     fn room(pools: &DevicePools, row: RowId) -> usize {
