@@ -148,9 +148,9 @@ impl PageHashes {
         match self.chunks.last_mut() {
             Some(c) if at > 0 => Arc::make_mut(c)[at] = h,
             _ => {
-                let mut c = Arc::new([PageHash(0); Self::CHUNK]);
-                Arc::make_mut(&mut c)[0] = h;
-                self.chunks.push(c);
+                let mut c = [PageHash(0); Self::CHUNK];
+                c[0] = h;
+                self.chunks.push(Arc::new(c));
             }
         }
         self.len += 1;

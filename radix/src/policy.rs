@@ -451,25 +451,31 @@ impl TickLists {
 
     /// Inserts `i` with access tick `t` at its sorted position in list `c` (ties after).
     fn insert_sorted(&mut self, i: u32, t: u64, c: usize) {
-        let (mut back, mut front) = (self.tail[c], self.head[c]);
+        let tail = self.tail[c];
         // The common case: the newest tick goes last.
-        if back == NO || self.tick[back as usize] <= t {
-            return self.link_after(i, back, c);
+        if tail == NO || self.tick[tail as usize] <= t {
+            return self.link_after(i, tail, c);
         }
-        if let Some(p) = self.place_by_finger(t, c) {
-            self.finger[c] = i;
-            return self.link_after(i, p, c);
-        }
+        let p = self
+            .place_by_finger(t, c)
+            .unwrap_or_else(|| self.place_from_ends(t, c));
         self.finger[c] = i;
+        self.link_after(i, p, c);
+    }
+
+    /// The node after which tick `t` goes in list `c` (`NO`: at the head), searched from both
+    /// ends at once; `t` is older than the tail's tick.
+    fn place_from_ends(&self, t: u64, c: usize) -> u32 {
+        let (mut back, mut front) = (self.tail[c], self.head[c]);
         loop {
-            if back == NO || self.tick[back as usize] <= t {
-                return self.link_after(i, back, c);
-            }
+            // The caller checked the tail; this checks the front, then steps in from both.
             if self.tick[front as usize] > t {
-                let p = self.prev[front as usize];
-                return self.link_after(i, p, c);
+                return self.prev[front as usize];
             }
             back = self.prev[back as usize];
+            if back == NO || self.tick[back as usize] <= t {
+                return back;
+            }
             front = self.next[front as usize];
         }
     }

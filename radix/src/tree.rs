@@ -596,14 +596,12 @@ impl RadixTree {
     }
 
     /// Pushes the path from the root to the resolved node index `i` (root excluded) onto
-    /// `out`, deepest first; returns its length in tokens.
-    fn push_path(&self, mut i: u32, out: &mut Vec<u32>) -> usize {
-        let depth = self.depth_of(i);
+    /// `out`, deepest first (its length in tokens is [`RadixTree::depth_of`] `i`).
+    fn push_path(&self, mut i: u32, out: &mut Vec<u32>) {
         while i != self.root {
             out.push(i);
             i = self.nodes[i as usize].parent;
         }
-        depth
     }
 
     /// [`RadixTree::depth_tokens`] of a resolved node index.

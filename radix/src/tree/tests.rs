@@ -631,6 +631,22 @@ fn hinted_walks_equal_the_walks_from_the_root() {
     out.clear();
     let m = t.match_prefix_from(other.last_node, KeyRef::new(&[1, 2, 3, 4]), &mut out);
     assert_eq!((m.device_len, out.len()), (4, 2), "another branch");
+    // The same tokens in another namespace: the key's own path, not the hint's pages.
+    let x = Namespace::new("x");
+    let mut rep = Vec::new();
+    let in_x = t
+        .insert(
+            KeyRef::with_namespace(&[1, 2, 3, 4], &x),
+            &mut pages(10..12),
+            &mut rep,
+            InsertOptions::default(),
+        )
+        .unwrap()
+        .last_node;
+    out.clear();
+    let m = t.match_prefix_from(in_x, KeyRef::new(&[1, 2, 3, 4]), &mut out);
+    assert_eq!((m.device_len, out), (4, pages(0..2)), "another namespace");
+    let mut out = Vec::new();
     let mut freed = Vec::new();
     t.evict(100, &mut freed);
     ins(&mut t, &[1, 2, 3, 4], &mut pages(4..6));

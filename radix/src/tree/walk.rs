@@ -69,21 +69,20 @@ impl RadixTree {
         let Ok(start) = self.resolve(hint) else {
             return self.match_prefix(key, out);
         };
-        let mut path = std::mem::take(&mut self.path_scratch);
-        path.clear();
-        let depth = self.push_path(start, &mut path);
-        let usable = match path.last() {
-            Some(&top) if depth <= whole && depth >= p => {
-                let n = &self.nodes[start as usize];
-                self.nodes[top as usize].namespace == *key.namespace
-                    && n.key[n.key.len() - p..] == key.tokens[depth - p..depth]
-            }
-            _ => false,
-        };
+        // Decided at the hint itself, before its path is read: a node's depth is kept, and a
+        // path below the root stays in one namespace (the audit checks both).
+        let depth = self.depth_of(start);
+        let n = &self.nodes[start as usize];
+        let usable = start != self.root
+            && (p..=whole).contains(&depth)
+            && n.namespace == *key.namespace
+            && n.key[n.key.len() - p..] == key.tokens[depth - p..depth];
         if !usable {
-            self.path_scratch = path;
             return self.match_prefix(key, out);
         }
+        let mut path = std::mem::take(&mut self.path_scratch);
+        path.clear();
+        self.push_path(start, &mut path);
         debug_assert!(
             self.path_tokens(&path)
                 .eq(key.tokens[..depth].iter().copied()),
@@ -120,12 +119,14 @@ impl RadixTree {
     /// [`RequestKv::drop_cached_prefix`]: crate::RequestKv::drop_cached_prefix
     /// [`PrefixCache::restore_key`]: crate::PrefixCache::restore_key
     pub fn path_prefix_tokens(&self, node: NodeId, n: usize, out: &mut Vec<TokenId>) -> Result<()> {
-        let mut path = Vec::new();
-        if self.push_path(self.resolve(node)?, &mut path) < n {
+        let idx = self.resolve(node)?;
+        if self.depth_of(idx) < n {
             return Err(CacheError::InvalidRequestState(
                 "the lock anchor's path holds fewer tokens than the key dropped",
             ));
         }
+        let mut path = Vec::new();
+        self.push_path(idx, &mut path);
         out.reserve(n);
         let mut left = n;
         for &i in path.iter().rev() {
@@ -493,7 +494,7 @@ impl RadixTree {
     ) -> Result<TreeInsert> {
         let start = self.resolve(anchor)?;
         // The anchor's depth is whole pages, so the tail starts a page.
-        if self.depth_tokens(anchor)? != offset {
+        if self.depth_of(start) != offset {
             return Err(ANCHOR_OFF);
         }
         self.check_key_pages(tail.tokens, pages)?;
